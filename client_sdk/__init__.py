@@ -1,0 +1,1 @@
+"""treadle: write the RL loop locally, run the heavy steps on shared workers."""

@@ -1,0 +1,213 @@
+"""Public types of the SDK: plain dataclasses, never protobuf.
+
+Names and shapes follow the tinker SDK where it has one (``ModelInput.from_ints``,
+``Datum(model_input, loss_fn_inputs)``, ``SamplingParams``, ``AdamParams``,
+``sequences[i].tokens/.logprobs/.stop_reason``) so cookbook loops port with
+little change.
+
+Alignment convention (the tinker one): a datum's ``model_input`` holds the input
+tokens ``x[0..T-1]``; every per-token array in ``loss_fn_inputs`` has length T and
+refers to the *next-token target* at that position (``target_tokens[t]`` is the
+token predicted from ``x[..t]``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+
+from treadle.errors import InvalidArgumentError
+
+StopReason = Literal["stop", "length", "cancelled", "partial"]
+
+#: loss_fn_inputs keys holding integer tokens; every other key is float.
+INT_INPUT_KEYS = frozenset({"target_tokens"})
+
+
+def to_numpy(value: Any, *, dtype: Any, field_name: str) -> np.ndarray:
+    """Accept lists, numpy arrays and torch tensors (without importing torch)."""
+    if hasattr(value, "detach") and hasattr(value, "cpu"):  # a torch tensor
+        value = value.detach().cpu().numpy()
+    try:
+        arr = np.asarray(value, dtype=dtype)
+    except (TypeError, ValueError) as exc:
+        raise InvalidArgumentError(f"{field_name}: cannot convert to {np.dtype(dtype).name}: {exc}") from exc
+    if arr.ndim != 1:
+        raise InvalidArgumentError(f"{field_name}: expected a 1-D sequence, got shape {arr.shape}")
+    return arr
+
+
+@dataclass(frozen=True)
+class ModelInput:
+    """A token sequence fed to the model."""
+
+    tokens: tuple[int, ...]
+
+    @classmethod
+    def from_ints(cls, tokens: Sequence[int] | np.ndarray | Any) -> ModelInput:
+        arr = to_numpy(tokens, dtype=np.int64, field_name="model_input.tokens")
+        return cls(tuple(int(t) for t in arr))
+
+    @classmethod
+    def empty(cls) -> ModelInput:
+        return cls(())
+
+    def to_ints(self) -> list[int]:
+        return list(self.tokens)
+
+    @property
+    def length(self) -> int:
+        return len(self.tokens)
+
+    def append(self, tokens: Sequence[int]) -> ModelInput:
+        return ModelInput(self.tokens + tuple(int(t) for t in tokens))
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+
+@dataclass(frozen=True)
+class Datum:
+    """One training example: input tokens plus per-token loss inputs."""
+
+    model_input: ModelInput
+    loss_fn_inputs: Mapping[str, np.ndarray] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model_input, ModelInput):
+            object.__setattr__(self, "model_input", ModelInput.from_ints(self.model_input))
+        converted: dict[str, np.ndarray] = {}
+        for key, value in self.loss_fn_inputs.items():
+            dtype = np.int64 if key in INT_INPUT_KEYS else np.float32
+            if isinstance(value, np.ndarray) and value.dtype == np.float64 and key not in INT_INPUT_KEYS:
+                dtype = np.float64  # keep float64 inputs for float64 models
+            converted[key] = to_numpy(value, dtype=dtype, field_name=f"loss_fn_inputs.{key}")
+        object.__setattr__(self, "loss_fn_inputs", converted)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    stop: Sequence[str] | Sequence[int] | None = None
+    seed: int | None = None
+
+
+@dataclass(frozen=True)
+class AdamParams:
+    learning_rate: float = 1e-4
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-12
+    weight_decay: float = 0.0
+    grad_clip_norm: float = 0.0  # 0 disables clipping
+
+
+@dataclass(frozen=True)
+class VersionSpan:
+    """Tokens ``[start, start + length)`` of a sequence were written by weight ``version``."""
+
+    start: int
+    length: int
+    version: int
+
+
+@dataclass(frozen=True)
+class SampledSequence:
+    tokens: list[int]
+    logprobs: list[float]
+    stop_reason: StopReason
+    versions: list[VersionSpan] = field(default_factory=list)
+
+    def token_versions(self) -> list[int]:
+        out: list[int] = []
+        for span in self.versions:
+            out.extend([span.version] * span.length)
+        return out
+
+
+@dataclass(frozen=True)
+class SampleResponse:
+    sequences: list[SampledSequence]
+    prompt_logprobs: list[float | None] | None = None
+
+
+@dataclass(frozen=True)
+class LossFnOutput:
+    """Per-datum outputs: at least ``logprobs`` (length T, one per target)."""
+
+    logprobs: np.ndarray
+    extra: Mapping[str, np.ndarray] = field(default_factory=dict)
+
+    def __getitem__(self, key: str) -> np.ndarray:
+        if key == "logprobs":
+            return self.logprobs
+        return self.extra[key]
+
+
+@dataclass(frozen=True)
+class ForwardBackwardOutput:
+    loss_fn_outputs: list[LossFnOutput]
+    metrics: dict[str, float]
+
+
+@dataclass(frozen=True)
+class OptimStepResponse:
+    step: int
+    metrics: dict[str, float]
+
+
+@dataclass(frozen=True)
+class SaveStateResponse:
+    path: str
+    seq_id: int
+    step: int
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    path: str
+    name: str
+    seq_id: int
+    step: int
+    created_at: float
+    size_bytes: int
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    model_id: str
+    base_model: str
+    is_lora: bool
+    lora_rank: int
+    dtype: str
+    version: int
+    next_seq_id: int
+    last_checkpoint_seq_id: int
+    status: str
+    created_at: float
+
+
+@dataclass(frozen=True)
+class BaseModelInfo:
+    name: str
+    arch: str
+    vocab_size: int
+    max_context: int
+    num_params: int
+    dtype: str
+
+
+@dataclass(frozen=True)
+class ServerInfo:
+    server_version: str
+    api_version: str
+    base_models: list[BaseModelInfo]
+    max_message_bytes: int
+    max_tokens_per_request: int
+    features: list[str] = field(default_factory=list)
