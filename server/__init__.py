@@ -1,0 +1,1 @@
+"""treadle's server: gRPC service, tenancy, storage and dispatch to the workers."""

@@ -1,0 +1,198 @@
+"""SQLAlchemy rows: the storage kind of type, converted to domain objects elsewhere.
+
+The schema itself is owned by the Alembic migrations in ``treadle.migrations``;
+these classes must match it (a test compares them) and are never used with
+``create_all`` by the server.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import secrets
+from typing import Any
+
+from sqlalchemy import (
+    BigInteger,
+    CheckConstraint,
+    DateTime,
+    Dialect,
+    ForeignKey,
+    MetaData,
+    String,
+    Text,
+    UniqueConstraint,
+    false,
+    text,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
+from sqlalchemy.types import TypeDecorator
+
+# Deterministic constraint names, so migrations can drop and alter them by name
+# on every backend (SQLite batch mode included).
+NAMING_CONVENTION: dict[str, str] = {
+    "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+MODEL_STATUSES = ("active", "deleted", "lost", "unloaded")
+CHECKPOINT_KINDS = ("state", "auto")
+SAMPLER_MODES = ("base", "version", "latest")
+OP_STATUSES = ("pending", "done", "failed")
+
+
+def utcnow() -> dt.datetime:
+    return dt.datetime.now(dt.timezone.utc)
+
+
+def new_id(prefix: str) -> str:
+    """Server-generated ids read like ``m-3f9c0a1b2c4d5e6f``: the prefix names the kind."""
+    return f"{prefix}-{secrets.token_hex(8)}"
+
+
+def _in(column: str, values: tuple[str, ...]) -> str:
+    return f"{column} IN ({', '.join(repr(v) for v in values)})"
+
+
+class UTCDateTime(TypeDecorator[dt.datetime]):
+    """Timezone-aware UTC on the way in and out.
+
+    SQLite has no timezone type and hands back naive values; PostgreSQL hands back
+    the session's zone. Both come back as UTC here, and naive inputs are refused
+    rather than guessed.
+    """
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: dt.datetime | None, dialect: Dialect) -> Any:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            raise ValueError(f"naive datetime {value!r}: pass a timezone-aware UTC datetime")
+        return value.astimezone(dt.timezone.utc)
+
+    def process_result_value(
+        self, value: dt.datetime | None, dialect: Dialect
+    ) -> dt.datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            return value.replace(tzinfo=dt.timezone.utc)
+        return value.astimezone(dt.timezone.utc)
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING_CONVENTION)
+    type_annotation_map = {dt.datetime: UTCDateTime()}
+
+
+class Tenant(Base):
+    __tablename__ = "tenants"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    name: Mapped[str] = mapped_column(String(255), unique=True)
+    created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+
+
+class ApiKey(Base):
+    __tablename__ = "api_keys"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id"), index=True)
+    key_hash: Mapped[str] = mapped_column(String(64), unique=True)  # sha256 hex
+    prefix: Mapped[str] = mapped_column(String(16))  # shown to humans, never used to authenticate
+    created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+    revoked_at: Mapped[dt.datetime | None]
+
+
+class Model(Base):
+    __tablename__ = "models"
+    __table_args__ = (CheckConstraint(_in("status", MODEL_STATUSES), name="status"),)
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id"), index=True)
+    base_model: Mapped[str] = mapped_column(Text)
+    lora_rank: Mapped[int]  # 0 = full fine-tune
+    lora_alpha: Mapped[float]
+    seed: Mapped[int]
+    dtype: Mapped[str] = mapped_column(String(16))
+    status: Mapped[str] = mapped_column(String(16), default="active")
+    # Optimizer steps applied; the base model is version 0.
+    version: Mapped[int] = mapped_column(default=0, server_default=text("0"))
+    # models <-> checkpoints is a cycle: the constraint is added after both tables
+    # exist (use_alter) and the ORM writes this column in a second UPDATE (post_update).
+    last_checkpoint_id: Mapped[str | None] = mapped_column(
+        ForeignKey("checkpoints.id", use_alter=True)
+    )
+    last_checkpoint_seq_id: Mapped[int] = mapped_column(default=0, server_default=text("0"))
+    worker_id: Mapped[str | None] = mapped_column(String(255))
+    created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+    updated_at: Mapped[dt.datetime] = mapped_column(default=utcnow, onupdate=utcnow)
+
+    last_checkpoint: Mapped[Checkpoint | None] = relationship(
+        foreign_keys=[last_checkpoint_id], post_update=True
+    )
+
+
+class Checkpoint(Base):
+    __tablename__ = "checkpoints"
+    # The unique constraint's index leads with model_id, so it also serves
+    # "checkpoints of this model" without a separate index.
+    __table_args__ = (
+        UniqueConstraint("model_id", "name"),
+        CheckConstraint(_in("kind", CHECKPOINT_KINDS), name="kind"),
+    )
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id"))
+    model_id: Mapped[str] = mapped_column(ForeignKey("models.id"))
+    name: Mapped[str] = mapped_column(String(255))
+    uri: Mapped[str] = mapped_column(String(1024), unique=True)  # treadle://m-abc/state/step5
+    storage_path: Mapped[str] = mapped_column(Text)
+    seq_id: Mapped[int]
+    step: Mapped[int]
+    kind: Mapped[str] = mapped_column(String(16))
+    size_bytes: Mapped[int] = mapped_column(BigInteger)
+    created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+
+
+class WeightVersion(Base):
+    __tablename__ = "weight_versions"
+
+    model_id: Mapped[str] = mapped_column(ForeignKey("models.id"), primary_key=True)
+    version: Mapped[int] = mapped_column(primary_key=True)
+    uri: Mapped[str] = mapped_column(String(1024))  # treadle://m-abc/v/3
+    created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+    released: Mapped[bool] = mapped_column(default=False, server_default=false())
+
+
+class Sampler(Base):
+    __tablename__ = "samplers"
+    __table_args__ = (CheckConstraint(_in("mode", SAMPLER_MODES), name="mode"),)
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id"))
+    model_id: Mapped[str | None] = mapped_column(ForeignKey("models.id"), index=True)
+    base_model: Mapped[str] = mapped_column(Text)
+    mode: Mapped[str] = mapped_column(String(16))
+    pinned_version: Mapped[int | None]
+    created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+
+
+class Op(Base):
+    """The server's dispatch log: one row per (model, seq_id) it sent to a worker."""
+
+    __tablename__ = "ops"
+    __table_args__ = (CheckConstraint(_in("status", OP_STATUSES), name="status"),)
+
+    model_id: Mapped[str] = mapped_column(ForeignKey("models.id"), primary_key=True)
+    seq_id: Mapped[int] = mapped_column(primary_key=True)
+    kind: Mapped[str] = mapped_column(String(64))
+    payload_digest: Mapped[str] = mapped_column(String(128))
+    status: Mapped[str] = mapped_column(String(16), default="pending")
+    error_code: Mapped[str | None] = mapped_column(String(64))
+    created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+    finished_at: Mapped[dt.datetime | None]

@@ -1,0 +1,257 @@
+"""Query functions: a session first, rows out, tenant filtering inside.
+
+They flush but never commit: the handler that opened the session owns the
+transaction. Lookups by id take the caller's tenant and answer None for another
+tenant's row, exactly as for a missing one (tenants are walls).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TypeVar
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+from treadle.errors import AlreadyExistsError, NotFoundError
+
+from .models import (
+    ApiKey,
+    Base,
+    Checkpoint,
+    Model,
+    Op,
+    Sampler,
+    Tenant,
+    WeightVersion,
+    new_id,
+    utcnow,
+)
+
+_Row = TypeVar("_Row", bound=Base)
+
+
+def _add(s: Session, row: _Row) -> _Row:
+    s.add(row)
+    s.flush()  # surface constraint errors here, not at some later commit
+    return row
+
+
+# --- tenants and keys ---------------------------------------------------------
+
+
+def ensure_tenant(s: Session, name: str) -> Tenant:
+    tenant = s.scalars(select(Tenant).where(Tenant.name == name)).one_or_none()
+    if tenant is None:
+        tenant = _add(s, Tenant(id=new_id("t"), name=name))
+    return tenant
+
+
+def create_api_key(s: Session, tenant_id: str, key_hash: str, prefix: str) -> ApiKey:
+    return _add(s, ApiKey(id=new_id("k"), tenant_id=tenant_id, key_hash=key_hash, prefix=prefix))
+
+
+def find_tenant_by_key_hash(s: Session, key_hash: str) -> Tenant | None:
+    """The tenant of a live (unrevoked) key."""
+    stmt = (
+        select(Tenant)
+        .join(ApiKey, ApiKey.tenant_id == Tenant.id)
+        .where(ApiKey.key_hash == key_hash, ApiKey.revoked_at.is_(None))
+    )
+    return s.scalars(stmt).one_or_none()
+
+
+# --- models -------------------------------------------------------------------
+
+
+def create_model(
+    s: Session,
+    *,
+    tenant_id: str,
+    base_model: str,
+    lora_rank: int,
+    lora_alpha: float,
+    seed: int,
+    dtype: str,
+    worker_id: str | None = None,
+    model_id: str | None = None,
+) -> Model:
+    row = Model(
+        id=model_id or new_id("m"),
+        tenant_id=tenant_id,
+        base_model=base_model,
+        lora_rank=lora_rank,
+        lora_alpha=lora_alpha,
+        seed=seed,
+        dtype=dtype,
+        worker_id=worker_id,
+    )
+    return _add(s, row)
+
+
+def get_model(s: Session, tenant_id: str, model_id: str) -> Model | None:
+    """The tenant's model, or None when missing, deleted or another tenant's."""
+    stmt = select(Model).where(
+        Model.id == model_id, Model.tenant_id == tenant_id, Model.status != "deleted"
+    )
+    return s.scalars(stmt).one_or_none()
+
+
+def list_models(s: Session, tenant_id: str) -> Sequence[Model]:
+    stmt = (
+        select(Model)
+        .where(Model.tenant_id == tenant_id, Model.status != "deleted")
+        .order_by(Model.created_at, Model.id)
+    )
+    return s.scalars(stmt).all()
+
+
+def mark_model_deleted(s: Session, tenant_id: str, model_id: str) -> Model | None:
+    """Soft delete: the row stays for its checkpoints and ops. None if not the tenant's."""
+    model = get_model(s, tenant_id, model_id)
+    if model is not None:
+        model.status = "deleted"
+        s.flush()
+    return model
+
+
+def update_model_progress(
+    s: Session,
+    model_id: str,
+    *,
+    version: int | None = None,
+    last_checkpoint: Checkpoint | None = None,
+) -> Model:
+    """Record what a worker applied; called by dispatch, so not tenant-filtered."""
+    model = s.get(Model, model_id)
+    if model is None:
+        raise NotFoundError(f"model_id: no model {model_id!r}")
+    if version is not None:
+        model.version = version
+    if last_checkpoint is not None:
+        model.last_checkpoint = last_checkpoint
+        model.last_checkpoint_seq_id = last_checkpoint.seq_id
+    s.flush()
+    return model
+
+
+# --- checkpoints and weight versions ------------------------------------------
+
+
+def add_checkpoint(
+    s: Session,
+    *,
+    tenant_id: str,
+    model_id: str,
+    name: str,
+    uri: str,
+    storage_path: str,
+    seq_id: int,
+    step: int,
+    kind: str,
+    size_bytes: int,
+    checkpoint_id: str | None = None,
+) -> Checkpoint:
+    """Raises AlreadyExistsError when the model already has a checkpoint of that name."""
+    taken = select(Checkpoint.id).where(Checkpoint.model_id == model_id, Checkpoint.name == name)
+    if s.scalars(taken).first() is not None:
+        raise AlreadyExistsError(f"name: model {model_id!r} already has a checkpoint {name!r}")
+    row = Checkpoint(
+        id=checkpoint_id or new_id("c"),
+        tenant_id=tenant_id,
+        model_id=model_id,
+        name=name,
+        uri=uri,
+        storage_path=storage_path,
+        seq_id=seq_id,
+        step=step,
+        kind=kind,
+        size_bytes=size_bytes,
+    )
+    return _add(s, row)
+
+
+def list_checkpoints(s: Session, tenant_id: str, model_id: str) -> Sequence[Checkpoint]:
+    stmt = (
+        select(Checkpoint)
+        .where(Checkpoint.tenant_id == tenant_id, Checkpoint.model_id == model_id)
+        .order_by(Checkpoint.seq_id, Checkpoint.created_at)
+    )
+    return s.scalars(stmt).all()
+
+
+def get_checkpoint_by_uri(s: Session, tenant_id: str, uri: str) -> Checkpoint | None:
+    stmt = select(Checkpoint).where(Checkpoint.uri == uri, Checkpoint.tenant_id == tenant_id)
+    return s.scalars(stmt).one_or_none()
+
+
+def add_weight_version(s: Session, model_id: str, version: int, uri: str) -> WeightVersion:
+    return _add(s, WeightVersion(model_id=model_id, version=version, uri=uri))
+
+
+def release_weight_versions(s: Session, model_id: str, keep_latest: int) -> list[WeightVersion]:
+    """Mark all but the newest ``keep_latest`` live versions released; returns those
+    just released, so the caller can free their storage."""
+    stmt = (
+        select(WeightVersion)
+        .where(WeightVersion.model_id == model_id, WeightVersion.released.is_(False))
+        .order_by(WeightVersion.version.desc())
+        .offset(max(keep_latest, 0))
+    )
+    released = list(s.scalars(stmt))
+    for row in released:
+        row.released = True
+    s.flush()
+    return released
+
+
+# --- samplers -----------------------------------------------------------------
+
+
+def create_sampler(
+    s: Session,
+    *,
+    tenant_id: str,
+    base_model: str,
+    mode: str,
+    model_id: str | None = None,
+    pinned_version: int | None = None,
+    sampler_id: str | None = None,
+) -> Sampler:
+    row = Sampler(
+        id=sampler_id or new_id("s"),
+        tenant_id=tenant_id,
+        model_id=model_id,
+        base_model=base_model,
+        mode=mode,
+        pinned_version=pinned_version,
+    )
+    return _add(s, row)
+
+
+def get_sampler(s: Session, tenant_id: str, sampler_id: str) -> Sampler | None:
+    stmt = select(Sampler).where(Sampler.id == sampler_id, Sampler.tenant_id == tenant_id)
+    return s.scalars(stmt).one_or_none()
+
+
+# --- ops log ------------------------------------------------------------------
+
+
+def record_op(s: Session, model_id: str, seq_id: int, kind: str, digest: str) -> Op:
+    return _add(s, Op(model_id=model_id, seq_id=seq_id, kind=kind, payload_digest=digest))
+
+
+def get_op(s: Session, model_id: str, seq_id: int) -> Op | None:
+    return s.get(Op, (model_id, seq_id))
+
+
+def finish_op(
+    s: Session, model_id: str, seq_id: int, status: str, error_code: str | None = None
+) -> Op:
+    op = get_op(s, model_id, seq_id)
+    if op is None:
+        raise NotFoundError(f"seq_id: no op {seq_id} recorded for model {model_id!r}")
+    op.status = status
+    op.error_code = error_code
+    op.finished_at = utcnow()
+    s.flush()
+    return op

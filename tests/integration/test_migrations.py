@@ -1,0 +1,168 @@
+"""The migrations build the schema the models describe, and undo it, on both backends."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from alembic.autogenerate import compare_metadata
+from alembic.migration import MigrationContext
+from alembic.script import ScriptDirectory
+from sqlalchemy import Engine, create_engine, inspect, make_url, text
+from sqlalchemy.exc import IntegrityError, OperationalError
+from treadle.errors import InvalidArgumentError
+from treadle.server.db import downgrade, make_engine, make_session_factory, upgrade_to_head
+from treadle.server.db import queries as q
+from treadle.server.db.models import Base
+from treadle.server.db.session import alembic_config
+
+PG_ADMIN_URL = os.environ.get(
+    "TREADLE_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test"
+)
+TABLES = {"tenants", "api_keys", "models", "checkpoints", "weight_versions", "samplers", "ops"}
+
+
+@pytest.fixture
+def sqlite_url(tmp_path: Path) -> str:
+    return f"sqlite:///{tmp_path / 'treadle.db'}"
+
+
+@pytest.fixture
+def postgres_url() -> Iterator[str]:
+    """A fresh database per test, dropped afterwards."""
+    admin = create_engine(
+        PG_ADMIN_URL, isolation_level="AUTOCOMMIT", connect_args={"connect_timeout": 3}
+    )
+    name = f"treadle_mig_{uuid.uuid4().hex[:12]}"
+    try:
+        with admin.connect() as conn:
+            conn.execute(text(f'CREATE DATABASE "{name}"'))
+    except OperationalError as exc:
+        admin.dispose()
+        pytest.skip(f"PostgreSQL unreachable at {PG_ADMIN_URL}: {exc.orig}")
+    try:
+        yield make_url(PG_ADMIN_URL).set(database=name).render_as_string(hide_password=False)
+    finally:
+        with admin.connect() as conn:
+            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        admin.dispose()
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def engine(request: pytest.FixtureRequest) -> Iterator[Engine]:
+    url = request.getfixturevalue(f"{request.param}_url")
+    engine = make_engine(url)
+    yield engine
+    engine.dispose()
+
+
+def _fill_every_table(engine: Engine) -> None:
+    with make_session_factory(engine)() as s:
+        tenant = q.ensure_tenant(s, "alice")
+        q.create_api_key(s, tenant.id, key_hash="ab" * 32, prefix="tdl_ab12")
+        model = q.create_model(
+            s,
+            tenant_id=tenant.id,
+            base_model="tiny-llama",
+            lora_rank=8,
+            lora_alpha=16.0,
+            seed=0,
+            dtype="float32",
+        )
+        ckpt = q.add_checkpoint(
+            s,
+            tenant_id=tenant.id,
+            model_id=model.id,
+            name="step1",
+            uri=f"treadle://{model.id}/state/step1",
+            storage_path="/ckpt/step1",
+            seq_id=3,
+            step=1,
+            kind="state",
+            size_bytes=2**40,
+        )
+        q.update_model_progress(s, model.id, version=1, last_checkpoint=ckpt)
+        q.add_weight_version(s, model.id, 1, f"treadle://{model.id}/v/1")
+        q.create_sampler(
+            s, tenant_id=tenant.id, base_model="tiny-llama", mode="latest", model_id=model.id
+        )
+        q.record_op(s, model.id, 1, "OPTIM_STEP", "sha256:aa")
+        q.finish_op(s, model.id, 1, "done")
+        s.commit()
+
+
+def _schema_diffs(engine: Engine) -> list[object]:
+    with engine.connect() as conn:
+        context = MigrationContext.configure(conn, opts={"compare_type": True})
+        return list(compare_metadata(context, Base.metadata))
+
+
+def test_single_head() -> None:
+    assert len(ScriptDirectory.from_config(alembic_config()).get_heads()) == 1
+
+
+def test_upgrade_fill_downgrade_upgrade(engine: Engine) -> None:
+    upgrade_to_head(engine)
+    upgrade_to_head(engine)  # already at head: a no-op
+    assert set(inspect(engine).get_table_names()) >= TABLES
+    _fill_every_table(engine)
+
+    downgrade(engine, "base")
+    assert set(inspect(engine).get_table_names()) <= {"alembic_version"}
+
+    upgrade_to_head(engine)
+    _fill_every_table(engine)
+    assert _schema_diffs(engine) == []
+
+
+def test_models_match_migrated_schema(engine: Engine) -> None:
+    upgrade_to_head(engine)
+    assert _schema_diffs(engine) == []
+
+
+def test_constraints_survive_sqlite_batch_rebuild(sqlite_url: str) -> None:
+    """0001 rebuilds `models` on SQLite to add the cyclic foreign key; its CHECK
+    constraint and foreign-key enforcement must come through."""
+    engine = make_engine(sqlite_url)
+    upgrade_to_head(engine)
+    with engine.connect() as conn:
+        assert conn.exec_driver_sql("PRAGMA foreign_keys").scalar() == 1
+        with pytest.raises(IntegrityError):  # no such tenant
+            conn.execute(
+                text(
+                    "INSERT INTO models (id, tenant_id, base_model, lora_rank, lora_alpha, seed,"
+                    " dtype, status, created_at, updated_at) VALUES ('m-1', 't-none', 'b', 0,"
+                    " 1.0, 0, 'float32', 'active', '2026-01-01', '2026-01-01')"
+                )
+            )
+        conn.rollback()
+    with make_session_factory(engine)() as s:
+        tenant = q.ensure_tenant(s, "alice")
+        model = q.create_model(
+            s, tenant_id=tenant.id, base_model="b", lora_rank=0, lora_alpha=1.0, seed=0, dtype="f"
+        )
+        model.status = "bogus"
+        with pytest.raises(IntegrityError):
+            s.flush()
+    engine.dispose()
+
+
+@pytest.mark.parametrize(
+    ("url", "hint"),
+    [
+        ("not a url", "cannot parse"),
+        ("postgresql://postgres@127.0.0.1:5432/test", "postgresql+psycopg://"),
+        ("postgres://postgres@127.0.0.1:5432/test", "postgresql+psycopg://"),
+        ("postgresql+psycopg2://postgres@127.0.0.1:5432/test", "postgresql+psycopg://"),
+        ("mysql://root@localhost/treadle", "unsupported database"),
+    ],
+)
+def test_bad_url_is_invalid_argument(url: str, hint: str) -> None:
+    with pytest.raises(InvalidArgumentError, match="database_url") as info:
+        make_engine(url)
+    assert hint in str(info.value)
+    with pytest.raises(InvalidArgumentError):
+        upgrade_to_head(url)

@@ -1,0 +1,173 @@
+"""Query functions on a SQLite file whose schema comes from the migrations."""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
+from treadle.errors import AlreadyExistsError
+from treadle.server.db import make_engine, make_session_factory, upgrade_to_head
+from treadle.server.db import queries as q
+from treadle.server.db.models import Model
+
+
+@pytest.fixture
+def session(tmp_path: Path) -> Iterator[Session]:
+    engine = make_engine(f"sqlite:///{tmp_path / 'treadle.db'}")
+    upgrade_to_head(engine)
+    with make_session_factory(engine)() as s:
+        yield s
+    engine.dispose()
+
+
+def _model(s: Session, tenant_id: str) -> Model:
+    return q.create_model(
+        s,
+        tenant_id=tenant_id,
+        base_model="tiny-llama",
+        lora_rank=8,
+        lora_alpha=16.0,
+        seed=0,
+        dtype="float32",
+    )
+
+
+def _checkpoint(s: Session, model: Model, name: str, seq_id: int = 1):
+    return q.add_checkpoint(
+        s,
+        tenant_id=model.tenant_id,
+        model_id=model.id,
+        name=name,
+        uri=f"treadle://{model.id}/state/{name}",
+        storage_path=f"/ckpt/{model.id}/{name}",
+        seq_id=seq_id,
+        step=seq_id,
+        kind="state",
+        size_bytes=5 * 2**30,  # over 2**31: needs the BIGINT column
+    )
+
+
+def test_ensure_tenant_is_idempotent_and_keys_find_it(session: Session) -> None:
+    alice = q.ensure_tenant(session, "alice")
+    assert q.ensure_tenant(session, "alice").id == alice.id
+    key = q.create_api_key(session, alice.id, key_hash="ab" * 32, prefix="tdl_ab12")
+    assert q.find_tenant_by_key_hash(session, "ab" * 32) == alice
+    assert q.find_tenant_by_key_hash(session, "cd" * 32) is None
+    key.revoked_at = dt.datetime.now(dt.timezone.utc)
+    assert q.find_tenant_by_key_hash(session, "ab" * 32) is None
+
+
+def test_another_tenants_model_is_not_found(session: Session) -> None:
+    alice, bob = q.ensure_tenant(session, "alice"), q.ensure_tenant(session, "bob")
+    model = _model(session, alice.id)
+    assert model.id.startswith("m-") and model.version == 0 and model.status == "active"
+    assert q.get_model(session, alice.id, model.id) is model
+    assert q.get_model(session, bob.id, model.id) is None
+    assert q.list_models(session, bob.id) == []
+    assert q.mark_model_deleted(session, bob.id, model.id) is None
+    assert q.mark_model_deleted(session, alice.id, model.id) is model
+    assert q.get_model(session, alice.id, model.id) is None
+    assert q.list_models(session, alice.id) == []
+
+
+def test_timestamps_come_back_utc_aware(session: Session) -> None:
+    tenant = q.ensure_tenant(session, "alice")
+    model = _model(session, tenant.id)
+    session.commit()
+    session.expire_all()
+    reloaded = q.get_model(session, tenant.id, model.id)
+    assert reloaded is not None
+    assert reloaded.created_at.tzinfo == dt.timezone.utc
+
+
+def test_checkpoints_unique_name_progress_and_tenant_filter(session: Session) -> None:
+    alice, bob = q.ensure_tenant(session, "alice"), q.ensure_tenant(session, "bob")
+    model = _model(session, alice.id)
+    first = _checkpoint(session, model, "step1", seq_id=1)
+    with pytest.raises(AlreadyExistsError):
+        _checkpoint(session, model, "step1", seq_id=2)
+    second = _checkpoint(session, model, "step2", seq_id=2)
+
+    assert [c.name for c in q.list_checkpoints(session, alice.id, model.id)] == ["step1", "step2"]
+    assert q.list_checkpoints(session, bob.id, model.id) == []
+    assert q.get_checkpoint_by_uri(session, alice.id, first.uri) is first
+    assert q.get_checkpoint_by_uri(session, bob.id, first.uri) is None
+
+    q.update_model_progress(session, model.id, version=2, last_checkpoint=second)
+    session.commit()
+    session.expire_all()
+    reloaded = q.get_model(session, alice.id, model.id)
+    assert reloaded is not None
+    assert (reloaded.version, reloaded.last_checkpoint_id) == (2, second.id)
+    assert reloaded.last_checkpoint_seq_id == 2
+    assert reloaded.last_checkpoint is not None and reloaded.last_checkpoint.size_bytes == 5 * 2**30
+
+
+def test_the_database_enforces_unique_checkpoint_names(session: Session) -> None:
+    tenant = q.ensure_tenant(session, "alice")
+    model = _model(session, tenant.id)
+    _checkpoint(session, model, "step1")
+    # Bypass add_checkpoint's friendly check: the constraint is the backstop for races.
+    from treadle.server.db.models import Checkpoint
+
+    session.add(
+        Checkpoint(
+            id="c-dup",
+            tenant_id=tenant.id,
+            model_id=model.id,
+            name="step1",
+            uri="treadle://other",
+            storage_path="/x",
+            seq_id=1,
+            step=1,
+            kind="state",
+            size_bytes=1,
+        )
+    )
+    with pytest.raises(IntegrityError):
+        session.flush()
+
+
+def test_weight_versions_release_all_but_latest(session: Session) -> None:
+    tenant = q.ensure_tenant(session, "alice")
+    model = _model(session, tenant.id)
+    for v in range(1, 6):
+        q.add_weight_version(session, model.id, v, f"treadle://{model.id}/v/{v}")
+    assert [w.version for w in q.release_weight_versions(session, model.id, keep_latest=2)] == [
+        3,
+        2,
+        1,
+    ]
+    assert q.release_weight_versions(session, model.id, keep_latest=2) == []
+
+
+def test_samplers_are_tenant_scoped(session: Session) -> None:
+    alice, bob = q.ensure_tenant(session, "alice"), q.ensure_tenant(session, "bob")
+    model = _model(session, alice.id)
+    sampler = q.create_sampler(
+        session, tenant_id=alice.id, base_model="tiny-llama", mode="latest", model_id=model.id
+    )
+    assert sampler.id.startswith("s-")
+    assert q.get_sampler(session, alice.id, sampler.id) is sampler
+    assert q.get_sampler(session, bob.id, sampler.id) is None
+
+
+def test_ops_log(session: Session) -> None:
+    tenant = q.ensure_tenant(session, "alice")
+    model = _model(session, tenant.id)
+    op = q.record_op(session, model.id, 1, "FORWARD_BACKWARD", "sha256:aa")
+    assert (op.status, op.finished_at, op.error_code) == ("pending", None, None)
+    q.record_op(session, model.id, 2, "OPTIM_STEP", "sha256:bb")
+    done = q.finish_op(session, model.id, 1, "done")
+    failed = q.finish_op(session, model.id, 2, "failed", error_code="UNAVAILABLE")
+    assert done.status == "done" and done.finished_at is not None
+    assert (failed.status, failed.error_code) == ("failed", "UNAVAILABLE")
+    assert q.get_op(session, model.id, 3) is None
+    session.commit()
+    session.expunge_all()
+    with pytest.raises(IntegrityError):  # (model_id, seq_id) is recorded once
+        q.record_op(session, model.id, 1, "FORWARD_BACKWARD", "sha256:aa")
