@@ -1,0 +1,115 @@
+"""How stale a rollout is, in optimizer steps, and dropping the ones past a bound.
+
+DESIGN.md "Versions count optimizer steps": a model's weight version is the
+number of optimizer steps applied, every sampled token carries the version
+that wrote it, and a token's staleness is ``current_version - token_version``.
+In async RL the sampler lags the trainer; bounding the lag (dropping rollouts
+older than ``max_staleness`` steps) keeps the importance ratios, and so the
+clip, meaningful.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from treadle.errors import InvalidArgumentError
+from treadle.types import VersionSpan
+
+if TYPE_CHECKING:
+    from treadle.rl.datums import Rollout
+
+#: Either the spans ``SampledSequence.versions`` carries or one version per token.
+Versions = Sequence[VersionSpan] | Sequence[int]
+
+
+def _check_int(value: Any, field_name: str, minimum: int = 0) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
+        raise InvalidArgumentError(f"{field_name}: must be an integer >= {minimum}, got {value!r}")
+    return int(value)
+
+
+def expand_versions(versions: Versions | Any, *, field_name: str = "versions") -> np.ndarray:
+    """Per-token versions (int64) from spans or from a per-token list.
+
+    Spans must be contiguous from token 0, as the sampler returns them, so a
+    missing or overlapping span is an error rather than a silent misalignment.
+    """
+    items = list(versions)
+    if items and all(isinstance(item, VersionSpan) for item in items):
+        out: list[int] = []
+        for i, span in enumerate(items):
+            if span.start != len(out) or span.length < 0:
+                raise InvalidArgumentError(
+                    f"{field_name}[{i}]: span starts at {span.start} (length {span.length}), "
+                    f"expected a contiguous span starting at {len(out)}"
+                )
+            out.extend([span.version] * span.length)
+        return np.asarray(out, dtype=np.int64)
+    if any(isinstance(item, VersionSpan) for item in items):
+        raise InvalidArgumentError(f"{field_name}: mixes VersionSpan and plain ints")
+    return np.asarray(
+        [_check_int(v, f"{field_name}[{i}]") for i, v in enumerate(items)], dtype=np.int64
+    )
+
+
+def token_staleness(versions: Versions | Any, current_version: int) -> np.ndarray:
+    """``current_version - version`` for every token (int64, >= 0)."""
+    current = _check_int(current_version, "current_version")
+    token_versions = expand_versions(versions)
+    staleness = current - token_versions
+    if staleness.size and staleness.min() < 0:
+        raise InvalidArgumentError(
+            f"versions: a token has version {int(token_versions.max())}, newer than "
+            f"current_version {current} (pass the trainer's current version)"
+        )
+    return staleness
+
+
+def rollout_staleness(rollout: Rollout, current_version: int) -> int:
+    """The rollout's oldest token, in optimizer steps (0 for an empty completion).
+
+    A multi-version rollout (its sampler picked up new weights mid-sequence) is
+    as stale as its oldest token: that token's ratio is the least trustworthy.
+    """
+    if not rollout.completion_tokens:
+        return 0
+    if not rollout.versions:
+        raise InvalidArgumentError(
+            "rollout.versions: empty; staleness needs the version of each sampled token "
+            "(SampledSequence.versions)"
+        )
+    return int(token_staleness(rollout.versions, current_version).max())
+
+
+def drop_stale(
+    rollouts: Iterable[Rollout], current_version: int, max_staleness: int
+) -> tuple[list[Rollout], int]:
+    """Keep rollouts whose staleness is ``<= max_staleness``; return them and how many were dropped."""
+    bound = _check_int(max_staleness, "max_staleness")
+    kept: list[Rollout] = []
+    dropped = 0
+    for rollout in rollouts:
+        if rollout_staleness(rollout, current_version) <= bound:
+            kept.append(rollout)
+        else:
+            dropped += 1
+    return kept, dropped
+
+
+def staleness_histogram(
+    rollouts: Iterable[Rollout], current_version: int, *, per_token: bool = False
+) -> dict[int, int]:
+    """Staleness -> count, sorted by staleness; counts rollouts, or completion tokens with ``per_token``."""
+    counts: Counter[int] = Counter()
+    for rollout in rollouts:
+        if per_token:
+            if rollout.completion_tokens and not rollout.versions:
+                rollout_staleness(rollout, current_version)  # raises the same error
+            counts.update(int(s) for s in token_staleness(rollout.versions, current_version))
+        else:
+            counts[rollout_staleness(rollout, current_version)] += 1
+    return dict(sorted(counts.items()))
