@@ -1,0 +1,1 @@
+"""The treadle worker engine: model code, trainer, sampler, scheduler (``treadle.workers``)."""

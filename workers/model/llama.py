@@ -1,0 +1,437 @@
+"""The engine's one forward pass for the Llama family (Llama, Qwen2, Qwen3, Mistral).
+
+Trainer and sampler both call these functions, so their logprobs for the same
+weights agree by construction (invariant 4). The code is functional: weights
+are plain tensors in a ``LlamaParams``, so a full fine-tune owns a trainable
+copy while every LoRA model of a worker shares one frozen base copy, and the
+multi-LoRA layer is just an optional ``lora`` argument.
+
+Numerics follow transformers' modeling code (its implementation is the
+reference the tests compare against): RMSNorm in float32 then cast back, RoPE
+tables in float32 cast to the activation dtype, logits in the weights' dtype
+then upcast.
+
+Shapes in names: B rows, T tokens, H hidden (or heads where obvious), D head
+dim, L attended key length, V vocab.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, fields, replace
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from treadle.errors import InvalidArgumentError
+from treadle.workers.model.config import ModelConfig
+
+if TYPE_CHECKING:
+    from treadle.workers.model.kv_cache import KVCache
+
+
+class Lora(Protocol):
+    """What the forward needs of a LoRA layer (``LoraAdapter``, ``LoraRows``)."""
+
+    def apply(self, layer: int, target: str, x: Tensor, y: Tensor) -> Tensor:
+        """``y`` (the base projection of ``x``) plus the low-rank update, if any."""
+        ...
+
+
+# LayerParams field -> HF name suffix after "model.layers.{i}.".
+_LAYER_HF_NAMES: dict[str, str] = {
+    "q_proj": "self_attn.q_proj.weight",
+    "k_proj": "self_attn.k_proj.weight",
+    "v_proj": "self_attn.v_proj.weight",
+    "o_proj": "self_attn.o_proj.weight",
+    "q_bias": "self_attn.q_proj.bias",
+    "k_bias": "self_attn.k_proj.bias",
+    "v_bias": "self_attn.v_proj.bias",
+    "o_bias": "self_attn.o_proj.bias",
+    "q_norm": "self_attn.q_norm.weight",
+    "k_norm": "self_attn.k_norm.weight",
+    "gate_proj": "mlp.gate_proj.weight",
+    "up_proj": "mlp.up_proj.weight",
+    "down_proj": "mlp.down_proj.weight",
+    "input_layernorm": "input_layernorm.weight",
+    "post_attention_layernorm": "post_attention_layernorm.weight",
+}
+
+
+def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor a checkpoint of ``cfg`` holds, by HF name, with its shape."""
+    h, i, q, kv = cfg.hidden_size, cfg.intermediate_size, cfg.q_size, cfg.kv_size
+    layer: dict[str, tuple[int, ...]] = {
+        "q_proj": (q, h),
+        "k_proj": (kv, h),
+        "v_proj": (kv, h),
+        "o_proj": (h, q),
+        "gate_proj": (i, h),
+        "up_proj": (i, h),
+        "down_proj": (h, i),
+        "input_layernorm": (h,),
+        "post_attention_layernorm": (h,),
+    }
+    if cfg.attention_bias:
+        layer |= {"q_bias": (q,), "k_bias": (kv,), "v_bias": (kv,)}
+    if cfg.o_proj_bias:
+        layer["o_bias"] = (h,)
+    if cfg.qk_norm:
+        layer |= {"q_norm": (cfg.head_dim,), "k_norm": (cfg.head_dim,)}
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, h)}
+    for n in range(cfg.num_layers):
+        for field_name in _LAYER_HF_NAMES:
+            if field_name in layer:
+                shapes[f"model.layers.{n}.{_LAYER_HF_NAMES[field_name]}"] = layer[field_name]
+    shapes["model.norm.weight"] = (h,)
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head.weight"] = (cfg.vocab_size, h)
+    return shapes
+
+
+@dataclass
+class LayerParams:
+    """One decoder layer's tensors; optional ones are None when the arch has none."""
+
+    q_proj: Tensor
+    k_proj: Tensor
+    v_proj: Tensor
+    o_proj: Tensor
+    gate_proj: Tensor
+    up_proj: Tensor
+    down_proj: Tensor
+    input_layernorm: Tensor
+    post_attention_layernorm: Tensor
+    q_bias: Tensor | None = None
+    k_bias: Tensor | None = None
+    v_bias: Tensor | None = None
+    o_bias: Tensor | None = None
+    q_norm: Tensor | None = None
+    k_norm: Tensor | None = None
+
+
+@dataclass
+class LlamaParams:
+    """All weights of a model as plain tensors, convertible to and from HF names.
+
+    Sharing is explicit: ``from_state_dict`` keeps the given tensors (no copy),
+    ``clone()`` makes an independent copy (a full fine-tune's trainable weights).
+    ``lm_head`` is None when embeddings are tied.
+    """
+
+    embed_tokens: Tensor
+    layers: list[LayerParams]
+    norm: Tensor
+    lm_head: Tensor | None = None
+
+    @classmethod
+    def from_state_dict(cls, cfg: ModelConfig, tensors: Mapping[str, Tensor]) -> LlamaParams:
+        """Wrap ``tensors`` (HF names, exactly those of ``param_shapes(cfg)``)."""
+        shapes = param_shapes(cfg)
+        missing = [n for n in shapes if n not in tensors]
+        unexpected = [n for n in tensors if n not in shapes]
+        if missing or unexpected:
+            raise InvalidArgumentError(
+                f"weights do not match the {cfg.arch} config: "
+                f"missing {missing[:5]}{'...' if len(missing) > 5 else ''}, "
+                f"unexpected {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}"
+            )
+        for name, shape in shapes.items():
+            if tuple(tensors[name].shape) != shape:
+                raise InvalidArgumentError(
+                    f"weights: {name} has shape {tuple(tensors[name].shape)}, config says {shape}"
+                )
+        layers = []
+        for n in range(cfg.num_layers):
+            prefix = f"model.layers.{n}."
+            kwargs = {
+                f: tensors[prefix + hf]
+                for f, hf in _LAYER_HF_NAMES.items()
+                if prefix + hf in tensors
+            }
+            layers.append(LayerParams(**kwargs))
+        return cls(
+            embed_tokens=tensors["model.embed_tokens.weight"],
+            layers=layers,
+            norm=tensors["model.norm.weight"],
+            lm_head=tensors.get("lm_head.weight"),
+        )
+
+    def named_tensors(self) -> Iterator[tuple[str, Tensor]]:
+        """(HF name, tensor) in checkpoint order; tied ``lm_head`` is not repeated."""
+        yield "model.embed_tokens.weight", self.embed_tokens
+        for n, layer in enumerate(self.layers):
+            for f in fields(layer):
+                t = getattr(layer, f.name)
+                if t is not None:
+                    yield f"model.layers.{n}.{_LAYER_HF_NAMES[f.name]}", t
+        yield "model.norm.weight", self.norm
+        if self.lm_head is not None:
+            yield "lm_head.weight", self.lm_head
+
+    def state_dict(self) -> dict[str, Tensor]:
+        return dict(self.named_tensors())
+
+    def parameters(self) -> list[Tensor]:
+        return [t for _, t in self.named_tensors()]
+
+    def requires_grad_(self, requires_grad: bool = True) -> LlamaParams:
+        for t in self.parameters():
+            t.requires_grad_(requires_grad)
+        return self
+
+    def clone(self) -> LlamaParams:
+        """An independent, detached copy (same dtype and device)."""
+        return self.map(lambda t: t.detach().clone())
+
+    def to(
+        self, dtype: torch.dtype | None = None, device: torch.device | str | None = None
+    ) -> LlamaParams:
+        return self.map(lambda t: t.to(dtype=dtype, device=device))
+
+    def map(self, fn: Callable[[Tensor], Tensor]) -> LlamaParams:
+        """A new LlamaParams with ``fn`` applied to every tensor."""
+
+        def layer_map(layer: LayerParams) -> LayerParams:
+            changes = {
+                f.name: fn(getattr(layer, f.name))
+                for f in fields(layer)
+                if getattr(layer, f.name) is not None
+            }
+            return replace(layer, **changes)
+
+        return LlamaParams(
+            embed_tokens=fn(self.embed_tokens),
+            layers=[layer_map(layer) for layer in self.layers],
+            norm=fn(self.norm),
+            lm_head=None if self.lm_head is None else fn(self.lm_head),
+        )
+
+    @property
+    def lm_head_weight(self) -> Tensor:
+        return self.embed_tokens if self.lm_head is None else self.lm_head
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.device
+
+
+# ---------------------------------------------------------------------- building blocks
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """RMSNorm over the last axis, in float32, cast back before the weight (as HF)."""
+    x_f32 = x.to(torch.float32)
+    x_f32 = x_f32 * torch.rsqrt(x_f32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x_f32.to(x.dtype)
+
+
+@functools.lru_cache(maxsize=16)
+def rope_inv_freq(cfg: ModelConfig, device: torch.device) -> Tensor:
+    """RoPE inverse frequencies ``[D/2]`` in float32, with llama3 scaling if configured."""
+    d = cfg.head_dim
+    exponents = torch.arange(0, d, 2, dtype=torch.int64).to(torch.float32) / d
+    inv_freq = 1.0 / (cfg.rope_theta**exponents)
+    s = cfg.rope_scaling
+    if s is not None:
+        low_freq_wavelen = s.original_max_position_embeddings / s.low_freq_factor
+        high_freq_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / s.factor, inv_freq)
+        smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
+            s.high_freq_factor - s.low_freq_factor
+        )
+        smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+        is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+        inv_freq = torch.where(is_medium, smoothed, scaled)
+    return inv_freq.to(device)
+
+
+def rope_cos_sin(
+    cfg: ModelConfig, positions_B_T: Tensor, dtype: torch.dtype
+) -> tuple[Tensor, Tensor]:
+    """cos and sin ``[B, T, 1, D]`` (broadcast over heads), computed in float32."""
+    inv_freq = rope_inv_freq(cfg, positions_B_T.device)
+    freqs_B_T_D2 = positions_B_T[..., None].to(torch.float32) * inv_freq
+    emb_B_T_D = torch.cat((freqs_B_T_D2, freqs_B_T_D2), dim=-1)
+    return emb_B_T_D.cos().to(dtype)[:, :, None], emb_B_T_D.sin().to(dtype)[:, :, None]
+
+
+def apply_rope(x_B_T_H_D: Tensor, cos_B_T_1_D: Tensor, sin_B_T_1_D: Tensor) -> Tensor:
+    half = x_B_T_H_D.shape[-1] // 2
+    x1, x2 = x_B_T_H_D[..., :half], x_B_T_H_D[..., half:]
+    rotated = torch.cat((-x2, x1), dim=-1)
+    return x_B_T_H_D * cos_B_T_1_D + rotated * sin_B_T_1_D
+
+
+def _proj(
+    x: Tensor, w: Tensor, b: Tensor | None, lora: Lora | None, layer: int, name: str
+) -> Tensor:
+    """A linear projection; the LoRA update (if any) is added after the shared base matmul."""
+    y = F.linear(x, w, b)
+    return y if lora is None else lora.apply(layer, name, x, y)
+
+
+@dataclass
+class _CacheStep:
+    """Per-call state of a cached forward, computed once and shared by all layers."""
+
+    cache: KVCache
+    slots_B: Tensor
+    positions_B_T: Tensor
+    kv_len: int
+    mask_B_1_T_L: Tensor
+
+
+def _attention(
+    cfg: ModelConfig,
+    layer: LayerParams,
+    n: int,
+    h_B_T_H: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    lora: Lora | None,
+    step: _CacheStep | None,
+) -> Tensor:
+    B, T, _ = h_B_T_H.shape
+    q = _proj(h_B_T_H, layer.q_proj, layer.q_bias, lora, n, "q_proj")
+    k = _proj(h_B_T_H, layer.k_proj, layer.k_bias, lora, n, "k_proj")
+    v = _proj(h_B_T_H, layer.v_proj, layer.v_bias, lora, n, "v_proj")
+    q_B_T_Hq_D = q.view(B, T, cfg.num_heads, cfg.head_dim)
+    k_B_T_Hk_D = k.view(B, T, cfg.num_kv_heads, cfg.head_dim)
+    v_B_T_Hk_D = v.view(B, T, cfg.num_kv_heads, cfg.head_dim)
+    if layer.q_norm is not None and layer.k_norm is not None:
+        q_B_T_Hq_D = rms_norm(q_B_T_Hq_D, layer.q_norm, cfg.rms_norm_eps)
+        k_B_T_Hk_D = rms_norm(k_B_T_Hk_D, layer.k_norm, cfg.rms_norm_eps)
+    q_B_T_Hq_D = apply_rope(q_B_T_Hq_D, cos, sin)
+    k_B_T_Hk_D = apply_rope(k_B_T_Hk_D, cos, sin)
+
+    gqa = cfg.num_heads != cfg.num_kv_heads
+    if step is None:
+        out_B_Hq_T_D = F.scaled_dot_product_attention(
+            q_B_T_Hq_D.transpose(1, 2),
+            k_B_T_Hk_D.transpose(1, 2),
+            v_B_T_Hk_D.transpose(1, 2),
+            is_causal=True,
+            enable_gqa=gqa,
+        )
+    else:
+        step.cache.write(n, step.slots_B, step.positions_B_T, k_B_T_Hk_D, v_B_T_Hk_D)
+        k_B_Hk_L_D, v_B_Hk_L_D = step.cache.read(n, step.slots_B, step.kv_len)
+        out_B_Hq_T_D = F.scaled_dot_product_attention(
+            q_B_T_Hq_D.transpose(1, 2),
+            k_B_Hk_L_D,
+            v_B_Hk_L_D,
+            attn_mask=step.mask_B_1_T_L,
+            enable_gqa=gqa,
+        )
+    out_B_T_Q = out_B_Hq_T_D.transpose(1, 2).reshape(B, T, cfg.q_size)
+    return _proj(out_B_T_Q, layer.o_proj, layer.o_bias, lora, n, "o_proj")
+
+
+def _mlp(layer: LayerParams, n: int, h_B_T_H: Tensor, lora: Lora | None) -> Tensor:
+    gate = _proj(h_B_T_H, layer.gate_proj, None, lora, n, "gate_proj")
+    up = _proj(h_B_T_H, layer.up_proj, None, lora, n, "up_proj")
+    return _proj(F.silu(gate) * up, layer.down_proj, None, lora, n, "down_proj")
+
+
+# ---------------------------------------------------------------------- the forward pass
+
+
+def forward_hidden(
+    cfg: ModelConfig,
+    params: LlamaParams,
+    tokens_B_T: Tensor,
+    positions_B_T: Tensor | None = None,
+    *,
+    lora: Lora | None = None,
+    cache: KVCache | None = None,
+    slots_B: Tensor | None = None,
+) -> Tensor:
+    """Final-norm hidden states ``[B, T, H]`` of ``tokens_B_T``.
+
+    Without ``cache``: plain causal attention over the T axis; ``positions_B_T``
+    (default ``0..T-1``) only sets RoPE. Right padding is harmless: a token
+    never attends to later ones.
+
+    With ``cache`` and ``slots_B`` (row b lives in cache slot ``slots_B[b]``):
+    this call's K/V are written at ``[slot, positions]``, then each query
+    attends to its slot's entries at positions <= its own. The same call serves
+    a prefill (T > 1, positions from 0 or from an already cached prefix) and a
+    decode step (T = 1, each row at its own position); rows at different
+    lengths are handled by the positional mask. Positions of padded tokens must
+    still be < ``cache.max_len``; what they write is overwritten before it is
+    ever read.
+
+    ``lora`` is one ``LoraAdapter`` for every row (the fast path) or a
+    ``LoraRows`` mapping each row to its own adapter (or none).
+    """
+    B, T = tokens_B_T.shape
+    if positions_B_T is None:
+        positions_B_T = torch.arange(T, device=tokens_B_T.device).expand(B, T)
+    x_B_T_H = F.embedding(tokens_B_T, params.embed_tokens)
+    cos, sin = rope_cos_sin(cfg, positions_B_T, x_B_T_H.dtype)
+
+    step = None
+    if cache is not None:
+        if slots_B is None:
+            raise InvalidArgumentError("forward_hidden: slots_B is required with a cache")
+        kv_len = int(positions_B_T.max()) + 1
+        if kv_len > cache.max_len:
+            raise InvalidArgumentError(
+                f"forward_hidden: position {kv_len - 1} is beyond the cache (max_len "
+                f"{cache.max_len})"
+            )
+        key_pos_L = torch.arange(kv_len, device=tokens_B_T.device)
+        mask_B_1_T_L = (key_pos_L <= positions_B_T[:, :, None])[:, None]
+        step = _CacheStep(cache, slots_B, positions_B_T, kv_len, mask_B_1_T_L)
+
+    eps = cfg.rms_norm_eps
+    for n, layer in enumerate(params.layers):
+        h_B_T_H = rms_norm(x_B_T_H, layer.input_layernorm, eps)
+        x_B_T_H = x_B_T_H + _attention(cfg, layer, n, h_B_T_H, cos, sin, lora, step)
+        h_B_T_H = rms_norm(x_B_T_H, layer.post_attention_layernorm, eps)
+        x_B_T_H = x_B_T_H + _mlp(layer, n, h_B_T_H, lora)
+    return rms_norm(x_B_T_H, params.norm, eps)
+
+
+def lm_logits(cfg: ModelConfig, params: LlamaParams, hidden_B_T_H: Tensor) -> Tensor:
+    """Logits ``[..., V]`` in float32 (float64 for float64 weights).
+
+    The matmul runs in the weights' dtype (as HF), only the result is upcast:
+    upcasting a V x H head per call would cost more than the matmul. Slice
+    ``hidden`` first when only some positions are needed (the sampler's last
+    token).
+    """
+    del cfg  # the head is fully described by params; kept for a uniform signature
+    logits = F.linear(hidden_B_T_H, params.lm_head_weight)
+    if logits.dtype not in (torch.float32, torch.float64):
+        logits = logits.float()
+    return logits
+
+
+def target_logprobs(logits_B_T_V: Tensor, targets_B_T: Tensor, temperature: float = 1.0) -> Tensor:
+    """``log_softmax(logits / temperature)`` at ``targets``, ``[B, T]``, at least float32.
+
+    The policy's logprob at temperature T (DESIGN "Temperature belongs to the
+    policy"): sampler and trainer both call this, before any top-k/top-p.
+    Computed as ``logit[target] - logsumexp(logits)`` so no ``[B, T, V]``
+    log-softmax tensor is materialised.
+    """
+    if not temperature > 0:
+        raise InvalidArgumentError(f"temperature: must be > 0, got {temperature}")
+    logits = logits_B_T_V
+    if logits.dtype not in (torch.float32, torch.float64):
+        logits = logits.float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    picked_B_T = logits.gather(-1, targets_B_T.unsqueeze(-1)).squeeze(-1)
+    return picked_B_T - torch.logsumexp(logits, dim=-1)

@@ -1,0 +1,282 @@
+"""LoRA adapters over the shared base weights, one per row if need be.
+
+A worker holds one frozen base ``LlamaParams`` and many tenants' adapters.
+``forward_hidden(..., lora=...)`` takes either one ``LoraAdapter`` for the
+whole batch (the fast path: two thin matmuls per projection) or a ``LoraRows``
+that maps each row to its own adapter, so one forward serves a batch mixing
+tenants: the base matmul runs once for all rows, then each adapter's
+low-rank update is added to its rows only.
+
+Conventions follow PEFT so adapters export as-is: ``A`` is ``[r, in]``
+(kaiming-uniform at init), ``B`` is ``[out, r]`` (zeros at init, so a fresh
+adapter computes exactly the base model), the update is ``scale * B @ A`` with
+``scale = alpha / r``, and tensor names are PEFT's.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from treadle.errors import InvalidArgumentError
+from treadle.workers.model.config import ModelConfig
+from treadle.workers.model.llama import LlamaParams
+
+#: Every projection LoRA can target, in the order adapters are initialised.
+TARGETS: tuple[str, ...] = (
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+)
+_MODULE = {
+    t: "self_attn" if t in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp" for t in TARGETS
+}
+_PEFT_NAME = re.compile(
+    r"^base_model\.model\.model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+_proj)"
+    r"\.lora_([AB])(?:\.default)?\.weight$"
+)
+
+
+def projection_shape(cfg: ModelConfig, target: str) -> tuple[int, int]:
+    """(out_features, in_features) of a base projection."""
+    h, i, q, kv = cfg.hidden_size, cfg.intermediate_size, cfg.q_size, cfg.kv_size
+    shapes = {
+        "q_proj": (q, h),
+        "k_proj": (kv, h),
+        "v_proj": (kv, h),
+        "o_proj": (h, q),
+        "gate_proj": (i, h),
+        "up_proj": (i, h),
+        "down_proj": (h, i),
+    }
+    return shapes[target]
+
+
+def peft_name(layer: int, target: str, which: str) -> str:
+    """PEFT's saved name of ``lora_A``/``lora_B`` (``which`` = "A"/"B")."""
+    return f"base_model.model.model.layers.{layer}.{_MODULE[target]}.{target}.lora_{which}.weight"
+
+
+class LoraAdapter:
+    """One adapter: ``A`` ``[r, in]`` and ``B`` ``[out, r]`` per (layer, target projection)."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        rank: int,
+        alpha: float,
+        *,
+        seed: int = 0,
+        targets: Sequence[str] = TARGETS,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+        requires_grad: bool = True,
+    ) -> None:
+        """A fresh adapter, deterministic in ``seed``, equal to the base model.
+
+        ``A`` is drawn like PEFT's ``kaiming_uniform_(a=sqrt(5))``, i.e.
+        uniform in ``±1/sqrt(in)``, layer by layer in ``TARGETS`` order from a
+        private generator (the global RNG is untouched).
+        """
+        if rank <= 0:
+            raise InvalidArgumentError(f"rank: must be positive, got {rank}")
+        unknown = [t for t in targets if t not in TARGETS]
+        if unknown or not targets:
+            raise InvalidArgumentError(f"targets: {unknown or 'empty'} (choose from {TARGETS})")
+        self.cfg = cfg
+        self.rank = rank
+        self.alpha = float(alpha)
+        self.scale = self.alpha / rank
+        self.targets = tuple(t for t in TARGETS if t in targets)
+        gen = torch.Generator().manual_seed(seed)
+        self.a: list[dict[str, Tensor]] = []
+        self.b: list[dict[str, Tensor]] = []
+        for _ in range(cfg.num_layers):
+            a_layer, b_layer = {}, {}
+            for t in self.targets:
+                out_f, in_f = projection_shape(cfg, t)
+                bound = 1.0 / math.sqrt(in_f)
+                a = torch.empty(rank, in_f, dtype=torch.float32).uniform_(
+                    -bound, bound, generator=gen
+                )
+                a_layer[t] = a.to(dtype=dtype, device=device)
+                b_layer[t] = torch.zeros(out_f, rank, dtype=dtype, device=device)
+            self.a.append(a_layer)
+            self.b.append(b_layer)
+        self.requires_grad_(requires_grad)
+
+    # ------------------------------------------------------------------ tensors
+
+    def named_tensors(self) -> Iterator[tuple[str, Tensor]]:
+        """(PEFT name, tensor) for every A and B."""
+        for n in range(self.cfg.num_layers):
+            for t in self.targets:
+                yield peft_name(n, t, "A"), self.a[n][t]
+                yield peft_name(n, t, "B"), self.b[n][t]
+
+    def parameters(self) -> list[Tensor]:
+        return [t for _, t in self.named_tensors()]
+
+    def requires_grad_(self, requires_grad: bool = True) -> LoraAdapter:
+        for t in self.parameters():
+            t.requires_grad_(requires_grad)
+        return self
+
+    def clone(self) -> LoraAdapter:
+        """An independent, detached copy (e.g. a published weight version)."""
+        return LoraAdapter.from_named_tensors(
+            self.cfg,
+            {k: v.detach().clone() for k, v in self.named_tensors()},
+            alpha=self.alpha,
+            requires_grad=False,
+        )
+
+    def peft_config(self) -> dict[str, Any]:
+        """The ``adapter_config.json`` PEFT expects next to the tensors."""
+        return {
+            "peft_type": "LORA",
+            "task_type": "CAUSAL_LM",
+            "r": self.rank,
+            "lora_alpha": self.alpha,
+            "lora_dropout": 0.0,
+            "bias": "none",
+            "target_modules": list(self.targets),
+        }
+
+    @classmethod
+    def from_named_tensors(
+        cls,
+        cfg: ModelConfig,
+        tensors: Mapping[str, Tensor],
+        *,
+        alpha: float,
+        requires_grad: bool = False,
+    ) -> LoraAdapter:
+        """Rebuild an adapter from PEFT-named tensors (takes them as they are, no copy).
+
+        Rank and targets are read from the tensors; every layer must carry the
+        same targets with consistent shapes.
+        """
+        found: dict[tuple[int, str, str], Tensor] = {}
+        for name, tensor in tensors.items():
+            m = _PEFT_NAME.match(name)
+            if m is None or m.group(2) not in TARGETS:
+                raise InvalidArgumentError(f"lora tensors: unexpected name {name!r}")
+            found[(int(m.group(1)), m.group(2), m.group(3))] = tensor
+        targets = tuple(t for t in TARGETS if any(k[1] == t for k in found))
+        if not targets:
+            raise InvalidArgumentError("lora tensors: none found")
+        first = found.get((0, targets[0], "A"))
+        if first is None:
+            raise InvalidArgumentError(f"lora tensors: missing {peft_name(0, targets[0], 'A')}")
+        rank = first.shape[0]
+        self = cls.__new__(cls)
+        self.cfg, self.rank, self.alpha = cfg, rank, float(alpha)
+        self.scale, self.targets = self.alpha / rank, targets
+        self.a, self.b = [], []
+        for n in range(cfg.num_layers):
+            a_layer: dict[str, Tensor] = {}
+            b_layer: dict[str, Tensor] = {}
+            for t in targets:
+                out_f, in_f = projection_shape(cfg, t)
+                for which, shape, into in (
+                    ("A", (rank, in_f), a_layer),
+                    ("B", (out_f, rank), b_layer),
+                ):
+                    if (n, t, which) not in found:
+                        raise InvalidArgumentError(
+                            f"lora tensors: missing {peft_name(n, t, which)}"
+                        )
+                    tensor = found.pop((n, t, which))
+                    if tuple(tensor.shape) != shape:
+                        raise InvalidArgumentError(
+                            f"lora tensors: {peft_name(n, t, which)} has shape "
+                            f"{tuple(tensor.shape)}, expected {shape}"
+                        )
+                    into[t] = tensor
+            self.a.append(a_layer)
+            self.b.append(b_layer)
+        if found:
+            extra = peft_name(*next(iter(found)))
+            raise InvalidArgumentError(f"lora tensors: {extra} is beyond the model's layers")
+        return self.requires_grad_(requires_grad)
+
+    def merge_into(self, params: LlamaParams) -> dict[str, Tensor]:
+        """HF-named weights with ``W + scale * B @ A`` folded in (for export).
+
+        Untargeted tensors are returned as they are (shared, not copied).
+        """
+        merged = params.state_dict()
+        with torch.no_grad():
+            for n in range(self.cfg.num_layers):
+                for t in self.targets:
+                    name = f"model.layers.{n}.{_MODULE[t]}.{t}.weight"
+                    w = merged[name]
+                    delta = self.b[n][t].to(torch.float32) @ self.a[n][t].to(torch.float32)
+                    merged[name] = (w.to(torch.float32) + self.scale * delta).to(w.dtype)
+        return merged
+
+    # ------------------------------------------------------------------ forward
+
+    def delta(self, layer: int, target: str, x: Tensor) -> Tensor | None:
+        """``scale * x @ A.T @ B.T`` (unscaled product shape ``[..., out]``), or None if untargeted."""
+        a = self.a[layer].get(target)
+        if a is None:
+            return None
+        return F.linear(F.linear(x, a), self.b[layer][target]) * self.scale
+
+    def apply(self, layer: int, target: str, x: Tensor, y: Tensor) -> Tensor:
+        """``y + scale * B A x`` for every row: the single-adapter fast path."""
+        a = self.a[layer].get(target)
+        if a is None:
+            return y
+        return y.add_(F.linear(F.linear(x, a), self.b[layer][target]), alpha=self.scale)
+
+
+class LoraRows:
+    """A batch where row b uses ``adapters[row_adapter_B[b]]`` (-1: base model only).
+
+    Rows are grouped by adapter once, at construction (one host sync per
+    forward, not per projection). In each projection the base output of all
+    rows is computed once; each group then gathers its rows, applies its
+    adapter, and adds the update back with ``index_add_``. A group that holds
+    every row skips the gather and scatter.
+    """
+
+    def __init__(self, adapters: Sequence[LoraAdapter], row_adapter_B: Tensor) -> None:
+        ids = [int(i) for i in row_adapter_B.tolist()]
+        bad = [i for i in ids if not -1 <= i < len(adapters)]
+        if bad:
+            raise InvalidArgumentError(
+                f"row_adapter_B: ids {sorted(set(bad))} outside -1..{len(adapters) - 1}"
+            )
+        self.adapters = list(adapters)
+        self.row_adapter_B = row_adapter_B
+        self.groups: list[tuple[LoraAdapter, Tensor | None]] = []
+        for adapter_id in sorted(set(ids) - {-1}):
+            rows = [b for b, i in enumerate(ids) if i == adapter_id]
+            if len(rows) == len(ids):
+                self.groups.append((self.adapters[adapter_id], None))
+            else:
+                idx = torch.tensor(rows, dtype=torch.long, device=row_adapter_B.device)
+                self.groups.append((self.adapters[adapter_id], idx))
+
+    def apply(self, layer: int, target: str, x_B_T_I: Tensor, y_B_T_O: Tensor) -> Tensor:
+        for adapter, rows_G in self.groups:
+            if rows_G is None:
+                y_B_T_O = adapter.apply(layer, target, x_B_T_I, y_B_T_O)
+                continue
+            delta_G_T_O = adapter.delta(layer, target, x_B_T_I.index_select(0, rows_G))
+            if delta_G_T_O is not None:
+                y_B_T_O = y_B_T_O.index_add_(0, rows_G, delta_G_T_O)
+        return y_B_T_O
