@@ -1,1 +1,72 @@
-"""treadle: write the RL loop locally, run the heavy steps on shared workers."""
+"""treadle: write the RL loop locally, run the heavy steps on shared workers.
+
+import treadle
+service = treadle.ServiceClient("localhost:50051")
+trainer = service.create_lora_training_client("tiny", rank=8)
+sampler = trainer.sync_weights()
+"""
+
+from treadle.errors import (
+    AbortedError,
+    FailedPreconditionError,
+    InvalidArgumentError,
+    NotFoundError,
+    ResourceExhaustedError,
+    TreadleError,
+    UnauthenticatedError,
+    UnavailableError,
+)
+from treadle.futures import APIFuture
+from treadle.sampling_client import SamplingClient
+from treadle.service_client import ServiceClient
+from treadle.tokenizer import Tokenizer
+from treadle.training_client import TrainingClient
+from treadle.types import (
+    AdamParams,
+    CheckpointInfo,
+    Datum,
+    ForwardBackwardOutput,
+    LossFnOutput,
+    ModelInfo,
+    ModelInput,
+    OptimStepResponse,
+    SampledSequence,
+    SampleResponse,
+    SamplingParams,
+    SaveStateResponse,
+    ServerInfo,
+    VersionSpan,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "APIFuture",
+    "AbortedError",
+    "AdamParams",
+    "CheckpointInfo",
+    "Datum",
+    "FailedPreconditionError",
+    "ForwardBackwardOutput",
+    "InvalidArgumentError",
+    "LossFnOutput",
+    "ModelInfo",
+    "ModelInput",
+    "NotFoundError",
+    "OptimStepResponse",
+    "ResourceExhaustedError",
+    "SampleResponse",
+    "SampledSequence",
+    "SamplingClient",
+    "SamplingParams",
+    "SaveStateResponse",
+    "ServerInfo",
+    "ServiceClient",
+    "Tokenizer",
+    "TrainingClient",
+    "TreadleError",
+    "UnauthenticatedError",
+    "UnavailableError",
+    "VersionSpan",
+    "__version__",
+]

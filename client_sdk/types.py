@@ -34,7 +34,9 @@ def to_numpy(value: Any, *, dtype: Any, field_name: str) -> np.ndarray:
     try:
         arr = np.asarray(value, dtype=dtype)
     except (TypeError, ValueError) as exc:
-        raise InvalidArgumentError(f"{field_name}: cannot convert to {np.dtype(dtype).name}: {exc}") from exc
+        raise InvalidArgumentError(
+            f"{field_name}: cannot convert to {np.dtype(dtype).name}: {exc}"
+        ) from exc
     if arr.ndim != 1:
         raise InvalidArgumentError(f"{field_name}: expected a 1-D sequence, got shape {arr.shape}")
     return arr
@@ -82,7 +84,11 @@ class Datum:
         converted: dict[str, np.ndarray] = {}
         for key, value in self.loss_fn_inputs.items():
             dtype = np.int64 if key in INT_INPUT_KEYS else np.float32
-            if isinstance(value, np.ndarray) and value.dtype == np.float64 and key not in INT_INPUT_KEYS:
+            if (
+                isinstance(value, np.ndarray)
+                and value.dtype == np.float64
+                and key not in INT_INPUT_KEYS
+            ):
                 dtype = np.float64  # keep float64 inputs for float64 models
             converted[key] = to_numpy(value, dtype=dtype, field_name=f"loss_fn_inputs.{key}")
         object.__setattr__(self, "loss_fn_inputs", converted)

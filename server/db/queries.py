@@ -12,6 +12,7 @@ from typing import TypeVar
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
+
 from treadle.errors import AlreadyExistsError, NotFoundError
 
 from .models import (

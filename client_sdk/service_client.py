@@ -1,0 +1,198 @@
+"""ServiceClient: the entry point of the SDK, one per server connection."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+from typing import Any
+
+from treadle import _convert
+from treadle._rpc import Caller, make_channel
+from treadle.errors import InvalidArgumentError
+from treadle.futures import APIFuture
+from treadle.sampling_client import SamplingClient
+from treadle.tokenizer import Tokenizer
+from treadle.training_client import TrainingClient
+from treadle.types import ModelInfo, ServerInfo
+from treadle.v1 import (
+    sampling_pb2,
+    sampling_pb2_grpc,
+    server_pb2,
+    server_pb2_grpc,
+    training_pb2,
+    training_pb2_grpc,
+)
+
+DEFAULT_ADDRESS = "localhost:50051"
+
+
+class ServiceClient:
+    """Connects to a treadle server.
+
+    ``address`` defaults to env ``TREADLE_ADDRESS`` or ``localhost:50051``; the API
+    key to env ``TREADLE_API_KEY``. ``root_certificates`` (PEM bytes) turns on TLS.
+    """
+
+    def __init__(
+        self,
+        address: str | None = None,
+        api_key: str | None = None,
+        *,
+        root_certificates: bytes | None = None,
+        timeout_s: float | None = None,
+        max_retries: int = 5,
+    ) -> None:
+        self.address = address or os.environ.get("TREADLE_ADDRESS", DEFAULT_ADDRESS)
+        self._channel = make_channel(self.address, root_certificates)
+        self._caller = Caller(api_key, max_retries=max_retries, timeout_s=timeout_s)
+        self._training = training_pb2_grpc.TrainingServiceStub(self._channel)
+        self._sampling = sampling_pb2_grpc.SamplingServiceStub(self._channel)
+        self._server = server_pb2_grpc.ServerServiceStub(self._channel)
+        self._tokenizers: dict[str, Tokenizer] = {}
+
+    # ---- training clients -------------------------------------------------------
+
+    def create_lora_training_client(
+        self,
+        base_model: str,
+        rank: int = 32,
+        seed: int = 0,
+        *,
+        alpha: float | None = None,
+        dtype: str | None = None,
+    ) -> TrainingClient:
+        if rank < 1:
+            raise InvalidArgumentError(
+                "rank: a LoRA rank must be at least 1 (use create_training_client for full fine-tuning)"
+            )
+        return self._create(
+            base_model=base_model,
+            lora_rank=rank,
+            lora_alpha=alpha or 0.0,
+            seed=seed,
+            dtype=dtype or "",
+        )
+
+    def create_training_client(
+        self, base_model: str, seed: int = 0, *, dtype: str | None = None
+    ) -> TrainingClient:
+        """A full fine-tune: every weight trains (and every published version is a copy)."""
+        return self._create(base_model=base_model, lora_rank=0, seed=seed, dtype=dtype or "")
+
+    def create_training_client_from_state(self, path: str) -> TrainingClient:
+        """A new model initialised from a ``treadle://`` checkpoint (weights,
+        optimizer state and step)."""
+        return self._create(from_state=path)
+
+    def _create(self, **fields: Any) -> TrainingClient:
+        info = self._caller.call(
+            self._training.CreateModel,
+            training_pb2.CreateModelRequest(**fields),
+            _convert.model_info_from_wire,
+        ).result()
+        return TrainingClient(self, info)
+
+    def get_training_client(self, model_id: str) -> TrainingClient:
+        """Reattach to an existing model (continues at the server's next seq_id)."""
+        return TrainingClient(self, self.get_model_info(model_id))
+
+    def get_model_info(self, model_id: str) -> ModelInfo:
+        return self._caller.call(
+            self._training.GetModelInfo,
+            training_pb2.GetModelInfoRequest(model_id=model_id),
+            _convert.model_info_from_wire,
+        ).result()
+
+    def list_models(self) -> list[ModelInfo]:
+        return self._caller.call(
+            self._training.ListModels,
+            training_pb2.ListModelsRequest(),
+            lambda r: [_convert.model_info_from_wire(m) for m in r.models],
+        ).result()
+
+    def delete_model(self, model_id: str) -> None:
+        self._caller.call(
+            self._training.DeleteModel,
+            training_pb2.DeleteModelRequest(model_id=model_id),
+            lambda r: None,
+        ).result()
+
+    # ---- sampling ----------------------------------------------------------------
+
+    def create_sampling_client(
+        self,
+        base_model: str | None = None,
+        *,
+        weights: str | None = None,
+        model_path: str | None = None,
+    ) -> SamplingClient:
+        """A sampler on ``base_model`` (no adapter), or on ``weights``: a
+        ``treadle://<model_id>/v/<version>`` path (pinned) or
+        ``treadle://<model_id>/latest`` (follows every ``sync_weights``).
+        ``model_path`` is the tinker name for ``weights``."""
+        weights = weights or model_path
+        if (base_model is None) == (weights is None):
+            raise InvalidArgumentError(
+                "create_sampling_client: give exactly one of base_model or weights"
+            )
+        request = (
+            sampling_pb2.CreateSamplerRequest(base_model=base_model)
+            if base_model is not None
+            else sampling_pb2.CreateSamplerRequest(weights=weights)
+        )
+        info = self._caller.call(self._sampling.CreateSampler, request, lambda r: r)
+        info.result()  # surface NOT_FOUND etc. here, where the user asked
+        return SamplingClient(self, info)
+
+    # ---- server ------------------------------------------------------------------
+
+    def get_server_info(self) -> ServerInfo:
+        return self._caller.call(
+            self._server.GetServerInfo,
+            server_pb2.GetServerInfoRequest(),
+            _convert.server_info_from_wire,
+        ).result()
+
+    def get_server_info_async(self) -> APIFuture[ServerInfo]:
+        return APIFuture(
+            self._caller.call(
+                self._server.GetServerInfo,
+                server_pb2.GetServerInfoRequest(),
+                _convert.server_info_from_wire,
+            )
+        )
+
+    def get_tokenizer(self, base_model: str) -> Tokenizer:
+        """Download (once) and load a base model's tokenizer files."""
+        if base_model in self._tokenizers:
+            return self._tokenizers[base_model]
+        key = hashlib.sha256(f"{self.address}|{base_model}".encode()).hexdigest()[:16]
+        cache_root = Path(os.environ.get("TREADLE_CACHE_DIR", Path.home() / ".cache" / "treadle"))
+        directory = cache_root / "tokenizers" / key
+        directory.mkdir(parents=True, exist_ok=True)
+        files: dict[str, bytearray] = {}
+        stream = self._server.GetTokenizer(
+            server_pb2.GetTokenizerRequest(base_model=base_model), metadata=self._caller.metadata
+        )
+        try:
+            for chunk in stream:
+                files.setdefault(chunk.file_name, bytearray()).extend(chunk.data)
+        except Exception as err:
+            from treadle._rpc import error_from_rpc
+
+            raise error_from_rpc(err) from None  # type: ignore[arg-type]
+        for name, data in files.items():
+            (directory / Path(name).name).write_bytes(bytes(data))
+        tok = Tokenizer(directory)
+        self._tokenizers[base_model] = tok
+        return tok
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> ServiceClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,177 @@
+"""TrainingClient: the ordered training primitives of one model.
+
+Every call gets the next ``seq_id`` at submission and goes out at once; the
+engine applies them in ``seq_id`` order, so a ``forward_backward`` and its
+``optim_step`` can be in flight together, and a retried call is applied once.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any
+
+from treadle import _convert
+from treadle.futures import APIFuture
+from treadle.sampling_client import SamplingClient
+from treadle.types import (
+    AdamParams,
+    CheckpointInfo,
+    Datum,
+    ForwardBackwardOutput,
+    ModelInfo,
+    OptimStepResponse,
+    SaveStateResponse,
+)
+from treadle.v1 import sampling_pb2, training_pb2
+
+if TYPE_CHECKING:
+    from treadle.service_client import ServiceClient
+    from treadle.tokenizer import Tokenizer
+
+
+class TrainingClient:
+    def __init__(self, service: ServiceClient, info: ModelInfo) -> None:
+        self._service = service
+        self.model_id = info.model_id
+        self.base_model = info.base_model
+        self._info = info
+        self._lock = threading.Lock()
+        self._next_seq = info.next_seq_id
+
+    # ---- sequence numbers ---------------------------------------------------------
+
+    def _take_seq(self) -> int:
+        with self._lock:
+            seq = self._next_seq
+            self._next_seq += 1
+            return seq
+
+    def resync(self) -> int:
+        """Continue from the server's next expected seq_id (after a server restart
+        brought the model back to its last checkpoint)."""
+        info = self.get_info()
+        with self._lock:
+            self._next_seq = info.next_seq_id
+        return info.next_seq_id
+
+    def _call(self, method: Any, request: Any, convert: Callable[[Any], Any]) -> APIFuture[Any]:
+        return APIFuture(self._service._caller.call(method, request, convert))
+
+    # ---- the primitives -------------------------------------------------------------
+
+    def forward_backward(
+        self,
+        data: Sequence[Datum],
+        loss_fn: str = "cross_entropy",
+        loss_fn_config: Mapping[str, float] | None = None,
+        *,
+        temperature: float = 1.0,
+    ) -> APIFuture[ForwardBackwardOutput]:
+        """Accumulate the gradient of ``sum(loss)`` over ``data`` (no hidden mean)."""
+        request = training_pb2.ForwardBackwardRequest(
+            model_id=self.model_id,
+            loss_fn=_convert.loss_fn_to_wire(loss_fn),
+            loss_fn_config={k: float(v) for k, v in (loss_fn_config or {}).items()},
+            temperature=temperature,
+        )
+        request.data.extend(_convert.datums_to_wire(data))
+        request.seq_id = self._take_seq()
+        return self._call(
+            self._service._training.ForwardBackward, request, _convert.forward_output_from_wire
+        )
+
+    def forward_logprobs(
+        self, data: Sequence[Datum], *, reference: bool = False, temperature: float = 1.0
+    ) -> APIFuture[ForwardBackwardOutput]:
+        """Per-token logprobs of each datum's targets; ``reference=True`` uses the
+        base model (adapter off), the usual KL reference."""
+        request = training_pb2.ForwardLogprobsRequest(
+            model_id=self.model_id, reference=reference, temperature=temperature
+        )
+        request.data.extend(_convert.datums_to_wire(data))
+        request.seq_id = self._take_seq()
+        return self._call(
+            self._service._training.ForwardLogprobs, request, _convert.forward_output_from_wire
+        )
+
+    def optim_step(self, adam_params: AdamParams | None = None) -> APIFuture[OptimStepResponse]:
+        request = training_pb2.OptimStepRequest(
+            model_id=self.model_id,
+            adam_params=_convert.adam_to_wire(adam_params or AdamParams()),
+            seq_id=self._take_seq(),
+        )
+        return self._call(
+            self._service._training.OptimStep,
+            request,
+            lambda r: OptimStepResponse(step=r.step, metrics=dict(r.metrics)),
+        )
+
+    def sync_weights(self) -> SamplingClient:
+        """Publish the current weights as version v (= optimizer steps applied) and
+        return a sampler pinned to it. Returns at once; sampling calls made on the
+        client wait for the sync to land."""
+        request = training_pb2.SyncWeightsRequest(
+            model_id=self.model_id, create_sampler=True, seq_id=self._take_seq()
+        )
+        info: Future[sampling_pb2.SamplerInfo] = self._service._caller.call(
+            self._service._training.SyncWeights,
+            request,
+            lambda r: sampling_pb2.SamplerInfo(
+                sampler_id=r.sampler_id,
+                base_model=self.base_model,
+                model_id=self.model_id,
+                version=r.version,
+            ),
+        )
+        return SamplingClient(self._service, info)
+
+    def save_state(self, name: str) -> APIFuture[SaveStateResponse]:
+        """Checkpoint weights + optimizer state + step; returns a ``treadle://`` path."""
+        request = training_pb2.SaveStateRequest(
+            model_id=self.model_id, name=name, seq_id=self._take_seq()
+        )
+        return self._call(
+            self._service._training.SaveState,
+            request,
+            lambda r: SaveStateResponse(path=r.path, seq_id=r.seq_id, step=r.step),
+        )
+
+    def load_state(self, path: str) -> APIFuture[int]:
+        """Replace this model's weights, optimizer state and step with a checkpoint's."""
+        request = training_pb2.LoadStateRequest(
+            model_id=self.model_id, path=path, seq_id=self._take_seq()
+        )
+        return self._call(self._service._training.LoadState, request, lambda r: int(r.step))
+
+    # ---- information --------------------------------------------------------------
+
+    def get_info(self) -> ModelInfo:
+        request = training_pb2.GetModelInfoRequest(model_id=self.model_id)
+        return self._service._caller.call(
+            self._service._training.GetModelInfo, request, _convert.model_info_from_wire
+        ).result()
+
+    def list_checkpoints(self) -> list[CheckpointInfo]:
+        request = training_pb2.ListCheckpointsRequest(model_id=self.model_id)
+        return self._service._caller.call(
+            self._service._training.ListCheckpoints,
+            request,
+            lambda r: [_convert.checkpoint_from_wire(c) for c in r.checkpoints],
+        ).result()
+
+    def get_tokenizer(self) -> Tokenizer:
+        return self._service.get_tokenizer(self.base_model)
+
+    # ---- tinker-compatible aliases ------------------------------------------------
+
+    def forward(
+        self, data: Sequence[Datum], loss_fn: str = "cross_entropy", **_: Any
+    ) -> APIFuture[ForwardBackwardOutput]:
+        """tinker's name for a forward-only pass (``forward_logprobs``)."""
+        return self.forward_logprobs(data)
+
+    def save_weights_and_get_sampling_client(self, name: str | None = None) -> SamplingClient:
+        """tinker's name for ``sync_weights``."""
+        return self.sync_weights()

@@ -1,0 +1,136 @@
+"""The ``treadle`` command: serve, worker-less embedded server, tiny models, demo."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+from pathlib import Path
+
+from treadle.errors import TreadleError
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from treadle.server.app import create_server
+    from treadle.server.config import config_from_args
+
+    config = config_from_args(args)
+    if not config.models:
+        print(
+            "treadle serve: no base model; pass --model DIR (make one with `treadle make-model --tiny DIR`)",
+            file=sys.stderr,
+        )
+        return 2
+
+    async def main() -> None:
+        server, port, ctx = await create_server(config)
+        await server.start()
+        print(
+            f"treadle: serving {', '.join(config.models)} on {config.host}:{port} "
+            f"(data in {config.data_dir.resolve()}, database {ctx.config.resolved_database_url})",
+            flush=True,
+        )
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        print("treadle: shutting down", flush=True)
+        await server.stop(grace=5)
+        ctx.dispatcher.close()
+
+    asyncio.run(main())
+    return 0
+
+
+def _make_model(args: argparse.Namespace) -> int:
+    from treadle.workers.model.tiny import build_tiny_model
+
+    if not args.tiny:
+        print(
+            "treadle make-model: only --tiny models can be built here (no downloads)",
+            file=sys.stderr,
+        )
+        return 2
+    path = build_tiny_model(Path(args.dir), preset=args.preset, seed=args.seed, arch=args.arch)
+    print(f"treadle: wrote a {args.preset} {args.arch} model with random weights to {path}")
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from treadle.server.demo import DemoOptions, run_demo
+
+    return run_demo(
+        DemoOptions(
+            data_dir=Path(args.data_dir),
+            quick=args.quick,
+            seed=args.seed,
+            out=Path(args.out) if args.out else None,
+        )
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from treadle.server.config import add_server_flags
+
+    parser = argparse.ArgumentParser(
+        prog="treadle", description="Self-hosted RL training-as-a-service for LLMs"
+    )
+    parser.add_argument("-v", "--verbose", action="store_true")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser(
+        "serve", help="run the embedded server (SQLite, local checkpoints, in-process engine)"
+    )
+    add_server_flags(serve)
+    serve.set_defaults(fn=_serve)
+
+    make = sub.add_parser(
+        "make-model", help="build a small Llama-style model locally (random weights)"
+    )
+    make.add_argument("dir")
+    make.add_argument(
+        "--tiny", action="store_true", help="random weights and a character tokenizer, no downloads"
+    )
+    make.add_argument("--preset", default="tiny", choices=["tiny", "demo", "5m", "110m"])
+    make.add_argument("--arch", default="llama", choices=["llama", "qwen2", "qwen3"])
+    make.add_argument("--seed", type=int, default=0)
+    make.set_defaults(fn=_make_model)
+
+    demo = sub.add_parser(
+        "demo", help="server + tiny model + a real RL loop (SFT warm-up, then GRPO)"
+    )
+    demo.add_argument("--data-dir", default="treadle-data/demo")
+    demo.add_argument(
+        "--out", default=None, help="reward-curve PNG (default: DATA_DIR/reward_curve.png)"
+    )
+    demo.add_argument("--quick", action="store_true", help="a shorter run (for tests)")
+    demo.add_argument("--seed", type=int, default=0)
+    demo.set_defaults(fn=_demo)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+    )
+    try:
+        return int(args.fn(args))
+    except TreadleError as err:
+        print(f"treadle: {err}", file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as err:
+        print(
+            f"treadle: {err.name} is missing; install the server: pip install 'treadle[server]'",
+            file=sys.stderr,
+        )
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,51 @@
+"""What every servicer shares: config, database sessions, the dispatcher, the
+checkpoint store, the authenticator, and the tenant lookups they all need."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import grpc
+from sqlalchemy.orm import Session, sessionmaker
+
+from treadle.errors import NotFoundError
+from treadle.server.auth import Authenticator
+from treadle.server.config import ServerConfig
+from treadle.server.db import models as db
+from treadle.server.db import queries
+from treadle.server.dispatch import Dispatcher
+from treadle.server.store import LocalStore
+
+
+@dataclass
+class ServerContext:
+    config: ServerConfig
+    sessions: sessionmaker[Session]
+    dispatcher: Dispatcher
+    store: LocalStore
+    auth: Authenticator
+    #: model_id -> tenant_id of live models, so the hot path skips a DB read
+    owners: dict[str, str] = field(default_factory=dict)
+
+    def tenant(self, context: grpc.aio.ServicerContext) -> str:
+        return self.auth.tenant_for(context.invocation_metadata())
+
+    @contextmanager
+    def session(self) -> Iterator[Session]:
+        with self.sessions() as s:
+            yield s
+            s.commit()
+
+    def require_model(self, tenant_id: str, model_id: str) -> None:
+        """NOT_FOUND for a missing model and for another tenant's (indistinguishable)."""
+        owner = self.owners.get(model_id)
+        if owner is None or owner != tenant_id:
+            raise NotFoundError(f"model {model_id!r} not found")
+
+    def model_row(self, s: Session, tenant_id: str, model_id: str) -> db.Model:
+        row = queries.get_model(s, tenant_id, model_id)
+        if row is None:
+            raise NotFoundError(f"model {model_id!r} not found")
+        return row

@@ -1,0 +1,128 @@
+"""Wire messages -> engine domain types, and engine results -> wire messages.
+
+The one place the server turns protobuf into domain objects; field names in
+errors are the wire's, so a client sees which field was wrong.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+
+import numpy as np
+
+from treadle._tensor import from_wire, to_wire
+from treadle.errors import InvalidArgumentError
+from treadle.v1 import common_pb2, sampling_pb2, training_pb2
+from treadle.workers.domain import (
+    AdamConfig,
+    DatumData,
+    ForwardBackwardOp,
+    ForwardLogprobsOp,
+    ForwardResult,
+    SampleOp,
+    SampleResult,
+    SamplingConfig,
+)
+
+_STOP_REASONS = {
+    "stop": common_pb2.STOP,
+    "length": common_pb2.LENGTH,
+    "cancelled": common_pb2.CANCELLED,
+    "partial": common_pb2.PARTIAL,
+}
+
+
+def digest(request: object) -> str:
+    """A stable digest of a request's payload, for seq_id de-duplication."""
+    data = request.SerializeToString(deterministic=True)  # type: ignore[attr-defined]
+    return hashlib.blake2b(data, digest_size=16).hexdigest()
+
+
+def loss_name(value: int) -> str:
+    if value == common_pb2.LOSS_FN_UNSPECIFIED or value not in common_pb2.LossFn.values():
+        raise InvalidArgumentError(f"loss_fn: unknown or unspecified loss ({value})")
+    return common_pb2.LossFn.Name(value).lower()
+
+
+def datums(msgs: Sequence[common_pb2.Datum]) -> tuple[DatumData, ...]:
+    if not msgs:
+        raise InvalidArgumentError("data: empty batch")
+    out = []
+    for i, msg in enumerate(msgs):
+        tokens = from_wire(msg.model_input, f"data[{i}].model_input")
+        if tokens.dtype.kind not in "iu":
+            raise InvalidArgumentError(f"data[{i}].model_input: token ids must be integers")
+        inputs = {
+            k: from_wire(v, f"data[{i}].loss_fn_inputs.{k}").reshape(-1)
+            for k, v in msg.loss_fn_inputs.items()
+        }
+        out.append(DatumData(tokens=tokens.reshape(-1).astype(np.int64), inputs=inputs))
+    return tuple(out)
+
+
+def _temperature(value: float) -> float:
+    return 1.0 if value == 0 else value
+
+
+def forward_backward_op(req: training_pb2.ForwardBackwardRequest) -> ForwardBackwardOp:
+    return ForwardBackwardOp(
+        data=datums(req.data),
+        loss_fn=loss_name(req.loss_fn),
+        loss_config=dict(req.loss_fn_config),
+        temperature=_temperature(req.temperature),
+    )
+
+
+def forward_logprobs_op(req: training_pb2.ForwardLogprobsRequest) -> ForwardLogprobsOp:
+    return ForwardLogprobsOp(
+        data=datums(req.data), reference=req.reference, temperature=_temperature(req.temperature)
+    )
+
+
+def adam(msg: training_pb2.AdamParams) -> AdamConfig:
+    return AdamConfig(
+        learning_rate=msg.learning_rate,
+        beta1=msg.beta1,
+        beta2=msg.beta2,
+        eps=msg.eps,
+        weight_decay=msg.weight_decay,
+        grad_clip_norm=msg.grad_clip_norm,
+    )
+
+
+def forward_output(result: ForwardResult) -> training_pb2.ForwardOutput:
+    msg = training_pb2.ForwardOutput(metrics=dict(result.metrics))
+    for lp in result.logprobs:
+        out = msg.outputs.add()
+        to_wire(lp, out.outputs["logprobs"])
+    return msg
+
+
+def sample_op(req: sampling_pb2.SampleRequest) -> SampleOp:
+    prompt = from_wire(req.prompt, "prompt").reshape(-1)
+    if prompt.dtype.kind not in "iu":
+        raise InvalidArgumentError("prompt: token ids must be integers")
+    p = req.params
+    params = SamplingConfig(
+        max_tokens=p.max_tokens,
+        temperature=p.temperature,
+        top_p=p.top_p if p.top_p != 0 else 1.0,
+        top_k=p.top_k if p.top_k != 0 else -1,
+        stop_strings=tuple(p.stop),
+        stop_token_ids=tuple(int(t) for t in p.stop_token_ids),
+        seed=p.seed if p.HasField("seed") else None,
+    )
+    return SampleOp(prompt=prompt.astype(np.int64), num_samples=req.num_samples, params=params)
+
+
+def sample_response(result: SampleResult) -> sampling_pb2.SampleResponse:
+    msg = sampling_pb2.SampleResponse()
+    for seq in result.sequences:
+        out = msg.sequences.add()
+        to_wire(seq.tokens.astype(np.int32), out.tokens)
+        to_wire(seq.logprobs.astype(np.float32), out.logprobs)
+        out.stop_reason = _STOP_REASONS[seq.stop_reason]
+        for start, length, version in seq.versions:
+            out.versions.add(start=start, length=length, version=version)
+    return msg

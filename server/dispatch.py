@@ -1,0 +1,91 @@
+"""Dispatch: how the server hands work to an engine.
+
+``InProcessDispatcher`` drives an engine in this process (the embedded
+default). A distributed dispatcher (Celery) implements the same interface, so
+servicers never know where the engine runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Protocol, TypeVar
+
+from treadle.workers.domain import (
+    ModelSpec,
+    ModelStatus,
+    OpResult,
+    OrderedOp,
+    SampleOp,
+    SampleResult,
+    SamplerTarget,
+)
+from treadle.workers.engine import Engine
+from treadle.workers.model.config import ModelConfig
+
+T = TypeVar("T")
+
+
+class Dispatcher(Protocol):
+    async def create_model(
+        self, spec: ModelSpec, *, from_state: Path | None, next_seq_id: int
+    ) -> ModelStatus: ...
+    async def delete_model(self, model_id: str) -> None: ...
+    async def submit(self, model_id: str, seq_id: int, op: OrderedOp, digest: str) -> OpResult: ...
+    async def sample(
+        self, target: SamplerTarget, op: SampleOp, dedupe_key: tuple[str, int, str] | None
+    ) -> SampleResult: ...
+    async def check_sampler_target(self, target: SamplerTarget) -> int: ...
+    def model_status(self, model_id: str) -> ModelStatus: ...
+    def base_model_config(self, name: str) -> ModelConfig: ...
+    def base_model_path(self, name: str) -> Path: ...
+    def base_model_names(self) -> list[str]: ...
+    def close(self) -> None: ...
+
+
+async def _await(fut: Future[T]) -> T:
+    """Await an engine future; cancelling the awaiting task cancels the work
+    where the engine can still drop it (queued samples, running samples)."""
+    return await asyncio.wrap_future(fut)
+
+
+class InProcessDispatcher:
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    async def create_model(
+        self, spec: ModelSpec, *, from_state: Path | None, next_seq_id: int
+    ) -> ModelStatus:
+        return await _await(
+            self.engine.create_model(spec, from_state=from_state, next_seq_id=next_seq_id)
+        )
+
+    async def delete_model(self, model_id: str) -> None:
+        await _await(self.engine.delete_model(model_id))
+
+    async def submit(self, model_id: str, seq_id: int, op: OrderedOp, digest: str) -> OpResult:
+        return await _await(self.engine.submit(model_id, seq_id, op, digest))
+
+    async def sample(
+        self, target: SamplerTarget, op: SampleOp, dedupe_key: tuple[str, int, str] | None
+    ) -> SampleResult:
+        return await _await(self.engine.sample(target, op, dedupe_key=dedupe_key))
+
+    async def check_sampler_target(self, target: SamplerTarget) -> int:
+        return await _await(self.engine.check_sampler_target(target))
+
+    def model_status(self, model_id: str) -> ModelStatus:
+        return self.engine.model_status(model_id)
+
+    def base_model_config(self, name: str) -> ModelConfig:
+        return self.engine.bases.config(name)
+
+    def base_model_path(self, name: str) -> Path:
+        return self.engine.bases.path(name)
+
+    def base_model_names(self) -> list[str]:
+        return self.engine.bases.names()
+
+    def close(self) -> None:
+        self.engine.stop()

@@ -1,0 +1,91 @@
+"""SamplingService: samplers are tenant resources; Sample reads their weights."""
+
+from __future__ import annotations
+
+import grpc
+
+from treadle.errors import InvalidArgumentError, NotFoundError
+from treadle.server import convert
+from treadle.server.context import ServerContext
+from treadle.server.db import queries
+from treadle.server.store import parse_weights_uri
+from treadle.v1 import sampling_pb2, sampling_pb2_grpc
+from treadle.workers.domain import SamplerTarget
+
+
+class SamplingServicer(sampling_pb2_grpc.SamplingServiceServicer):
+    def __init__(self, ctx: ServerContext) -> None:
+        self.ctx = ctx
+        self._targets: dict[str, tuple[str, SamplerTarget]] = {}  # sampler_id -> (tenant, target)
+
+    async def CreateSampler(
+        self, request: sampling_pb2.CreateSamplerRequest, context: grpc.aio.ServicerContext
+    ) -> sampling_pb2.SamplerInfo:
+        ctx = self.ctx
+        tenant = ctx.tenant(context)
+        which = request.WhichOneof("target")
+        if which == "base_model":
+            if request.base_model not in ctx.dispatcher.base_model_names():
+                raise NotFoundError(f"base_model {request.base_model!r} is not served here")
+            target = SamplerTarget(base_model=request.base_model)
+            mode = "base"
+        elif which == "weights":
+            ref = parse_weights_uri(request.weights)
+            with ctx.session() as s:
+                row = queries.get_model(s, tenant, ref.model_id)
+                if row is None:
+                    raise NotFoundError(f"weights {request.weights!r} not found")
+                target = SamplerTarget(
+                    base_model=row.base_model, model_id=row.id, version=ref.version
+                )
+            mode = "latest" if ref.version is None else "version"
+        else:
+            raise InvalidArgumentError("target: give base_model or weights")
+        version = await ctx.dispatcher.check_sampler_target(target)
+        with ctx.session() as s:
+            row_s = queries.create_sampler(
+                s,
+                tenant_id=tenant,
+                base_model=target.base_model,
+                mode=mode,
+                model_id=target.model_id,
+                pinned_version=target.version,
+            )
+            sampler_id = row_s.id
+        self._targets[sampler_id] = (tenant, target)
+        return sampling_pb2.SamplerInfo(
+            sampler_id=sampler_id,
+            base_model=target.base_model,
+            model_id=target.model_id or "",
+            version=-1 if target.follows_latest else version,
+            follows_latest=target.follows_latest,
+        )
+
+    def _target(self, tenant: str, sampler_id: str) -> SamplerTarget:
+        cached = self._targets.get(sampler_id)
+        if cached is None:
+            with self.ctx.session() as s:
+                row = queries.get_sampler(s, tenant, sampler_id)
+                if row is None:
+                    raise NotFoundError(f"sampler {sampler_id!r} not found")
+                target = SamplerTarget(row.base_model, row.model_id, row.pinned_version)
+                cached = (row.tenant_id, target)
+            self._targets[sampler_id] = cached
+        owner, target = cached
+        if owner != tenant:
+            raise NotFoundError(f"sampler {sampler_id!r} not found")
+        return target
+
+    async def Sample(
+        self, request: sampling_pb2.SampleRequest, context: grpc.aio.ServicerContext
+    ) -> sampling_pb2.SampleResponse:
+        tenant = self.ctx.tenant(context)
+        target = self._target(tenant, request.sampler_id)
+        op = convert.sample_op(request)
+        key = (
+            (request.sampler_id, request.seq_id, convert.digest(request))
+            if request.seq_id > 0
+            else None
+        )
+        result = await self.ctx.dispatcher.sample(target, op, key)
+        return convert.sample_response(result)

@@ -1,0 +1,319 @@
+"""TrainingService: model lifecycle and the ordered training primitives."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from treadle.errors import InvalidArgumentError, NotFoundError, TreadleError
+from treadle.server import convert
+from treadle.server.config import DTYPES
+from treadle.server.context import ServerContext
+from treadle.server.db import models as db
+from treadle.server.db import queries
+from treadle.server.store import check_name, parse_state_uri, state_uri, weights_uri
+from treadle.v1 import training_pb2, training_pb2_grpc
+from treadle.workers import checkpoint
+from treadle.workers.domain import (
+    ForwardResult,
+    LoadResult,
+    LoadStateOp,
+    ModelSpec,
+    OptimStepOp,
+    OptimStepResult,
+    OrderedOp,
+    RejectedOp,
+    SaveResult,
+    SaveStateOp,
+    SyncResult,
+    SyncWeightsOp,
+)
+
+log = logging.getLogger("treadle.server")
+MAX_LORA_RANK = 1024
+
+
+class TrainingServicer(training_pb2_grpc.TrainingServiceServicer):
+    def __init__(self, ctx: ServerContext) -> None:
+        self.ctx = ctx
+
+    # ---- lifecycle -----------------------------------------------------------------
+
+    async def CreateModel(
+        self, request: training_pb2.CreateModelRequest, context: grpc.aio.ServicerContext
+    ) -> training_pb2.ModelInfo:
+        ctx = self.ctx
+        tenant = ctx.tenant(context)
+        from_state: Path | None = None
+        if request.from_state:
+            with ctx.session() as s:
+                from_state = self._checkpoint_dir(s, tenant, request.from_state, "from_state")
+            manifest = checkpoint.read_manifest(from_state)
+            base_model, rank = manifest["base_model"], int(manifest["lora_rank"])
+            alpha, seed, dtype = (
+                float(manifest["lora_alpha"]),
+                int(manifest["seed"]),
+                manifest["dtype"],
+            )
+        else:
+            base_model, rank, seed = request.base_model, request.lora_rank, request.seed
+            alpha = request.lora_alpha or float(rank)
+            dtype = request.dtype or ctx.config.default_dtype
+        if not base_model:
+            raise InvalidArgumentError("base_model: required")
+        if base_model not in ctx.dispatcher.base_model_names():
+            raise NotFoundError(
+                f"base_model {base_model!r} is not served here; served: {ctx.dispatcher.base_model_names()}"
+            )
+        if not 0 <= rank <= MAX_LORA_RANK:
+            raise InvalidArgumentError(
+                f"lora_rank: must be in 0..{MAX_LORA_RANK} (0 = full fine-tune), got {rank}"
+            )
+        if alpha < 0:
+            raise InvalidArgumentError(f"lora_alpha: must be >= 0, got {alpha}")
+        if dtype not in DTYPES:
+            raise InvalidArgumentError(f"dtype: {dtype!r}; choose from {DTYPES}")
+        with ctx.session() as s:
+            row = queries.create_model(
+                s,
+                tenant_id=tenant,
+                base_model=base_model,
+                lora_rank=rank,
+                lora_alpha=alpha,
+                seed=seed,
+                dtype=dtype,
+            )
+            model_id = row.id
+        spec = ModelSpec(model_id, tenant, base_model, rank, alpha, seed, dtype)
+        try:
+            status = await ctx.dispatcher.create_model(spec, from_state=from_state, next_seq_id=1)
+        except TreadleError:
+            with ctx.session() as s:
+                queries.mark_model_deleted(s, tenant, model_id)
+            raise
+        ctx.owners[model_id] = tenant
+        with ctx.session() as s:
+            if status.version:
+                queries.update_model_progress(s, model_id, version=status.version)
+            return self._info(ctx.model_row(s, tenant, model_id))
+
+    async def GetModelInfo(
+        self, request: training_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext
+    ) -> training_pb2.ModelInfo:
+        tenant = self.ctx.tenant(context)
+        with self.ctx.session() as s:
+            return self._info(self.ctx.model_row(s, tenant, request.model_id))
+
+    async def ListModels(
+        self, request: training_pb2.ListModelsRequest, context: grpc.aio.ServicerContext
+    ) -> training_pb2.ListModelsResponse:
+        tenant = self.ctx.tenant(context)
+        with self.ctx.session() as s:
+            return training_pb2.ListModelsResponse(
+                models=[self._info(m) for m in queries.list_models(s, tenant)]
+            )
+
+    async def DeleteModel(
+        self, request: training_pb2.DeleteModelRequest, context: grpc.aio.ServicerContext
+    ) -> training_pb2.DeleteModelResponse:
+        tenant = self.ctx.tenant(context)
+        self.ctx.require_model(tenant, request.model_id)
+        with self.ctx.session() as s:
+            queries.mark_model_deleted(s, tenant, request.model_id)
+        self.ctx.owners.pop(request.model_id, None)
+        with contextlib.suppress(NotFoundError):
+            await self.ctx.dispatcher.delete_model(request.model_id)
+        return training_pb2.DeleteModelResponse()
+
+    def _info(self, row: db.Model) -> training_pb2.ModelInfo:
+        info = training_pb2.ModelInfo(
+            model_id=row.id,
+            base_model=row.base_model,
+            is_lora=row.lora_rank > 0,
+            lora_rank=row.lora_rank,
+            dtype=row.dtype,
+            version=row.version,
+            last_checkpoint_seq_id=row.last_checkpoint_seq_id,
+            status=row.status,
+            created_at=row.created_at.timestamp(),
+        )
+        try:
+            status = self.ctx.dispatcher.model_status(row.id)
+        except NotFoundError:
+            return info
+        info.version = status.version
+        info.next_seq_id = status.next_seq_id
+        info.last_checkpoint_seq_id = status.last_checkpoint_seq_id
+        return info
+
+    # ---- ordered primitives -----------------------------------------------------------
+
+    async def _ordered(
+        self,
+        context: grpc.aio.ServicerContext,
+        request: Any,
+        build: Callable[[str], OrderedOp],
+        kind: str,
+    ) -> Any:
+        tenant = self.ctx.tenant(context)
+        self.ctx.require_model(tenant, request.model_id)
+        if request.seq_id < 1:
+            raise InvalidArgumentError(f"seq_id: must be >= 1 (got {request.seq_id})")
+        try:
+            op = build(tenant)
+        except TreadleError as err:
+            op = RejectedOp(err, kind=kind)
+        digest = convert.digest(request)
+        with self.ctx.session() as s:
+            if queries.get_op(s, request.model_id, request.seq_id) is None:
+                queries.record_op(s, request.model_id, request.seq_id, kind, digest)
+        try:
+            result = await self.ctx.dispatcher.submit(request.model_id, request.seq_id, op, digest)
+        except TreadleError as err:
+            self._finish(request, "failed", err.code)
+            raise
+        self._finish(request, "done", None)
+        return result
+
+    def _finish(self, request: Any, status: str, code: str | None) -> None:
+        with self.ctx.session() as s:
+            op = queries.get_op(s, request.model_id, request.seq_id)
+            if op is not None and op.status == "pending":
+                queries.finish_op(s, request.model_id, request.seq_id, status, code)
+
+    async def ForwardBackward(
+        self, request: training_pb2.ForwardBackwardRequest, context: grpc.aio.ServicerContext
+    ) -> training_pb2.ForwardOutput:
+        result: ForwardResult = await self._ordered(
+            context, request, lambda _: convert.forward_backward_op(request), "forward_backward"
+        )
+        return convert.forward_output(result)
+
+    async def ForwardLogprobs(
+        self, request: training_pb2.ForwardLogprobsRequest, context: grpc.aio.ServicerContext
+    ) -> training_pb2.ForwardOutput:
+        result: ForwardResult = await self._ordered(
+            context, request, lambda _: convert.forward_logprobs_op(request), "forward_logprobs"
+        )
+        return convert.forward_output(result)
+
+    async def OptimStep(
+        self, request: training_pb2.OptimStepRequest, context: grpc.aio.ServicerContext
+    ) -> training_pb2.OptimStepResponse:
+        def build(_: str) -> OrderedOp:
+            if not request.HasField("adam_params"):
+                raise InvalidArgumentError("adam_params: required")
+            return OptimStepOp(convert.adam(request.adam_params))
+
+        result: OptimStepResult = await self._ordered(context, request, build, "optim_step")
+        with self.ctx.session() as s:
+            queries.update_model_progress(s, request.model_id, version=result.step)
+        return training_pb2.OptimStepResponse(step=result.step, metrics=dict(result.metrics))
+
+    async def SyncWeights(
+        self, request: training_pb2.SyncWeightsRequest, context: grpc.aio.ServicerContext
+    ) -> training_pb2.SyncWeightsResponse:
+        tenant = self.ctx.tenant(context)
+        result: SyncResult = await self._ordered(
+            context, request, lambda _: SyncWeightsOp(), "sync_weights"
+        )
+        uri = weights_uri(request.model_id, result.version)
+        response = training_pb2.SyncWeightsResponse(version=result.version, weights_uri=uri)
+        with self.ctx.session() as s:
+            if s.get(db.WeightVersion, (request.model_id, result.version)) is None:
+                queries.add_weight_version(s, request.model_id, result.version, uri)
+            queries.release_weight_versions(s, request.model_id, self.ctx.config.keep_versions)
+            if request.create_sampler:
+                row = self.ctx.model_row(s, tenant, request.model_id)
+                sampler = queries.create_sampler(
+                    s,
+                    tenant_id=tenant,
+                    base_model=row.base_model,
+                    mode="version",
+                    model_id=request.model_id,
+                    pinned_version=result.version,
+                )
+                response.sampler_id = sampler.id
+        return response
+
+    async def SaveState(
+        self, request: training_pb2.SaveStateRequest, context: grpc.aio.ServicerContext
+    ) -> training_pb2.SaveStateResponse:
+        tenant = self.ctx.tenant(context)
+
+        def build(_: str) -> OrderedOp:
+            name = check_name(request.name)
+            return SaveStateOp(name, str(self.ctx.store.state_dir(tenant, request.model_id, name)))
+
+        result: SaveResult = await self._ordered(context, request, build, "save_state")
+        uri = state_uri(request.model_id, request.name)
+        with self.ctx.session() as s:
+            existing = queries.get_checkpoint_by_uri(s, tenant, uri)
+            if existing is not None and existing.seq_id != result.seq_id:
+                s.delete(existing)
+                s.flush()
+                existing = None
+            if existing is None:
+                existing = queries.add_checkpoint(
+                    s,
+                    tenant_id=tenant,
+                    model_id=request.model_id,
+                    name=request.name,
+                    uri=uri,
+                    storage_path=str(
+                        self.ctx.store.state_dir(tenant, request.model_id, request.name)
+                    ),
+                    seq_id=result.seq_id,
+                    step=result.step,
+                    kind="state",
+                    size_bytes=result.size_bytes,
+                )
+            queries.update_model_progress(s, request.model_id, last_checkpoint=existing)
+        return training_pb2.SaveStateResponse(path=uri, seq_id=result.seq_id, step=result.step)
+
+    async def LoadState(
+        self, request: training_pb2.LoadStateRequest, context: grpc.aio.ServicerContext
+    ) -> training_pb2.LoadStateResponse:
+        tenant = self.ctx.tenant(context)
+
+        def build(_: str) -> OrderedOp:
+            with self.ctx.session() as s:
+                return LoadStateOp(str(self._checkpoint_dir(s, tenant, request.path, "path")))
+
+        result: LoadResult = await self._ordered(context, request, build, "load_state")
+        with self.ctx.session() as s:
+            queries.update_model_progress(s, request.model_id, version=result.step)
+        return training_pb2.LoadStateResponse(step=result.step)
+
+    async def ListCheckpoints(
+        self, request: training_pb2.ListCheckpointsRequest, context: grpc.aio.ServicerContext
+    ) -> training_pb2.ListCheckpointsResponse:
+        tenant = self.ctx.tenant(context)
+        with self.ctx.session() as s:
+            self.ctx.model_row(s, tenant, request.model_id)
+            rows = queries.list_checkpoints(s, tenant, request.model_id)
+            return training_pb2.ListCheckpointsResponse(
+                checkpoints=[
+                    training_pb2.Checkpoint(
+                        path=c.uri,
+                        name=c.name,
+                        seq_id=c.seq_id,
+                        step=c.step,
+                        created_at=c.created_at.timestamp(),
+                        size_bytes=c.size_bytes,
+                    )
+                    for c in rows
+                ]
+            )
+
+    def _checkpoint_dir(self, s: Any, tenant: str, uri: str, field: str) -> Path:
+        parse_state_uri(uri, field)
+        row = queries.get_checkpoint_by_uri(s, tenant, uri)
+        if row is None:
+            raise NotFoundError(f"{field}: checkpoint {uri!r} not found")
+        return Path(row.storage_path)

@@ -1,0 +1,216 @@
+"""Domain types of the engine: frozen dataclasses, no protobuf, no torch.
+
+The server converts wire messages into these (``treadle.server.convert``) and the
+engine works only with them, so the engine runs the same behind the in-process
+dispatcher and behind a Celery worker.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+
+#: Ops that nothing after them may overtake (DESIGN.md, invariant 1).
+BARRIER_KINDS = frozenset({"optim_step", "sync_weights", "save_state", "load_state"})
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    model_id: str
+    tenant_id: str
+    base_model: str
+    lora_rank: int  # 0 = full fine-tune
+    lora_alpha: float
+    seed: int
+    dtype: str  # "float32" | "float64" | "bfloat16"
+
+    @property
+    def is_lora(self) -> bool:
+        return self.lora_rank > 0
+
+
+@dataclass(frozen=True)
+class DatumData:
+    """One datum: input tokens [T] and per-token loss inputs [T] (next-token aligned)."""
+
+    tokens: np.ndarray
+    inputs: Mapping[str, np.ndarray] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class AdamConfig:
+    learning_rate: float = 1e-4
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-12
+    weight_decay: float = 0.0
+    grad_clip_norm: float = 0.0
+
+
+# ---- ordered ops -------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ForwardBackwardOp:
+    data: tuple[DatumData, ...]
+    loss_fn: str
+    loss_config: Mapping[str, float]
+    temperature: float = 1.0
+    kind: str = "forward_backward"
+
+
+@dataclass(frozen=True)
+class ForwardLogprobsOp:
+    data: tuple[DatumData, ...]
+    reference: bool = False
+    temperature: float = 1.0
+    kind: str = "forward_logprobs"
+
+
+@dataclass(frozen=True)
+class OptimStepOp:
+    adam: AdamConfig
+    kind: str = "optim_step"
+
+
+@dataclass(frozen=True)
+class SyncWeightsOp:
+    kind: str = "sync_weights"
+
+
+@dataclass(frozen=True)
+class SaveStateOp:
+    name: str
+    directory: str  # where the engine writes; resolved by the server's store
+    kind: str = "save_state"
+
+
+@dataclass(frozen=True)
+class LoadStateOp:
+    directory: str
+    kind: str = "load_state"
+
+
+@dataclass(frozen=True)
+class RejectedOp:
+    """A call the server could not even decode (bad input, unknown path). It still
+    takes its seq_id, so later calls are not left waiting for it, and a repeat
+    answers the same error."""
+
+    error: Exception
+    kind: str = "rejected"
+
+
+OrderedOp = (
+    RejectedOp
+    | ForwardBackwardOp
+    | ForwardLogprobsOp
+    | OptimStepOp
+    | SyncWeightsOp
+    | SaveStateOp
+    | LoadStateOp
+)
+
+
+# ---- results -----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ForwardResult:
+    logprobs: tuple[np.ndarray, ...]  # one [T] array per datum
+    metrics: Mapping[str, float]
+
+
+@dataclass(frozen=True)
+class OptimStepResult:
+    step: int
+    metrics: Mapping[str, float]
+
+
+@dataclass(frozen=True)
+class SyncResult:
+    version: int
+
+
+@dataclass(frozen=True)
+class SaveResult:
+    step: int
+    seq_id: int
+    size_bytes: int
+
+
+@dataclass(frozen=True)
+class LoadResult:
+    step: int
+
+
+OpResult = ForwardResult | OptimStepResult | SyncResult | SaveResult | LoadResult
+
+
+# ---- sampling ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1 = off
+    stop_strings: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None
+
+
+@dataclass(frozen=True)
+class SamplerTarget:
+    """Which weights a sampler reads: the base, one version, or a model's latest."""
+
+    base_model: str
+    model_id: str | None = None
+    version: int | None = None  # None with a model_id = follow latest
+
+    @property
+    def follows_latest(self) -> bool:
+        return self.model_id is not None and self.version is None
+
+
+@dataclass(frozen=True)
+class SampleOp:
+    prompt: np.ndarray  # int64 [T]
+    num_samples: int
+    params: SamplingConfig
+
+
+@dataclass(frozen=True)
+class SequenceResult:
+    tokens: np.ndarray  # int64 [n]
+    logprobs: np.ndarray  # float32 [n]
+    stop_reason: str  # "stop" | "length" | "cancelled"
+    versions: tuple[tuple[int, int, int], ...]  # (start, length, version) spans
+
+
+@dataclass(frozen=True)
+class SampleResult:
+    sequences: tuple[SequenceResult, ...]
+
+
+@dataclass(frozen=True)
+class ModelStatus:
+    model_id: str
+    version: int
+    next_seq_id: int
+    last_checkpoint_seq_id: int
+
+
+def version_spans(token_versions: list[int]) -> tuple[tuple[int, int, int], ...]:
+    """Run-length encode per-token versions into (start, length, version) spans."""
+    spans: list[tuple[int, int, int]] = []
+    for i, v in enumerate(token_versions):
+        if spans and spans[-1][2] == v:
+            start, length, _ = spans[-1]
+            spans[-1] = (start, length + 1, v)
+        else:
+            spans.append((i, 1, v))
+    return tuple(spans)

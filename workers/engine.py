@@ -1,0 +1,401 @@
+"""The worker engine: owns the base models, every training model, the sampler
+and the scheduler, and runs them on one thread.
+
+Callers (the in-process dispatcher, or a Celery task) hand work over through
+thread-safe methods that return ``concurrent.futures.Future`` at once; nothing
+ever blocks waiting for ``seq_id`` order outside this thread. The loop is
+vLLM's: ``schedule()`` -> execute -> ``complete()``, then one sampler step.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+import traceback
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+
+from treadle.errors import (
+    AbortedError,
+    FailedPreconditionError,
+    InternalError,
+    InvalidArgumentError,
+    NotFoundError,
+    TreadleError,
+    UnavailableError,
+)
+from treadle.workers import checkpoint, trainer
+from treadle.workers.base_models import BaseModelRegistry, parse_dtype
+from treadle.workers.domain import (
+    ForwardBackwardOp,
+    ForwardLogprobsOp,
+    LoadStateOp,
+    ModelSpec,
+    ModelStatus,
+    OpResult,
+    OptimStepOp,
+    OrderedOp,
+    RejectedOp,
+    SampleOp,
+    SampleResult,
+    SamplerTarget,
+    SaveStateOp,
+    SyncResult,
+    SyncWeightsOp,
+)
+from treadle.workers.sampler import TorchSampler
+from treadle.workers.scheduler import Admission, OrderedCall, Scheduler
+from treadle.workers.trainer import TrainingModel
+from treadle.workers.versions import VersionStore, WeightSnapshot
+
+log = logging.getLogger("treadle.engine")
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    base_models: Mapping[str, str | Path]
+    default_dtype: str = "float32"
+    threads: int = 0  # 0: leave torch's default
+    gap_timeout_s: float = 60.0
+    keep_versions: int = 4
+    sampler_slots: int = 64
+    sampler_max_len: int = 1024
+    max_tokens_per_call: int = 262_144
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+
+class Engine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.bases = BaseModelRegistry(config.base_models)
+        self.scheduler = Scheduler(gap_timeout_s=config.gap_timeout_s)
+        self.versions = VersionStore(config.keep_versions)
+        self.models: dict[str, TrainingModel] = {}
+        self.samplers: dict[tuple[str, torch.dtype], TorchSampler] = {}
+        self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="treadle-engine", daemon=True)
+        self._status: dict[str, ModelStatus] = {}
+        self._status_lock = threading.Lock()
+        self.busy_s = 0.0
+        self._sample_calls: OrderedDict[tuple[str, int], tuple[str, Future[SampleResult]]] = (
+            OrderedDict()
+        )
+        self._sample_lock = threading.Lock()
+
+    # ---- lifecycle ---------------------------------------------------------------------
+
+    def start(self) -> Engine:
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stopping.set()
+        self._inbox.put(lambda: None)
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    # ---- thread-safe API ---------------------------------------------------------------
+
+    def create_model(
+        self, spec: ModelSpec, *, from_state: str | Path | None = None, next_seq_id: int = 1
+    ) -> Future[ModelStatus]:
+        return self._on_engine(lambda: self._create_model(spec, from_state, next_seq_id))
+
+    def delete_model(self, model_id: str) -> Future[None]:
+        return self._on_engine(lambda: self._delete_model(model_id))
+
+    def submit(self, model_id: str, seq_id: int, op: OrderedOp, digest: str) -> Future[OpResult]:
+        """Queue an ordered call; the future resolves once it is applied (in order)."""
+        fut: Future[OpResult] = Future()
+        call = OrderedCall(model_id, seq_id, op.kind, digest, time.monotonic(), fut, op)
+        self._inbox.put(lambda: self._admit(call))
+        return fut
+
+    def sample(
+        self, target: SamplerTarget, op: SampleOp, *, dedupe_key: tuple[str, int, str] | None = None
+    ) -> Future[SampleResult]:
+        """Queue a sample request. Cancelling the future frees its rows at the next step.
+
+        ``dedupe_key`` = (sampler_id, seq_id, payload digest): a repeat of a seen
+        (sampler_id, seq_id) shares the first call's result; with another payload
+        it fails with FAILED_PRECONDITION.
+        """
+        fut: Future[SampleResult] = Future()
+        if dedupe_key is not None:
+            sampler_id, seq_id, digest = dedupe_key
+            with self._sample_lock:
+                prior = self._sample_calls.get((sampler_id, seq_id))
+                if prior is not None and not prior[1].cancelled():
+                    if prior[0] != digest:
+                        fut.set_exception(
+                            FailedPreconditionError(
+                                f"seq_id {seq_id} was already used with a different payload"
+                            )
+                        )
+                        return fut
+                    return prior[1]
+                self._sample_calls[(sampler_id, seq_id)] = (digest, fut)
+                while len(self._sample_calls) > 4096:
+                    self._sample_calls.popitem(last=False)
+        self._inbox.put(lambda: self._admit_sample(target, op, fut))
+        return fut
+
+    def check_sampler_target(self, target: SamplerTarget) -> Future[int]:
+        """Resolve a sampler target now (NOT_FOUND if its weights are gone); the version."""
+        return self._on_engine(lambda: self._snapshot(target).version)
+
+    def model_status(self, model_id: str) -> ModelStatus:
+        with self._status_lock:
+            status = self._status.get(model_id)
+        if status is None:
+            raise NotFoundError(f"model {model_id} not found")
+        return status
+
+    def has_model(self, model_id: str) -> bool:
+        with self._status_lock:
+            return model_id in self._status
+
+    # ---- engine thread -------------------------------------------------------------------
+
+    def _on_engine(self, fn: Callable[[], T]) -> Future[T]:
+        fut: Future[T] = Future()
+
+        def run() -> None:
+            if fut.cancelled():
+                return
+            try:
+                fut.set_result(fn())
+            except TreadleError as err:
+                fut.set_exception(err)
+            except Exception as err:  # a bug, not a user error: keep the engine alive
+                log.error("engine: %s\n%s", err, traceback.format_exc())
+                fut.set_exception(InternalError(f"{type(err).__name__}: {err}"))
+
+        self._inbox.put(run)
+        return fut
+
+    def _run(self) -> None:
+        if self.config.threads > 0:
+            torch.set_num_threads(self.config.threads)
+        while not self._stopping.is_set():
+            self._drain_inbox()
+            now = time.monotonic()
+            out = self.scheduler.schedule(now)
+            for call in out.timed_out:
+                self._resolve(
+                    call,
+                    AbortedError(
+                        f"seq_id {call.seq_id} of model {call.model_id} waited {self.config.gap_timeout_s:.0f}s "
+                        f"for seq_id {self.scheduler.next_seq_id(call.model_id)}, which never arrived"
+                    ),
+                    record=False,
+                )
+            for unit in out.units:
+                for call in unit.calls:
+                    self._execute(call)
+            for sampler in self.samplers.values():
+                if sampler.has_work():
+                    t0 = time.perf_counter()
+                    try:
+                        sampler.step()
+                    except Exception as err:
+                        log.error("sampler step failed: %s\n%s", err, traceback.format_exc())
+                        self._fail_sampler(sampler, err)
+                    self.busy_s += time.perf_counter() - t0
+        self._shutdown()
+
+    def _drain_inbox(self) -> None:
+        idle = not self.scheduler.has_ready_work() and not any(
+            s.has_work() for s in self.samplers.values()
+        )
+        timeout = None
+        if idle:
+            deadline = self.scheduler.next_deadline()
+            timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+        try:
+            item = self._inbox.get(timeout=timeout) if idle else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        item()
+        while True:
+            try:
+                self._inbox.get_nowait()()
+            except queue.Empty:
+                return
+
+    def _shutdown(self) -> None:
+        err = UnavailableError("the engine is shutting down")
+        for call in list(self.scheduler.waiting_calls()):
+            self._resolve(call, err, record=False)
+        for sampler in self.samplers.values():
+            self._fail_sampler(sampler, err)
+
+    def _fail_sampler(self, sampler: TorchSampler, err: Exception) -> None:
+        error = err if isinstance(err, TreadleError) else InternalError(str(err))
+        requests = {id(r.request): r.request for r in sampler.running}
+        requests.update({id(r): r for r in sampler.queue})
+        for req in requests.values():
+            if not req.future.done():
+                req.future.set_exception(error)
+        for row in list(sampler.running):
+            sampler._free(row)
+        sampler.queue.clear()
+
+    # ---- models ---------------------------------------------------------------------------
+
+    def _create_model(
+        self, spec: ModelSpec, from_state: str | Path | None, next_seq_id: int
+    ) -> ModelStatus:
+        if spec.model_id in self.models:
+            raise FailedPreconditionError(f"model {spec.model_id} already exists on this worker")
+        base = self.bases.get(spec.base_model, parse_dtype(spec.dtype))
+        model = TrainingModel(spec, base)
+        if from_state is not None:
+            checkpoint.load_state(model, from_state)
+            model.last_checkpoint_seq_id = next_seq_id - 1
+        self.models[spec.model_id] = model
+        self.scheduler.add_model(spec.model_id, spec.tenant_id, next_seq_id)
+        self.versions.publish(model.snapshot())
+        return self._update_status(spec.model_id)
+
+    def _delete_model(self, model_id: str) -> None:
+        if self.models.pop(model_id, None) is None:
+            raise NotFoundError(f"model {model_id} not found")
+        for call in self.scheduler.remove_model(model_id):
+            self._resolve(call, NotFoundError(f"model {model_id} was deleted"), record=False)
+        self.versions.drop(model_id)
+        with self._status_lock:
+            self._status.pop(model_id, None)
+
+    def _update_status(self, model_id: str) -> ModelStatus:
+        model = self.models[model_id]
+        status = ModelStatus(
+            model_id=model_id,
+            version=model.version,
+            next_seq_id=self.scheduler.next_seq_id(model_id),
+            last_checkpoint_seq_id=model.last_checkpoint_seq_id,
+        )
+        with self._status_lock:
+            self._status[model_id] = status
+        return status
+
+    # ---- ordered calls -----------------------------------------------------------------------
+
+    def _admit(self, call: OrderedCall) -> None:
+        outcome = self.scheduler.submit(call)
+        fut: Future[Any] = call.handle
+        if (
+            outcome.admission is Admission.QUEUED
+            or outcome.admission is Admission.DUPLICATE_PENDING
+        ):
+            return
+        if outcome.admission is Admission.DUPLICATE_DONE:
+            _settle(fut, outcome.recorded)
+        elif outcome.admission is Admission.UNKNOWN_MODEL:
+            fut.set_exception(NotFoundError(outcome.message))
+        else:  # CONFLICT, EXPIRED
+            fut.set_exception(FailedPreconditionError(outcome.message))
+
+    def _execute(self, call: OrderedCall) -> None:
+        model = self.models[call.model_id]
+        t0 = time.perf_counter()
+        outcome: Any
+        try:
+            outcome = self._apply(model, call.seq_id, call.payload)
+        except TreadleError as err:
+            outcome = err
+        except Exception as err:
+            log.error("engine: %s failed: %s\n%s", call.kind, err, traceback.format_exc())
+            if call.kind == "forward_backward":
+                model.optimizer.zero_grad()  # a half-done backward must not leak into the step
+            outcome = InternalError(f"{call.kind} failed: {type(err).__name__}: {err}")
+        self.busy_s += time.perf_counter() - t0
+        self._resolve(call, outcome, record=True)
+
+    def _resolve(self, call: OrderedCall, outcome: Any, *, record: bool) -> None:
+        if record:
+            self.scheduler.complete(call, outcome)
+            if call.model_id in self.models:
+                self._update_status(call.model_id)
+        for handle in (call.handle, *call.followers):
+            _settle(handle, outcome)
+
+    def _apply(self, model: TrainingModel, seq_id: int, op: OrderedOp) -> OpResult:
+        if isinstance(op, RejectedOp):
+            raise op.error
+        if isinstance(op, ForwardBackwardOp):
+            _check_size(op.data, self.config.max_tokens_per_call)
+            return trainer.forward_backward(model, op)
+        if isinstance(op, ForwardLogprobsOp):
+            _check_size(op.data, self.config.max_tokens_per_call)
+            return trainer.forward_logprobs(model, op)
+        if isinstance(op, OptimStepOp):
+            return model.optim_step(op.adam)
+        if isinstance(op, SyncWeightsOp):
+            self.versions.publish(model.snapshot())
+            return SyncResult(version=model.version)
+        if isinstance(op, SaveStateOp):
+            result = checkpoint.save_state(model, op.directory, seq_id)
+            model.last_checkpoint_seq_id = seq_id
+            return result
+        if isinstance(op, LoadStateOp):
+            return checkpoint.load_state(model, op.directory)
+        raise InternalError(f"unknown op {type(op).__name__}")
+
+    # ---- sampling ------------------------------------------------------------------------------
+
+    def _snapshot(self, target: SamplerTarget) -> WeightSnapshot:
+        if target.model_id is None:
+            dtype = parse_dtype(self.config.default_dtype)
+            base = self.bases.get(target.base_model, dtype)
+            return WeightSnapshot(None, 0, base.params, None)
+        if target.model_id not in self.models:
+            raise NotFoundError(f"model {target.model_id} not found")
+        return self.versions.get(target.model_id, target.version)
+
+    def _sampler_for(self, base_model: str, dtype: torch.dtype) -> TorchSampler:
+        key = (base_model, dtype)
+        if key not in self.samplers:
+            base = self.bases.get(base_model, dtype)
+            self.samplers[key] = TorchSampler(
+                base, num_slots=self.config.sampler_slots, max_len=self.config.sampler_max_len
+            )
+        return self.samplers[key]
+
+    def _admit_sample(self, target: SamplerTarget, op: SampleOp, fut: Future[SampleResult]) -> None:
+        if fut.cancelled():
+            return
+        try:
+            snapshot = self._snapshot(target)
+            sampler = self._sampler_for(target.base_model, snapshot.params.dtype)
+            sampler.submit(op, snapshot, fut)
+        except TreadleError as err:
+            fut.set_exception(err)
+        except Exception as err:
+            log.error("sample admission failed: %s\n%s", err, traceback.format_exc())
+            fut.set_exception(InternalError(str(err)))
+
+
+def _settle(fut: Future[Any], outcome: Any) -> None:
+    if fut.done():
+        return
+    if isinstance(outcome, BaseException):
+        fut.set_exception(outcome)
+    else:
+        fut.set_result(outcome)
+
+
+def _check_size(data: Any, limit: int) -> None:
+    total = sum(int(d.tokens.size) for d in data)
+    if total > limit:
+        raise InvalidArgumentError(f"data: {total} tokens exceed the per-call limit of {limit}")

@@ -1,0 +1,256 @@
+"""The trainer: one training model's weights, gradients and optimizer, and the
+forward passes of ``ForwardBackward`` / ``ForwardLogprobs``.
+
+Every input check runs before any compute, so a rejected call leaves weights,
+accumulated gradients and optimizer state exactly as they were.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from treadle.errors import InvalidArgumentError
+from treadle.workers import losses
+from treadle.workers.base_models import BaseModel
+from treadle.workers.domain import (
+    AdamConfig,
+    DatumData,
+    ForwardBackwardOp,
+    ForwardLogprobsOp,
+    ForwardResult,
+    ModelSpec,
+    OptimStepResult,
+)
+from treadle.workers.model.llama import forward_hidden, lm_logits, target_logprobs
+from treadle.workers.model.lora import LoraAdapter
+from treadle.workers.optimizer import AdamW
+from treadle.workers.versions import WeightSnapshot
+
+
+class TrainingModel:
+    """A tenant's model: a LoRA adapter on the shared frozen base, or a full copy."""
+
+    def __init__(self, spec: ModelSpec, base: BaseModel) -> None:
+        self.spec = spec
+        self.base = base
+        self.cfg = base.cfg
+        self.adapter: LoraAdapter | None
+        if spec.is_lora:
+            self.params = base.params
+            alpha = spec.lora_alpha or float(spec.lora_rank)
+            self.adapter = LoraAdapter(
+                self.cfg,
+                spec.lora_rank,
+                alpha,
+                seed=spec.seed,
+                dtype=base.dtype,
+                requires_grad=True,
+            )
+            trainable = dict(self.adapter.named_tensors())
+        else:
+            self.params = base.params.clone().requires_grad_(True)
+            self.adapter = None
+            trainable = dict(self.params.named_tensors())
+        self.optimizer = AdamW(trainable)
+        self.version = 0
+        self.last_checkpoint_seq_id = 0
+
+    @property
+    def trainable(self) -> dict[str, Tensor]:
+        return self.optimizer.params
+
+    def snapshot(self) -> WeightSnapshot:
+        """A detached copy of the current weights, to publish as a version."""
+        if self.adapter is not None:
+            return WeightSnapshot(
+                self.spec.model_id, self.version, self.params, self.adapter.clone()
+            )
+        params = self.params.map(lambda t: t.detach().clone())
+        return WeightSnapshot(self.spec.model_id, self.version, params, None)
+
+    def optim_step(self, cfg: AdamConfig) -> OptimStepResult:
+        _check_adam(cfg)
+        metrics = self.optimizer.step(cfg)
+        self.version += 1
+        return OptimStepResult(step=self.version, metrics=metrics)
+
+
+# ---- batches -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Batch:
+    tokens_B_T: Tensor
+    targets_B_T: Tensor
+    lengths: list[int]
+    valid_B_T: Tensor  # bool, True on real (unpadded) positions
+
+
+def validate_data(
+    data: Sequence[DatumData], vocab_size: int, max_len: int, *, need_targets: bool = True
+) -> None:
+    if not data:
+        raise InvalidArgumentError("data: empty batch")
+    for i, datum in enumerate(data):
+        tokens = datum.tokens
+        if tokens.ndim != 1 or tokens.size == 0:
+            raise InvalidArgumentError(
+                f"data[{i}].model_input: must be a non-empty 1-D token sequence"
+            )
+        if tokens.size > max_len:
+            raise InvalidArgumentError(
+                f"data[{i}].model_input: {tokens.size} tokens exceed the context of {max_len}"
+            )
+        _check_ids(tokens, vocab_size, f"data[{i}].model_input")
+        for key, arr in datum.inputs.items():
+            if arr.shape != tokens.shape:
+                raise InvalidArgumentError(
+                    f"data[{i}].loss_fn_inputs.{key}: length {arr.shape[0] if arr.ndim else 0} "
+                    f"differs from model_input length {tokens.size}"
+                )
+            if key == "target_tokens":
+                _check_ids(arr, vocab_size, f"data[{i}].loss_fn_inputs.target_tokens")
+            elif not np.all(np.isfinite(arr)):
+                raise InvalidArgumentError(
+                    f"data[{i}].loss_fn_inputs.{key}: contains NaN or infinity"
+                )
+        if need_targets and "target_tokens" not in datum.inputs:
+            raise InvalidArgumentError(f"data[{i}].loss_fn_inputs.target_tokens: required")
+
+
+def _check_ids(ids: np.ndarray, vocab_size: int, field: str) -> None:
+    if ids.dtype.kind not in "iu":
+        raise InvalidArgumentError(f"{field}: token ids must be integers")
+    bad = (ids < 0) | (ids >= vocab_size)
+    if bad.any():
+        raise InvalidArgumentError(
+            f"{field}: token id {int(ids[bad][0])} is outside the vocabulary [0, {vocab_size})"
+        )
+
+
+def _check_adam(cfg: AdamConfig) -> None:
+    checks = {
+        "adam_params.learning_rate": cfg.learning_rate >= 0,
+        "adam_params.beta1": 0 <= cfg.beta1 < 1,
+        "adam_params.beta2": 0 <= cfg.beta2 < 1,
+        "adam_params.eps": cfg.eps >= 0,
+        "adam_params.weight_decay": cfg.weight_decay >= 0,
+        "adam_params.grad_clip_norm": cfg.grad_clip_norm >= 0,
+    }
+    for field, ok in checks.items():
+        if not ok or not np.isfinite(getattr(cfg, field.split(".")[1])):
+            raise InvalidArgumentError(f"{field}: out of range")
+
+
+def _make_batch(data: Sequence[DatumData], pad_id: int, device: torch.device) -> _Batch:
+    lengths = [int(d.tokens.size) for d in data]
+    B, T = len(data), max(lengths)
+    tokens = np.full((B, T), pad_id, dtype=np.int64)
+    targets = np.zeros((B, T), dtype=np.int64)
+    for b, d in enumerate(data):
+        tokens[b, : lengths[b]] = d.tokens
+        if "target_tokens" in d.inputs:
+            targets[b, : lengths[b]] = d.inputs["target_tokens"]
+    valid = torch.arange(T)[None, :] < torch.tensor(lengths)[:, None]
+    return _Batch(
+        torch.from_numpy(tokens).to(device),
+        torch.from_numpy(targets).to(device),
+        lengths,
+        valid.to(device),
+    )
+
+
+def _flat_inputs(
+    data: Sequence[DatumData], keys: Sequence[str], dtype: torch.dtype
+) -> dict[str, Tensor]:
+    return {
+        k: torch.from_numpy(np.concatenate([d.inputs[k] for d in data]).astype(np.float64)).to(
+            dtype
+        )
+        for k in keys
+    }
+
+
+def _split(values_B_T: Tensor, lengths: list[int], np_dtype: type) -> tuple[np.ndarray, ...]:
+    rows = values_B_T.detach().cpu()
+    return tuple(rows[b, :n].numpy().astype(np_dtype) for b, n in enumerate(lengths))
+
+
+def _np_dtype(model: TrainingModel) -> type:
+    return np.float64 if model.base.dtype == torch.float64 else np.float32
+
+
+# ---- forward passes ---------------------------------------------------------------
+
+
+def _logprobs(
+    model: TrainingModel, batch: _Batch, temperature: float, *, reference: bool, with_entropy: bool
+) -> tuple[Tensor, Tensor | None]:
+    lora = None if reference else model.adapter
+    hidden = forward_hidden(model.cfg, model.params, batch.tokens_B_T, lora=lora)
+    logits = lm_logits(model.cfg, model.params, hidden)
+    lp_B_T = target_logprobs(logits, batch.targets_B_T, temperature)
+    entropy = None
+    if with_entropy:
+        with torch.no_grad():
+            logp = torch.log_softmax(logits.detach() / temperature, dim=-1)
+            entropy = -(logp.exp() * logp).sum(-1)
+    return lp_B_T, entropy
+
+
+def forward_logprobs(model: TrainingModel, op: ForwardLogprobsOp) -> ForwardResult:
+    _check_temperature(op.temperature)
+    validate_data(op.data, model.cfg.vocab_size, model.cfg.max_position_embeddings)
+    batch = _make_batch(op.data, model.cfg.pad_token_id or 0, model.params.device)
+    with torch.no_grad():
+        lp_B_T, _ = _logprobs(
+            model, batch, op.temperature, reference=op.reference, with_entropy=False
+        )
+    return ForwardResult(logprobs=_split(lp_B_T, batch.lengths, _np_dtype(model)), metrics={})
+
+
+def forward_backward(model: TrainingModel, op: ForwardBackwardOp) -> ForwardResult:
+    """Add the gradient of the summed loss to the accumulated gradients."""
+    _check_temperature(op.temperature)
+    validate_data(op.data, model.cfg.vocab_size, model.cfg.max_position_embeddings)
+    keys = _common_input_keys(op.data)
+    config = losses.validate_loss_request(op.loss_fn, keys, op.loss_config)
+    float_keys = [k for k in keys if k != "target_tokens"]
+    batch = _make_batch(op.data, model.cfg.pad_token_id or 0, model.params.device)
+    dtype = model.base.dtype if model.base.dtype == torch.float64 else torch.float32
+    inputs = _flat_inputs(op.data, float_keys, dtype)
+    if losses.needs_reference(op.loss_fn, config) and "ref_logprobs" not in inputs:
+        with torch.no_grad():
+            ref_B_T, _ = _logprobs(model, batch, op.temperature, reference=True, with_entropy=False)
+        inputs["ref_logprobs"] = ref_B_T[batch.valid_B_T].to(dtype)
+    lp_B_T, entropy_B_T = _logprobs(
+        model, batch, op.temperature, reference=False, with_entropy=True
+    )
+    lp_N = lp_B_T[batch.valid_B_T]
+    entropy_N = entropy_B_T[batch.valid_B_T] if entropy_B_T is not None else None
+    result = losses.compute_loss(op.loss_fn, losses.LossBatch(lp_N, inputs, entropy_N), config)
+    result.loss.backward()
+    return ForwardResult(
+        logprobs=_split(lp_B_T, batch.lengths, _np_dtype(model)), metrics=dict(result.metrics)
+    )
+
+
+def _common_input_keys(data: Sequence[DatumData]) -> list[str]:
+    keys = list(data[0].inputs)
+    for i, d in enumerate(data[1:], start=1):
+        if set(d.inputs) != set(keys):
+            diff = sorted(set(d.inputs) ^ set(keys))
+            raise InvalidArgumentError(
+                f"data[{i}].loss_fn_inputs: keys differ from data[0] ({diff})"
+            )
+    return keys
+
+
+def _check_temperature(t: float) -> None:
+    if not (np.isfinite(t) and t > 0):
+        raise InvalidArgumentError(f"temperature: must be a positive number, got {t}")

@@ -1,0 +1,61 @@
+"""Published weight versions: what samplers read.
+
+A model's version is the number of optimizer steps applied (base = 0).
+``SyncWeights`` publishes the current weights as that version; the store keeps
+the latest K per model and releases older ones. A LoRA version is a copy of
+the adapter (small); a full fine-tune version is a copy of every weight.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from treadle.errors import NotFoundError
+from treadle.workers.model.llama import LlamaParams
+from treadle.workers.model.lora import LoraAdapter
+
+
+@dataclass(frozen=True)
+class WeightSnapshot:
+    model_id: str | None
+    version: int
+    params: LlamaParams
+    adapter: LoraAdapter | None
+
+
+class VersionStore:
+    def __init__(self, keep_latest: int = 4) -> None:
+        self.keep_latest = max(1, keep_latest)
+        self._by_model: dict[str, OrderedDict[int, WeightSnapshot]] = {}
+
+    def publish(self, snapshot: WeightSnapshot) -> list[int]:
+        """Add (or replace) a version; returns the versions released to stay within K."""
+        assert snapshot.model_id is not None
+        versions = self._by_model.setdefault(snapshot.model_id, OrderedDict())
+        versions.pop(snapshot.version, None)
+        versions[snapshot.version] = snapshot
+        released = []
+        while len(versions) > self.keep_latest:
+            old, _ = versions.popitem(last=False)
+            released.append(old)
+        return released
+
+    def get(self, model_id: str, version: int | None) -> WeightSnapshot:
+        """A pinned version, or the latest when ``version`` is None."""
+        versions = self._by_model.get(model_id)
+        if not versions:
+            raise NotFoundError(f"model {model_id} has no published weights")
+        if version is None:
+            return next(reversed(versions.values()))
+        if version not in versions:
+            raise NotFoundError(
+                f"weights treadle://{model_id}/v/{version} not found (kept versions: {list(versions)})"
+            )
+        return versions[version]
+
+    def versions(self, model_id: str) -> list[int]:
+        return list(self._by_model.get(model_id, {}))
+
+    def drop(self, model_id: str) -> None:
+        self._by_model.pop(model_id, None)
