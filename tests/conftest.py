@@ -1,0 +1,56 @@
+"""Shared fixtures: tiny models built on the spot, and servers bound to port 0."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("TREADLE_CACHE_DIR", str(Path(__file__).parent / ".cache"))
+
+import treadle  # noqa: E402
+from treadle.server.config import ServerConfig  # noqa: E402
+from treadle.server.embedded import EmbeddedServer  # noqa: E402
+from treadle.workers.model.tiny import build_tiny_model  # noqa: E402
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    try:
+        import torch
+
+        has_gpu = torch.cuda.is_available()
+    except ImportError:  # pragma: no cover
+        has_gpu = False
+    if not has_gpu:
+        skip = pytest.mark.skip(reason="needs a CUDA GPU")
+        for item in items:
+            if "gpu" in item.keywords:
+                item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Llama-style model (random weights, char tokenizer), built once."""
+    return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny", preset="tiny", seed=0)
+
+
+def make_server(tmp: Path, models: dict[str, Path], **overrides: object) -> EmbeddedServer:
+    config = ServerConfig(data_dir=tmp / "data", models=models, port=0, threads=2, **overrides)  # type: ignore[arg-type]
+    return EmbeddedServer(config).start()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Iterator[EmbeddedServer]:
+    """An embedded server (SQLite, local checkpoints, in-process engine) on port 0."""
+    srv = make_server(tmp_path_factory.mktemp("server"), {"tiny": tiny_model_dir})
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def service(server: EmbeddedServer) -> Iterator[treadle.ServiceClient]:
+    client = treadle.ServiceClient(server.address)
+    yield client
+    client.close()
