@@ -37,7 +37,7 @@ def loss_fn_to_wire(name: str) -> int:
     try:
         return common_pb2.LossFn.Value(name.upper())
     except ValueError:
-        known = [n.lower() for n in common_pb2.LossFn.keys() if n != "LOSS_FN_UNSPECIFIED"]
+        known = [n.lower() for n in common_pb2.LossFn.keys() if n != "LOSS_FN_UNSPECIFIED"]  # noqa: SIM118
         raise InvalidArgumentError(f"loss_fn: unknown loss {name!r}; known: {known}") from None
 
 

@@ -10,6 +10,7 @@ from typing import Any, Literal
 
 from alembic import context
 from sqlalchemy import Connection
+
 from treadle.server.db.models import Base, UTCDateTime
 from treadle.server.db.session import make_engine
 

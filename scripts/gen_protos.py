@@ -61,7 +61,11 @@ def main() -> int:
         return 0
     with tempfile.TemporaryDirectory() as tmp:
         fresh = generate(Path(tmp))
-        drift = [p.name for p in fresh if not (OUT / p.name).exists() or not filecmp.cmp(p, OUT / p.name, shallow=False)]
+        drift = [
+            p.name
+            for p in fresh
+            if not (OUT / p.name).exists() or not filecmp.cmp(p, OUT / p.name, shallow=False)
+        ]
         extra = sorted({p.name for p in OUT.glob("*.py*")} - {p.name for p in fresh})
     if drift or extra:
         print(f"stubs drift from protos: changed={drift} stale={extra}; run scripts/gen_protos.py")

@@ -42,7 +42,9 @@ def make_server(tmp: Path, models: dict[str, Path], **overrides: object) -> Embe
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Iterator[EmbeddedServer]:
+def server(
+    tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path
+) -> Iterator[EmbeddedServer]:
     """An embedded server (SQLite, local checkpoints, in-process engine) on port 0."""
     srv = make_server(tmp_path_factory.mktemp("server"), {"tiny": tiny_model_dir})
     yield srv

@@ -13,6 +13,7 @@ from alembic.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy import Engine, create_engine, inspect, make_url, text
 from sqlalchemy.exc import IntegrityError, OperationalError
+
 from treadle.errors import InvalidArgumentError
 from treadle.server.db import downgrade, make_engine, make_session_factory, upgrade_to_head
 from treadle.server.db import queries as q

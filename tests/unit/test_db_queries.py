@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
+
 from treadle.errors import AlreadyExistsError
 from treadle.server.db import make_engine, make_session_factory, upgrade_to_head
 from treadle.server.db import queries as q
