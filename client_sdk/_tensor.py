@@ -17,7 +17,7 @@ _TO_WIRE = {
     np.dtype("int64"): common_pb2.INT64,
     np.dtype("int32"): common_pb2.INT32,
 }
-_FROM_WIRE = {
+_FROM_WIRE: dict[int, np.dtype] = {
     common_pb2.FLOAT32: np.dtype("<f4"),
     common_pb2.FLOAT64: np.dtype("<f8"),
     common_pb2.INT64: np.dtype("<i8"),

@@ -83,7 +83,7 @@ class Datum:
             object.__setattr__(self, "model_input", ModelInput.from_ints(self.model_input))
         converted: dict[str, np.ndarray] = {}
         for key, value in self.loss_fn_inputs.items():
-            dtype = np.int64 if key in INT_INPUT_KEYS else np.float32
+            dtype: type = np.int64 if key in INT_INPUT_KEYS else np.float32
             if (
                 isinstance(value, np.ndarray)
                 and value.dtype == np.float64
