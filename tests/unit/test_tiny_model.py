@@ -103,7 +103,8 @@ def test_preset_sizes() -> None:
     assert 4e6 < cfg_of("5m").num_params() < 6e6
     big = cfg_of("110m")
     assert big.vocab_size == 32000 and big.tie_word_embeddings and big.num_kv_heads == 12
-    assert (big.hidden_size, big.num_layers, big.intermediate_size) == (768, 12, 3072)
+    assert (big.hidden_size, big.num_layers, big.intermediate_size) == (768, 12, 2048)
+    assert 105e6 < big.num_params() < 115e6
 
 
 def test_bad_preset_or_arch(tmp_path: Path) -> None:
