@@ -56,6 +56,8 @@ def engine_config(config: ServerConfig) -> EngineConfig:
         sampler_slots=config.sampler_slots,
         sampler_max_len=config.sampler_max_len,
         max_tokens_per_call=config.max_tokens_per_call,
+        auto_checkpoint_steps=config.auto_checkpoint_steps,
+        auto_checkpoint_root=config.checkpoint_root,
     )
 
 

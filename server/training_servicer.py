@@ -213,6 +213,21 @@ class TrainingServicer(training_pb2_grpc.TrainingServiceServicer):
         result: OptimStepResult = await self._ordered(context, request, build, "optim_step")
         with self.ctx.session() as s:
             queries.update_model_progress(s, request.model_id, version=result.step)
+            auto = result.auto_checkpoint
+            if auto is not None:
+                tenant = self.ctx.tenant(context)
+                row = self._record_checkpoint(
+                    s,
+                    tenant,
+                    request.model_id,
+                    "auto",
+                    auto.directory,
+                    auto.seq_id,
+                    auto.step,
+                    "auto",
+                    auto.size_bytes,
+                )
+                queries.update_model_progress(s, request.model_id, last_checkpoint=row)
         return training_pb2.OptimStepResponse(step=result.step, metrics=dict(result.metrics))
 
     async def SyncWeights(
@@ -251,29 +266,21 @@ class TrainingServicer(training_pb2_grpc.TrainingServiceServicer):
             return SaveStateOp(name, str(self.ctx.store.state_dir(tenant, request.model_id, name)))
 
         result: SaveResult = await self._ordered(context, request, build, "save_state")
-        uri = state_uri(request.model_id, request.name)
         with self.ctx.session() as s:
-            existing = queries.get_checkpoint_by_uri(s, tenant, uri)
-            if existing is not None and existing.seq_id != result.seq_id:
-                s.delete(existing)
-                s.flush()
-                existing = None
-            if existing is None:
-                existing = queries.add_checkpoint(
-                    s,
-                    tenant_id=tenant,
-                    model_id=request.model_id,
-                    name=request.name,
-                    uri=uri,
-                    storage_path=str(
-                        self.ctx.store.state_dir(tenant, request.model_id, request.name)
-                    ),
-                    seq_id=result.seq_id,
-                    step=result.step,
-                    kind="state",
-                    size_bytes=result.size_bytes,
-                )
-            queries.update_model_progress(s, request.model_id, last_checkpoint=existing)
+            directory = str(self.ctx.store.state_dir(tenant, request.model_id, request.name))
+            row = self._record_checkpoint(
+                s,
+                tenant,
+                request.model_id,
+                request.name,
+                directory,
+                result.seq_id,
+                result.step,
+                "state",
+                result.size_bytes,
+            )
+            queries.update_model_progress(s, request.model_id, last_checkpoint=row)
+        uri = state_uri(request.model_id, request.name)
         return training_pb2.SaveStateResponse(path=uri, seq_id=result.seq_id, step=result.step)
 
     async def LoadState(
@@ -310,6 +317,40 @@ class TrainingServicer(training_pb2_grpc.TrainingServiceServicer):
                     for c in rows
                 ]
             )
+
+    def _record_checkpoint(
+        self,
+        s: Any,
+        tenant: str,
+        model_id: str,
+        name: str,
+        directory: str,
+        seq_id: int,
+        step: int,
+        kind: str,
+        size: int,
+    ) -> db.Checkpoint:
+        """The DB row of a checkpoint just written; a name saved again replaces its row
+        (a retried call finds its own row and keeps it)."""
+        uri = state_uri(model_id, name)
+        existing = queries.get_checkpoint_by_uri(s, tenant, uri)
+        if existing is not None and existing.seq_id == seq_id:
+            return existing
+        if existing is not None:
+            s.delete(existing)
+            s.flush()
+        return queries.add_checkpoint(
+            s,
+            tenant_id=tenant,
+            model_id=model_id,
+            name=name,
+            uri=uri,
+            storage_path=directory,
+            seq_id=seq_id,
+            step=step,
+            kind=kind,
+            size_bytes=size,
+        )
 
     def _checkpoint_dir(self, s: Any, tenant: str, uri: str, field: str) -> Path:
         parse_state_uri(uri, field)

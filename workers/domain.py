@@ -124,9 +124,19 @@ class ForwardResult:
 
 
 @dataclass(frozen=True)
+class AutoCheckpoint:
+    directory: str
+    seq_id: int
+    step: int
+    size_bytes: int
+
+
+@dataclass(frozen=True)
 class OptimStepResult:
     step: int
     metrics: Mapping[str, float]
+    #: set when the auto-checkpoint policy saved the state right after this step
+    auto_checkpoint: AutoCheckpoint | None = None
 
 
 @dataclass(frozen=True)

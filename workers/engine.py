@@ -17,7 +17,7 @@ import traceback
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -35,6 +35,7 @@ from treadle.errors import (
 from treadle.workers import checkpoint, trainer
 from treadle.workers.base_models import BaseModelRegistry, parse_dtype
 from treadle.workers.domain import (
+    AutoCheckpoint,
     ForwardBackwardOp,
     ForwardLogprobsOp,
     LoadStateOp,
@@ -42,6 +43,7 @@ from treadle.workers.domain import (
     ModelStatus,
     OpResult,
     OptimStepOp,
+    OptimStepResult,
     OrderedOp,
     RejectedOp,
     SampleOp,
@@ -70,6 +72,9 @@ class EngineConfig:
     sampler_slots: int = 64
     sampler_max_len: int = 1024
     max_tokens_per_call: int = 262_144
+    #: save the state every N optimizer steps (0 = off) under auto_checkpoint_root/<tenant>/<model>/auto
+    auto_checkpoint_steps: int = 0
+    auto_checkpoint_root: str | Path | None = None
     extra: Mapping[str, Any] = field(default_factory=dict)
 
 
@@ -340,7 +345,7 @@ class Engine:
             _check_size(op.data, self.config.max_tokens_per_call)
             return trainer.forward_logprobs(model, op)
         if isinstance(op, OptimStepOp):
-            return model.optim_step(op.adam)
+            return self._auto_checkpoint(model, seq_id, model.optim_step(op.adam))
         if isinstance(op, SyncWeightsOp):
             self.versions.publish(model.snapshot())
             return SyncResult(version=model.version)
@@ -351,6 +356,21 @@ class Engine:
         if isinstance(op, LoadStateOp):
             return checkpoint.load_state(model, op.directory)
         raise InternalError(f"unknown op {type(op).__name__}")
+
+    def _auto_checkpoint(
+        self, model: TrainingModel, seq_id: int, result: OptimStepResult
+    ) -> OptimStepResult:
+        """The auto-checkpoint policy: commit the state after every N-th step, so a
+        restart brings the model back no further than N steps behind."""
+        every, root = self.config.auto_checkpoint_steps, self.config.auto_checkpoint_root
+        if not every or root is None or model.version % every:
+            return result
+        directory = Path(root) / model.spec.tenant_id / model.spec.model_id / "auto"
+        directory.parent.mkdir(parents=True, exist_ok=True)
+        saved = checkpoint.save_state(model, directory, seq_id)
+        model.last_checkpoint_seq_id = seq_id
+        auto = AutoCheckpoint(str(directory), seq_id, saved.step, saved.size_bytes)
+        return replace(result, auto_checkpoint=auto)
 
     # ---- sampling ------------------------------------------------------------------------------
 
