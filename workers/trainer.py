@@ -191,9 +191,12 @@ def _np_dtype(model: TrainingModel) -> type:
 def _logprobs(
     model: TrainingModel, batch: _Batch, temperature: float, *, reference: bool, with_entropy: bool
 ) -> tuple[Tensor, Tensor | None]:
+    # The reference policy is the base model: the adapter off, or the frozen base
+    # weights for a full fine-tune.
+    params = model.base.params if reference else model.params
     lora = None if reference else model.adapter
-    hidden = forward_hidden(model.cfg, model.params, batch.tokens_B_T, lora=lora)
-    logits = lm_logits(model.cfg, model.params, hidden)
+    hidden = forward_hidden(model.cfg, params, batch.tokens_B_T, lora=lora)
+    logits = lm_logits(model.cfg, params, hidden)
     lp_B_T = target_logprobs(logits, batch.targets_B_T, temperature)
     entropy = None
     if with_entropy:

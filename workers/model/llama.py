@@ -227,18 +227,27 @@ class LlamaParams:
 # ---------------------------------------------------------------------- building blocks
 
 
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float32 for the norms and RoPE tables (as HF), float64 for float64 activations:
+    a float64 model is the engine's exact reference mode, nothing may round to float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """RMSNorm over the last axis, in float32, cast back before the weight (as HF)."""
-    x_f32 = x.to(torch.float32)
-    x_f32 = x_f32 * torch.rsqrt(x_f32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x_f32.to(x.dtype)
+    """RMSNorm over the last axis, in float32 (float64 for float64), cast back before the weight (as HF)."""
+    x_c = x.to(_compute_dtype(x.dtype))
+    x_c = x_c * torch.rsqrt(x_c.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x_c.to(x.dtype)
 
 
 @functools.lru_cache(maxsize=16)
-def rope_inv_freq(cfg: ModelConfig, device: torch.device) -> Tensor:
-    """RoPE inverse frequencies ``[D/2]`` in float32, with llama3 scaling if configured."""
+def rope_inv_freq(
+    cfg: ModelConfig, device: torch.device, dtype: torch.dtype = torch.float32
+) -> Tensor:
+    """RoPE inverse frequencies ``[D/2]`` in ``dtype`` (float32, or float64 for a float64
+    model), with llama3 scaling if configured."""
     d = cfg.head_dim
-    exponents = torch.arange(0, d, 2, dtype=torch.int64).to(torch.float32) / d
+    exponents = torch.arange(0, d, 2, dtype=torch.int64).to(dtype) / d
     inv_freq = 1.0 / (cfg.rope_theta**exponents)
     s = cfg.rope_scaling
     if s is not None:
@@ -258,9 +267,11 @@ def rope_inv_freq(cfg: ModelConfig, device: torch.device) -> Tensor:
 def rope_cos_sin(
     cfg: ModelConfig, positions_B_T: Tensor, dtype: torch.dtype
 ) -> tuple[Tensor, Tensor]:
-    """cos and sin ``[B, T, 1, D]`` (broadcast over heads), computed in float32."""
-    inv_freq = rope_inv_freq(cfg, positions_B_T.device)
-    freqs_B_T_D2 = positions_B_T[..., None].to(torch.float32) * inv_freq
+    """cos and sin ``[B, T, 1, D]`` (broadcast over heads), computed in float32
+    (float64 for float64)."""
+    compute = _compute_dtype(dtype)
+    inv_freq = rope_inv_freq(cfg, positions_B_T.device, compute)
+    freqs_B_T_D2 = positions_B_T[..., None].to(compute) * inv_freq
     emb_B_T_D = torch.cat((freqs_B_T_D2, freqs_B_T_D2), dim=-1)
     return emb_B_T_D.cos().to(dtype)[:, :, None], emb_B_T_D.sin().to(dtype)[:, :, None]
 
