@@ -100,6 +100,17 @@ async def restore_models(ctx: ServerContext) -> int:
     return restored
 
 
+def bind_port(server: grpc.aio.Server, config: ServerConfig) -> int:
+    """Plaintext, or TLS when the config names a certificate and key."""
+    address = f"{config.host}:{config.port}"
+    if config.tls_cert is None or config.tls_key is None:
+        return server.add_insecure_port(address)
+    credentials = grpc.ssl_server_credentials(
+        [(Path(config.tls_key).read_bytes(), Path(config.tls_cert).read_bytes())]
+    )
+    return server.add_secure_port(address, credentials)
+
+
 async def create_server(
     config: ServerConfig, dispatcher: Dispatcher | None = None
 ) -> tuple[grpc.aio.Server, int, ServerContext]:
@@ -137,7 +148,7 @@ async def create_server(
     reflection.enable_server_reflection(
         (*SERVICE_NAMES, health.SERVICE_NAME, reflection.SERVICE_NAME), server
     )
-    port = server.add_insecure_port(f"{config.host}:{config.port}")
+    port = bind_port(server, config)
     if port == 0:
         raise OSError(f"could not bind {config.host}:{config.port}")
     return server, port, ctx

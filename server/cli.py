@@ -28,7 +28,8 @@ def _serve(args: argparse.Namespace) -> int:
         server, port, ctx = await create_server(config)
         await server.start()
         print(
-            f"treadle: serving {', '.join(config.models)} on {config.host}:{port} "
+            f"treadle: serving {', '.join(config.models)} on {config.host}:{port}"
+            f"{' (TLS)' if config.tls else ''} "
             f"(data in {config.data_dir.resolve()}, database {ctx.config.resolved_database_url})",
             flush=True,
         )

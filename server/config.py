@@ -31,6 +31,16 @@ class ServerConfig:
     sampler_max_len: int = 1024
     max_message_bytes: int = MAX_MESSAGE_BYTES
     max_tokens_per_call: int = 262_144
+    #: TLS on the gRPC port: PEM certificate chain and private key (both or neither)
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    #: unload (checkpoint, then free) a model idle this long: no calls and no
+    #: heartbeat of its session; 0 = never
+    model_ttl_s: float = 3600.0
+    #: how often the server looks for idle models (0 = min(ttl / 4, 30 s))
+    ttl_sweep_s: float = 0.0
+    #: the heartbeat interval the server asks SDK sessions to keep
+    heartbeat_interval_s: float = 10.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -45,9 +55,17 @@ class ServerConfig:
             ("max_message_bytes", self.max_message_bytes >= 4 * 1024 * 1024),
             ("auto_checkpoint_steps", self.auto_checkpoint_steps >= 0),
             ("threads", self.threads >= 0),
+            ("model_ttl_s", self.model_ttl_s >= 0),
+            ("ttl_sweep_s", self.ttl_sweep_s >= 0),
+            ("heartbeat_interval_s", self.heartbeat_interval_s > 0),
         ):
             if not positive:
                 raise InvalidArgumentError(f"{name}: out of range ({getattr(self, name)})")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise InvalidArgumentError("tls_cert, tls_key: give both (PEM files) or neither")
+        for name, tls_path in (("tls_cert", self.tls_cert), ("tls_key", self.tls_key)):
+            if tls_path is not None and not Path(tls_path).is_file():
+                raise InvalidArgumentError(f"{name}: {tls_path} is not a file")
         for name, path in self.models.items():
             if not (Path(path) / "config.json").exists():
                 raise InvalidArgumentError(
@@ -57,6 +75,14 @@ class ServerConfig:
     @property
     def resolved_database_url(self) -> str:
         return self.database_url or f"sqlite:///{(self.data_dir / 'treadle.db').resolve()}"
+
+    @property
+    def tls(self) -> bool:
+        return self.tls_cert is not None
+
+    @property
+    def sweep_interval_s(self) -> float:
+        return self.ttl_sweep_s or min(self.model_ttl_s / 4, 30.0)
 
     @property
     def checkpoint_root(self) -> Path:
@@ -112,6 +138,21 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--sampler-max-len", type=int, default=int(env("TREADLE_SAMPLER_MAX_LEN", "1024"))
     )
+    parser.add_argument(
+        "--tls-cert",
+        default=env("TREADLE_TLS_CERT", ""),
+        help="PEM certificate (chain) for TLS on the gRPC port; needs --tls-key",
+    )
+    parser.add_argument(
+        "--tls-key", default=env("TREADLE_TLS_KEY", ""), help="PEM private key of --tls-cert"
+    )
+    parser.add_argument(
+        "--model-ttl-s",
+        type=float,
+        default=float(env("TREADLE_MODEL_TTL_S", "3600")),
+        help="checkpoint and unload a model after this many idle seconds (no calls, no "
+        "session heartbeat); it comes back on its next call. 0 = never",
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
@@ -131,4 +172,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         auto_checkpoint_steps=args.auto_checkpoint_steps,
         sampler_slots=args.sampler_slots,
         sampler_max_len=args.sampler_max_len,
+        tls_cert=Path(args.tls_cert) if args.tls_cert else None,
+        tls_key=Path(args.tls_key) if args.tls_key else None,
+        model_ttl_s=args.model_ttl_s,
     )

@@ -1,0 +1,131 @@
+"""TLS on the gRPC port: a self-signed certificate made here, the SDK trusting it
+as its root, and a plaintext client refused."""
+
+from __future__ import annotations
+
+import datetime as dt
+import ipaddress
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
+
+import treadle
+from tests.conftest import make_server
+from treadle.errors import InvalidArgumentError, TreadleError
+from treadle.server.config import ServerConfig
+from treadle.server.embedded import EmbeddedServer
+
+
+def self_signed(directory: Path, common_name: str = "localhost") -> tuple[Path, Path]:
+    """A CA-less certificate for localhost and 127.0.0.1, valid for a day."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
+    now = dt.datetime.now(dt.timezone.utc)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - dt.timedelta(minutes=5))
+        .not_valid_after(now + dt.timedelta(days=1))
+        .add_extension(
+            x509.SubjectAlternativeName(
+                [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
+            ),
+            critical=False,
+        )
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(key, hashes.SHA256())
+    )
+    cert_path, key_path = directory / "server.crt", directory / "server.key"
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+    return cert_path, key_path
+
+
+def _key(srv: EmbeddedServer) -> str | None:
+    return getattr(srv, "api_key", None)  # set once the server has API keys
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    return self_signed(tmp_path_factory.mktemp("tls"))
+
+
+@pytest.fixture(scope="module")
+def tls_server(
+    tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path, certs: tuple[Path, Path]
+) -> Iterator[EmbeddedServer]:
+    cert, key = certs
+    srv = make_server(
+        tmp_path_factory.mktemp("tls-server"), {"tiny": tiny_model_dir}, tls_cert=cert, tls_key=key
+    )
+    yield srv
+    srv.stop()
+
+
+@pytest.mark.parametrize("host", ["localhost", "127.0.0.1"])
+def test_sdk_trusting_the_root_runs_a_step(
+    tls_server: EmbeddedServer, certs: tuple[Path, Path], host: str
+) -> None:
+    root = certs[0].read_bytes()
+    with treadle.ServiceClient(
+        f"{host}:{tls_server.port}", api_key=_key(tls_server), root_certificates=root
+    ) as client:
+        assert client.get_server_info().base_models[0].name == "tiny"
+        tc = client.create_lora_training_client("tiny", rank=2)
+        datum = treadle.Datum(
+            model_input=treadle.ModelInput.from_ints([5, 6, 7]),
+            loss_fn_inputs={"target_tokens": [6, 7, 8], "weights": [1.0, 1.0, 1.0]},
+        )
+        out = tc.forward_backward([datum]).result(timeout=30)
+        assert out.metrics["loss:sum"] > 0
+        assert tc.optim_step().result(timeout=30).step == 1
+        assert client.get_tokenizer("tiny").encode("1+1") != []
+
+
+def test_plaintext_client_is_refused(tls_server: EmbeddedServer) -> None:
+    with (
+        treadle.ServiceClient(
+            tls_server.address, api_key=_key(tls_server), timeout_s=5, max_retries=0
+        ) as client,
+        pytest.raises(TreadleError) as info,
+    ):
+        client.get_server_info()
+    assert info.value.code == "UNAVAILABLE"
+
+
+def test_untrusted_certificate_is_refused(tls_server: EmbeddedServer, tmp_path: Path) -> None:
+    other_root, _ = self_signed(tmp_path)  # same names, another key: not the server's
+    with (
+        treadle.ServiceClient(
+            tls_server.address,
+            api_key=_key(tls_server),
+            root_certificates=other_root.read_bytes(),
+            timeout_s=5,
+            max_retries=0,
+        ) as client,
+        pytest.raises(TreadleError) as info,
+    ):
+        client.get_server_info()
+    assert info.value.code == "UNAVAILABLE"
+
+
+def test_config_needs_both_files(tmp_path: Path, certs: tuple[Path, Path]) -> None:
+    cert, key = certs
+    with pytest.raises(InvalidArgumentError, match="tls_cert, tls_key"):
+        ServerConfig(data_dir=tmp_path, tls_cert=cert)
+    with pytest.raises(InvalidArgumentError, match="tls_key"):
+        ServerConfig(data_dir=tmp_path, tls_cert=cert, tls_key=tmp_path / "missing.key")
