@@ -12,6 +12,7 @@ import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Protocol
 
 from treadle.errors import InvalidArgumentError
 
@@ -61,16 +62,76 @@ def parse_weights_uri(uri: str, field: str = "weights") -> WeightsRef:
     )
 
 
+class Store(Protocol):
+    """Where checkpoints live. A checkpoint is a directory (``treadle.workers.checkpoint``);
+    its *storage path* (what the DB row records) is a local directory for
+    ``LocalStore`` and an ``s3://bucket/key`` prefix for ``S3Store``.
+
+    Engines only read and write local directories: a save is written into
+    ``staging_dir(path)`` and then ``commit``-ted (uploaded), a load reads
+    ``fetch(path)`` (a download) and ``release``-s it afterwards. For the local
+    store all four are the identity, so the embedded path copies nothing.
+    """
+
+    #: local directory the engine writes auto-checkpoints under (``<root>/<tenant>/<model>/auto``)
+    local_root: Path
+    #: True when storage paths are local directories every engine can read directly
+    is_local: bool
+
+    def state_path(self, tenant_id: str, model_id: str, name: str) -> str: ...
+    def staging_dir(self, storage_path: str) -> Path: ...
+    def commit(self, local_dir: Path, storage_path: str) -> int: ...
+    def fetch(self, storage_path: str) -> Path: ...
+    def release(self, local_dir: Path, storage_path: str) -> None: ...
+    def read_manifest(self, storage_path: str) -> dict[str, Any]: ...
+    def delete(self, storage_path: str) -> None: ...
+
+
 class LocalStore:
-    """Checkpoints as directories under ``root/<tenant>/<model_id>/<name>``."""
+    """Checkpoints as directories under ``root/<tenant>/<model_id>/<name>`` (a shared
+    filesystem when workers run on other hosts)."""
+
+    is_local = True
 
     def __init__(self, root: Path) -> None:
         self.root = Path(root)
+        self.local_root = self.root
 
     def state_dir(self, tenant_id: str, model_id: str, name: str) -> Path:
         path = self.root / tenant_id / model_id / name
         path.parent.mkdir(parents=True, exist_ok=True)
         return path
 
+    def state_path(self, tenant_id: str, model_id: str, name: str) -> str:
+        return str(self.state_dir(tenant_id, model_id, name))
+
+    def staging_dir(self, storage_path: str) -> Path:
+        Path(storage_path).parent.mkdir(parents=True, exist_ok=True)
+        return Path(storage_path)
+
+    def commit(self, local_dir: Path, storage_path: str) -> int:
+        return sum(f.stat().st_size for f in Path(storage_path).iterdir())
+
+    def fetch(self, storage_path: str) -> Path:
+        return Path(storage_path)
+
+    def release(self, local_dir: Path, storage_path: str) -> None:
+        pass
+
+    def read_manifest(self, storage_path: str) -> dict[str, Any]:
+        from treadle.workers.checkpoint import read_manifest
+
+        return read_manifest(storage_path)
+
     def delete(self, storage_path: str) -> None:
         shutil.rmtree(storage_path, ignore_errors=True)
+
+
+def make_store(url: str, *, local_root: Path, endpoint_url: str = "", staging: Path) -> Store:
+    """``""`` or a directory -> ``LocalStore``; ``s3://bucket/prefix`` -> ``S3Store``
+    (checkpoints staged under ``staging`` on their way to and from the bucket)."""
+    if url.startswith("s3://"):
+        from treadle.server.s3_store import S3Store
+
+        return S3Store(url, endpoint_url=endpoint_url or None, staging=staging)
+    return LocalStore(Path(url) if url else local_root)
