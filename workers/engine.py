@@ -122,7 +122,9 @@ class Engine:
     def submit(self, model_id: str, seq_id: int, op: OrderedOp, digest: str) -> Future[OpResult]:
         """Queue an ordered call; the future resolves once it is applied (in order)."""
         fut: Future[OpResult] = Future()
-        call = OrderedCall(model_id, seq_id, op.kind, digest, time.monotonic(), fut, op)
+        call = OrderedCall(
+            model_id, seq_id, op.kind, digest, time.monotonic(), fut, op, cost=token_cost(op)
+        )
         self._inbox.put(lambda: self._admit(call))
         return fut
 
@@ -413,6 +415,12 @@ def _settle(fut: Future[Any], outcome: Any) -> None:
         fut.set_exception(outcome)
     else:
         fut.set_result(outcome)
+
+
+def token_cost(op: OrderedOp) -> int:
+    """The fair-share cost of an ordered call: the tokens in its batch (barriers 0)."""
+    data = getattr(op, "data", None)
+    return sum(int(d.tokens.size) for d in data) if data else 0
 
 
 def _check_size(data: Any, limit: int) -> None:

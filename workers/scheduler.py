@@ -5,8 +5,18 @@ their turn, and the recorded outcome of applied calls (so a retry returns the
 same result and applies nothing). ``schedule()`` hands the engine work units:
 each unit is a contiguous run of one model's calls, ending at the model's next
 barrier (SkyRL's "batch forward passes up to the next barrier"), so everything
-in a unit may be executed together and nothing overtakes a barrier. Models are
-served in turn, tenant by tenant, never first-come-first-served across tenants.
+in a unit may be executed together and nothing overtakes a barrier.
+
+Fair share across tenants is deficit round robin (Shreedhar & Varghese) by
+tokens: a call costs the tokens in its batch (barriers cost nothing), each
+backlogged tenant earns a quantum per round (by default the largest head-call
+cost among backlogged tenants, so everyone affords at least one call a round)
+and spends it on its calls; a tenant whose queue empties loses what it had
+saved. A tenant that just became backlogged goes before those that already had
+their turn (FQ-CoDel's "new flows" list), so a light tenant waits behind at most
+the unit already executing, not behind a heavy tenant's backlog. Within a
+tenant its models take turns. ``policy="fcfs"`` is the first-come-first-served
+baseline the fairness benchmark measures against; nothing serves it.
 
 Engine step, as in vLLM: ``schedule()`` -> execute -> ``complete()``.
 """
@@ -32,6 +42,7 @@ class OrderedCall:
     handle: Any = None  # opaque to the scheduler (the engine's future)
     payload: Any = None  # opaque (the op)
     followers: list[Any] = field(default_factory=list)  # handles of in-flight repeats
+    cost: int = 0  # fair-share cost: tokens in the call's batch (barriers ~0)
 
     @property
     def is_barrier(self) -> bool:
@@ -74,28 +85,62 @@ class _ModelQueue:
     running: dict[int, OrderedCall] = field(default_factory=dict)
     recorded: OrderedDict[int, tuple[str, Any]] = field(default_factory=OrderedDict)
 
+    def head(self) -> OrderedCall | None:
+        """The call that may run next, if it has arrived and nothing of the model runs."""
+        return None if self.running else self.waiting.get(self.next_seq_id)
+
+
+@dataclass
+class _Tenant:
+    models: deque[str] = field(default_factory=deque)  # served in turn
+    deficit: int = 0  # tokens earned and not yet spent (DRR)
+
+
+POLICIES = ("drr", "fcfs")
+
 
 class Scheduler:
-    def __init__(self, *, gap_timeout_s: float = 60.0, results_kept: int = 4096) -> None:
+    def __init__(
+        self,
+        *,
+        gap_timeout_s: float = 60.0,
+        results_kept: int = 4096,
+        quantum_tokens: int = 0,
+        policy: str = "drr",
+    ) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"policy: {policy!r}; choose from {POLICIES}")
         self.gap_timeout_s = gap_timeout_s
         self.results_kept = results_kept
+        #: tokens a backlogged tenant earns per round; 0 = the largest head-call cost
+        self.quantum_tokens = quantum_tokens
+        self.policy = policy
         self._models: dict[str, _ModelQueue] = {}
-        self._tenant_order: deque[str] = deque()
+        self._tenants: dict[str, _Tenant] = {}
+        self._new: deque[str] = deque()  # just became backlogged: served first
+        self._old: deque[str] = deque()  # backlogged, already had a turn
 
     # ---- models ---------------------------------------------------------------
 
     def add_model(self, model_id: str, tenant_id: str, next_seq_id: int = 1) -> None:
         self._models[model_id] = _ModelQueue(tenant_id=tenant_id, next_seq_id=next_seq_id)
-        if tenant_id not in self._tenant_order:
-            self._tenant_order.append(tenant_id)
+        tenant = self._tenants.setdefault(tenant_id, _Tenant())
+        if model_id not in tenant.models:
+            tenant.models.append(model_id)
 
     def remove_model(self, model_id: str) -> list[OrderedCall]:
         """Forget a model; returns its waiting calls so the engine can fail them."""
         queue = self._models.pop(model_id, None)
         if queue is None:
             return []
-        if not any(q.tenant_id == queue.tenant_id for q in self._models.values()):
-            self._tenant_order.remove(queue.tenant_id)
+        tenant = self._tenants.get(queue.tenant_id)
+        if tenant is not None and model_id in tenant.models:
+            tenant.models.remove(model_id)
+            if not tenant.models:
+                del self._tenants[queue.tenant_id]
+                for active in (self._new, self._old):
+                    if queue.tenant_id in active:
+                        active.remove(queue.tenant_id)
         return [*queue.running.values(), *queue.waiting.values()]
 
     def has_model(self, model_id: str) -> bool:
@@ -133,18 +178,10 @@ class Scheduler:
         return SubmitOutcome(Admission.QUEUED)
 
     def schedule(self, now: float) -> SchedulerOutput:
-        """One unit per model with ready work, tenants taken in turn."""
+        """One round: each backlogged tenant's units for the tokens it may spend,
+        in the order they should run (tenants new to the backlog first)."""
         timed_out = self._expire(now)
-        units: list[WorkUnit] = []
-        for tenant in list(self._tenant_order):
-            for model_id, queue in self._models.items():
-                if queue.tenant_id != tenant:
-                    continue
-                unit = self._ready_run(model_id, queue)
-                if unit is not None:
-                    units.append(unit)
-        if units:
-            self._tenant_order.rotate(-1)
+        units = self._fcfs() if self.policy == "fcfs" else self._drr_round()
         return SchedulerOutput(units=tuple(units), timed_out=tuple(timed_out))
 
     def complete(self, call: OrderedCall, outcome: Any) -> None:
@@ -176,21 +213,86 @@ class Scheduler:
         for queue in self._models.values():
             yield from queue.waiting.values()
 
+    def deficits(self) -> dict[str, int]:
+        """Tokens each backlogged tenant has earned and not spent (for tests and stats)."""
+        return {t: self._tenants[t].deficit for t in (*self._new, *self._old)}
+
     # ---- internals ------------------------------------------------------------
 
-    def _ready_run(self, model_id: str, queue: _ModelQueue) -> WorkUnit | None:
+    def _heads(self) -> dict[str, int]:
+        """Backlogged tenants: tenant -> cost of its cheapest runnable head call."""
+        heads: dict[str, int] = {}
+        for queue in self._models.values():
+            call = queue.head()
+            if call is not None:
+                cost = max(call.cost, 0)
+                heads[queue.tenant_id] = min(cost, heads.get(queue.tenant_id, cost))
+        return heads
+
+    def _drr_round(self) -> list[WorkUnit]:
+        heads = self._heads()
+        for active in (self._new, self._old):
+            for tenant_id in [t for t in active if t not in heads]:
+                active.remove(tenant_id)  # its queue emptied: it keeps no savings
+                self._tenants[tenant_id].deficit = 0
+        for tenant_id in heads:
+            if tenant_id not in self._new and tenant_id not in self._old:
+                self._new.append(tenant_id)
+        if not heads:
+            return []
+        quantum = self.quantum_tokens or max(heads.values())
+        if quantum > 0:
+            # Skip the rounds in which nobody could afford a call (a fixed quantum
+            # smaller than the calls): as if they had run, in O(1).
+            rounds = min(
+                max(1, -(-(cost - self._tenants[t].deficit) // quantum))
+                for t, cost in heads.items()
+            )
+            for tenant_id in heads:
+                self._tenants[tenant_id].deficit += (rounds - 1) * quantum
+        units: list[WorkUnit] = []
+        for tenant_id in [*self._new, *self._old]:
+            tenant = self._tenants[tenant_id]
+            tenant.deficit += quantum
+            for model_id in list(tenant.models):
+                unit = self._take_run(model_id, self._models[model_id], tenant)
+                if unit is not None:
+                    units.append(unit)
+            tenant.models.rotate(-1)  # the next round starts at its next model
+            # It had its turn: to the back of the old tenants (it leaves the
+            # backlog, and its savings, at the next round if it has nothing left).
+            if tenant_id in self._new:
+                self._new.remove(tenant_id)
+            else:
+                self._old.remove(tenant_id)
+            self._old.append(tenant_id)
+        return units
+
+    def _take_run(self, model_id: str, queue: _ModelQueue, tenant: _Tenant) -> WorkUnit | None:
+        """The model's next calls, up to its next barrier, that the tenant can pay for."""
         if queue.running:
             return None  # the previous unit has not completed yet
         calls: list[OrderedCall] = []
         seq = queue.next_seq_id
-        while seq in queue.waiting:
+        while seq in queue.waiting and max(queue.waiting[seq].cost, 0) <= tenant.deficit:
             call = queue.waiting.pop(seq)
+            tenant.deficit -= max(call.cost, 0)
             queue.running[seq] = call
             calls.append(call)
             seq += 1
             if call.is_barrier:
                 break
         return WorkUnit(model_id, tuple(calls)) if calls else None
+
+    def _fcfs(self) -> list[WorkUnit]:
+        """The baseline: the single oldest runnable call, whoever sent it."""
+        ready = [(c.arrived_at, q) for q in self._models.values() if (c := q.head()) is not None]
+        if not ready:
+            return []
+        _, queue = min(ready, key=lambda item: item[0])
+        call = queue.waiting.pop(queue.next_seq_id)
+        queue.running[call.seq_id] = call
+        return [WorkUnit(call.model_id, (call,))]
 
     def _expire(self, now: float) -> list[OrderedCall]:
         expired: list[OrderedCall] = []

@@ -1,0 +1,208 @@
+"""Fair share in the pure scheduler: deficit round robin across tenants by tokens."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+
+from treadle.workers.scheduler import OrderedCall, Scheduler, WorkUnit
+
+
+def jain(values: list[float]) -> float:
+    return sum(values) ** 2 / (len(values) * sum(v * v for v in values))
+
+
+class Sim:
+    """Drives a scheduler the way the engine does: schedule, run every unit, complete."""
+
+    def __init__(self, **kwargs: object) -> None:
+        self.s = Scheduler(**kwargs)  # type: ignore[arg-type]
+        self.next_seq: dict[str, int] = {}
+        self.clock = 0.0
+        self.served: list[OrderedCall] = []
+
+    def model(self, model_id: str, tenant: str) -> None:
+        self.s.add_model(model_id, tenant)
+        self.next_seq[model_id] = 1
+
+    def send(self, model_id: str, cost: int = 100, kind: str = "forward_backward") -> None:
+        seq = self.next_seq[model_id]
+        self.next_seq[model_id] = seq + 1
+        self.clock += 1e-6
+        call = OrderedCall(model_id, seq, kind, f"d{seq}", self.clock, cost=cost)
+        assert self.s.submit(call).admission.value == "queued"
+
+    def round(self) -> list[WorkUnit]:
+        units = list(self.s.schedule(self.clock).units)
+        for unit in units:
+            for call in unit.calls:
+                self.served.append(call)
+                self.s.complete(call, None)
+        return units
+
+
+def tenant_of(call: OrderedCall) -> str:
+    return call.model_id.split("/")[0]
+
+
+def test_light_tenant_is_served_within_one_round() -> None:
+    sim = Sim()
+    sim.model("heavy/m", "heavy")
+    sim.model("light/m", "light")
+    for _ in range(100):
+        sim.send("heavy/m")
+    sim.send("light/m")
+    units = sim.round()
+    served = Counter(tenant_of(c) for u in units for c in u.calls)
+    assert served == {"heavy": 1, "light": 1}  # one quantum (one call's tokens) each
+
+
+def test_newly_backlogged_tenant_goes_first() -> None:
+    sim = Sim()
+    sim.model("heavy/m", "heavy")
+    sim.model("light/m", "light")
+    for _ in range(100):
+        sim.send("heavy/m")
+    for _ in range(5):
+        sim.round()  # heavy alone: one call a round
+    sim.send("light/m")
+    units = sim.round()
+    assert [u.model_id for u in units] == ["light/m", "heavy/m"]
+    assert sim.s.deficits() == {"light": 0, "heavy": 0}
+    sim.round()
+    assert "light" not in sim.s.deficits()  # its queue emptied: it left the backlog
+
+
+def test_equal_calls_share_tokens_fairly_while_all_are_backlogged() -> None:
+    """The benchmark's shape: 4 tenants, one with a backlog 10x the others'."""
+    for policy, arrival in (("drr", "heavy_first"), ("drr", "shuffled")):
+        index = _jain_while_backlogged(policy, arrival)
+        assert index >= 0.99, (policy, arrival, index)
+    for arrival in ("heavy_first", "shuffled"):
+        assert _jain_while_backlogged("fcfs", arrival) < 0.95, arrival
+
+
+def _jain_while_backlogged(policy: str, arrival: str) -> float:
+    sim = Sim(policy=policy)
+    backlog = {"t0": 200, "t1": 20, "t2": 20, "t3": 20}
+    for tenant in backlog:
+        sim.model(f"{tenant}/m", tenant)
+    order = [t for t, n in backlog.items() for _ in range(n)]
+    if arrival == "shuffled":
+        random.Random(0).shuffle(order)
+    for tenant in order:
+        sim.send(f"{tenant}/m")
+    left = dict(backlog)
+    tokens = Counter[str]()
+    while all(left.values()):
+        for unit in sim.round():
+            for call in unit.calls:
+                left[tenant_of(call)] -= 1
+                tokens[tenant_of(call)] += call.cost
+    return jain([float(tokens[t]) for t in backlog])
+
+
+def test_tokens_not_calls_are_shared() -> None:
+    """A tenant of small calls gets as many tokens as one of big calls, not as many calls."""
+    sim = Sim()
+    sim.model("big/m", "big")
+    sim.model("small/m", "small")
+    for _ in range(50):
+        sim.send("big/m", cost=1000)
+    for _ in range(600):
+        sim.send("small/m", cost=10)
+    tokens = Counter[str]()
+    for _ in range(5):  # both stay backlogged throughout
+        for unit in sim.round():
+            for call in unit.calls:
+                tokens[tenant_of(call)] += call.cost
+    assert tokens["big"] == pytest.approx(tokens["small"], rel=0.05)
+
+
+def test_fixed_quantum_smaller_than_a_call_still_progresses() -> None:
+    sim = Sim(quantum_tokens=7)
+    sim.model("a/m", "a")
+    sim.model("b/m", "b")
+    for _ in range(10):
+        sim.send("a/m", cost=1000)
+        sim.send("b/m", cost=300)
+    tokens = Counter[str]()
+    for _ in range(12):
+        units = sim.round()
+        assert units, "a round with backlogged tenants must run something"
+        for unit in units:
+            for call in unit.calls:
+                tokens[tenant_of(call)] += call.cost
+    assert abs(tokens["a"] - tokens["b"]) <= 1000  # within one call of each other
+
+
+def test_barriers_cost_nothing_and_end_a_unit() -> None:
+    sim = Sim()
+    sim.model("a/m", "a")
+    sim.model("b/m", "b")
+    for _ in range(3):
+        sim.send("a/m", cost=0)  # e.g. cheap forward passes
+    sim.send("a/m", cost=0, kind="optim_step")
+    sim.send("a/m", cost=0)
+    sim.send("b/m", cost=100)
+    units = sim.round()
+    a_unit = next(u for u in units if u.model_id == "a/m")
+    assert [c.seq_id for c in a_unit.calls] == [1, 2, 3, 4]  # up to and including the barrier
+    assert [c.seq_id for c in sim.round()[0].calls] == [5]
+
+
+def test_a_tenants_models_take_turns() -> None:
+    sim = Sim()
+    sim.model("a/m1", "a")
+    sim.model("a/m2", "a")
+    sim.model("b/m", "b")
+    for _ in range(10):
+        sim.send("a/m1")
+        sim.send("a/m2")
+        sim.send("b/m")
+    firsts = []
+    tokens = Counter[str]()
+    for _ in range(8):
+        units = sim.round()
+        firsts.append(next(u.model_id for u in units if u.model_id.startswith("a/")))
+        for unit in units:
+            for call in unit.calls:
+                tokens[tenant_of(call)] += call.cost
+    assert set(firsts) == {"a/m1", "a/m2"}  # neither of a's models starves the other
+    assert tokens["a"] == tokens["b"]  # two models do not buy a tenant a bigger share
+
+
+def test_order_within_a_model_is_kept_and_each_call_runs_once() -> None:
+    sim = Sim()
+    for t in "abc":
+        sim.model(f"{t}/m", t)
+    rng = random.Random(1)
+    for _ in range(60):
+        sim.send(f"{rng.choice('abc')}/m", cost=rng.randint(0, 300))
+    while sim.s.has_ready_work():
+        sim.round()
+    for t in "abc":
+        seqs = [c.seq_id for c in sim.served if c.model_id == f"{t}/m"]
+        assert seqs == list(range(1, len(seqs) + 1))
+    assert len(sim.served) == 60
+
+
+def test_removing_a_model_forgets_its_tenant() -> None:
+    sim = Sim()
+    sim.model("a/m", "a")
+    sim.model("b/m", "b")
+    sim.send("a/m")
+    sim.send("a/m")
+    sim.send("b/m")
+    sim.round()
+    left = sim.s.remove_model("a/m")
+    assert [c.seq_id for c in left] == [2]
+    assert sim.round() == []
+    assert sim.s.deficits() == {}
+
+
+def test_unknown_policy_is_refused() -> None:
+    with pytest.raises(ValueError, match="policy"):
+        Scheduler(policy="lifo")
