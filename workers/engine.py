@@ -53,7 +53,7 @@ from treadle.workers.domain import (
     SyncResult,
     SyncWeightsOp,
 )
-from treadle.workers.sampler import TorchSampler
+from treadle.workers.sampler import SamplerLimits, TorchSampler
 from treadle.workers.scheduler import Admission, OrderedCall, Scheduler
 from treadle.workers.trainer import TrainingModel
 from treadle.workers.versions import VersionStore, WeightSnapshot
@@ -71,6 +71,10 @@ class EngineConfig:
     keep_versions: int = 4
     sampler_slots: int = 64
     sampler_max_len: int = 1024
+    sampler_prefill_slots: int = 8  # prompts prefilled at once, kept for prefix reuse
+    sampler_max_prefill_tokens: int = 512  # prompt tokens computed per step, at most
+    sampler_max_queued: int = 4096  # queued sample requests before RESOURCE_EXHAUSTED
+    metrics_log_every_s: float = 30.0
     max_tokens_per_call: int = 262_144
     #: save the state every N optimizer steps (0 = off) under auto_checkpoint_root/<tenant>/<model>/auto
     auto_checkpoint_steps: int = 0
@@ -249,14 +253,7 @@ class Engine:
 
     def _fail_sampler(self, sampler: TorchSampler, err: Exception) -> None:
         error = err if isinstance(err, TreadleError) else InternalError(str(err))
-        requests = {id(r.request): r.request for r in sampler.running}
-        requests.update({id(r): r for r in sampler.queue})
-        for req in requests.values():
-            if not req.future.done():
-                req.future.set_exception(error)
-        for row in list(sampler.running):
-            sampler._free(row)
-        sampler.queue.clear()
+        sampler.fail_all(error)
 
     # ---- models ---------------------------------------------------------------------------
 
@@ -389,9 +386,16 @@ class Engine:
         key = (base_model, dtype)
         if key not in self.samplers:
             base = self.bases.get(base_model, dtype)
-            self.samplers[key] = TorchSampler(
-                base, num_slots=self.config.sampler_slots, max_len=self.config.sampler_max_len
+            c = self.config
+            limits = SamplerLimits(
+                num_slots=c.sampler_slots,
+                max_len=c.sampler_max_len,
+                prefill_slots=c.sampler_prefill_slots,
+                max_prefill_tokens=c.sampler_max_prefill_tokens,
+                max_queued=c.sampler_max_queued,
+                log_every_s=c.metrics_log_every_s,
             )
+            self.samplers[key] = TorchSampler(base, limits=limits)
         return self.samplers[key]
 
     def _admit_sample(self, target: SamplerTarget, op: SampleOp, fut: Future[SampleResult]) -> None:

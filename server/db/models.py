@@ -95,6 +95,11 @@ class Tenant(Base):
     id: Mapped[str] = mapped_column(String(64), primary_key=True)
     name: Mapped[str] = mapped_column(String(255), unique=True)
     created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+    # Quota overrides of this tenant; None = the server's default (``ServerConfig``).
+    max_models: Mapped[int | None]
+    max_calls_in_flight: Mapped[int | None]
+    max_tokens_per_request: Mapped[int | None] = mapped_column(BigInteger)
+    tokens_per_minute: Mapped[int | None] = mapped_column(BigInteger)
 
 
 class ApiKey(Base):
@@ -196,3 +201,24 @@ class Op(Base):
     error_code: Mapped[str | None] = mapped_column(String(64))
     created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
     finished_at: Mapped[dt.datetime | None]
+
+
+class Usage(Base):
+    """What a tenant consumed, per model: running totals the server adds to.
+
+    ``model_id`` is not a foreign key, so usage outlives the model it was spent on;
+    it is "" for sampling a bare base model. Checkpoints stored are not kept here:
+    they are counted from ``checkpoints``, which is what is stored.
+    """
+
+    __tablename__ = "usage"
+
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id"), primary_key=True)
+    model_id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    base_model: Mapped[str] = mapped_column(String(255), primary_key=True)
+    tokens_sampled: Mapped[int] = mapped_column(BigInteger, default=0, server_default=text("0"))
+    tokens_trained: Mapped[int] = mapped_column(BigInteger, default=0, server_default=text("0"))
+    tokens_scored: Mapped[int] = mapped_column(BigInteger, default=0, server_default=text("0"))
+    calls: Mapped[int] = mapped_column(BigInteger, default=0, server_default=text("0"))
+    compute_s: Mapped[float] = mapped_column(default=0.0, server_default=text("0"))
+    updated_at: Mapped[dt.datetime] = mapped_column(default=utcnow, onupdate=utcnow)

@@ -15,7 +15,7 @@ from sqlalchemy import Engine, create_engine, inspect, make_url, text
 from sqlalchemy.exc import IntegrityError, OperationalError
 
 from treadle.errors import InvalidArgumentError
-from treadle.server.db import downgrade, make_engine, make_session_factory, upgrade_to_head
+from treadle.server.db import downgrade, make_engine, make_session_factory, tenancy, upgrade_to_head
 from treadle.server.db import queries as q
 from treadle.server.db.models import Base
 from treadle.server.db.session import alembic_config
@@ -23,7 +23,16 @@ from treadle.server.db.session import alembic_config
 PG_ADMIN_URL = os.environ.get(
     "TREADLE_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 )
-TABLES = {"tenants", "api_keys", "models", "checkpoints", "weight_versions", "samplers", "ops"}
+TABLES = {
+    "tenants",
+    "api_keys",
+    "models",
+    "checkpoints",
+    "weight_versions",
+    "samplers",
+    "ops",
+    "usage",
+}
 
 
 @pytest.fixture
@@ -92,6 +101,10 @@ def _fill_every_table(engine: Engine) -> None:
         )
         q.record_op(s, model.id, 1, "OPTIM_STEP", "sha256:aa")
         q.finish_op(s, model.id, 1, "done")
+        tenancy.set_quota(s, tenant, max_models=3, tokens_per_minute=2**40)
+        delta = tenancy.UsageDelta(tokens_sampled=2**40, tokens_trained=5, calls=2, compute_s=0.5)
+        tenancy.add_usage(s, tenant.id, model.id, "tiny-llama", delta)
+        tenancy.add_usage(s, tenant.id, "", "tiny-llama", delta)
         s.commit()
 
 
