@@ -297,8 +297,8 @@ class Scheduler:
     def _expire(self, now: float) -> list[OrderedCall]:
         expired: list[OrderedCall] = []
         for queue in self._models.values():
-            if queue.next_seq_id in queue.waiting:
-                continue  # runnable now; the gap is closed
+            if queue.running or queue.next_seq_id in queue.waiting:
+                continue  # runnable now or behind a running unit: not waiting on a gap
             for seq, call in list(queue.waiting.items()):
                 if now - call.arrived_at >= self.gap_timeout_s:
                     expired.append(queue.waiting.pop(seq))
