@@ -12,7 +12,8 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
-from treadle import _convert
+from treadle import _convert, custom_loss
+from treadle.custom_loss import CustomLossFn
 from treadle.futures import APIFuture
 from treadle.sampling_client import SamplingClient
 from treadle.types import (
@@ -94,6 +95,32 @@ class TrainingClient:
         request.seq_id = self._take_seq()
         return self._call(
             self._service._training.ForwardLogprobs, request, _convert.forward_output_from_wire
+        )
+
+    def forward_backward_custom(
+        self, data: Sequence[Datum], loss_fn: CustomLossFn, *, temperature: float = 1.0
+    ) -> APIFuture[ForwardBackwardOutput]:
+        """Accumulate the gradient of any torch loss of the logprobs, computed here.
+
+        ``loss_fn(data, logprobs_list) -> (loss, metrics)`` gets one 1-D tensor per
+        datum (requires grad) and returns a scalar tensor and a dict. The SDK runs
+        ``forward_logprobs``, evaluates ``loss_fn``, and sends ``cross_entropy``
+        with weights ``-dloss/dlogprob``, which has the same gradient. The output's
+        metrics are the server's plus the user's, with ``loss:sum`` = the user's loss.
+
+        Blocks the calling thread until the logprobs are back and ``loss_fn`` has
+        run (so calls made after it returns are ordered after both of its calls);
+        the backward is returned as a future. Uses two ``seq_id`` s. Needs torch on
+        the client, for this call only (``treadle.custom_loss``).
+        """
+        return custom_loss.forward_backward_custom(self, data, loss_fn, temperature=temperature)
+
+    async def forward_backward_custom_async(
+        self, data: Sequence[Datum], loss_fn: CustomLossFn, *, temperature: float = 1.0
+    ) -> ForwardBackwardOutput:
+        """``forward_backward_custom`` without blocking the event loop."""
+        return await custom_loss.forward_backward_custom_async(
+            self, data, loss_fn, temperature=temperature
         )
 
     def optim_step(self, adam_params: AdamParams | None = None) -> APIFuture[OptimStepResponse]:
