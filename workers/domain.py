@@ -171,6 +171,9 @@ class SamplingConfig:
     stop_strings: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     seed: int | None = None
+    # Engine-level only (benchmarks): EOS does not stop a sequence, so every
+    # sequence runs to max_tokens; explicit stop_token_ids still stop it.
+    ignore_eos: bool = False
 
 
 @dataclass(frozen=True)

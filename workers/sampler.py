@@ -1,20 +1,32 @@
 """The torch sampler: continuous batching over a preallocated KV cache.
 
-Each sequence being generated is a *row* living in one cache slot. Every
-``step()`` admits waiting requests while slots are free (prefilling a prompt
-once and sharing its KV with the request's G rows), then advances every running
-row by one token in one batched forward pass; a finished row frees its slot at
-once, so the batch never waits for its longest member.
+Each sequence being generated is a *row*, living in one slot of the main KV
+cache. Running rows always occupy consecutive slots ``0..n-1`` (a row that
+finishes leaves a hole, and the last row moves into it), so the decode step's
+attention reads the cache in place, with no per-step gather or concatenation.
 
-Rows of different adapters or weight versions share a decode batch (their base
-matmuls are shared, each row's low-rank update is its own, ``LoraRows``); rows
-whose *base* weights differ (full fine-tunes) run as separate groups.
+A ``step()`` does, in order:
+
+1. *Admission and prefill.* Waiting requests enter while the main cache has
+   room for their G rows. A request's prompt is prefilled once, into a slot of
+   a small *staging* cache, in chunks of at most ``max_prefill_tokens`` per
+   step across all prefilling requests, so a long prompt never stalls the
+   running batch for more than one chunk. The staging cache doubles as a prefix
+   cache: a prompt that starts like a staged one (same weights) copies that KV
+   and prefills only the rest. Once the whole prompt is in, its KV is copied
+   into the G consecutive main slots of the request's rows, and each row's
+   first token is drawn from the one set of prompt logits.
+2. *Decode.* Every running row advances one token, in one batched forward per
+   base weights (LoRA rows of different adapters and versions share it through
+   ``LoraRows``; full fine-tunes have their own base weights). Finished rows
+   free their slots at once, and their request resolves when its last row ends.
 
 Sampling: logprob of the chosen token = ``log_softmax(logits / T)`` before any
 top-k / top-p truncation (DESIGN.md, "Temperature belongs to the policy").
-Choice by the exponential race (``argmax(log p - log E)``, E ~ Exp(1)), with
-noise drawn from each row's own generator, so a seeded request reproduces its
-tokens whatever else shares the batch; no ``torch.multinomial``.
+The choice is inverse-CDF sampling with *one* uniform per row and token, drawn
+from a counter-based hash of (request seed, sample index, token index): no
+generator state, no ``torch.multinomial``, and a seeded request reproduces its
+tokens whatever else shares the batch and whenever it is scheduled.
 """
 
 from __future__ import annotations
@@ -22,6 +34,8 @@ from __future__ import annotations
 import logging
 import math
 import os
+import time
+import weakref
 from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import Future
@@ -32,11 +46,11 @@ import torch
 from tokenizers import Tokenizer
 from torch import Tensor
 
-from treadle.errors import InvalidArgumentError
+from treadle.errors import InvalidArgumentError, ResourceExhaustedError, TreadleError
 from treadle.workers.base_models import BaseModel
 from treadle.workers.domain import SampleOp, SampleResult, SequenceResult, version_spans
 from treadle.workers.model.kv_cache import KVCache
-from treadle.workers.model.llama import forward_hidden, lm_logits
+from treadle.workers.model.llama import LlamaParams, forward_hidden, lm_logits
 from treadle.workers.model.lora import LoraAdapter, LoraRows
 from treadle.workers.versions import WeightSnapshot
 
@@ -45,13 +59,37 @@ log = logging.getLogger("treadle.sampler")
 MAX_STOP_STRING_CHARS = 256
 
 
+@dataclass(frozen=True)
+class SamplerLimits:
+    """Sizes of one sampler (one per base model and dtype).
+
+    ``num_slots`` rows decode together at most (the batch); ``max_len`` is the
+    context; ``prefill_slots`` prompts prefill at once and stay cached for
+    prefix reuse; ``max_prefill_tokens`` caps prompt tokens computed per step
+    (so a decode step is never delayed by more than that much prefill);
+    ``max_queued`` requests wait at most, beyond that RESOURCE_EXHAUSTED.
+    """
+
+    num_slots: int = 64
+    max_len: int = 1024
+    prefill_slots: int = 8
+    max_prefill_tokens: int = 512
+    max_queued: int = 4096
+    log_every_s: float = 30.0
+
+
 @dataclass
 class _Request:
     op: SampleOp
     snapshot: WeightSnapshot
     future: Future[SampleResult]
     stop_ids: frozenset[int]
+    seed: int
+    prompt: np.ndarray  # int64 [P]
     rows: list[_Row] = field(default_factory=list)
+    stage_slot: int = -1
+    prefilled: int = 0  # prompt tokens whose K/V are in the staging slot
+    reused: int = 0  # of which copied from the prefix cache
 
     @property
     def cancelled(self) -> bool:
@@ -63,37 +101,89 @@ class _Row:
     request: _Request
     index: int
     slot: int
-    snapshot: WeightSnapshot
-    generator: torch.Generator
+    key: int  # the row's random stream: hash of (seed, index)
+    snapshot: WeightSnapshot  # the weights decoding this row now
     position: int = 0  # tokens whose K/V are in the cache
     next_input: int = 0  # the last sampled token, fed at the next decode step
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)  # the weight version of each token
     stop_reason: str | None = None
+
+
+@dataclass
+class _Staged:
+    """What one staging slot holds: a prompt prefix and the weights that computed it."""
+
+    tokens: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    params: weakref.ref[LlamaParams] | None = None
+    adapter: weakref.ref[LoraAdapter] | None = None
+    owner: _Request | None = None  # the request prefilling into it now
+    last_used: int = 0
+
+    def computed_by(self, snap: WeightSnapshot) -> bool:
+        if self.params is None or self.params() is not snap.params:
+            return False
+        if snap.adapter is None:
+            return self.adapter is None
+        return self.adapter is not None and self.adapter() is snap.adapter
 
 
 @dataclass(frozen=True)
 class SamplerStats:
     running_rows: int
     queued_requests: int
+    prefilling_requests: int
     free_slots: int
+    num_slots: int
     tokens_generated: int
+    prompt_tokens: int
+    prefix_reused_tokens: int
+    decode_steps: int
+    tokens_per_s: float  # generated tokens per second over the recent window
+    occupancy: float  # mean fraction of slots decoding per step, recent window
 
 
 class TorchSampler:
-    def __init__(self, base: BaseModel, *, num_slots: int = 64, max_len: int = 1024) -> None:
+    def __init__(
+        self,
+        base: BaseModel,
+        *,
+        num_slots: int = 64,
+        max_len: int = 1024,
+        limits: SamplerLimits | None = None,
+    ) -> None:
+        lim = limits or SamplerLimits(num_slots=num_slots, max_len=max_len)
+        self.limits = lim
         self.base = base
         self.cfg = base.cfg
-        self.max_len = min(max_len, self.cfg.max_position_embeddings)
-        self.cache = KVCache(self.cfg, num_slots, self.max_len, dtype=base.dtype)
-        self.free_slots: list[int] = list(range(num_slots - 1, -1, -1))
+        self.max_len = min(lim.max_len, self.cfg.max_position_embeddings)
+        try:
+            self.cache = KVCache(self.cfg, lim.num_slots, self.max_len, dtype=base.dtype)
+            self.stage = KVCache(
+                self.cfg, max(1, lim.prefill_slots), self.max_len, dtype=base.dtype
+            )
+        except (RuntimeError, MemoryError) as err:
+            raise ResourceExhaustedError(
+                f"sampler: cannot allocate the KV cache ({lim.num_slots} slots x "
+                f"{self.max_len} tokens): {err}"
+            ) from None
+        self.staged = [_Staged() for _ in range(self.stage.num_slots)]
         self.queue: deque[_Request] = deque()
-        self.running: list[_Row] = []
-        self.tokens_generated = 0
+        self.prefilling: list[_Request] = []
+        self.running: list[_Row] = []  # running[i].slot == i
+        self.reserved = 0  # main slots promised to prefilling requests
         tok_path = base.path / "tokenizer.json"
         self.tokenizer = Tokenizer.from_file(str(tok_path)) if tok_path.exists() else None
         self.eos_ids = frozenset(self.cfg.eos_token_ids)
+        # metrics
+        self.tokens_generated = 0
+        self.prompt_tokens = 0
+        self.prefix_reused_tokens = 0
+        self.decode_steps = 0
+        self._clock = 0
+        self._window: deque[tuple[float, int, int]] = deque()  # (time, tokens, rows)
+        self._last_log = time.monotonic()
 
     # ---- admission -----------------------------------------------------------------
 
@@ -102,6 +192,8 @@ class TorchSampler:
         prompt = op.prompt
         if prompt.ndim != 1 or prompt.size == 0:
             raise InvalidArgumentError("prompt: must be a non-empty 1-D token sequence")
+        if prompt.dtype.kind not in "iu":
+            raise InvalidArgumentError("prompt: token ids must be integers")
         bad = (prompt < 0) | (prompt >= self.cfg.vocab_size)
         if bad.any():
             raise InvalidArgumentError(
@@ -141,73 +233,217 @@ class TorchSampler:
                 raise InvalidArgumentError(f"stop: stop token id {t} is outside the vocabulary")
 
     def submit(self, op: SampleOp, snapshot: WeightSnapshot, future: Future[SampleResult]) -> None:
+        """Queue a request (validated first); RESOURCE_EXHAUSTED when the queue is full."""
         self.validate(op)
-        stop_ids = self.eos_ids | frozenset(op.params.stop_token_ids)
-        self.queue.append(_Request(op, snapshot, future, stop_ids))
+        if len(self.queue) >= self.limits.max_queued:
+            raise ResourceExhaustedError(
+                f"sampler: {len(self.queue)} requests already queued for {self.base.name}; "
+                "retry later",
+                retry_after_s=1.0,
+            )
+        eos = frozenset() if op.params.ignore_eos else self.eos_ids
+        stop_ids = eos | frozenset(op.params.stop_token_ids)
+        seed = op.params.seed
+        if seed is None:
+            seed = int.from_bytes(os.urandom(8), "little") >> 1
+        prompt = np.ascontiguousarray(op.prompt, dtype=np.int64)
+        request = _Request(op, snapshot, future, stop_ids, seed, prompt)
+        if op.params.max_tokens == 0:
+            request.rows = [
+                _Row(request, i, -1, 0, snapshot, stop_reason="length")
+                for i in range(op.num_samples)
+            ]
+            self._finish_request(request)
+            return
+        self.queue.append(request)
 
     def has_work(self) -> bool:
-        return bool(self.queue or self.running)
+        return bool(self.queue or self.prefilling or self.running)
 
     def stats(self) -> SamplerStats:
+        window = self._window
+        rows = sum(r for _, _, r in window)
+        steps = len(window)
+        rate = 0.0
+        if steps > 1 and time.monotonic() - window[-1][0] < 5.0:
+            rate = (window[-1][1] - window[0][1]) / max(window[-1][0] - window[0][0], 1e-9)
         return SamplerStats(
-            len(self.running), len(self.queue), len(self.free_slots), self.tokens_generated
+            running_rows=len(self.running),
+            queued_requests=len(self.queue),
+            prefilling_requests=len(self.prefilling),
+            free_slots=self.cache.num_slots - len(self.running) - self.reserved,
+            num_slots=self.cache.num_slots,
+            tokens_generated=self.tokens_generated,
+            prompt_tokens=self.prompt_tokens,
+            prefix_reused_tokens=self.prefix_reused_tokens,
+            decode_steps=self.decode_steps,
+            tokens_per_s=rate,
+            occupancy=rows / (steps * self.cache.num_slots) if steps else 0.0,
         )
+
+    def fail_all(self, error: TreadleError) -> None:
+        """Fail every queued and running request with ``error`` and free everything."""
+        requests = {id(r.request): r.request for r in self.running}
+        requests.update({id(r): r for r in self.prefilling})
+        requests.update({id(r): r for r in self.queue})
+        for req in requests.values():
+            if not req.future.done():
+                req.future.set_exception(error)
+        self.running.clear()
+        for req in self.prefilling:
+            self.staged[req.stage_slot] = _Staged()
+        self.prefilling.clear()
+        self.queue.clear()
+        self.reserved = 0
 
     # ---- the step --------------------------------------------------------------------
 
     @torch.no_grad()
     def step(self) -> None:
+        self._clock += 1
         self._drop_cancelled()
         self._admit()
+        if self.prefilling:
+            self._prefill()
         if self.running:
             self._decode()
+        self._maybe_log()
 
     def _drop_cancelled(self) -> None:
-        self.queue = deque(r for r in self.queue if not r.cancelled)
-        for row in [r for r in self.running if r.request.cancelled]:
-            self._free(row)
+        if any(r.cancelled for r in self.queue):
+            self.queue = deque(r for r in self.queue if not r.cancelled)
+        for req in [r for r in self.prefilling if r.cancelled]:
+            self._release_stage(req)
+            self.prefilling.remove(req)
+            self.reserved -= req.op.num_samples
+        gone = [r for r in self.running if r.request.cancelled]
+        for row in gone:
+            row.stop_reason = "cancelled"
+        if gone:
+            self._compact()
 
     def _admit(self) -> None:
-        while self.queue and len(self.free_slots) >= self.queue[0].op.num_samples:
-            request = self.queue.popleft()
-            self._prefill(request)
+        """Move queued requests into prefill while their rows fit in the main cache."""
+        while self.queue:
+            request = self.queue[0]
+            need = request.op.num_samples
+            if len(self.running) + self.reserved + need > self.cache.num_slots:
+                return
+            slot = self._stage_slot_for(request)
+            if slot < 0:
+                return
+            self.queue.popleft()
+            self.reserved += need
+            self.prefilling.append(request)
 
-    def _prefill(self, request: _Request) -> None:
-        op = request.op
-        slots = [self.free_slots.pop() for _ in range(op.num_samples)]
-        seed = (
-            op.params.seed
-            if op.params.seed is not None
-            else int.from_bytes(os.urandom(8), "little") >> 1
-        )
-        for i, slot in enumerate(slots):
-            gen = torch.Generator().manual_seed((seed * 1_000_003 + i) % (2**63))
-            request.rows.append(
-                _Row(request, i, slot, request.snapshot, gen, position=op.prompt.size)
-            )
-        if op.params.max_tokens == 0:
-            for row in request.rows:
-                row.stop_reason = "length"
-            self._finish_request(request)
-            return
+    def _stage_slot_for(self, request: _Request) -> int:
+        """A free staging slot for ``request``, seeded with the longest cached prefix."""
+        free = [i for i, s in enumerate(self.staged) if s.owner is None]
+        if not free:
+            return -1
+        prompt = request.prompt
+        best, best_len = -1, 0
+        for i, staged in enumerate(self.staged):
+            n = min(staged.tokens.size, prompt.size)
+            if n <= best_len or not staged.computed_by(request.snapshot):
+                continue
+            diff = np.flatnonzero(staged.tokens[:n] != prompt[:n])
+            common = int(diff[0]) if diff.size else n
+            if common > best_len:
+                best, best_len = i, common
+        if best >= 0 and self.staged[best].owner is None:
+            slot = best
+        else:
+            slot = min(free, key=lambda i: self.staged[i].last_used)
+            if best >= 0:
+                self.stage.move([best], [slot], best_len)
+        # The last prompt token is always computed: its logits choose the first token.
+        reuse = min(best_len, prompt.size - 1)
         snap = request.snapshot
-        tokens_1_P = torch.from_numpy(op.prompt.astype(np.int64))[None, :]
-        positions_1_P = torch.arange(op.prompt.size)[None, :]
-        hidden = forward_hidden(
-            self.cfg,
-            snap.params,
-            tokens_1_P,
-            positions_1_P,
-            lora=snap.adapter,
-            cache=self.cache,
-            slots_B=torch.tensor(slots[:1]),
+        self.staged[slot] = _Staged(
+            tokens=prompt[:reuse].copy(),
+            params=weakref.ref(snap.params),
+            adapter=None if snap.adapter is None else weakref.ref(snap.adapter),
+            owner=request,
+            last_used=self._clock,
         )
-        if len(slots) > 1:
-            self.cache.copy_prefix(slots[0], slots[1:], op.prompt.size)
-        logits_1_V = lm_logits(self.cfg, snap.params, hidden[:, -1])
-        logits_G_V = logits_1_V.expand(len(slots), -1)
-        self._emit(request.rows, logits_G_V)
-        self.running.extend(r for r in request.rows if r.stop_reason is None)
+        request.stage_slot, request.prefilled, request.reused = slot, reuse, reuse
+        self.prefix_reused_tokens += reuse
+        return slot
+
+    def _release_stage(self, request: _Request) -> None:
+        staged = self.staged[request.stage_slot]
+        staged.owner = None
+        staged.tokens = request.prompt[: request.prefilled].copy()
+
+    # ---- prefill -----------------------------------------------------------------------
+
+    def _prefill(self) -> None:
+        """One chunk of prompt tokens for the prefilling requests, within the step's budget."""
+        budget = self.limits.max_prefill_tokens
+        chunks: list[tuple[_Request, int]] = []
+        for req in self.prefilling:
+            if budget <= 0:
+                break
+            n = min(req.prompt.size - req.prefilled, budget)
+            chunks.append((req, n))
+            budget -= n
+        for batch in _prefill_batches(chunks):
+            self._prefill_forward(batch)
+        done = [r for r in self.prefilling if r.prefilled == r.prompt.size]
+        for req in done:
+            self.prefilling.remove(req)
+
+    def _prefill_forward(self, batch: list[tuple[_Request, int]]) -> None:
+        B, T = len(batch), max(n for _, n in batch)
+        tokens_B_T = torch.zeros(B, T, dtype=torch.long)
+        positions_B_T = torch.full((B, T), self.max_len - 1, dtype=torch.long)
+        for b, (req, n) in enumerate(batch):
+            start = req.prefilled
+            tokens_B_T[b, :n] = torch.from_numpy(req.prompt[start : start + n])
+            positions_B_T[b, :n] = torch.arange(start, start + n)
+        snaps = [req.snapshot for req, _ in batch]
+        hidden_B_T_H = forward_hidden(
+            self.cfg,
+            snaps[0].params,
+            tokens_B_T,
+            positions_B_T,
+            lora=_lora_for([s.adapter for s in snaps]),
+            cache=self.stage,
+            slots_B=torch.tensor([req.stage_slot for req, _ in batch]),
+        )
+        finished: list[tuple[_Request, Tensor]] = []
+        for b, (req, n) in enumerate(batch):
+            req.prefilled += n
+            self.prompt_tokens += n
+            staged = self.staged[req.stage_slot]
+            staged.tokens = req.prompt[: req.prefilled].copy()
+            staged.last_used = self._clock
+            if req.prefilled == req.prompt.size:
+                finished.append((req, hidden_B_T_H[b, n - 1]))
+        if finished:
+            hidden_F_H = torch.stack([h for _, h in finished])
+            logits_F_V = lm_logits(self.cfg, snaps[0].params, hidden_F_H)
+            for (req, _), logits_V in zip(finished, logits_F_V, strict=True):
+                self._start_rows(req, logits_V)
+
+    def _start_rows(self, request: _Request, logits_V: Tensor) -> None:
+        """The prompt is in: copy its KV to G consecutive main slots and draw first tokens."""
+        G, P = request.op.num_samples, request.prompt.size
+        first = len(self.running)
+        self.cache.copy_from(self.stage, request.stage_slot, first, G, P)
+        self._release_stage(request)
+        self.reserved -= G
+        keys = _row_keys(request.seed, G)
+        snap = request.snapshot
+        rows = [_Row(request, i, first + i, keys[i], snap, position=P) for i in range(G)]
+        request.rows = rows
+        self.running.extend(rows)
+        self._emit(rows, logits_V.expand(G, -1))
+        if any(r.stop_reason for r in rows):
+            self._compact()
+
+    # ---- decode ------------------------------------------------------------------------
 
     def _decode(self) -> None:
         groups: dict[int, list[_Row]] = {}
@@ -218,73 +454,93 @@ class TorchSampler:
             tokens_B_1 = torch.tensor([[r.next_input] for r in rows])
             positions_B_1 = torch.tensor([[r.position] for r in rows])
             slots_B = torch.tensor([r.slot for r in rows])
-            hidden = forward_hidden(
+            hidden_B_1_H = forward_hidden(
                 self.cfg,
                 params,
                 tokens_B_1,
                 positions_B_1,
-                lora=_lora_for(rows),
+                lora=_lora_for([r.snapshot.adapter for r in rows]),
                 cache=self.cache,
                 slots_B=slots_B,
             )
             for r in rows:
                 r.position += 1
-            logits_B_V = lm_logits(self.cfg, params, hidden[:, -1])
+            logits_B_V = lm_logits(self.cfg, params, hidden_B_1_H[:, -1])
             self._emit(rows, logits_B_V)
-        self.running = [r for r in self.running if r.stop_reason is None]
+        self.decode_steps += 1
+        self._window.append((time.monotonic(), self.tokens_generated, len(self.running)))
+        while len(self._window) > 64:
+            self._window.popleft()
+        self._compact()
 
     # ---- choosing tokens -----------------------------------------------------------------
 
     def _emit(self, rows: Sequence[_Row], logits_B_V: Tensor) -> None:
-        """Choose one token per row, record it, and finish rows that stop."""
-        tokens_B, logprobs_B = sample_tokens(
-            logits_B_V.float(),
-            [r.request.op.params.temperature for r in rows],
-            [r.request.op.params.top_k for r in rows],
-            [r.request.op.params.top_p for r in rows],
-            [r.generator for r in rows],
+        """Choose one token per row, record it, and mark rows that stop."""
+        params = [r.request.op.params for r in rows]
+        uniforms_B = _uniforms(
+            np.array([r.key for r in rows], dtype=np.uint64),
+            np.array([len(r.tokens) for r in rows], dtype=np.uint64),
         )
-        finished: set[int] = set()
-        for row, tok, lp in zip(rows, tokens_B.tolist(), logprobs_B.tolist(), strict=True):
+        tokens_B, logprobs_B = sample_tokens(
+            logits_B_V,
+            [p.temperature for p in params],
+            [p.top_k for p in params],
+            [p.top_p for p in params],
+            uniforms_B,
+        )
+        for row, p, tok, lp in zip(
+            rows, params, tokens_B.tolist(), logprobs_B.tolist(), strict=True
+        ):
             row.tokens.append(tok)
             row.logprobs.append(lp)
             row.versions.append(row.snapshot.version)
             row.next_input = tok
-            self.tokens_generated += 1
-            params = row.request.op.params
-            if tok in row.request.stop_ids or self._hit_stop_string(row):
+            if tok in row.request.stop_ids or (p.stop_strings and self._hit_stop_string(row)):
                 row.stop_reason = "stop"
-            elif len(row.tokens) >= params.max_tokens:
+            elif len(row.tokens) >= p.max_tokens:
                 row.stop_reason = "length"
-            if row.stop_reason is not None:
-                self.free_slots.append(row.slot)
-                finished.add(id(row.request))
-        for row in rows:
-            if id(row.request) in finished and all(r.stop_reason for r in row.request.rows):
-                finished.discard(id(row.request))
-                self._finish_request(row.request)
+        self.tokens_generated += len(rows)
 
     def _hit_stop_string(self, row: _Row) -> bool:
         stops = row.request.op.params.stop_strings
-        if not stops or self.tokenizer is None:
+        if self.tokenizer is None:
             return False
         longest = max(len(s) for s in stops)
         tail = self.tokenizer.decode(row.tokens[-(longest + 1) :], skip_special_tokens=False)
         return any(s in tail for s in stops)
 
-    def _free(self, row: _Row) -> None:
-        row.stop_reason = row.stop_reason or "cancelled"
-        self.free_slots.append(row.slot)
-        self.running.remove(row)
+    def _compact(self) -> None:
+        """Drop finished rows; move rows from the end into the holes they leave.
+
+        Keeps ``running[i].slot == i``: the next decode reads slots ``0..n-1``
+        in place. One batched copy moves every displaced row.
+        """
+        if all(r.stop_reason is None for r in self.running):
+            return
+        done = [r for r in self.running if r.stop_reason is not None]
+        live = [r for r in self.running if r.stop_reason is None]
+        n = len(live)
+        holes = sorted(r.slot for r in done if r.slot < n)
+        movers = [r for r in live if r.slot >= n]
+        if movers:
+            length = max(r.position for r in movers)
+            self.cache.move([r.slot for r in movers], holes, length)
+            for r, hole in zip(movers, holes, strict=True):
+                r.slot = hole
+        live.sort(key=lambda r: r.slot)
+        self.running = live
+        for req in {id(r.request): r.request for r in done}.values():
+            if all(r.stop_reason is not None for r in req.rows):
+                self._finish_request(req)
 
     def _finish_request(self, request: _Request) -> None:
         if request.future.done():
             return
-        np_dtype = np.float32
         sequences = tuple(
             SequenceResult(
                 tokens=np.asarray(r.tokens, dtype=np.int64),
-                logprobs=np.asarray(r.logprobs, dtype=np_dtype),
+                logprobs=np.asarray(r.logprobs, dtype=np.float32),
                 stop_reason=r.stop_reason or "length",
                 versions=version_spans(r.versions),
             )
@@ -292,25 +548,95 @@ class TorchSampler:
         )
         request.future.set_result(SampleResult(sequences))
 
+    def _maybe_log(self) -> None:
+        now = time.monotonic()
+        if now - self._last_log < self.limits.log_every_s:
+            return
+        self._last_log = now
+        s = self.stats()
+        log.info(
+            "sampler %s: %.1f tok/s, %d/%d slots decoding (occupancy %.0f%%), "
+            "%d prefilling, %d queued, %d tokens generated, %d prefix tokens reused",
+            self.base.name,
+            s.tokens_per_s,
+            s.running_rows,
+            s.num_slots,
+            100 * s.occupancy,
+            s.prefilling_requests,
+            s.queued_requests,
+            s.tokens_generated,
+            s.prefix_reused_tokens,
+        )
 
-def _lora_for(rows: Sequence[_Row]) -> LoraAdapter | LoraRows | None:
-    adapters: list[LoraAdapter] = []
+
+def _prefill_batches(chunks: list[tuple[_Request, int]]) -> list[list[tuple[_Request, int]]]:
+    """Group prefill chunks into forwards: same base weights, and lengths close
+    enough that padding to the longest wastes under a third of the batch."""
+    by_params: dict[int, list[tuple[_Request, int]]] = {}
+    for req, n in chunks:
+        by_params.setdefault(id(req.snapshot.params), []).append((req, n))
+    batches: list[list[tuple[_Request, int]]] = []
+    for group in by_params.values():
+        group.sort(key=lambda c: -c[1])
+        current: list[tuple[_Request, int]] = []
+        real = 0
+        for req, n in group:
+            if current and (len(current) + 1) * current[0][1] > 1.5 * (real + n):
+                batches.append(current)
+                current, real = [], 0
+            current.append((req, n))
+            real += n
+        if current:
+            batches.append(current)
+    return batches
+
+
+def _lora_for(adapters: Sequence[LoraAdapter | None]) -> LoraAdapter | LoraRows | None:
+    unique: list[LoraAdapter] = []
     index: dict[int, int] = {}
     row_ids = []
-    for r in rows:
-        a = r.snapshot.adapter
+    for a in adapters:
         if a is None:
             row_ids.append(-1)
             continue
         if id(a) not in index:
-            index[id(a)] = len(adapters)
-            adapters.append(a)
+            index[id(a)] = len(unique)
+            unique.append(a)
         row_ids.append(index[id(a)])
-    if not adapters:
+    if not unique:
         return None
-    if len(adapters) == 1 and -1 not in row_ids:
-        return adapters[0]
-    return LoraRows(adapters, torch.tensor(row_ids))
+    if len(unique) == 1 and -1 not in row_ids:
+        return unique[0]
+    return LoraRows(unique, torch.tensor(row_ids))
+
+
+# ---- randomness and sampling ----------------------------------------------------------
+
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+
+
+def _splitmix64(x: np.ndarray) -> np.ndarray:
+    """SplitMix64's finaliser, elementwise on uint64 (wrapping arithmetic)."""
+    with np.errstate(over="ignore"):
+        z = x + _GOLDEN
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return z ^ (z >> np.uint64(31))
+
+
+def _row_keys(seed: int, count: int) -> list[int]:
+    """Each sample's random stream key: a hash of (request seed, sample index)."""
+    seed_arr = _splitmix64(np.array([seed % 2**64], dtype=np.uint64))
+    keys = _splitmix64(seed_arr ^ _splitmix64(np.arange(count, dtype=np.uint64)))
+    return [int(k) for k in keys]
+
+
+def _uniforms(keys_B: np.ndarray, counters_B: np.ndarray) -> Tensor:
+    """One uniform in (0, 1) per row: a hash of (row key, token index), float64."""
+    with np.errstate(over="ignore"):
+        bits = _splitmix64(keys_B + counters_B * _GOLDEN)
+    u = ((bits >> np.uint64(11)).astype(np.float64) + 0.5) * 2.0**-53
+    return torch.from_numpy(u)
 
 
 def sample_tokens(
@@ -318,42 +644,65 @@ def sample_tokens(
     temperatures: Sequence[float],
     top_ks: Sequence[int],
     top_ps: Sequence[float],
-    generators: Sequence[torch.Generator],
+    uniforms_B: Tensor,
 ) -> tuple[Tensor, Tensor]:
     """One token per row and its logprob at the row's temperature (pre-truncation).
 
-    Temperature 0 is greedy; its reported logprob is at temperature 1.
+    Inverse-CDF sampling: token = the first whose cumulative (truncated,
+    unnormalised) probability reaches ``u * total``, with ``u`` the row's
+    uniform. Temperature 0 is greedy; its reported logprob is at temperature 1.
+    Every operation is per row, so a row's result does not depend on the
+    others in the batch.
     """
     B, V = logits_B_V.shape
-    temps_B = torch.tensor([t if t > 0 else 1.0 for t in temperatures], dtype=logits_B_V.dtype)
-    scaled_B_V = logits_B_V / temps_B[:, None]
-    logprobs_B_V = torch.log_softmax(scaled_B_V, dim=-1)
-    choice_logits = logprobs_B_V
+    logits = logits_B_V.float()
+    temps = [t if t > 0 else 1.0 for t in temperatures]
+    if any(t != 1.0 for t in temps):
+        logits = logits / torch.tensor(temps, dtype=logits.dtype)[:, None]
+    max_B_1 = logits.amax(-1, keepdim=True)
+    shifted_B_V = logits - max_B_1
+    probs_B_V = shifted_B_V.exp()  # unnormalised
+    total_B = probs_B_V.sum(-1, dtype=torch.float64)
     truncate = [b for b in range(B) if (0 < top_ks[b] < V) or top_ps[b] < 1.0]
+    weights_B_V = probs_B_V
     if truncate:
-        choice_logits = logprobs_B_V.clone()
-        for b in truncate:
-            choice_logits[b] = _truncate(logprobs_B_V[b], top_ks[b], top_ps[b])
-    noise_B_V = torch.stack(
-        [torch.empty(V, dtype=logits_B_V.dtype).exponential_(generator=g) for g in generators]
-    )
-    tokens_B = (choice_logits - noise_B_V.log()).argmax(-1)
+        weights_B_V = probs_B_V.clone()
+        rows = torch.tensor(truncate)
+        weights_B_V[rows] = _truncate(
+            probs_B_V[rows],
+            total_B[rows],
+            [top_ks[b] for b in truncate],
+            [top_ps[b] for b in truncate],
+        )
+    cdf_B_V = weights_B_V.cumsum(-1, dtype=torch.float64)
+    target_B_1 = (uniforms_B.to(torch.float64) * cdf_B_V[:, -1])[:, None]
+    tokens_B = torch.searchsorted(cdf_B_V, target_B_1).squeeze(-1).clamp_(max=V - 1)
     greedy = [b for b in range(B) if temperatures[b] <= 0]
     if greedy:
         tokens_B[greedy] = logits_B_V[greedy].argmax(-1)
-    return tokens_B, logprobs_B_V.gather(-1, tokens_B[:, None]).squeeze(-1)
+    picked_B = shifted_B_V.gather(-1, tokens_B[:, None]).squeeze(-1)
+    logprobs_B = picked_B - total_B.log().to(picked_B.dtype)
+    return tokens_B, logprobs_B
 
 
-def _truncate(logprobs_V: Tensor, top_k: int, top_p: float) -> Tensor:
-    """Set to -inf every token outside the top-k and outside the top-p nucleus."""
-    out = logprobs_V.clone()
-    sorted_V, order_V = torch.sort(logprobs_V, descending=True)
-    keep_V = torch.ones_like(sorted_V, dtype=torch.bool)
-    if 0 < top_k < keep_V.numel():
-        keep_V[top_k:] = False
-    if top_p < 1.0:
-        cum_before_V = torch.cumsum(sorted_V.exp(), 0) - sorted_V.exp()
-        keep_V &= cum_before_V < top_p
-    keep_V[0] = True
-    out[order_V[~keep_V]] = -math.inf
-    return out
+def _truncate(
+    probs_R_V: Tensor, total_R: Tensor, top_ks: Sequence[int], top_ps: Sequence[float]
+) -> Tensor:
+    """Zero every token outside the row's top-k and outside its top-p nucleus.
+
+    A token is kept when its rank is below k and the probability mass of the
+    tokens ranked before it is below p (so the nucleus always holds the top
+    token). Ties at the cut are kept.
+    """
+    R, V = probs_R_V.shape
+    sorted_R_V, _ = torch.sort(probs_R_V, dim=-1, descending=True)
+    ks = torch.tensor([k if 0 < k < V else V for k in top_ks])
+    keep_R_V = torch.arange(V)[None, :] < ks[:, None]
+    ps = torch.tensor(list(top_ps), dtype=torch.float64)
+    if (ps < 1.0).any():
+        cum_before_R_V = sorted_R_V.cumsum(-1, dtype=torch.float64) - sorted_R_V
+        keep_R_V &= cum_before_R_V < (ps * total_R)[:, None]
+    keep_R_V[:, 0] = True
+    kept_R = keep_R_V.sum(-1)
+    threshold_R_1 = sorted_R_V.gather(-1, (kept_R - 1)[:, None])
+    return torch.where(probs_R_V >= threshold_R_1, probs_R_V, torch.zeros_like(probs_R_V))

@@ -197,50 +197,114 @@ def _logprobs(
     lora = None if reference else model.adapter
     hidden = forward_hidden(model.cfg, params, batch.tokens_B_T, lora=lora)
     logits = lm_logits(model.cfg, params, hidden)
-    lp_B_T = target_logprobs(logits, batch.targets_B_T, temperature)
+    return logprobs_from_logits(logits, batch.targets_B_T, temperature, with_entropy=with_entropy)
+
+
+def logprobs_from_logits(
+    logits_B_T_V: Tensor, targets_B_T: Tensor, temperature: float, *, with_entropy: bool
+) -> tuple[Tensor, Tensor | None]:
+    """Target logprobs ``[B, T]`` at ``temperature`` and (optionally, no grad) the entropy."""
+    lp_B_T = target_logprobs(logits_B_T_V, targets_B_T, temperature)
     entropy = None
     if with_entropy:
         with torch.no_grad():
-            logp = torch.log_softmax(logits.detach() / temperature, dim=-1)
+            logp = torch.log_softmax(logits_B_T_V.detach() / temperature, dim=-1)
             entropy = -(logp.exp() * logp).sum(-1)
     return lp_B_T, entropy
 
 
-def forward_logprobs(model: TrainingModel, op: ForwardLogprobsOp) -> ForwardResult:
+@dataclass(frozen=True)
+class PreparedForwardBackward:
+    """A ``ForwardBackward`` call past every check: nothing left to reject.
+
+    ``needs_reference``: the loss wants ``ref_logprobs`` the client did not
+    send, so a forward with the base weights must fill ``inputs`` first
+    (``set_reference``). The batched path (``workers.batching``) prepares
+    calls with the same function, so both paths validate identically.
+    """
+
+    batch: _Batch
+    inputs: dict[str, Tensor]
+    config: dict[str, float]
+    needs_reference: bool
+
+
+def prepare_forward_logprobs(model: TrainingModel, op: ForwardLogprobsOp) -> _Batch:
     _check_temperature(op.temperature)
     validate_data(op.data, model.cfg.vocab_size, model.cfg.max_position_embeddings)
-    batch = _make_batch(op.data, model.cfg.pad_token_id or 0, model.params.device)
-    with torch.no_grad():
-        lp_B_T, _ = _logprobs(
-            model, batch, op.temperature, reference=op.reference, with_entropy=False
-        )
-    return ForwardResult(logprobs=_split(lp_B_T, batch.lengths, _np_dtype(model)), metrics={})
+    return _make_batch(op.data, model.cfg.pad_token_id or 0, model.params.device)
 
 
-def forward_backward(model: TrainingModel, op: ForwardBackwardOp) -> ForwardResult:
-    """Add the gradient of the summed loss to the accumulated gradients."""
+def prepare_forward_backward(
+    model: TrainingModel, op: ForwardBackwardOp
+) -> PreparedForwardBackward:
     _check_temperature(op.temperature)
     validate_data(op.data, model.cfg.vocab_size, model.cfg.max_position_embeddings)
     keys = _common_input_keys(op.data)
     config = losses.validate_loss_request(op.loss_fn, keys, op.loss_config)
     float_keys = [k for k in keys if k != "target_tokens"]
     batch = _make_batch(op.data, model.cfg.pad_token_id or 0, model.params.device)
-    dtype = model.base.dtype if model.base.dtype == torch.float64 else torch.float32
-    inputs = _flat_inputs(op.data, float_keys, dtype)
-    if losses.needs_reference(op.loss_fn, config) and "ref_logprobs" not in inputs:
+    inputs = _flat_inputs(op.data, float_keys, _loss_dtype(model))
+    need_ref = losses.needs_reference(op.loss_fn, config) and "ref_logprobs" not in inputs
+    return PreparedForwardBackward(batch, inputs, config, need_ref)
+
+
+def set_reference(model: TrainingModel, prep: PreparedForwardBackward, ref_B_T: Tensor) -> None:
+    prep.inputs["ref_logprobs"] = ref_B_T[prep.batch.valid_B_T].to(_loss_dtype(model))
+
+
+def finish_forward_backward(
+    model: TrainingModel,
+    op: ForwardBackwardOp,
+    prep: PreparedForwardBackward,
+    lp_B_T: Tensor,
+    entropy_B_T: Tensor | None,
+) -> tuple[Tensor, ForwardResult]:
+    """The call's summed loss (to backward) and its result, from its logprobs."""
+    valid = prep.batch.valid_B_T
+    entropy_N = entropy_B_T[valid] if entropy_B_T is not None else None
+    result = losses.compute_loss(
+        op.loss_fn, losses.LossBatch(lp_B_T[valid], prep.inputs, entropy_N), prep.config
+    )
+    out = ForwardResult(
+        logprobs=_split(lp_B_T, prep.batch.lengths, _np_dtype(model)),
+        metrics=dict(result.metrics),
+    )
+    return result.loss, out
+
+
+def logprobs_result(model: TrainingModel, batch: _Batch, lp_B_T: Tensor) -> ForwardResult:
+    return ForwardResult(logprobs=_split(lp_B_T, batch.lengths, _np_dtype(model)), metrics={})
+
+
+def forward_logprobs(model: TrainingModel, op: ForwardLogprobsOp) -> ForwardResult:
+    batch = prepare_forward_logprobs(model, op)
+    with torch.no_grad():
+        lp_B_T, _ = _logprobs(
+            model, batch, op.temperature, reference=op.reference, with_entropy=False
+        )
+    return logprobs_result(model, batch, lp_B_T)
+
+
+def forward_backward(model: TrainingModel, op: ForwardBackwardOp) -> ForwardResult:
+    """Add the gradient of the summed loss to the accumulated gradients."""
+    prep = prepare_forward_backward(model, op)
+    if prep.needs_reference:
         with torch.no_grad():
-            ref_B_T, _ = _logprobs(model, batch, op.temperature, reference=True, with_entropy=False)
-        inputs["ref_logprobs"] = ref_B_T[batch.valid_B_T].to(dtype)
+            ref_B_T, _ = _logprobs(
+                model, prep.batch, op.temperature, reference=True, with_entropy=False
+            )
+        set_reference(model, prep, ref_B_T)
     lp_B_T, entropy_B_T = _logprobs(
-        model, batch, op.temperature, reference=False, with_entropy=True
+        model, prep.batch, op.temperature, reference=False, with_entropy=True
     )
-    lp_N = lp_B_T[batch.valid_B_T]
-    entropy_N = entropy_B_T[batch.valid_B_T] if entropy_B_T is not None else None
-    result = losses.compute_loss(op.loss_fn, losses.LossBatch(lp_N, inputs, entropy_N), config)
-    result.loss.backward()
-    return ForwardResult(
-        logprobs=_split(lp_B_T, batch.lengths, _np_dtype(model)), metrics=dict(result.metrics)
-    )
+    loss, result = finish_forward_backward(model, op, prep, lp_B_T, entropy_B_T)
+    loss.backward()
+    return result
+
+
+def _loss_dtype(model: TrainingModel) -> torch.dtype:
+    return model.base.dtype if model.base.dtype == torch.float64 else torch.float32
 
 
 def _common_input_keys(data: Sequence[DatumData]) -> list[str]:

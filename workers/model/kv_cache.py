@@ -74,26 +74,78 @@ class KVCache:
         positions_B_T: Tensor,
         k_B_T_H_D: Tensor,
         v_B_T_H_D: Tensor,
+        index_N: Tensor | None = None,
     ) -> None:
         """Store this call's K/V of row b, token t at ``[layer, slots_B[b], :, positions_B_T[b, t]]``.
 
-        One ``index_put_`` per tensor, whatever the mix of slots and positions.
-        Two rows of one call must not share a slot.
+        One ``index_copy_`` per tensor into the layer seen as ``[S*H*T, D]``
+        rows (advanced-index assignment over the same cells is ~100x slower on
+        CPU). ``index_N`` is ``flat_index(slots_B, positions_B_T)``, computed
+        once per forward and shared by every layer. Two rows of one call must
+        not share a slot.
         """
-        slot_idx_B_1 = slots_B[:, None]
-        # Advanced indices around a slice put the indexed dims first: [B, T, H, D].
-        self.k_L_S_H_T_D[layer][slot_idx_B_1, :, positions_B_T] = k_B_T_H_D
-        self.v_L_S_H_T_D[layer][slot_idx_B_1, :, positions_B_T] = v_B_T_H_D
+        if index_N is None:
+            index_N = self.flat_index(slots_B, positions_B_T)
+        D = self.k_L_S_H_T_D.shape[-1]
+        for cache, x_B_T_H_D in ((self.k_L_S_H_T_D, k_B_T_H_D), (self.v_L_S_H_T_D, v_B_T_H_D)):
+            src_N_D = x_B_T_H_D.transpose(1, 2).reshape(-1, D).to(cache.dtype)
+            cache[layer].view(-1, D).index_copy_(0, index_N, src_N_D)
 
-    def read(self, layer: int, slots_B: Tensor, length: int) -> tuple[Tensor, Tensor]:
+    def flat_index(self, slots_B: Tensor, positions_B_T: Tensor) -> Tensor:
+        """Row indices ``[B*H*T]`` (in ``[B, H, T]`` order) of the cells that
+        ``(slot, position)`` pairs address in a layer viewed as ``[S*H*T, D]``."""
+        _, _, H, T_max, _ = self.k_L_S_H_T_D.shape
+        heads_1_H_1 = torch.arange(H, device=self.device)[None, :, None]
+        base_B_H_1 = (slots_B.to(self.device)[:, None, None] * H + heads_1_H_1) * T_max
+        return (base_B_H_1 + positions_B_T.to(self.device)[:, None, :]).reshape(-1)
+
+    def read(self, layer: int, slots_B: Tensor | slice, length: int) -> tuple[Tensor, Tensor]:
         """K and V of the first ``length`` positions of each row's slot, ``[B, H, length, D]``.
 
-        Gathers (copies) only the first ``length`` positions of the requested
-        slots, so a short batch in a long cache stays cheap.
+        A ``slice`` of slots (rows living in consecutive slots, which the
+        sampler arranges) is a view: nothing is copied, and attention reads the
+        cache in place. A tensor of slots gathers (copies) the first ``length``
+        positions of those slots, a cost of the whole batch's K/V per layer.
         """
+        if isinstance(slots_B, slice):
+            return (
+                self.k_L_S_H_T_D[layer, slots_B, :, :length],
+                self.v_L_S_H_T_D[layer, slots_B, :, :length],
+            )
         k_S_H_T_D = self.k_L_S_H_T_D[layer, :, :, :length]
         v_S_H_T_D = self.v_L_S_H_T_D[layer, :, :, :length]
         return k_S_H_T_D.index_select(0, slots_B), v_S_H_T_D.index_select(0, slots_B)
+
+    def move(self, src_slots: Sequence[int], dst_slots: Sequence[int], length: int) -> None:
+        """Copy the first ``length`` positions of each ``src_slots[i]`` into ``dst_slots[i]``.
+
+        The sampler's compaction: a row leaving the batch leaves a hole, and a
+        row from the end moves into it, so running rows keep consecutive slots.
+        Sources and destinations must be disjoint. One copy per tensor.
+        """
+        if not src_slots or length <= 0:
+            return
+        src = torch.as_tensor(list(src_slots), dtype=torch.long, device=self.device)
+        dst = torch.as_tensor(list(dst_slots), dtype=torch.long, device=self.device)
+        for cache in (self.k_L_S_H_T_D, self.v_L_S_H_T_D):
+            cache[:, dst, :, :length] = cache[:, src, :, :length]
+
+    def copy_from(
+        self, other: KVCache, src_slot: int, dst_start: int, count: int, length: int
+    ) -> None:
+        """Copy ``other``'s slot ``src_slot`` (first ``length`` positions) into ``count``
+        consecutive slots from ``dst_start``: a prefilled prompt entering the batch
+        as its G rows."""
+        if count <= 0 or length <= 0:
+            return
+        if not length <= min(self.max_len, other.max_len):
+            raise InvalidArgumentError(f"copy_from: length {length} beyond the caches")
+        for mine, theirs in (
+            (self.k_L_S_H_T_D, other.k_L_S_H_T_D),
+            (self.v_L_S_H_T_D, other.v_L_S_H_T_D),
+        ):
+            src_L_1_H_T_D = theirs[:, src_slot : src_slot + 1, :, :length]
+            mine[:, dst_start : dst_start + count, :, :length] = src_L_1_H_T_D
 
     def copy_prefix(self, src_slot: int, dst_slots: Sequence[int] | Tensor, length: int) -> None:
         """Copy the first ``length`` positions of ``src_slot`` into every slot of ``dst_slots``.

@@ -300,6 +300,8 @@ class _CacheStep:
     positions_B_T: Tensor
     kv_len: int
     mask_B_1_T_L: Tensor
+    read_slots: Tensor | slice  # a slice when the rows' slots are consecutive: no gather
+    write_index_N: Tensor  # the cache cells this call's K/V go to (every layer)
 
 
 def _attention(
@@ -335,8 +337,10 @@ def _attention(
             enable_gqa=gqa,
         )
     else:
-        step.cache.write(n, step.slots_B, step.positions_B_T, k_B_T_Hk_D, v_B_T_Hk_D)
-        k_B_Hk_L_D, v_B_Hk_L_D = step.cache.read(n, step.slots_B, step.kv_len)
+        step.cache.write(
+            n, step.slots_B, step.positions_B_T, k_B_T_Hk_D, v_B_T_Hk_D, step.write_index_N
+        )
+        k_B_Hk_L_D, v_B_Hk_L_D = step.cache.read(n, step.read_slots, step.kv_len)
         out_B_Hq_T_D = F.scaled_dot_product_attention(
             q_B_T_Hq_D.transpose(1, 2),
             k_B_Hk_L_D,
@@ -403,7 +407,15 @@ def forward_hidden(
             )
         key_pos_L = torch.arange(kv_len, device=tokens_B_T.device)
         mask_B_1_T_L = (key_pos_L <= positions_B_T[:, :, None])[:, None]
-        step = _CacheStep(cache, slots_B, positions_B_T, kv_len, mask_B_1_T_L)
+        step = _CacheStep(
+            cache,
+            slots_B,
+            positions_B_T,
+            kv_len,
+            mask_B_1_T_L,
+            _slot_span(slots_B),
+            cache.flat_index(slots_B, positions_B_T),
+        )
 
     eps = cfg.rms_norm_eps
     for n, layer in enumerate(params.layers):
@@ -412,6 +424,19 @@ def forward_hidden(
         h_B_T_H = rms_norm(x_B_T_H, layer.post_attention_layernorm, eps)
         x_B_T_H = x_B_T_H + _mlp(layer, n, h_B_T_H, lora)
     return rms_norm(x_B_T_H, params.norm, eps)
+
+
+def _slot_span(slots_B: Tensor) -> Tensor | slice:
+    """``slots_B`` as a slice when they are consecutive and ascending (attention
+    then reads the cache in place), else the tensor itself (a gather)."""
+    if slots_B.device.type != "cpu" or slots_B.numel() == 0:
+        return slots_B
+    first = int(slots_B[0])
+    if slots_B.numel() == 1 or torch.equal(
+        slots_B, torch.arange(first, first + slots_B.numel(), dtype=slots_B.dtype)
+    ):
+        return slice(first, first + slots_B.numel())
+    return slots_B
 
 
 def lm_logits(cfg: ModelConfig, params: LlamaParams, hidden_B_T_H: Tensor) -> Tensor:
