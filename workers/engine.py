@@ -15,7 +15,7 @@ import threading
 import time
 import traceback
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -34,6 +34,7 @@ from treadle.errors import (
 )
 from treadle.workers import checkpoint, trainer
 from treadle.workers.base_models import BaseModelRegistry, parse_dtype
+from treadle.workers.batching import BatchCall, batch_key, batchable, run_batch
 from treadle.workers.domain import (
     AutoCheckpoint,
     ForwardBackwardOp,
@@ -54,7 +55,7 @@ from treadle.workers.domain import (
     SyncWeightsOp,
 )
 from treadle.workers.sampler import SamplerLimits, TorchSampler
-from treadle.workers.scheduler import Admission, OrderedCall, Scheduler
+from treadle.workers.scheduler import Admission, OrderedCall, Scheduler, WorkUnit
 from treadle.workers.trainer import TrainingModel
 from treadle.workers.versions import VersionStore, WeightSnapshot
 
@@ -75,6 +76,8 @@ class EngineConfig:
     sampler_max_prefill_tokens: int = 512  # prompt tokens computed per step, at most
     sampler_max_queued: int = 4096  # queued sample requests before RESOURCE_EXHAUSTED
     metrics_log_every_s: float = 30.0
+    #: run the forward calls of LoRA models on one base as one batched pass
+    batch_across_models: bool = True
     max_tokens_per_call: int = 262_144
     #: save the state every N optimizer steps (0 = off) under auto_checkpoint_root/<tenant>/<model>/auto
     auto_checkpoint_steps: int = 0
@@ -211,9 +214,7 @@ class Engine:
                     ),
                     record=False,
                 )
-            for unit in out.units:
-                for call in unit.calls:
-                    self._execute(call)
+            self._execute_units(out.units)
             for sampler in self.samplers.values():
                 if sampler.has_work():
                     t0 = time.perf_counter()
@@ -325,6 +326,39 @@ class Engine:
             outcome = InternalError(f"{call.kind} failed: {type(err).__name__}: {err}")
         self.busy_s += time.perf_counter() - t0
         self._resolve(call, outcome, record=True)
+
+    def _execute_units(self, units: Sequence[WorkUnit]) -> None:
+        """Run one round of work units, each model's calls in seq_id order.
+
+        The leading ``ForwardBackward``/``ForwardLogprobs`` calls of every LoRA
+        model on the same base (everything before its next barrier) run as one
+        batched pass (``workers.batching``); the rest of each unit one by one.
+        """
+        groups: dict[tuple[int, torch.dtype], list[tuple[OrderedCall, TrainingModel]]] = {}
+        rests: list[tuple[OrderedCall, ...]] = []
+        for unit in units:
+            model = self.models.get(unit.model_id)
+            n = 0
+            if model is not None and self.config.batch_across_models:
+                while n < len(unit.calls) and batchable(model, unit.calls[n].payload):
+                    n += 1
+            if model is not None and n:
+                members = groups.setdefault(batch_key(model), [])
+                members.extend((call, model) for call in unit.calls[:n])
+            rests.append(unit.calls[n:])
+        for members in groups.values():
+            if len(members) == 1:
+                self._execute(members[0][0])
+                continue
+            t0 = time.perf_counter()
+            batch = [BatchCall(model, call.payload) for call, model in members]
+            run_batch(batch, lambda op: _check_size(op.data, self.config.max_tokens_per_call))
+            self.busy_s += time.perf_counter() - t0
+            for (call, _), item in zip(members, batch, strict=True):
+                self._resolve(call, item.outcome, record=True)
+        for calls in rests:
+            for call in calls:
+                self._execute(call)
 
     def _resolve(self, call: OrderedCall, outcome: Any, *, record: bool) -> None:
         if record:

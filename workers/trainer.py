@@ -91,6 +91,10 @@ class _Batch:
     valid_B_T: Tensor  # bool, True on real (unpadded) positions
 
 
+#: A call's padded batch (what ``prepare_forward_logprobs`` returns).
+TrainBatch = _Batch
+
+
 def validate_data(
     data: Sequence[DatumData], vocab_size: int, max_len: int, *, need_targets: bool = True
 ) -> None:
