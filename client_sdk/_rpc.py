@@ -23,6 +23,8 @@ log = logging.getLogger("treadle")
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 RETRY_AFTER_KEY = "treadle-retry-after-s"
 RETRYABLE = {"UNAVAILABLE", "RESOURCE_EXHAUSTED"}
+#: how long, in all, a call waits out quota refusals (RESOURCE_EXHAUSTED with a delay)
+QUOTA_WAIT_S = 600.0
 
 T = TypeVar("T")
 
@@ -57,7 +59,12 @@ class Caller:
     """Issues unary calls as futures, with metadata, deadlines and bounded retries."""
 
     def __init__(
-        self, api_key: str | None, *, max_retries: int = 5, timeout_s: float | None = None
+        self,
+        api_key: str | None,
+        *,
+        max_retries: int = 5,
+        timeout_s: float | None = None,
+        quota_wait_s: float = QUOTA_WAIT_S,
     ) -> None:
         key = api_key or os.environ.get("TREADLE_API_KEY")
         self.metadata: tuple[tuple[str, str], ...] = (
@@ -65,6 +72,7 @@ class Caller:
         )
         self.max_retries = max_retries
         self.timeout_s = timeout_s
+        self.quota_wait_s = quota_wait_s
 
     def call(
         self,
@@ -75,7 +83,7 @@ class Caller:
         retry: bool = True,
     ) -> Future[T]:
         out: Future[T] = Future()
-        self._attempt(method, request, convert, out, attempt=0, retry=retry)
+        self._attempt(method, request, convert, out, attempt=0, retry=retry, waited=0.0)
         return out
 
     def _attempt(
@@ -87,6 +95,7 @@ class Caller:
         *,
         attempt: int,
         retry: bool,
+        waited: float,
     ) -> None:
         if out.cancelled():
             return
@@ -103,18 +112,24 @@ class Caller:
                 response = f.result()
             except grpc.RpcError as err:
                 error = error_from_rpc(err)
-                if retry and error.code in RETRYABLE and attempt < self.max_retries:
-                    delay = error.retry_after_s or min(8.0, 0.2 * 2**attempt) * (
-                        0.5 + random.random()
-                    )
+                delay = self._retry_delay(error, attempt, waited) if retry else None
+                if delay is not None:
+                    quota = error.code == "RESOURCE_EXHAUSTED"
                     log.warning(
-                        "treadle: %s; retrying in %.1fs (attempt %d)", error, delay, attempt + 1
+                        "treadle: %s; %s, retrying in %.2fs",
+                        error,
+                        "over quota" if quota else f"attempt {attempt + 1}",
+                        delay,
                     )
                     timer = threading.Timer(
                         delay,
                         self._attempt,
                         (method, request, convert, out),
-                        {"attempt": attempt + 1, "retry": retry},
+                        {
+                            "attempt": attempt if quota else attempt + 1,
+                            "retry": retry,
+                            "waited": waited + delay if quota else waited,
+                        },
                     )
                     timer.daemon = True
                     timer.start()
@@ -131,6 +146,21 @@ class Caller:
 
         rpc.add_done_callback(done)
         out.add_done_callback(lambda f: rpc.cancel() if f.cancelled() else None)
+
+    def _retry_delay(self, error: TreadleError, attempt: int, waited: float) -> float | None:
+        """Seconds to wait before trying again, or None to give up.
+
+        A quota refusal says how long to wait (``retry_after_s``) and is waited out
+        for up to ``quota_wait_s`` in all, not counted as a failed attempt; one
+        without a delay (a request over the per-request quota) cannot succeed by
+        waiting. UNAVAILABLE backs off exponentially, ``max_retries`` times."""
+        if error.code == "RESOURCE_EXHAUSTED":
+            if error.retry_after_s is None or waited >= self.quota_wait_s:
+                return None
+            return error.retry_after_s * (1.0 + 0.25 * random.random())  # spread the herd
+        if error.code in RETRYABLE and attempt < self.max_retries:
+            return min(8.0, 0.2 * 2**attempt) * (0.5 + random.random())
+        return None
 
 
 def wait(fut: Future[T], timeout: float | None) -> T:

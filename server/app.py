@@ -15,17 +15,19 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from treadle._rpc import channel_options
-from treadle.server.auth import DEFAULT_TENANT, Authenticator
+from treadle.server.auth import Authenticator, AuthInterceptor, bootstrap_default_tenant
 from treadle.server.config import ServerConfig
 from treadle.server.context import ServerContext
-from treadle.server.db import make_engine, make_session_factory, queries, upgrade_to_head
+from treadle.server.db import make_engine, make_session_factory, queries, tenancy, upgrade_to_head
 from treadle.server.db import models as db
 from treadle.server.dispatch import Dispatcher, InProcessDispatcher
 from treadle.server.info_servicer import InfoServicer
 from treadle.server.interceptors import ErrorInterceptor
+from treadle.server.quotas import Quotas
 from treadle.server.sampling_servicer import SamplingServicer
 from treadle.server.store import LocalStore
 from treadle.server.training_servicer import TrainingServicer
+from treadle.server.usage import UsageMeter
 from treadle.v1 import (
     sampling_pb2,
     sampling_pb2_grpc,
@@ -118,10 +120,15 @@ async def create_server(
     db_engine = make_engine(config.resolved_database_url)
     upgrade_to_head(db_engine)
     sessions = make_session_factory(db_engine)
-    with sessions() as s:
-        queries.ensure_tenant(s, DEFAULT_TENANT)
-        s.commit()
-        default_tenant_id = queries.ensure_tenant(s, DEFAULT_TENANT).id
+    default_key = bootstrap_default_tenant(
+        sessions, config.data_dir, auth=config.auth, preset_key=config.bootstrap_api_key
+    )
+
+    def quota_overrides(tenant_id: str) -> dict[str, int | None]:
+        with sessions() as s:
+            return tenancy.quota_overrides(s, tenant_id)
+
+    usage = UsageMeter(sessions, config.usage_flush_s)
     if dispatcher is None:
         dispatcher = InProcessDispatcher(Engine(engine_config(config)).start())
     ctx = ServerContext(
@@ -129,14 +136,21 @@ async def create_server(
         sessions=sessions,
         dispatcher=dispatcher,
         store=LocalStore(config.checkpoint_root),
-        auth=Authenticator(default_tenant_id),
+        auth=Authenticator(
+            sessions, default_key.tenant_id, enabled=config.auth, cache_s=config.auth_cache_s
+        ),
+        quotas=Quotas(config.quota_limits, overrides=quota_overrides),
+        usage=usage,
+        default_key=default_key,
     )
     restored = await restore_models(ctx)
     if restored:
         log.info("restored %d model(s) from their last checkpoints", restored)
 
     server = grpc.aio.server(
-        interceptors=[ErrorInterceptor()], options=channel_options(config.max_message_bytes)
+        # ErrorInterceptor first: it answers for whatever the ones after it raise.
+        interceptors=[ErrorInterceptor(), AuthInterceptor(ctx.auth)],
+        options=channel_options(config.max_message_bytes),
     )
     training_pb2_grpc.add_TrainingServiceServicer_to_server(TrainingServicer(ctx), server)
     sampling_pb2_grpc.add_SamplingServiceServicer_to_server(SamplingServicer(ctx), server)
@@ -151,4 +165,5 @@ async def create_server(
     port = bind_port(server, config)
     if port == 0:
         raise OSError(f"could not bind {config.host}:{config.port}")
+    usage.start()  # written to the database every usage_flush_s; usage.close() at stop
     return server, port, ctx

@@ -110,6 +110,10 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--quick", action="store_true", help="a shorter run (for tests)")
     demo.add_argument("--seed", type=int, default=0)
     demo.set_defaults(fn=_demo)
+
+    from treadle.server.admin import add_admin_parser
+
+    add_admin_parser(sub)
     return parser
 
 

@@ -8,11 +8,14 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 from treadle._rpc import MAX_MESSAGE_BYTES
 from treadle.errors import InvalidArgumentError
+from treadle.server.quotas import QuotaLimits
 
 DTYPES = ("float32", "float64", "bfloat16")
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1", "[::1]")
 
 
 @dataclass(frozen=True)
@@ -41,6 +44,16 @@ class ServerConfig:
     ttl_sweep_s: float = 0.0
     #: the heartbeat interval the server asks SDK sessions to keep
     heartbeat_interval_s: float = 10.0
+    #: API keys are required; off (--no-auth) only on a loopback address (dev)
+    auth: bool = True
+    auth_cache_s: float = 5.0  # a revoked key stops working within this many seconds
+    bootstrap_api_key: str = ""  # the default tenant's first key; "" = a random one
+    #: every tenant's default quotas (0 = unlimited); `treadle admin set-quota` overrides
+    quota_max_models: int = 64
+    quota_calls_in_flight: int = 256
+    quota_tokens_per_request: int = 262_144
+    quota_tokens_per_minute: int = 20_000_000
+    usage_flush_s: float = 2.0  # how often usage counters are written to the database
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -58,9 +71,20 @@ class ServerConfig:
             ("model_ttl_s", self.model_ttl_s >= 0),
             ("ttl_sweep_s", self.ttl_sweep_s >= 0),
             ("heartbeat_interval_s", self.heartbeat_interval_s > 0),
+            ("auth_cache_s", self.auth_cache_s >= 0),
+            ("quota_max_models", self.quota_max_models >= 0),
+            ("quota_calls_in_flight", self.quota_calls_in_flight >= 0),
+            ("quota_tokens_per_request", self.quota_tokens_per_request >= 0),
+            ("quota_tokens_per_minute", self.quota_tokens_per_minute >= 0),
+            ("usage_flush_s", self.usage_flush_s > 0),
         ):
             if not positive:
                 raise InvalidArgumentError(f"{name}: out of range ({getattr(self, name)})")
+        if not self.auth and self.host not in LOOPBACK_HOSTS:
+            raise InvalidArgumentError(
+                f"auth: --no-auth serves every caller as one tenant; it is allowed only on a "
+                f"loopback host ({', '.join(LOOPBACK_HOSTS)}), not {self.host!r}"
+            )
         if (self.tls_cert is None) != (self.tls_key is None):
             raise InvalidArgumentError("tls_cert, tls_key: give both (PEM files) or neither")
         for name, tls_path in (("tls_cert", self.tls_cert), ("tls_key", self.tls_key)):
@@ -88,6 +112,15 @@ class ServerConfig:
     def checkpoint_root(self) -> Path:
         return self.data_dir / "checkpoints"
 
+    @property
+    def quota_limits(self) -> QuotaLimits:
+        return QuotaLimits(
+            max_models=self.quota_max_models,
+            max_calls_in_flight=self.quota_calls_in_flight,
+            max_tokens_per_request=self.quota_tokens_per_request,
+            tokens_per_minute=self.quota_tokens_per_minute,
+        )
+
     def with_(self, **changes: object) -> ServerConfig:
         return replace(self, **changes)  # type: ignore[arg-type]
 
@@ -105,6 +138,7 @@ def parse_models(values: Sequence[str]) -> dict[str, Path]:
 
 def add_server_flags(parser: argparse.ArgumentParser) -> None:
     env = os.environ.get
+    add_tenancy_flags(parser)
     parser.add_argument(
         "--model",
         action="append",
@@ -155,11 +189,68 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_tenancy_flags(parser: argparse.ArgumentParser) -> None:
+    env = os.environ.get
+    defaults = QuotaLimits()
+    parser.add_argument(
+        "--no-auth",
+        action="store_true",
+        default=env("TREADLE_NO_AUTH", "") not in ("", "0"),
+        help="no API keys: every caller is the default tenant (loopback hosts only, for dev)",
+    )
+    parser.add_argument(
+        "--auth-cache-s",
+        type=float,
+        default=float(env("TREADLE_AUTH_CACHE_S", "5")),
+        help="seconds a key lookup is cached (a revoked key works at most this long)",
+    )
+    for flag, name, default, what in (
+        ("--quota-max-models", "MAX_MODELS", defaults.max_models, "models per tenant"),
+        (
+            "--quota-calls-in-flight",
+            "CALLS_IN_FLIGHT",
+            defaults.max_calls_in_flight,
+            "calls in flight per tenant",
+        ),
+        (
+            "--quota-tokens-per-request",
+            "TOKENS_PER_REQUEST",
+            defaults.max_tokens_per_request,
+            "tokens in one request",
+        ),
+        (
+            "--quota-tokens-per-minute",
+            "TOKENS_PER_MINUTE",
+            defaults.tokens_per_minute,
+            "tokens sampled + trained per tenant per minute",
+        ),
+    ):
+        parser.add_argument(
+            flag,
+            type=int,
+            default=int(env(f"TREADLE_QUOTA_{name}", str(default))),
+            help=f"default quota: {what} (0 = unlimited; env TREADLE_QUOTA_{name})",
+        )
+
+
+def tenancy_config(args: argparse.Namespace) -> dict[str, Any]:
+    """The ServerConfig fields of ``add_tenancy_flags``."""
+    return {
+        "auth": not args.no_auth,
+        "auth_cache_s": args.auth_cache_s,
+        "quota_max_models": args.quota_max_models,
+        "quota_calls_in_flight": args.quota_calls_in_flight,
+        "quota_tokens_per_request": args.quota_tokens_per_request,
+        "quota_tokens_per_minute": args.quota_tokens_per_minute,
+    }
+
+
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
     model_values = list(args.model)
     if not model_values and os.environ.get("TREADLE_MODELS"):
         model_values = [m for m in os.environ["TREADLE_MODELS"].split(",") if m]
     return ServerConfig(
+        **tenancy_config(args),
         data_dir=Path(args.data_dir),
         models=parse_models(model_values),
         host=args.host,

@@ -11,12 +11,14 @@ import grpc
 from sqlalchemy.orm import Session, sessionmaker
 
 from treadle.errors import NotFoundError
-from treadle.server.auth import Authenticator
+from treadle.server.auth import Authenticator, DefaultKey, current_tenant
 from treadle.server.config import ServerConfig
 from treadle.server.db import models as db
 from treadle.server.db import queries
 from treadle.server.dispatch import Dispatcher
+from treadle.server.quotas import QuotaLimits, Quotas
 from treadle.server.store import LocalStore
+from treadle.server.usage import UsageMeter
 
 
 @dataclass
@@ -28,9 +30,16 @@ class ServerContext:
     auth: Authenticator
     #: model_id -> tenant_id of live models, so the hot path skips a DB read
     owners: dict[str, str] = field(default_factory=dict)
+    quotas: Quotas = field(default_factory=lambda: Quotas(QuotaLimits()))
+    #: usage counters, written to the database in the background (None: not counted)
+    usage: UsageMeter | None = None
+    #: the default tenant's key and its file (made on the first start)
+    default_key: DefaultKey | None = None
 
     def tenant(self, context: grpc.aio.ServicerContext) -> str:
-        return self.auth.tenant_for(context.invocation_metadata())
+        """The caller's tenant, as ``AuthInterceptor`` established it for this RPC
+        (UNAUTHENTICATED if the RPC somehow did not pass through it)."""
+        return current_tenant()
 
     @contextmanager
     def session(self) -> Iterator[Session]:

@@ -4,6 +4,8 @@ tests and benchmarks that drive it through the SDK from the same process."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -11,16 +13,27 @@ from typing import Any
 
 import grpc
 
+from treadle.errors import InvalidArgumentError
 from treadle.server.app import create_server
+from treadle.server.auth import check_key
 from treadle.server.config import ServerConfig
 from treadle.server.context import ServerContext
 from treadle.server.dispatch import Dispatcher
 
 
 class EmbeddedServer:
+    """The server in this process. Its default tenant's key is ``.api_key``: on a
+    fresh data directory that is env ``TREADLE_API_KEY`` when it holds a valid key
+    (so a client in this process that reads the variable just works), else a new
+    random key, which is then put in ``TREADLE_API_KEY`` if that is unset."""
+
     def __init__(
         self, config: ServerConfig, dispatcher_factory: Callable[[], Dispatcher] | None = None
     ) -> None:
+        env_key = os.environ.get("TREADLE_API_KEY", "")
+        if config.auth and not config.bootstrap_api_key and env_key:
+            with contextlib.suppress(InvalidArgumentError):  # not ours: a random key then
+                config = config.with_(bootstrap_api_key=check_key(env_key))
         self.config = config
         self._factory = dispatcher_factory
         self._loop = asyncio.new_event_loop()
@@ -35,6 +48,13 @@ class EmbeddedServer:
     def address(self) -> str:
         return f"{self.config.host}:{self.port}"
 
+    @property
+    def api_key(self) -> str | None:
+        """The default tenant's API key (None with auth off, or when its key file
+        was removed or the key revoked)."""
+        key = self.ctx.default_key if self.ctx is not None else None
+        return key.key if key is not None else None
+
     def _run(self, coro: Any, timeout: float | None = 120) -> Any:
         fut: Future[Any] = asyncio.run_coroutine_threadsafe(coro, self._loop)
         return fut.result(timeout)
@@ -48,11 +68,15 @@ class EmbeddedServer:
             await self.server.start()
 
         self._run(boot())
+        if self.api_key and not os.environ.get("TREADLE_API_KEY"):
+            os.environ["TREADLE_API_KEY"] = self.api_key
         return self
 
     def stop(self) -> None:
         if self.server is not None:
             self._run(self.server.stop(grace=1))
+        if self.ctx is not None and self.ctx.usage is not None:
+            self._run(self.ctx.usage.close())
         if self.ctx is not None:
             self.ctx.dispatcher.close()
         self._loop.call_soon_threadsafe(self._loop.stop)

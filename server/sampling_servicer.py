@@ -8,15 +8,17 @@ from treadle.errors import InvalidArgumentError, NotFoundError
 from treadle.server import convert
 from treadle.server.context import ServerContext
 from treadle.server.db import queries
+from treadle.server.metering import CallMeter
 from treadle.server.store import parse_weights_uri
 from treadle.v1 import sampling_pb2, sampling_pb2_grpc
-from treadle.workers.domain import SamplerTarget
+from treadle.workers.domain import SampleOp, SampleResult, SamplerTarget
 
 
 class SamplingServicer(sampling_pb2_grpc.SamplingServiceServicer):
     def __init__(self, ctx: ServerContext) -> None:
         self.ctx = ctx
         self._targets: dict[str, tuple[str, SamplerTarget]] = {}  # sampler_id -> (tenant, target)
+        self.meter = CallMeter(ctx.quotas, ctx.usage)
 
     async def CreateSampler(
         self, request: sampling_pb2.CreateSamplerRequest, context: grpc.aio.ServicerContext
@@ -76,6 +78,23 @@ class SamplingServicer(sampling_pb2_grpc.SamplingServiceServicer):
             raise NotFoundError(f"sampler {sampler_id!r} not found")
         return target
 
+    async def _sample(
+        self,
+        tenant: str,
+        target: SamplerTarget,
+        op: SampleOp,
+        key: tuple[str, int, str] | None,
+    ) -> SampleResult:
+        """Dispatch under the tenant's quota (its worst case reserved, settled with
+        what it generated), counting its usage."""
+        ticket = self.meter.admit_sample(tenant, op)
+        result: SampleResult | None = None
+        try:
+            result = await self.ctx.dispatcher.sample(target, op, key)
+            return result
+        finally:
+            self.meter.end_sample(tenant, target, op, ticket, result)
+
     async def Sample(
         self, request: sampling_pb2.SampleRequest, context: grpc.aio.ServicerContext
     ) -> sampling_pb2.SampleResponse:
@@ -87,5 +106,5 @@ class SamplingServicer(sampling_pb2_grpc.SamplingServiceServicer):
             if request.seq_id > 0
             else None
         )
-        result = await self.ctx.dispatcher.sample(target, op, key)
+        result = await self._sample(tenant, target, op, key)
         return convert.sample_response(result)

@@ -15,7 +15,8 @@ from treadle.server import convert
 from treadle.server.config import DTYPES
 from treadle.server.context import ServerContext
 from treadle.server.db import models as db
-from treadle.server.db import queries
+from treadle.server.db import queries, tenancy
+from treadle.server.metering import CallMeter
 from treadle.server.store import check_name, parse_state_uri, state_uri, weights_uri
 from treadle.v1 import training_pb2, training_pb2_grpc
 from treadle.workers import checkpoint
@@ -41,6 +42,7 @@ MAX_LORA_RANK = 1024
 class TrainingServicer(training_pb2_grpc.TrainingServiceServicer):
     def __init__(self, ctx: ServerContext) -> None:
         self.ctx = ctx
+        self.meter = CallMeter(ctx.quotas, ctx.usage)  # quotas and usage of ordered calls
 
     # ---- lifecycle -----------------------------------------------------------------
 
@@ -78,6 +80,8 @@ class TrainingServicer(training_pb2_grpc.TrainingServiceServicer):
             raise InvalidArgumentError(f"lora_alpha: must be >= 0, got {alpha}")
         if dtype not in DTYPES:
             raise InvalidArgumentError(f"dtype: {dtype!r}; choose from {DTYPES}")
+        with ctx.session() as s:
+            ctx.quotas.check_new_model(tenant, tenancy.count_live_models(s, tenant))
         with ctx.session() as s:
             row = queries.create_model(
                 s,
@@ -169,22 +173,35 @@ class TrainingServicer(training_pb2_grpc.TrainingServiceServicer):
         except TreadleError as err:
             op = RejectedOp(err, kind=kind)
         digest = convert.digest(request)
+        ticket = None
         with self.ctx.session() as s:
             if queries.get_op(s, request.model_id, request.seq_id) is None:
-                queries.record_op(s, request.model_id, request.seq_id, kind, digest)
+                # A repeat of a recorded call is not admitted (or counted) again.
+                ticket = self.meter.admit_ordered(tenant, request.model_id, request.seq_id, op)
+                try:
+                    queries.record_op(s, request.model_id, request.seq_id, kind, digest)
+                except Exception:
+                    self.meter.release_ordered(request.model_id, request.seq_id, ticket)
+                    raise
         try:
             result = await self.ctx.dispatcher.submit(request.model_id, request.seq_id, op, digest)
         except TreadleError as err:
             self._finish(request, "failed", err.code)
             raise
-        self._finish(request, "done", None)
+        finally:
+            self.meter.release_ordered(request.model_id, request.seq_id, ticket)
+        if self._finish(request, "done", None):  # applied now, exactly once: count it
+            self.meter.count_ordered(tenant, request.model_id, op, result)
         return result
 
-    def _finish(self, request: Any, status: str, code: str | None) -> None:
+    def _finish(self, request: Any, status: str, code: str | None) -> bool:
+        """Record the call's end; whether this was the call that ended it."""
         with self.ctx.session() as s:
             op = queries.get_op(s, request.model_id, request.seq_id)
             if op is not None and op.status == "pending":
                 queries.finish_op(s, request.model_id, request.seq_id, status, code)
+                return True
+        return False
 
     async def ForwardBackward(
         self, request: training_pb2.ForwardBackwardRequest, context: grpc.aio.ServicerContext

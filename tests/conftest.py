@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import os
+import secrets
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 os.environ.setdefault("TREADLE_CACHE_DIR", str(Path(__file__).parent / ".cache"))
+# Auth is on in tests as in production. Every embedded server a test starts gives
+# its default tenant this key (EmbeddedServer), and ServiceClient reads it.
+os.environ.setdefault("TREADLE_API_KEY", "tdl-" + secrets.token_urlsafe(32))
 
 import treadle  # noqa: E402
 from treadle.server.config import ServerConfig  # noqa: E402
@@ -53,6 +57,6 @@ def server(
 
 @pytest.fixture(scope="module")
 def service(server: EmbeddedServer) -> Iterator[treadle.ServiceClient]:
-    client = treadle.ServiceClient(server.address)
+    client = treadle.ServiceClient(server.address, api_key=server.api_key)
     yield client
     client.close()

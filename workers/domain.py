@@ -121,6 +121,7 @@ OrderedOp = (
 class ForwardResult:
     logprobs: tuple[np.ndarray, ...]  # one [T] array per datum
     metrics: Mapping[str, float]
+    compute_s: float = 0.0  # engine seconds spent on it (usage accounting)
 
 
 @dataclass(frozen=True)
@@ -137,11 +138,13 @@ class OptimStepResult:
     metrics: Mapping[str, float]
     #: set when the auto-checkpoint policy saved the state right after this step
     auto_checkpoint: AutoCheckpoint | None = None
+    compute_s: float = 0.0  # engine seconds spent on it (usage accounting)
 
 
 @dataclass(frozen=True)
 class SyncResult:
     version: int
+    compute_s: float = 0.0  # engine seconds spent on it (usage accounting)
 
 
 @dataclass(frozen=True)
@@ -149,11 +152,13 @@ class SaveResult:
     step: int
     seq_id: int
     size_bytes: int
+    compute_s: float = 0.0  # engine seconds spent on it (usage accounting)
 
 
 @dataclass(frozen=True)
 class LoadResult:
     step: int
+    compute_s: float = 0.0  # engine seconds spent on it (usage accounting)
 
 
 OpResult = ForwardResult | OptimStepResult | SyncResult | SaveResult | LoadResult
@@ -207,6 +212,7 @@ class SequenceResult:
 @dataclass(frozen=True)
 class SampleResult:
     sequences: tuple[SequenceResult, ...]
+    compute_s: float = 0.0  # engine seconds spent on it (usage accounting)
 
 
 @dataclass(frozen=True)

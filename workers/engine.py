@@ -324,8 +324,9 @@ class Engine:
             if call.kind == "forward_backward":
                 model.optimizer.zero_grad()  # a half-done backward must not leak into the step
             outcome = InternalError(f"{call.kind} failed: {type(err).__name__}: {err}")
-        self.busy_s += time.perf_counter() - t0
-        self._resolve(call, outcome, record=True)
+        spent = time.perf_counter() - t0
+        self.busy_s += spent
+        self._resolve(call, _with_compute(outcome, spent), record=True)
 
     def _execute_units(self, units: Sequence[WorkUnit]) -> None:
         """Run one round of work units, each model's calls in seq_id order.
@@ -353,9 +354,12 @@ class Engine:
             t0 = time.perf_counter()
             batch = [BatchCall(model, call.payload) for call, model in members]
             run_batch(batch, lambda op: _check_size(op.data, self.config.max_tokens_per_call))
-            self.busy_s += time.perf_counter() - t0
+            spent = time.perf_counter() - t0
+            self.busy_s += spent
+            total = sum(call.cost for call, _ in members) or len(members)
             for (call, _), item in zip(members, batch, strict=True):
-                self._resolve(call, item.outcome, record=True)
+                share = spent * (call.cost or 1) / total  # the pass's time, by tokens
+                self._resolve(call, _with_compute(item.outcome, share), record=True)
         for calls in rests:
             for call in calls:
                 self._execute(call)
@@ -453,6 +457,13 @@ def _settle(fut: Future[Any], outcome: Any) -> None:
         fut.set_exception(outcome)
     else:
         fut.set_result(outcome)
+
+
+def _with_compute(outcome: Any, seconds: float) -> Any:
+    """A result with the engine time it took (usage accounting); errors as they are."""
+    if isinstance(outcome, BaseException) or not hasattr(outcome, "compute_s"):
+        return outcome
+    return replace(outcome, compute_s=seconds)
 
 
 def token_cost(op: OrderedOp) -> int:

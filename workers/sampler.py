@@ -90,6 +90,7 @@ class _Request:
     stage_slot: int = -1
     prefilled: int = 0  # prompt tokens whose K/V are in the staging slot
     reused: int = 0  # of which copied from the prefix cache
+    compute_s: float = 0.0  # its share of the forward passes it was in (usage accounting)
 
     @property
     def cancelled(self) -> bool:
@@ -403,6 +404,7 @@ class TorchSampler:
             tokens_B_T[b, :n] = torch.from_numpy(req.prompt[start : start + n])
             positions_B_T[b, :n] = torch.arange(start, start + n)
         snaps = [req.snapshot for req, _ in batch]
+        t0 = time.perf_counter()
         hidden_B_T_H = forward_hidden(
             self.cfg,
             snaps[0].params,
@@ -412,6 +414,7 @@ class TorchSampler:
             cache=self.stage,
             slots_B=torch.tensor([req.stage_slot for req, _ in batch]),
         )
+        _charge(batch, time.perf_counter() - t0)
         finished: list[tuple[_Request, Tensor]] = []
         for b, (req, n) in enumerate(batch):
             req.prefilled += n
@@ -454,6 +457,7 @@ class TorchSampler:
             tokens_B_1 = torch.tensor([[r.next_input] for r in rows])
             positions_B_1 = torch.tensor([[r.position] for r in rows])
             slots_B = torch.tensor([r.slot for r in rows])
+            t0 = time.perf_counter()
             hidden_B_1_H = forward_hidden(
                 self.cfg,
                 params,
@@ -466,6 +470,7 @@ class TorchSampler:
             for r in rows:
                 r.position += 1
             logits_B_V = lm_logits(self.cfg, params, hidden_B_1_H[:, -1])
+            _charge([(r.request, 1) for r in rows], time.perf_counter() - t0)
             self._emit(rows, logits_B_V)
         self.decode_steps += 1
         self._window.append((time.monotonic(), self.tokens_generated, len(self.running)))
@@ -546,7 +551,7 @@ class TorchSampler:
             )
             for r in request.rows
         )
-        request.future.set_result(SampleResult(sequences))
+        request.future.set_result(SampleResult(sequences, compute_s=request.compute_s))
 
     def _maybe_log(self) -> None:
         now = time.monotonic()
@@ -567,6 +572,13 @@ class TorchSampler:
             s.tokens_generated,
             s.prefix_reused_tokens,
         )
+
+
+def _charge(items: Sequence[tuple[_Request, int]], seconds: float) -> None:
+    """Split a forward pass's time among its requests by the tokens each had in it."""
+    total = sum(n for _, n in items) or 1
+    for request, n in items:
+        request.compute_s += seconds * n / total
 
 
 def _prefill_batches(chunks: list[tuple[_Request, int]]) -> list[list[tuple[_Request, int]]]:

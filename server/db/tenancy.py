@@ -192,9 +192,9 @@ def usage_report(s: Session, tenant_id: str | None = None) -> list[UsageLine]:
         )
     if stored:  # models with checkpoints but no usage recorded (e.g. from before 0002)
         bases = dict(
-            s.execute(select(Model.id, Model.base_model).where(Model.id.in_(m for _, m in stored)))
-            .tuples()
-            .all()
+            s.execute(
+                select(Model.id, Model.base_model).where(Model.id.in_(m for _, m in stored))
+            ).all()
         )
         for (t_id, m_id), (count, size) in sorted(stored.items()):
             lines.append(
@@ -203,3 +203,9 @@ def usage_report(s: Session, tenant_id: str | None = None) -> list[UsageLine]:
                 )
             )
     return lines
+
+
+def quota_overrides(s: Session, tenant_id: str) -> dict[str, int | None]:
+    """The tenant's own quotas (None = the server default); {} for an unknown tenant."""
+    tenant = s.get(Tenant, tenant_id)
+    return {name: getattr(tenant, name) for name in QUOTA_FIELDS} if tenant else {}

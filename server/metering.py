@@ -1,0 +1,96 @@
+"""Quotas and usage around the calls that reach the engine: what the servicers
+call before a call is dispatched (admit), after it ends (release), and once it
+is applied (count).
+
+Ordered calls are counted when their op row goes from pending to done, the one
+place a call is applied exactly once, so a client's retry is never counted
+twice. A repeat of a recorded ``seq_id`` is not admitted against the quota again.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from treadle.server.db.tenancy import UsageDelta
+from treadle.server.quotas import Quotas, Ticket
+from treadle.server.usage import UsageMeter
+from treadle.workers.domain import OrderedOp, SampleOp, SampleResult, SamplerTarget
+from treadle.workers.engine import token_cost
+
+
+def sample_reservation(op: SampleOp) -> int:
+    """The most tokens a sample can process: its prompt and every sample at max_tokens."""
+    return int(op.prompt.size) + op.num_samples * max(op.params.max_tokens, 0)
+
+
+class CallMeter:
+    def __init__(self, quotas: Quotas, usage: UsageMeter | None) -> None:
+        self.quotas = quotas
+        self.usage = usage
+        #: model_id -> seq_ids admitted and not yet finished
+        self._in_flight: dict[str, set[int]] = {}
+
+    # ---- ordered calls --------------------------------------------------------------
+
+    def admit_ordered(self, tenant_id: str, model_id: str, seq_id: int, op: OrderedOp) -> Ticket:
+        """RESOURCE_EXHAUSTED over quota. A call that later admitted calls of the
+        model wait for is always let in (see ``Quotas.begin``)."""
+        admitted = self._in_flight.setdefault(model_id, set())
+        unblocks = any(seq > seq_id for seq in admitted)
+        ticket = self.quotas.begin(tenant_id, token_cost(op), unblocks_others=unblocks)
+        admitted.add(seq_id)
+        return ticket
+
+    def release_ordered(self, model_id: str, seq_id: int, ticket: Ticket | None) -> None:
+        if ticket is None:
+            return
+        self.quotas.end(ticket)
+        admitted = self._in_flight.get(model_id)
+        if admitted is not None:
+            admitted.discard(seq_id)
+            if not admitted:
+                del self._in_flight[model_id]
+
+    def count_ordered(self, tenant_id: str, model_id: str, op: OrderedOp, result: Any) -> None:
+        if self.usage is None:
+            return
+        tokens = token_cost(op)
+        self.usage.add(
+            tenant_id,
+            UsageDelta(
+                tokens_trained=tokens if op.kind == "forward_backward" else 0,
+                tokens_scored=tokens if op.kind == "forward_logprobs" else 0,
+                calls=1,
+                compute_s=float(getattr(result, "compute_s", 0.0)),
+            ),
+            model_id=model_id,
+        )
+
+    # ---- samples --------------------------------------------------------------------
+
+    def admit_sample(self, tenant_id: str, op: SampleOp) -> Ticket:
+        return self.quotas.begin(tenant_id, sample_reservation(op))
+
+    def end_sample(
+        self,
+        tenant_id: str,
+        target: SamplerTarget,
+        op: SampleOp,
+        ticket: Ticket,
+        result: SampleResult | None,
+    ) -> None:
+        """Settle the reservation with what was generated; count a sample that ran."""
+        generated = sum(int(s.tokens.size) for s in result.sequences) if result else 0
+        self.quotas.end(ticket, used_tokens=int(op.prompt.size) + generated)
+        if result is None or self.usage is None:
+            return
+        self.usage.add(
+            tenant_id,
+            UsageDelta(
+                tokens_sampled=generated,
+                calls=1,
+                compute_s=float(getattr(result, "compute_s", 0.0)),
+            ),
+            model_id=target.model_id or "",
+            base_model=target.base_model,
+        )
