@@ -8,8 +8,12 @@ import logging
 import signal
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from treadle.errors import TreadleError
+
+if TYPE_CHECKING:
+    from treadle.server.context import ServerContext
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -33,6 +37,7 @@ def _serve(args: argparse.Namespace) -> int:
             f"(data in {config.data_dir.resolve()}, database {ctx.config.resolved_database_url})",
             flush=True,
         )
+        _print_key(ctx)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -40,10 +45,32 @@ def _serve(args: argparse.Namespace) -> int:
         await stop.wait()
         print("treadle: shutting down", flush=True)
         await server.stop(grace=5)
+        if ctx.usage is not None:
+            await ctx.usage.close()  # the last usage counters
         ctx.dispatcher.close()
 
     asyncio.run(main())
     return 0
+
+
+def _print_key(ctx: ServerContext) -> None:
+    """Where the default tenant's key is, so a local client can use it."""
+    key = ctx.default_key
+    if not ctx.config.auth:
+        print("treadle: --no-auth: every caller is the default tenant", flush=True)
+    elif key is not None and key.key is not None:
+        path = key.path.resolve()
+        print(
+            f"treadle: the default tenant's API key is in {path} "
+            f"(export TREADLE_API_KEY=$(cat {path}))",
+            flush=True,
+        )
+    else:
+        print(
+            "treadle: API keys are required; make one with `treadle admin create-key default` "
+            "or `treadle admin create-tenant NAME`",
+            flush=True,
+        )
 
 
 def _make_model(args: argparse.Namespace) -> int:
