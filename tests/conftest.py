@@ -41,7 +41,7 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def make_server(tmp: Path, models: dict[str, Path], **overrides: object) -> EmbeddedServer:
-    config = ServerConfig(data_dir=tmp / "data", models=models, port=0, threads=2, **overrides)  # type: ignore[arg-type]
+    config = ServerConfig(data_dir=tmp / "data", models=models, port=0, threads=1, **overrides)  # type: ignore[arg-type]
     return EmbeddedServer(config).start()
 
 
