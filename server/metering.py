@@ -11,10 +11,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from treadle.errors import ResourceExhaustedError
 from treadle.server.db.tenancy import UsageDelta
 from treadle.server.quotas import Quotas, Ticket
 from treadle.server.usage import UsageMeter
-from treadle.workers.domain import OrderedOp, SampleOp, SampleResult, SamplerTarget
+from treadle.workers.domain import OrderedOp, RejectedOp, SampleOp, SampleResult, SamplerTarget
 from treadle.workers.engine import token_cost
 
 
@@ -32,14 +33,29 @@ class CallMeter:
 
     # ---- ordered calls --------------------------------------------------------------
 
-    def admit_ordered(self, tenant_id: str, model_id: str, seq_id: int, op: OrderedOp) -> Ticket:
-        """RESOURCE_EXHAUSTED over quota. A call that later admitted calls of the
-        model wait for is always let in (see ``Quotas.begin``)."""
+    def admit_ordered(
+        self, tenant_id: str, model_id: str, seq_id: int, op: OrderedOp
+    ) -> tuple[Ticket | None, OrderedOp]:
+        """The call's ticket, and the op to dispatch.
+
+        Over a quota that waiting relieves: RESOURCE_EXHAUSTED with a retry delay,
+        and the client retries this ``seq_id``. Over one it never will (more tokens
+        than a request may have): the op becomes a ``RejectedOp`` that fails with
+        RESOURCE_EXHAUSTED but takes its ``seq_id``, as bad input does, so the
+        model's later calls do not wait for it. A call that later admitted calls of
+        the model wait for is always let in (see ``Quotas.begin``)."""
         admitted = self._in_flight.setdefault(model_id, set())
         unblocks = any(seq > seq_id for seq in admitted)
-        ticket = self.quotas.begin(tenant_id, token_cost(op), unblocks_others=unblocks)
+        try:
+            ticket = self.quotas.begin(tenant_id, token_cost(op), unblocks_others=unblocks)
+        except ResourceExhaustedError as err:
+            if not admitted:
+                del self._in_flight[model_id]
+            if err.retry_after_s is not None:
+                raise
+            return None, RejectedOp(err, kind=op.kind)
         admitted.add(seq_id)
-        return ticket
+        return ticket, op
 
     def release_ordered(self, model_id: str, seq_id: int, ticket: Ticket | None) -> None:
         if ticket is None:

@@ -177,7 +177,7 @@ class TrainingServicer(training_pb2_grpc.TrainingServiceServicer):
         with self.ctx.session() as s:
             if queries.get_op(s, request.model_id, request.seq_id) is None:
                 # A repeat of a recorded call is not admitted (or counted) again.
-                ticket = self.meter.admit_ordered(tenant, request.model_id, request.seq_id, op)
+                ticket, op = self.meter.admit_ordered(tenant, request.model_id, request.seq_id, op)
                 try:
                     queries.record_op(s, request.model_id, request.seq_id, kind, digest)
                 except Exception:
