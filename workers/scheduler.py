@@ -12,11 +12,13 @@ tokens: a call costs the tokens in its batch (barriers cost nothing), each
 backlogged tenant earns a quantum per round (by default the largest head-call
 cost among backlogged tenants, so everyone affords at least one call a round)
 and spends it on its calls; a tenant whose queue empties loses what it had
-saved. A tenant that just became backlogged goes before those that already had
-their turn (FQ-CoDel's "new flows" list), so a light tenant waits behind at most
-the unit already executing, not behind a heavy tenant's backlog. Within a
-tenant its models take turns. ``policy="fcfs"`` is the first-come-first-served
-baseline the fairness benchmark measures against; nothing serves it.
+saved. A tenant that just became backlogged is served first, in a round of its
+own (FQ-CoDel's "new flows" list; never two such rounds in a row, so sparse
+tenants cannot starve the rest), so a light tenant waits behind at most the
+round already executing, not behind a heavy tenant's backlog, and its calls are
+not batched with that backlog. Within a tenant its models take turns.
+``policy="fcfs"`` is the first-come-first-served baseline the fairness benchmark
+measures against; nothing serves it.
 
 Engine step, as in vLLM: ``schedule()`` -> execute -> ``complete()``.
 """
@@ -119,6 +121,7 @@ class Scheduler:
         self._tenants: dict[str, _Tenant] = {}
         self._new: deque[str] = deque()  # just became backlogged: served first
         self._old: deque[str] = deque()  # backlogged, already had a turn
+        self._new_only_last = False  # the last round served only new tenants
 
     # ---- models ---------------------------------------------------------------
 
@@ -240,18 +243,23 @@ class Scheduler:
                 self._new.append(tenant_id)
         if not heads:
             return []
+        # Tenants new to the backlog get a round of their own, so the engine runs
+        # their calls without waiting for (or batching with) anyone's backlog; but
+        # never twice in a row, so a stream of sparse tenants cannot starve the rest.
+        new_only = bool(self._new) and bool(self._old) and not self._new_only_last
+        self._new_only_last = new_only
+        serving = list(self._new) if new_only else [*self._new, *self._old]
         quantum = self.quantum_tokens or max(heads.values())
         if quantum > 0:
             # Skip the rounds in which nobody could afford a call (a fixed quantum
             # smaller than the calls): as if they had run, in O(1).
             rounds = min(
-                max(1, -(-(cost - self._tenants[t].deficit) // quantum))
-                for t, cost in heads.items()
+                max(1, -(-(heads[t] - self._tenants[t].deficit) // quantum)) for t in serving
             )
-            for tenant_id in heads:
+            for tenant_id in serving:
                 self._tenants[tenant_id].deficit += (rounds - 1) * quantum
         units: list[WorkUnit] = []
-        for tenant_id in [*self._new, *self._old]:
+        for tenant_id in serving:
             tenant = self._tenants[tenant_id]
             tenant.deficit += quantum
             for model_id in list(tenant.models):

@@ -69,10 +69,26 @@ def test_newly_backlogged_tenant_goes_first() -> None:
         sim.round()  # heavy alone: one call a round
     sim.send("light/m")
     units = sim.round()
-    assert [u.model_id for u in units] == ["light/m", "heavy/m"]
-    assert sim.s.deficits() == {"light": 0, "heavy": 0}
-    sim.round()
+    assert [u.model_id for u in units] == ["light/m"]  # a round of its own
+    assert sim.s.deficits() == {"heavy": 0, "light": 0}
+    assert [u.model_id for u in sim.round()] == ["heavy/m"]
     assert "light" not in sim.s.deficits()  # its queue emptied: it left the backlog
+
+
+def test_sparse_tenants_cannot_starve_a_backlogged_one() -> None:
+    """New tenants arriving before every round still leave the old ones every other round."""
+    sim = Sim()
+    sim.model("heavy/m", "heavy")
+    for _ in range(50):
+        sim.send("heavy/m")
+    sim.round()  # heavy is old now
+    served = []
+    for i in range(20):
+        sim.model(f"sparse{i}/m", f"sparse{i}")
+        sim.send(f"sparse{i}/m")
+        served.append([u.model_id for u in sim.round()])
+    heavy_rounds = sum("heavy/m" in units for units in served)
+    assert heavy_rounds >= 10
 
 
 def test_equal_calls_share_tokens_fairly_while_all_are_backlogged() -> None:

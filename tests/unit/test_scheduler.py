@@ -180,7 +180,7 @@ def test_calls_behind_a_running_unit_are_not_waiting_on_a_gap(s: Scheduler) -> N
 def test_tenants_are_served_in_turn() -> None:
     """Every backlogged tenant gets its turn each round (fair share by tokens is
     tests/unit/test_fair_share.py); a tenant's models alternate; a tenant coming
-    back to the backlog goes before those that never left it."""
+    back to the backlog goes before those that never left it, in a round of its own."""
     s = Scheduler()
     for model, tenant in (("a1", "A"), ("a2", "A"), ("b1", "B"), ("c1", "C")):
         s.add_model(model, tenant)
@@ -193,9 +193,12 @@ def test_tenants_are_served_in_turn() -> None:
     assert round_("a1", "a2", "b1", "c1") == ["a1", "a2", "b1", "c1"]
     assert round_("a1", "a2", "b1", "c1") == ["a2", "a1", "b1", "c1"]
     assert round_("b1", "c1") == ["b1", "c1"]  # A idle: it leaves the backlog
-    assert round_("a1", "b1", "c1") == ["a1", "b1", "c1"]  # and goes first on return
+    # and goes first on return, in a round of its own (not batched with the backlog)
+    assert round_("a1", "b1", "c1") == ["a1"]
+    assert [m for m, _ in run(s)] == ["b1", "c1"]
     assert round_("c1") == ["c1"]
-    assert round_("b1", "c1") == ["b1", "c1"]
+    assert round_("b1", "c1") == ["b1"]  # B is back (C never left)
+    assert [m for m, _ in run(s)] == ["c1"]
 
 
 def test_a_tenant_without_models_leaves_the_rotation() -> None:
