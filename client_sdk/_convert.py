@@ -123,6 +123,7 @@ def model_info_from_wire(msg: training_pb2.ModelInfo) -> ModelInfo:
         last_checkpoint_seq_id=msg.last_checkpoint_seq_id,
         status=msg.status,
         created_at=msg.created_at,
+        session_id=msg.session_id,
     )
 
 

@@ -12,6 +12,7 @@ from treadle._rpc import Caller, make_channel
 from treadle.errors import InvalidArgumentError
 from treadle.futures import APIFuture
 from treadle.sampling_client import SamplingClient
+from treadle.session import ClientSession
 from treadle.tokenizer import Tokenizer
 from treadle.training_client import TrainingClient
 from treadle.types import ModelInfo, ServerInfo
@@ -32,6 +33,13 @@ class ServiceClient:
 
     ``address`` defaults to env ``TREADLE_ADDRESS`` or ``localhost:50051``; the API
     key to env ``TREADLE_API_KEY``. ``root_certificates`` (PEM bytes) turns on TLS.
+
+    The client opens a session with the server when it creates its first model
+    and heart-beats every ``heartbeat_s`` seconds (default: what the server asks,
+    10 s; env ``TREADLE_HEARTBEAT_S``) from a daemon thread: models created
+    through it stay loaded while it lives, however long the client thinks between
+    calls. ``session=False`` opts out (then only calls keep a model loaded; an
+    unloaded model comes back on its next call anyway). ``close()`` ends the session.
     """
 
     def __init__(
@@ -42,6 +50,8 @@ class ServiceClient:
         root_certificates: bytes | None = None,
         timeout_s: float | None = None,
         max_retries: int = 5,
+        session: bool = True,
+        heartbeat_s: float | None = None,
     ) -> None:
         self.address = address or os.environ.get("TREADLE_ADDRESS", DEFAULT_ADDRESS)
         self._channel = make_channel(self.address, root_certificates)
@@ -50,6 +60,12 @@ class ServiceClient:
         self._sampling = sampling_pb2_grpc.SamplingServiceStub(self._channel)
         self._server = server_pb2_grpc.ServerServiceStub(self._channel)
         self._tokenizers: dict[str, Tokenizer] = {}
+        self._session = ClientSession(self._channel, self._caller, heartbeat_s) if session else None
+
+    @property
+    def session_id(self) -> str | None:
+        """The id of this client's session with the server (opened on first use)."""
+        return self._session.ensure() if self._session is not None else None
 
     # ---- training clients -------------------------------------------------------
 
@@ -86,6 +102,8 @@ class ServiceClient:
         return self._create(from_state=path)
 
     def _create(self, **fields: Any) -> TrainingClient:
+        if self._session is not None:
+            fields["session_id"] = self._session.ensure()
         info = self._caller.call(
             self._training.CreateModel,
             training_pb2.CreateModelRequest(**fields),
@@ -109,6 +127,23 @@ class ServiceClient:
             self._training.ListModels,
             training_pb2.ListModelsRequest(),
             lambda r: [_convert.model_info_from_wire(m) for m in r.models],
+        ).result()
+
+    def restore_model(self, model_id: str) -> ModelInfo:
+        """Load a model the server unloaded for idling back from its checkpoint now
+        (any call on it would do the same, transparently)."""
+        return self._caller.call(
+            self._training.RestoreModel,
+            training_pb2.RestoreModelRequest(model_id=model_id),
+            _convert.model_info_from_wire,
+        ).result()
+
+    def delete_checkpoint(self, path: str) -> None:
+        """Delete a ``treadle://<model_id>/state/<name>`` checkpoint and its files."""
+        self._caller.call(
+            self._training.DeleteCheckpoint,
+            training_pb2.DeleteCheckpointRequest(path=path),
+            lambda r: None,
         ).result()
 
     def delete_model(self, model_id: str) -> None:
@@ -189,6 +224,8 @@ class ServiceClient:
         return tok
 
     def close(self) -> None:
+        if self._session is not None:
+            self._session.end()
         self._channel.close()
 
     def __enter__(self) -> ServiceClient:

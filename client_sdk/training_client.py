@@ -7,12 +7,18 @@ engine applies them in ``seq_id`` order, so a ``forward_backward`` and its
 
 from __future__ import annotations
 
+import concurrent.futures
+import os
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, BinaryIO
+
+import grpc
 
 from treadle import _convert, custom_loss
+from treadle._rpc import error_from_rpc
 from treadle.custom_loss import CustomLossFn
 from treadle.futures import APIFuture
 from treadle.sampling_client import SamplingClient
@@ -40,6 +46,7 @@ class TrainingClient:
         self._info = info
         self._lock = threading.Lock()
         self._next_seq = info.next_seq_id
+        self._last: Future[Any] | None = None  # the latest ordered call sent
 
     # ---- sequence numbers ---------------------------------------------------------
 
@@ -58,7 +65,16 @@ class TrainingClient:
         return info.next_seq_id
 
     def _call(self, method: Any, request: Any, convert: Callable[[Any], Any]) -> APIFuture[Any]:
-        return APIFuture(self._service._caller.call(method, request, convert))
+        fut = self._service._caller.call(method, request, convert)
+        self._last = fut
+        return APIFuture(fut)
+
+    def _wait_sent(self) -> None:
+        """Wait until every ordered call sent so far has been applied (or failed):
+        they apply in seq_id order, so waiting for the latest is enough."""
+        last = self._last
+        if last is not None:
+            concurrent.futures.wait([last])
 
     # ---- the primitives -------------------------------------------------------------
 
@@ -152,6 +168,7 @@ class TrainingClient:
                 version=r.version,
             ),
         )
+        self._last = info
         return SamplingClient(self._service, info)
 
     def save_state(self, name: str) -> APIFuture[SaveStateResponse]:
@@ -187,6 +204,46 @@ class TrainingClient:
             request,
             lambda r: [_convert.checkpoint_from_wire(c) for c in r.checkpoints],
         ).result()
+
+    def delete_checkpoint(self, path: str) -> None:
+        """Delete a ``treadle://`` checkpoint (of this tenant) and its stored files."""
+        self._service.delete_checkpoint(path)
+
+    def restore(self) -> ModelInfo:
+        """Load the model back now if the server unloaded it for idling (the next
+        call would do it anyway); the model's info."""
+        return self._service.restore_model(self.model_id)
+
+    def export_weights(self, out_dir: str | os.PathLike[str], merged: bool = False) -> Path:
+        """Download the model's current weights into ``out_dir``, after every call
+        sent before this one has been applied.
+
+        ``merged=False``: a PEFT adapter directory (``adapter_config.json`` +
+        ``adapter_model.safetensors``), LoRA models only. ``merged=True``: a HF
+        checkpoint with the adapter folded into the base weights (``config.json``
+        + ``model.safetensors`` + tokenizer files), which
+        ``transformers.AutoModelForCausalLM.from_pretrained(out_dir)`` loads.
+        """
+        self._wait_sent()
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        request = training_pb2.ExportWeightsRequest(model_id=self.model_id, merged=merged)
+        stream = self._service._training.ExportWeights(
+            request, metadata=self._service._caller.metadata
+        )
+        files: dict[str, BinaryIO] = {}
+        try:
+            for chunk in stream:
+                name = Path(chunk.file_name).name  # never a path outside out_dir
+                if name not in files:
+                    files[name] = open(out / name, "wb")  # noqa: SIM115 (closed below)
+                files[name].write(chunk.data)
+        except grpc.RpcError as err:
+            raise error_from_rpc(err) from None
+        finally:
+            for f in files.values():
+                f.close()
+        return out
 
     def get_tokenizer(self) -> Tokenizer:
         return self._service.get_tokenizer(self.base_model)

@@ -195,8 +195,9 @@ class ModelInfo:
     version: int
     next_seq_id: int
     last_checkpoint_seq_id: int
-    status: str
+    status: str  # "active", "unloaded" (idle past the server's TTL; comes back on use), ...
     created_at: float
+    session_id: str = ""  # the client session it was created in
 
 
 @dataclass(frozen=True)

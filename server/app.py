@@ -25,6 +25,7 @@ from treadle.server.info_servicer import InfoServicer
 from treadle.server.interceptors import ErrorInterceptor
 from treadle.server.quotas import Quotas
 from treadle.server.sampling_servicer import SamplingServicer
+from treadle.server.session_servicer import SessionServicer
 from treadle.server.store import LocalStore
 from treadle.server.training_servicer import TrainingServicer
 from treadle.server.usage import UsageMeter
@@ -33,6 +34,8 @@ from treadle.v1 import (
     sampling_pb2_grpc,
     server_pb2,
     server_pb2_grpc,
+    session_pb2,
+    session_pb2_grpc,
     training_pb2,
     training_pb2_grpc,
 )
@@ -45,6 +48,7 @@ SERVICE_NAMES = (
     training_pb2.DESCRIPTOR.services_by_name["TrainingService"].full_name,
     sampling_pb2.DESCRIPTOR.services_by_name["SamplingService"].full_name,
     server_pb2.DESCRIPTOR.services_by_name["ServerService"].full_name,
+    session_pb2.DESCRIPTOR.services_by_name["SessionService"].full_name,
 )
 
 
@@ -155,6 +159,7 @@ async def create_server(
     training_pb2_grpc.add_TrainingServiceServicer_to_server(TrainingServicer(ctx), server)
     sampling_pb2_grpc.add_SamplingServiceServicer_to_server(SamplingServicer(ctx), server)
     server_pb2_grpc.add_ServerServiceServicer_to_server(InfoServicer(ctx), server)
+    session_pb2_grpc.add_SessionServiceServicer_to_server(SessionServicer(ctx), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     for name in (*SERVICE_NAMES, ""):
@@ -166,4 +171,5 @@ async def create_server(
     if port == 0:
         raise OSError(f"could not bind {config.host}:{config.port}")
     usage.start()  # written to the database every usage_flush_s; usage.close() at stop
+    ctx.lifecycle.start()  # the idle-model sweeper (stopped by ctx.lifecycle.stop())
     return server, port, ctx

@@ -44,6 +44,7 @@ def _serve(args: argparse.Namespace) -> int:
             loop.add_signal_handler(sig, stop.set)
         await stop.wait()
         print("treadle: shutting down", flush=True)
+        await ctx.lifecycle.stop()
         await server.stop(grace=5)
         if ctx.usage is not None:
             await ctx.usage.close()  # the last usage counters

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import grpc
 from sqlalchemy.orm import Session, sessionmaker
@@ -19,6 +20,9 @@ from treadle.server.dispatch import Dispatcher
 from treadle.server.quotas import QuotaLimits, Quotas
 from treadle.server.store import LocalStore
 from treadle.server.usage import UsageMeter
+
+if TYPE_CHECKING:
+    from treadle.server.lifecycle import ModelLifecycle
 
 
 @dataclass
@@ -35,6 +39,13 @@ class ServerContext:
     usage: UsageMeter | None = None
     #: the default tenant's key and its file (made on the first start)
     default_key: DefaultKey | None = None
+    #: idle clocks, TTL unloading and transparent restore
+    lifecycle: ModelLifecycle = field(init=False)
+
+    def __post_init__(self) -> None:
+        from treadle.server.lifecycle import ModelLifecycle
+
+        self.lifecycle = ModelLifecycle(self)
 
     def tenant(self, context: grpc.aio.ServicerContext) -> str:
         """The caller's tenant, as ``AuthInterceptor`` established it for this RPC

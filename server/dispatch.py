@@ -20,6 +20,7 @@ from treadle.workers.domain import (
     SampleOp,
     SampleResult,
     SamplerTarget,
+    SaveResult,
 )
 from treadle.workers.engine import Engine
 from treadle.workers.model.config import ModelConfig
@@ -32,6 +33,16 @@ class Dispatcher(Protocol):
         self, spec: ModelSpec, *, from_state: Path | None, next_seq_id: int
     ) -> ModelStatus: ...
     async def delete_model(self, model_id: str) -> None: ...
+    async def unload_model(self, model_id: str, directory: Path) -> SaveResult:
+        """Checkpoint an idle model into ``directory`` and free it (FAILED_PRECONDITION
+        when it is not idle)."""
+        ...
+
+    async def export_weights(self, model_id: str, directory: Path, *, merged: bool) -> list[str]:
+        """Write the model's current weights as files into ``directory`` (a PEFT
+        adapter, or merged HF checkpoint with tokenizer files); their names."""
+        ...
+
     async def submit(self, model_id: str, seq_id: int, op: OrderedOp, digest: str) -> OpResult: ...
     async def sample(
         self, target: SamplerTarget, op: SampleOp, dedupe_key: tuple[str, int, str] | None
@@ -63,6 +74,12 @@ class InProcessDispatcher:
 
     async def delete_model(self, model_id: str) -> None:
         await _await(self.engine.delete_model(model_id))
+
+    async def unload_model(self, model_id: str, directory: Path) -> SaveResult:
+        return await _await(self.engine.unload_model(model_id, directory))
+
+    async def export_weights(self, model_id: str, directory: Path, *, merged: bool) -> list[str]:
+        return await _await(self.engine.export_weights(model_id, directory, merged=merged))
 
     async def submit(self, model_id: str, seq_id: int, op: OrderedOp, digest: str) -> OpResult:
         return await _await(self.engine.submit(model_id, seq_id, op, digest))

@@ -73,6 +73,8 @@ class EmbeddedServer:
         return self
 
     def stop(self) -> None:
+        if self.ctx is not None:
+            self._run(self.ctx.lifecycle.stop())
         if self.server is not None:
             self._run(self.server.stop(grace=1))
         if self.ctx is not None and self.ctx.usage is not None:

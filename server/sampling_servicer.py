@@ -43,7 +43,11 @@ class SamplingServicer(sampling_pb2_grpc.SamplingServiceServicer):
             mode = "latest" if ref.version is None else "version"
         else:
             raise InvalidArgumentError("target: give base_model or weights")
-        version = await ctx.dispatcher.check_sampler_target(target)
+        if target.model_id is not None:  # brings an unloaded model back
+            async with ctx.lifecycle.using(tenant, target.model_id):
+                version = await ctx.dispatcher.check_sampler_target(target)
+        else:
+            version = await ctx.dispatcher.check_sampler_target(target)
         with ctx.session() as s:
             row_s = queries.create_sampler(
                 s,
@@ -106,5 +110,9 @@ class SamplingServicer(sampling_pb2_grpc.SamplingServiceServicer):
             if request.seq_id > 0
             else None
         )
-        result = await self._sample(tenant, target, op, key)
+        if target.model_id is None:
+            result = await self._sample(tenant, target, op, key)
+        else:  # a call on the model: restores it if it was unloaded, resets its idle clock
+            async with self.ctx.lifecycle.using(tenant, target.model_id):
+                result = await self._sample(tenant, target, op, key)
         return convert.sample_response(result)

@@ -4,13 +4,19 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable
+import shutil
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
 import grpc
 
-from treadle.errors import InvalidArgumentError, NotFoundError, TreadleError
+from treadle.errors import (
+    FailedPreconditionError,
+    InvalidArgumentError,
+    NotFoundError,
+    TreadleError,
+)
 from treadle.server import convert
 from treadle.server.config import DTYPES
 from treadle.server.context import ServerContext
@@ -37,6 +43,7 @@ from treadle.workers.domain import (
 
 log = logging.getLogger("treadle.server")
 MAX_LORA_RANK = 1024
+EXPORT_CHUNK_BYTES = 1 << 20
 
 
 class TrainingServicer(training_pb2_grpc.TrainingServiceServicer):
@@ -83,6 +90,10 @@ class TrainingServicer(training_pb2_grpc.TrainingServiceServicer):
         with ctx.session() as s:
             ctx.quotas.check_new_model(tenant, tenancy.count_live_models(s, tenant))
         with ctx.session() as s:
+            if request.session_id:
+                session = queries.get_session(s, tenant, request.session_id)
+                if session is None or session.ended_at is not None:
+                    raise NotFoundError(f"session_id: session {request.session_id!r} not found")
             row = queries.create_model(
                 s,
                 tenant_id=tenant,
@@ -92,6 +103,7 @@ class TrainingServicer(training_pb2_grpc.TrainingServiceServicer):
                 seed=seed,
                 dtype=dtype,
             )
+            row.session_id = request.session_id or None
             model_id = row.id
         spec = ModelSpec(model_id, tenant, base_model, rank, alpha, seed, dtype)
         try:
@@ -101,6 +113,7 @@ class TrainingServicer(training_pb2_grpc.TrainingServiceServicer):
                 queries.mark_model_deleted(s, tenant, model_id)
             raise
         ctx.owners[model_id] = tenant
+        ctx.lifecycle.touch(model_id)
         with ctx.session() as s:
             if status.version:
                 queries.update_model_progress(s, model_id, version=status.version)
@@ -126,10 +139,19 @@ class TrainingServicer(training_pb2_grpc.TrainingServiceServicer):
         self, request: training_pb2.DeleteModelRequest, context: grpc.aio.ServicerContext
     ) -> training_pb2.DeleteModelResponse:
         tenant = self.ctx.tenant(context)
+        await self.ctx.lifecycle.wait_idle_transition(request.model_id)
+        if request.model_id not in self.ctx.owners:  # unloaded: only its row is left
+            with self.ctx.session() as s:
+                row = self.ctx.model_row(s, tenant, request.model_id)
+                if row.status not in ("unloaded", "lost"):
+                    raise NotFoundError(f"model {request.model_id!r} not found")
+                queries.mark_model_deleted(s, tenant, request.model_id)
+            return training_pb2.DeleteModelResponse()
         self.ctx.require_model(tenant, request.model_id)
         with self.ctx.session() as s:
             queries.mark_model_deleted(s, tenant, request.model_id)
         self.ctx.owners.pop(request.model_id, None)
+        self.ctx.lifecycle.forget(request.model_id)
         with contextlib.suppress(NotFoundError):
             await self.ctx.dispatcher.delete_model(request.model_id)
         return training_pb2.DeleteModelResponse()
@@ -145,7 +167,10 @@ class TrainingServicer(training_pb2_grpc.TrainingServiceServicer):
             last_checkpoint_seq_id=row.last_checkpoint_seq_id,
             status=row.status,
             created_at=row.created_at.timestamp(),
+            session_id=row.session_id or "",
         )
+        if row.status == "unloaded":  # it comes back at its checkpoint, continuing after it
+            info.next_seq_id = row.last_checkpoint_seq_id + 1
         try:
             status = self.ctx.dispatcher.model_status(row.id)
         except NotFoundError:
@@ -165,7 +190,13 @@ class TrainingServicer(training_pb2_grpc.TrainingServiceServicer):
         kind: str,
     ) -> Any:
         tenant = self.ctx.tenant(context)
-        self.ctx.require_model(tenant, request.model_id)
+        # Restores the model first if it was unloaded for idling (same seq_ids).
+        async with self.ctx.lifecycle.using(tenant, request.model_id):
+            return await self._submit(tenant, request, build, kind)
+
+    async def _submit(
+        self, tenant: str, request: Any, build: Callable[[str], OrderedOp], kind: str
+    ) -> Any:
         if request.seq_id < 1:
             raise InvalidArgumentError(f"seq_id: must be >= 1 (got {request.seq_id})")
         try:
@@ -334,6 +365,65 @@ class TrainingServicer(training_pb2_grpc.TrainingServiceServicer):
                     for c in rows
                 ]
             )
+
+    async def DeleteCheckpoint(
+        self, request: training_pb2.DeleteCheckpointRequest, context: grpc.aio.ServicerContext
+    ) -> training_pb2.DeleteCheckpointResponse:
+        tenant = self.ctx.tenant(context)
+        parse_state_uri(request.path, "path")
+        with self.ctx.session() as s:
+            row = queries.get_checkpoint_by_uri(s, tenant, request.path)
+            if row is None:
+                raise NotFoundError(f"path: checkpoint {request.path!r} not found")
+            model = s.get(db.Model, row.model_id)
+            if model is not None and model.last_checkpoint_id == row.id:
+                if model.status == "unloaded":
+                    raise FailedPreconditionError(
+                        f"path: {request.path!r} is what brings unloaded model {model.id} "
+                        "back; restore the model first (any call on it does), or delete the model"
+                    )
+                # A restart brings the model back at its newest remaining checkpoint.
+                newer = [c for c in queries.list_checkpoints(s, tenant, model.id) if c.id != row.id]
+                model.last_checkpoint = newer[-1] if newer else None
+                model.last_checkpoint_seq_id = newer[-1].seq_id if newer else 0
+                s.flush()
+            storage_path = row.storage_path
+            s.delete(row)
+        self.ctx.store.delete(storage_path)
+        return training_pb2.DeleteCheckpointResponse()
+
+    async def RestoreModel(
+        self, request: training_pb2.RestoreModelRequest, context: grpc.aio.ServicerContext
+    ) -> training_pb2.ModelInfo:
+        tenant = self.ctx.tenant(context)
+        async with self.ctx.lifecycle.using(tenant, request.model_id):
+            pass
+        with self.ctx.session() as s:
+            return self._info(self.ctx.model_row(s, tenant, request.model_id))
+
+    async def ExportWeights(
+        self, request: training_pb2.ExportWeightsRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[training_pb2.FileChunk]:
+        ctx = self.ctx
+        tenant = ctx.tenant(context)
+        directory = ctx.config.data_dir / "exports" / db.new_id("x")
+        try:
+            async with ctx.lifecycle.using(tenant, request.model_id):
+                names = await ctx.dispatcher.export_weights(
+                    request.model_id, directory, merged=request.merged
+                )
+            for name in names:
+                size = (directory / name).stat().st_size
+                with open(directory / name, "rb") as f:  # chunk by chunk: a merged model is big
+                    for offset in range(0, max(size, 1), EXPORT_CHUNK_BYTES):
+                        yield training_pb2.FileChunk(
+                            file_name=name,
+                            offset=offset,
+                            data=f.read(EXPORT_CHUNK_BYTES),
+                            last=offset + EXPORT_CHUNK_BYTES >= size,
+                        )
+        finally:
+            shutil.rmtree(directory, ignore_errors=True)
 
     def _record_checkpoint(
         self,

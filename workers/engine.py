@@ -32,7 +32,7 @@ from treadle.errors import (
     TreadleError,
     UnavailableError,
 )
-from treadle.workers import checkpoint, trainer
+from treadle.workers import checkpoint, export, trainer
 from treadle.workers.base_models import BaseModelRegistry, parse_dtype
 from treadle.workers.batching import BatchCall, batch_key, batchable, run_batch
 from treadle.workers.domain import (
@@ -50,6 +50,7 @@ from treadle.workers.domain import (
     SampleOp,
     SampleResult,
     SamplerTarget,
+    SaveResult,
     SaveStateOp,
     SyncResult,
     SyncWeightsOp,
@@ -125,6 +126,22 @@ class Engine:
 
     def delete_model(self, model_id: str) -> Future[None]:
         return self._on_engine(lambda: self._delete_model(model_id))
+
+    def unload_model(self, model_id: str, directory: str | Path) -> Future[SaveResult]:
+        """Checkpoint a model at its last applied seq_id into ``directory``, then free it.
+
+        Only an idle model unloads: one with a call waiting or running, or with
+        gradients accumulated for a step not yet taken (a checkpoint holds no
+        gradients), answers FAILED_PRECONDITION and stays as it is.
+        """
+        return self._on_engine(lambda: self._unload_model(model_id, Path(directory)))
+
+    def export_weights(
+        self, model_id: str, directory: str | Path, *, merged: bool
+    ) -> Future[list[str]]:
+        """Write the model's current weights to ``directory`` (see ``workers.export``);
+        the names of the files written."""
+        return self._on_engine(lambda: self._export_weights(model_id, Path(directory), merged))
 
     def submit(self, model_id: str, seq_id: int, op: OrderedOp, digest: str) -> Future[OpResult]:
         """Queue an ordered call; the future resolves once it is applied (in order)."""
@@ -281,6 +298,34 @@ class Engine:
         self.versions.drop(model_id)
         with self._status_lock:
             self._status.pop(model_id, None)
+
+    def _unload_model(self, model_id: str, directory: Path) -> SaveResult:
+        model = self.models.get(model_id)
+        if model is None:
+            raise NotFoundError(f"model {model_id} not found")
+        # Runs between engine steps, so no call is running: only waiting ones count.
+        if any(c.model_id == model_id for c in self.scheduler.waiting_calls()):
+            raise FailedPreconditionError(f"model {model_id} has calls in flight")
+        if any(p.grad is not None for p in model.trainable.values()):
+            raise FailedPreconditionError(
+                f"model {model_id} holds gradients for an optimizer step not yet taken"
+            )
+        seq_id = self.scheduler.next_seq_id(model_id) - 1
+        directory.parent.mkdir(parents=True, exist_ok=True)
+        saved = checkpoint.save_state(model, directory, seq_id)
+        self._delete_model(model_id)
+        return saved
+
+    def _export_weights(self, model_id: str, directory: Path, merged: bool) -> list[str]:
+        model = self.models.get(model_id)
+        if model is None:
+            raise NotFoundError(f"model {model_id} not found")
+        files = (
+            export.export_merged(model, directory)
+            if merged
+            else export.export_peft(model, directory)
+        )
+        return [f.name for f in files]
 
     def _update_status(self, model_id: str) -> ModelStatus:
         model = self.models[model_id]

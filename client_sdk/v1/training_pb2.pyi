@@ -9,20 +9,22 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class CreateModelRequest(_message.Message):
-    __slots__ = ("base_model", "lora_rank", "lora_alpha", "seed", "dtype", "from_state")
+    __slots__ = ("base_model", "lora_rank", "lora_alpha", "seed", "dtype", "from_state", "session_id")
     BASE_MODEL_FIELD_NUMBER: _ClassVar[int]
     LORA_RANK_FIELD_NUMBER: _ClassVar[int]
     LORA_ALPHA_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     FROM_STATE_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     base_model: str
     lora_rank: int
     lora_alpha: float
     seed: int
     dtype: str
     from_state: str
-    def __init__(self, base_model: _Optional[str] = ..., lora_rank: _Optional[int] = ..., lora_alpha: _Optional[float] = ..., seed: _Optional[int] = ..., dtype: _Optional[str] = ..., from_state: _Optional[str] = ...) -> None: ...
+    session_id: str
+    def __init__(self, base_model: _Optional[str] = ..., lora_rank: _Optional[int] = ..., lora_alpha: _Optional[float] = ..., seed: _Optional[int] = ..., dtype: _Optional[str] = ..., from_state: _Optional[str] = ..., session_id: _Optional[str] = ...) -> None: ...
 
 class GetModelInfoRequest(_message.Message):
     __slots__ = ("model_id",)
@@ -51,7 +53,7 @@ class DeleteModelResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model_id", "base_model", "is_lora", "lora_rank", "dtype", "version", "next_seq_id", "last_checkpoint_seq_id", "status", "created_at")
+    __slots__ = ("model_id", "base_model", "is_lora", "lora_rank", "dtype", "version", "next_seq_id", "last_checkpoint_seq_id", "status", "created_at", "session_id")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     BASE_MODEL_FIELD_NUMBER: _ClassVar[int]
     IS_LORA_FIELD_NUMBER: _ClassVar[int]
@@ -62,6 +64,7 @@ class ModelInfo(_message.Message):
     LAST_CHECKPOINT_SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
     CREATED_AT_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     base_model: str
     is_lora: bool
@@ -72,7 +75,8 @@ class ModelInfo(_message.Message):
     last_checkpoint_seq_id: int
     status: str
     created_at: float
-    def __init__(self, model_id: _Optional[str] = ..., base_model: _Optional[str] = ..., is_lora: _Optional[bool] = ..., lora_rank: _Optional[int] = ..., dtype: _Optional[str] = ..., version: _Optional[int] = ..., next_seq_id: _Optional[int] = ..., last_checkpoint_seq_id: _Optional[int] = ..., status: _Optional[str] = ..., created_at: _Optional[float] = ...) -> None: ...
+    session_id: str
+    def __init__(self, model_id: _Optional[str] = ..., base_model: _Optional[str] = ..., is_lora: _Optional[bool] = ..., lora_rank: _Optional[int] = ..., dtype: _Optional[str] = ..., version: _Optional[int] = ..., next_seq_id: _Optional[int] = ..., last_checkpoint_seq_id: _Optional[int] = ..., status: _Optional[str] = ..., created_at: _Optional[float] = ..., session_id: _Optional[str] = ...) -> None: ...
 
 class ForwardBackwardRequest(_message.Message):
     __slots__ = ("model_id", "seq_id", "data", "loss_fn", "loss_fn_config", "temperature")
@@ -250,3 +254,39 @@ class ListCheckpointsResponse(_message.Message):
     CHECKPOINTS_FIELD_NUMBER: _ClassVar[int]
     checkpoints: _containers.RepeatedCompositeFieldContainer[Checkpoint]
     def __init__(self, checkpoints: _Optional[_Iterable[_Union[Checkpoint, _Mapping]]] = ...) -> None: ...
+
+class DeleteCheckpointRequest(_message.Message):
+    __slots__ = ("path",)
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    def __init__(self, path: _Optional[str] = ...) -> None: ...
+
+class DeleteCheckpointResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class RestoreModelRequest(_message.Message):
+    __slots__ = ("model_id",)
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    def __init__(self, model_id: _Optional[str] = ...) -> None: ...
+
+class ExportWeightsRequest(_message.Message):
+    __slots__ = ("model_id", "merged")
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    MERGED_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    merged: bool
+    def __init__(self, model_id: _Optional[str] = ..., merged: _Optional[bool] = ...) -> None: ...
+
+class FileChunk(_message.Message):
+    __slots__ = ("file_name", "offset", "data", "last")
+    FILE_NAME_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    LAST_FIELD_NUMBER: _ClassVar[int]
+    file_name: str
+    offset: int
+    data: bytes
+    last: bool
+    def __init__(self, file_name: _Optional[str] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., last: _Optional[bool] = ...) -> None: ...

@@ -90,6 +90,21 @@ class TrainingServiceStub:
                 request_serializer=treadle_dot_v1_dot_training__pb2.ListCheckpointsRequest.SerializeToString,
                 response_deserializer=treadle_dot_v1_dot_training__pb2.ListCheckpointsResponse.FromString,
                 _registered_method=True)
+        self.DeleteCheckpoint = channel.unary_unary(
+                '/treadle.v1.TrainingService/DeleteCheckpoint',
+                request_serializer=treadle_dot_v1_dot_training__pb2.DeleteCheckpointRequest.SerializeToString,
+                response_deserializer=treadle_dot_v1_dot_training__pb2.DeleteCheckpointResponse.FromString,
+                _registered_method=True)
+        self.RestoreModel = channel.unary_unary(
+                '/treadle.v1.TrainingService/RestoreModel',
+                request_serializer=treadle_dot_v1_dot_training__pb2.RestoreModelRequest.SerializeToString,
+                response_deserializer=treadle_dot_v1_dot_training__pb2.ModelInfo.FromString,
+                _registered_method=True)
+        self.ExportWeights = channel.unary_stream(
+                '/treadle.v1.TrainingService/ExportWeights',
+                request_serializer=treadle_dot_v1_dot_training__pb2.ExportWeightsRequest.SerializeToString,
+                response_deserializer=treadle_dot_v1_dot_training__pb2.FileChunk.FromString,
+                _registered_method=True)
 
 
 class TrainingServiceServicer:
@@ -166,6 +181,29 @@ class TrainingServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DeleteCheckpoint(self, request, context):
+        """Remove a checkpoint's row and stored files. Another tenant's path: NOT_FOUND.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RestoreModel(self, request, context):
+        """Bring an unloaded model (idle past the server's TTL) back from its
+        checkpoint. Any ordered call on an unloaded model does this by itself.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ExportWeights(self, request, context):
+        """The model's current weights as files, streamed in chunks: a PEFT adapter
+        directory (LoRA only), or a merged HF checkpoint with tokenizer files.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TrainingServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -223,6 +261,21 @@ def add_TrainingServiceServicer_to_server(servicer, server):
                     servicer.ListCheckpoints,
                     request_deserializer=treadle_dot_v1_dot_training__pb2.ListCheckpointsRequest.FromString,
                     response_serializer=treadle_dot_v1_dot_training__pb2.ListCheckpointsResponse.SerializeToString,
+            ),
+            'DeleteCheckpoint': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteCheckpoint,
+                    request_deserializer=treadle_dot_v1_dot_training__pb2.DeleteCheckpointRequest.FromString,
+                    response_serializer=treadle_dot_v1_dot_training__pb2.DeleteCheckpointResponse.SerializeToString,
+            ),
+            'RestoreModel': grpc.unary_unary_rpc_method_handler(
+                    servicer.RestoreModel,
+                    request_deserializer=treadle_dot_v1_dot_training__pb2.RestoreModelRequest.FromString,
+                    response_serializer=treadle_dot_v1_dot_training__pb2.ModelInfo.SerializeToString,
+            ),
+            'ExportWeights': grpc.unary_stream_rpc_method_handler(
+                    servicer.ExportWeights,
+                    request_deserializer=treadle_dot_v1_dot_training__pb2.ExportWeightsRequest.FromString,
+                    response_serializer=treadle_dot_v1_dot_training__pb2.FileChunk.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -522,6 +575,87 @@ class TrainingService:
             '/treadle.v1.TrainingService/ListCheckpoints',
             treadle_dot_v1_dot_training__pb2.ListCheckpointsRequest.SerializeToString,
             treadle_dot_v1_dot_training__pb2.ListCheckpointsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteCheckpoint(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/treadle.v1.TrainingService/DeleteCheckpoint',
+            treadle_dot_v1_dot_training__pb2.DeleteCheckpointRequest.SerializeToString,
+            treadle_dot_v1_dot_training__pb2.DeleteCheckpointResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RestoreModel(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/treadle.v1.TrainingService/RestoreModel',
+            treadle_dot_v1_dot_training__pb2.RestoreModelRequest.SerializeToString,
+            treadle_dot_v1_dot_training__pb2.ModelInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ExportWeights(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/treadle.v1.TrainingService/ExportWeights',
+            treadle_dot_v1_dot_training__pb2.ExportWeightsRequest.SerializeToString,
+            treadle_dot_v1_dot_training__pb2.FileChunk.FromString,
             options,
             channel_credentials,
             insecure,

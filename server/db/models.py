@@ -113,6 +113,19 @@ class ApiKey(Base):
     revoked_at: Mapped[dt.datetime | None]
 
 
+class ClientSession(Base):
+    """An SDK client's session (not a database session): it heart-beats while it runs."""
+
+    __tablename__ = "sessions"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id"), index=True)
+    client: Mapped[str] = mapped_column(String(255), default="")
+    created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+    last_heartbeat_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+    ended_at: Mapped[dt.datetime | None]
+
+
 class Model(Base):
     __tablename__ = "models"
     __table_args__ = (CheckConstraint(_in("status", MODEL_STATUSES), name="status"),)
@@ -136,6 +149,8 @@ class Model(Base):
     worker_id: Mapped[str | None] = mapped_column(String(255))
     created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
     updated_at: Mapped[dt.datetime] = mapped_column(default=utcnow, onupdate=utcnow)
+    # The client session the model was created in: its heartbeats keep the model loaded.
+    session_id: Mapped[str | None] = mapped_column(ForeignKey("sessions.id"), index=True)
 
     last_checkpoint: Mapped[Checkpoint | None] = relationship(
         foreign_keys=[last_checkpoint_id], post_update=True

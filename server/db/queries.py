@@ -19,6 +19,7 @@ from .models import (
     ApiKey,
     Base,
     Checkpoint,
+    ClientSession,
     Model,
     Op,
     Sampler,
@@ -57,6 +58,21 @@ def find_tenant_by_key_hash(s: Session, key_hash: str) -> Tenant | None:
         select(Tenant)
         .join(ApiKey, ApiKey.tenant_id == Tenant.id)
         .where(ApiKey.key_hash == key_hash, ApiKey.revoked_at.is_(None))
+    )
+    return s.scalars(stmt).one_or_none()
+
+
+# --- client sessions ----------------------------------------------------------
+
+
+def create_session(s: Session, tenant_id: str, client: str = "") -> ClientSession:
+    return _add(s, ClientSession(id=new_id("sess"), tenant_id=tenant_id, client=client[:255]))
+
+
+def get_session(s: Session, tenant_id: str, session_id: str) -> ClientSession | None:
+    """The tenant's session (ended or not), or None when missing or another tenant's."""
+    stmt = select(ClientSession).where(
+        ClientSession.id == session_id, ClientSession.tenant_id == tenant_id
     )
     return s.scalars(stmt).one_or_none()
 

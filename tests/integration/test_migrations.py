@@ -32,6 +32,7 @@ TABLES = {
     "samplers",
     "ops",
     "usage",
+    "sessions",
 }
 
 
@@ -82,6 +83,7 @@ def _fill_every_table(engine: Engine) -> None:
             seed=0,
             dtype="float32",
         )
+        model.session_id = q.create_session(s, tenant.id, "treadle-sdk/test").id
         ckpt = q.add_checkpoint(
             s,
             tenant_id=tenant.id,

@@ -1,0 +1,288 @@
+"""Idle models: TTL unloading and transparent restore.
+
+A loaded model whose TTL passes with no call and no heartbeat of the client
+session it was created in is checkpointed (the ``auto`` checkpoint, kind
+``auto``) and freed from the engine; its row says ``unloaded``. Nothing is lost:
+the next call on it (or ``RestoreModel``) loads it back from that checkpoint at
+the same ``seq_id``, so the client carries on as if nothing happened. A model
+that is not idle (a call in flight, or gradients accumulated for a step not yet
+taken) is never unloaded.
+
+Every model-bound call runs inside ``using(tenant, model_id)``, which restores
+the model if need be, counts the call in flight, and resets the idle clock.
+Transitions (unload, restore) of one model never overlap: a call that arrives
+during an unload waits for it, then restores.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime as dt
+import logging
+import time
+from collections.abc import AsyncIterator, Coroutine
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from treadle.errors import NotFoundError, TreadleError
+from treadle.server.db import models as db
+from treadle.server.db import queries
+from treadle.server.store import state_uri
+from treadle.workers.domain import ModelSpec
+
+if TYPE_CHECKING:
+    from treadle.server.context import ServerContext
+
+log = logging.getLogger("treadle.server")
+
+#: The checkpoint name an unload writes (shared with the auto-checkpoint policy).
+AUTO_NAME = "auto"
+
+
+class ModelLifecycle:
+    def __init__(self, ctx: ServerContext) -> None:
+        self.ctx = ctx
+        #: model_id -> unix time of the last call that started or ended
+        self.last_used: dict[str, float] = {}
+        self.inflight: dict[str, int] = {}
+        self._transitions: dict[str, asyncio.Task[bool]] = {}
+        self._sweeper: asyncio.Task[None] | None = None
+
+    # ---- calls -----------------------------------------------------------------
+
+    @contextlib.asynccontextmanager
+    async def using(self, tenant: str, model_id: str) -> AsyncIterator[None]:
+        """The tenant's model, loaded, counted in flight for the duration."""
+        await self._ensure_loaded(tenant, model_id)
+        # No await between the check above and this count: the sweeper cannot slip in.
+        self.inflight[model_id] = self.inflight.get(model_id, 0) + 1
+        self.last_used[model_id] = time.time()
+        try:
+            yield
+        finally:
+            left = self.inflight.get(model_id, 1) - 1
+            if left > 0:
+                self.inflight[model_id] = left
+            else:
+                self.inflight.pop(model_id, None)
+            self.last_used[model_id] = time.time()
+
+    def touch(self, model_id: str) -> None:
+        """Start (or restart) a model's idle clock, e.g. when it is created."""
+        self.last_used[model_id] = time.time()
+
+    def forget(self, model_id: str) -> None:
+        self.last_used.pop(model_id, None)
+        self.inflight.pop(model_id, None)
+
+    async def wait_idle_transition(self, model_id: str) -> None:
+        """Wait for an unload or restore of the model in progress, if any."""
+        task = self._transitions.get(model_id)
+        if task is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.shield(task)
+
+    async def _ensure_loaded(self, tenant: str, model_id: str) -> None:
+        while True:
+            owner = self.ctx.owners.get(model_id)
+            if owner is not None:
+                if owner != tenant:
+                    raise NotFoundError(f"model {model_id!r} not found")
+                return
+            task = self._transitions.get(model_id)
+            if task is None:
+                task = self._start(model_id, self._restore(tenant, model_id))
+                await asyncio.shield(task)  # a restore's errors are the caller's
+                continue
+            with contextlib.suppress(Exception):
+                await asyncio.shield(task)  # someone else's unload or restore
+
+    def _start(self, model_id: str, coro: Coroutine[Any, Any, bool]) -> asyncio.Task[bool]:
+        task = asyncio.ensure_future(coro)
+        self._transitions[model_id] = task
+        task.add_done_callback(lambda _: self._transitions.pop(model_id, None))
+        return task
+
+    # ---- restore ---------------------------------------------------------------
+
+    async def _restore(self, tenant: str, model_id: str) -> bool:
+        ctx = self.ctx
+        with ctx.session() as s:
+            row = queries.get_model(s, tenant, model_id)
+            if row is None or row.status != "unloaded":
+                raise NotFoundError(f"model {model_id!r} not found")
+            ckpt = row.last_checkpoint
+            if ckpt is None:  # an unload always records its checkpoint; never guess
+                raise NotFoundError(f"model {model_id!r} not found")
+            spec = ModelSpec(
+                row.id,
+                row.tenant_id,
+                row.base_model,
+                row.lora_rank,
+                row.lora_alpha,
+                row.seed,
+                row.dtype,
+            )
+            path, seq_id = Path(ckpt.storage_path), ckpt.seq_id
+        status = await ctx.dispatcher.create_model(spec, from_state=path, next_seq_id=seq_id + 1)
+        with ctx.session() as s:
+            model = s.get(db.Model, model_id)
+            if model is not None:
+                model.status = "active"
+                model.version = status.version
+        ctx.owners[model_id] = tenant
+        self.last_used[model_id] = time.time()
+        log.info("restored model %s at seq_id %d", model_id, seq_id)
+        return True
+
+    # ---- unload ----------------------------------------------------------------
+
+    def idle_models(self, now: float | None = None) -> list[str]:
+        """Loaded models past their TTL: no call and no session heartbeat since."""
+        ttl = self.ctx.config.model_ttl_s
+        if not ttl:
+            return []
+        now = time.time() if now is None else now
+        candidates = []
+        for model_id in list(self.ctx.owners):
+            last = self.last_used.setdefault(model_id, now)
+            if (
+                now - last >= ttl
+                and not self.inflight.get(model_id)
+                and model_id not in self._transitions
+            ):
+                candidates.append(model_id)
+        if not candidates:
+            return []
+        with self.ctx.session() as s:
+            rows = s.execute(
+                select(db.Model.id, db.ClientSession.last_heartbeat_at)
+                .join(db.ClientSession, db.Model.session_id == db.ClientSession.id)
+                .where(db.Model.id.in_(candidates), db.ClientSession.ended_at.is_(None))
+            ).all()
+        beating = {m for m, beat in rows if now - beat.timestamp() < ttl}
+        return [m for m in candidates if m not in beating]
+
+    async def sweep(self, now: float | None = None) -> list[str]:
+        """Unload every idle model; the ids unloaded."""
+        unloaded = []
+        for model_id in self.idle_models(now):
+            # Re-checked after each await: a call may have arrived meanwhile.
+            if (
+                model_id not in self.ctx.owners
+                or self.inflight.get(model_id)
+                or model_id in self._transitions
+            ):
+                continue
+            if await self._start(model_id, self._unload(model_id)):
+                unloaded.append(model_id)
+        return unloaded
+
+    async def _unload(self, model_id: str) -> bool:
+        ctx = self.ctx
+        tenant = ctx.owners.pop(model_id)
+        storage_path = ctx.store.state_path(tenant, model_id, AUTO_NAME)
+        directory = ctx.store.staging_dir(storage_path)
+        try:
+            saved = await ctx.dispatcher.unload_model(model_id, directory)
+        except TreadleError as err:  # not idle after all (or already gone): leave it be
+            log.info("model %s not unloaded: %s", model_id, err)
+            if not isinstance(err, NotFoundError):
+                ctx.owners[model_id] = tenant
+            self.last_used[model_id] = time.time()
+            return False
+        try:
+            size = await asyncio.to_thread(ctx.store.commit, directory, storage_path)
+            with ctx.session() as s:
+                ckpt = record_checkpoint(
+                    s, tenant, model_id, AUTO_NAME, storage_path, saved.seq_id, saved.step
+                )
+                ckpt.size_bytes = size
+                queries.update_model_progress(s, model_id, version=saved.step, last_checkpoint=ckpt)
+                model = s.get(db.Model, model_id)
+                if model is not None:
+                    model.status = "unloaded"
+        except Exception:
+            # The engine let go but the database does not know: load it back at once.
+            log.exception("model %s: could not record its unload; loading it back", model_id)
+            await _reload(ctx, tenant, model_id, directory, saved.seq_id)
+            return False
+        self.forget(model_id)
+        log.info(
+            "unloaded idle model %s at seq_id %d (checkpoint %s)",
+            model_id,
+            saved.seq_id,
+            state_uri(model_id, AUTO_NAME),
+        )
+        return True
+
+    # ---- the background sweeper ------------------------------------------------
+
+    def start(self) -> None:
+        if self.ctx.config.model_ttl_s and self._sweeper is None:
+            self._sweeper = asyncio.ensure_future(self._run())
+
+    async def stop(self) -> None:
+        task, self._sweeper = self._sweeper, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    async def _run(self) -> None:
+        interval = self.ctx.config.sweep_interval_s
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                await self.sweep()
+            except Exception:
+                log.exception("idle-model sweep failed")
+
+
+async def _reload(
+    ctx: ServerContext, tenant: str, model_id: str, directory: Path, seq_id: int
+) -> None:
+    with ctx.session() as s:
+        row = s.get(db.Model, model_id)
+        assert row is not None
+        spec = ModelSpec(
+            row.id, tenant, row.base_model, row.lora_rank, row.lora_alpha, row.seed, row.dtype
+        )
+    await ctx.dispatcher.create_model(spec, from_state=directory, next_seq_id=seq_id + 1)
+    ctx.owners[model_id] = tenant
+
+
+def record_checkpoint(
+    s: Session,
+    tenant: str,
+    model_id: str,
+    name: str,
+    storage_path: str,
+    seq_id: int,
+    step: int,
+    kind: str = "auto",
+) -> db.Checkpoint:
+    """The row of a checkpoint (re)written under ``name``: updated in place, so a
+    model that points at it keeps pointing at it."""
+    row = queries.get_checkpoint_by_uri(s, tenant, state_uri(model_id, name))
+    if row is None:
+        return queries.add_checkpoint(
+            s,
+            tenant_id=tenant,
+            model_id=model_id,
+            name=name,
+            uri=state_uri(model_id, name),
+            storage_path=storage_path,
+            seq_id=seq_id,
+            step=step,
+            kind=kind,
+            size_bytes=0,
+        )
+    row.storage_path, row.seq_id, row.step, row.kind = storage_path, seq_id, step, kind
+    row.created_at = dt.datetime.now(dt.timezone.utc)
+    s.flush()
+    return row

@@ -1,0 +1,72 @@
+"""A training model's weights as files other tools load, without treadle.
+
+    PEFT adapter (LoRA):   adapter_config.json + adapter_model.safetensors (PEFT names)
+    merged checkpoint:     config.json + model.safetensors (HF names, ``W + scale * B A``
+                           folded in for LoRA) + the base model's tokenizer files
+
+so ``peft.PeftModel.from_pretrained(base, dir)`` or
+``transformers.AutoModelForCausalLM.from_pretrained(dir)`` reads them as they are.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from treadle.errors import InvalidArgumentError
+from treadle.workers.model.llama import LlamaParams
+from treadle.workers.model.loading import save_params
+from treadle.workers.trainer import TrainingModel
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+#: Files of the base model copied beside a merged checkpoint (those that exist).
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "generation_config.json",
+)
+
+
+@torch.no_grad()
+def export_peft(model: TrainingModel, out_dir: str | Path) -> list[Path]:
+    if model.adapter is None:
+        raise InvalidArgumentError(
+            "merged: the model is a full fine-tune and has no adapter; export it with merged=True"
+        )
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = {n: t.detach().contiguous().cpu() for n, t in model.adapter.named_tensors()}
+    save_file(tensors, str(out / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    config = {
+        **model.adapter.peft_config(),
+        "base_model_name_or_path": model.spec.base_model,
+        "inference_mode": True,
+    }
+    (out / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+    return [out / ADAPTER_CONFIG, out / ADAPTER_WEIGHTS]
+
+
+@torch.no_grad()
+def export_merged(model: TrainingModel, out_dir: str | Path) -> list[Path]:
+    out = Path(out_dir)
+    if model.adapter is not None:
+        params = LlamaParams.from_state_dict(model.cfg, model.adapter.merge_into(model.params))
+    else:
+        params = model.params
+    save_params(params, model.cfg, out)
+    written = [out / "config.json", out / "model.safetensors"]
+    for name in TOKENIZER_FILES:
+        src = model.base.path / name
+        if src.is_file():
+            shutil.copyfile(src, out / name)
+            written.append(out / name)
+    return written
