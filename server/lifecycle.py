@@ -189,10 +189,9 @@ class ModelLifecycle:
         directory = ctx.store.staging_dir(storage_path)
         try:
             saved = await ctx.dispatcher.unload_model(model_id, directory)
-        except TreadleError as err:  # not idle after all (or already gone): leave it be
+        except TreadleError as err:  # not idle after all (or lost, not in the engine): leave it be
             log.info("model %s not unloaded: %s", model_id, err)
-            if not isinstance(err, NotFoundError):
-                ctx.owners[model_id] = tenant
+            ctx.owners[model_id] = tenant
             self.last_used[model_id] = time.time()
             return False
         try:
