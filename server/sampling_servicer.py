@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import grpc
 
 from treadle.errors import InvalidArgumentError, NotFoundError
@@ -94,7 +96,8 @@ class SamplingServicer(sampling_pb2_grpc.SamplingServiceServicer):
         ticket = self.meter.admit_sample(tenant, op)
         result: SampleResult | None = None
         try:
-            result = await self.ctx.dispatcher.sample(target, op, key)
+            # The engine's sampler queues each tenant's requests fairly against the rest.
+            result = await self.ctx.dispatcher.sample(replace(target, tenant_id=tenant), op, key)
             return result
         finally:
             self.meter.end_sample(tenant, target, op, ticket, result)

@@ -188,6 +188,7 @@ class SamplerTarget:
     base_model: str
     model_id: str | None = None
     version: int | None = None  # None with a model_id = follow latest
+    tenant_id: str = ""  # whose request (the sampler queues tenants fairly)
 
     @property
     def follows_latest(self) -> bool:

@@ -487,7 +487,7 @@ class Engine:
         try:
             snapshot = self._snapshot(target)
             sampler = self._sampler_for(target.base_model, snapshot.params.dtype)
-            sampler.submit(op, snapshot, fut)
+            sampler.submit(op, snapshot, fut, tenant=target.tenant_id)
         except TreadleError as err:
             fut.set_exception(err)
         except Exception as err:

@@ -31,6 +31,7 @@ tokens whatever else shares the batch and whenever it is scheduled.
 
 from __future__ import annotations
 
+import bisect
 import logging
 import math
 import os
@@ -91,6 +92,8 @@ class _Request:
     prefilled: int = 0  # prompt tokens whose K/V are in the staging slot
     reused: int = 0  # of which copied from the prefix cache
     compute_s: float = 0.0  # its share of the forward passes it was in (usage accounting)
+    tenant: str = ""
+    tag: float = 0.0  # fair-queueing start tag: the queue is kept in tag order
 
     @property
     def cancelled(self) -> bool:
@@ -170,7 +173,9 @@ class TorchSampler:
                 f"{self.max_len} tokens): {err}"
             ) from None
         self.staged = [_Staged() for _ in range(self.stage.num_slots)]
-        self.queue: deque[_Request] = deque()
+        self.queue: deque[_Request] = deque()  # in start-tag order (fair across tenants)
+        self._vtime = 0.0  # start tag of the request admitted last
+        self._finish_tags: dict[str, float] = {}  # tenant -> finish tag of its last request
         self.prefilling: list[_Request] = []
         self.running: list[_Row] = []  # running[i].slot == i
         self.reserved = 0  # main slots promised to prefilling requests
@@ -233,8 +238,22 @@ class TorchSampler:
             if not 0 <= t < self.cfg.vocab_size:
                 raise InvalidArgumentError(f"stop: stop token id {t} is outside the vocabulary")
 
-    def submit(self, op: SampleOp, snapshot: WeightSnapshot, future: Future[SampleResult]) -> None:
-        """Queue a request (validated first); RESOURCE_EXHAUSTED when the queue is full."""
+    def submit(
+        self,
+        op: SampleOp,
+        snapshot: WeightSnapshot,
+        future: Future[SampleResult],
+        tenant: str = "",
+    ) -> None:
+        """Queue a request (validated first); RESOURCE_EXHAUSTED when the queue is full.
+
+        The queue is fair across tenants, never first-come-first-served between
+        them: start-time fair queueing by tokens (Goyal et al.). A request's start
+        tag is the later of the last admitted tag and its tenant's previous finish
+        tag; its finish tag adds its tokens (prompt + samples x max_tokens). Requests
+        are admitted in start-tag order, so a tenant with 100 queued requests and
+        one with 1 take turns, and each tenant's own requests keep their order.
+        """
         self.validate(op)
         if len(self.queue) >= self.limits.max_queued:
             raise ResourceExhaustedError(
@@ -248,7 +267,7 @@ class TorchSampler:
         if seed is None:
             seed = int.from_bytes(os.urandom(8), "little") >> 1
         prompt = np.ascontiguousarray(op.prompt, dtype=np.int64)
-        request = _Request(op, snapshot, future, stop_ids, seed, prompt)
+        request = _Request(op, snapshot, future, stop_ids, seed, prompt, tenant=tenant)
         if op.params.max_tokens == 0:
             request.rows = [
                 _Row(request, i, -1, 0, snapshot, stop_reason="length")
@@ -256,7 +275,16 @@ class TorchSampler:
             ]
             self._finish_request(request)
             return
-        self.queue.append(request)
+        self._enqueue(request)
+
+    def _enqueue(self, request: _Request) -> None:
+        cost = request.prompt.size + request.op.num_samples * request.op.params.max_tokens
+        start = max(self._vtime, self._finish_tags.get(request.tenant, 0.0))
+        self._finish_tags[request.tenant] = start + cost
+        if len(self._finish_tags) > 1024:  # forget tenants with nothing queued ahead
+            self._finish_tags = {t: f for t, f in self._finish_tags.items() if f > self._vtime}
+        request.tag = start
+        self.queue.insert(bisect.bisect_right(self.queue, start, key=_tag), request)
 
     def has_work(self) -> bool:
         return bool(self.queue or self.prefilling or self.running)
@@ -334,6 +362,7 @@ class TorchSampler:
             if slot < 0:
                 return
             self.queue.popleft()
+            self._vtime = max(self._vtime, request.tag)
             self.reserved += need
             self.prefilling.append(request)
 
@@ -572,6 +601,10 @@ class TorchSampler:
             s.tokens_generated,
             s.prefix_reused_tokens,
         )
+
+
+def _tag(request: _Request) -> float:
+    return request.tag
 
 
 def _charge(items: Sequence[tuple[_Request, int]], seconds: float) -> None:

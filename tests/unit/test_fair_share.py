@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import random
 from collections import Counter
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -222,3 +225,46 @@ def test_removing_a_model_forgets_its_tenant() -> None:
 def test_unknown_policy_is_refused() -> None:
     with pytest.raises(ValueError, match="policy"):
         Scheduler(policy="lifo")
+
+
+# ---- the sampler's queue ---------------------------------------------------------------
+
+
+def test_sampler_queue_is_fair_across_tenants(tiny_model_dir: Path) -> None:
+    """Requests wait for free slots in start-tag order: a tenant with many queued
+    samples and one with a single sample take turns; each tenant keeps its order."""
+    import numpy as np
+    import torch
+
+    from treadle.workers.base_models import BaseModelRegistry
+    from treadle.workers.domain import SampleOp, SamplingConfig
+    from treadle.workers.sampler import TorchSampler
+    from treadle.workers.versions import WeightSnapshot
+
+    base = BaseModelRegistry({"tiny": tiny_model_dir}).get("tiny", torch.float32)
+    snap = WeightSnapshot(None, 0, base.params, None)
+    sampler = TorchSampler(base, num_slots=2, max_len=64)  # one request's rows at a time
+    finished: list[str] = []
+    op = SampleOp(
+        prompt=np.array([5, 6, 7], dtype=np.int64),
+        num_samples=2,
+        params=SamplingConfig(max_tokens=3, seed=1, ignore_eos=True),
+    )
+
+    def send(name: str, tenant: str) -> None:
+        fut: Future[Any] = Future()
+        fut.add_done_callback(lambda _: finished.append(name))
+        sampler.submit(op, snap, fut, tenant=tenant)
+
+    for i in range(6):
+        send(f"heavy{i}", "heavy")
+    send("light0", "light")
+    sampler.step()  # heavy0 admitted (it came first)
+    send("light1", "light")  # arrives while heavy's backlog waits
+    while sampler.has_work():
+        sampler.step()
+    assert finished.index("light0") <= 2  # FCFS would make it 7th
+    assert finished.index("light1") <= finished.index("heavy3")
+    heavy = [n for n in finished if n.startswith("heavy")]
+    assert heavy == sorted(heavy)
+    assert len(finished) == 8
