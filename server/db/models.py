@@ -41,6 +41,7 @@ MODEL_STATUSES = ("active", "deleted", "lost", "unloaded")
 CHECKPOINT_KINDS = ("state", "auto")
 SAMPLER_MODES = ("base", "version", "latest")
 OP_STATUSES = ("pending", "done", "failed")
+WORKER_STATUSES = ("live", "stopped", "dead")
 
 
 def utcnow() -> dt.datetime:
@@ -216,6 +217,22 @@ class Op(Base):
     error_code: Mapped[str | None] = mapped_column(String(64))
     created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
     finished_at: Mapped[dt.datetime | None]
+
+
+class Worker(Base):
+    """A ``treadle worker`` process: the base models it serves, how many training
+    models it takes, and its heartbeat. ``models.worker_id`` names where a model lives."""
+
+    __tablename__ = "workers"
+    __table_args__ = (CheckConstraint(_in("status", WORKER_STATUSES), name="status"),)
+
+    id: Mapped[str] = mapped_column(String(255), primary_key=True)
+    hostname: Mapped[str] = mapped_column(String(255), default="")
+    base_models: Mapped[str] = mapped_column(Text, default="[]")  # JSON list of names
+    capacity: Mapped[int]
+    status: Mapped[str] = mapped_column(String(16), default="live")
+    started_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+    heartbeat_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
 
 
 class Usage(Base):

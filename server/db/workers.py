@@ -1,0 +1,143 @@
+"""Queries about the worker fleet: registration, heartbeats, liveness and placement.
+
+Times are the writer's UTC clock (workers and servers keep NTP time); a worker is
+dead when its heartbeat is older than the server's ``worker_timeout_s``.
+Declaring a worker dead is a conditional UPDATE, so with several servers exactly
+one of them declares it and marks its models lost.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+from collections.abc import Iterable, Sequence
+
+from sqlalchemy import func, select, update
+from sqlalchemy.orm import Session
+
+from .models import Model, Worker, utcnow
+
+
+def register_worker(
+    s: Session, worker_id: str, *, hostname: str, base_models: Iterable[str], capacity: int
+) -> Worker:
+    """A worker (re)joins as live; a restarted worker with the same id starts empty."""
+    row = s.get(Worker, worker_id)
+    now = utcnow()
+    if row is None:
+        row = Worker(id=worker_id)
+        s.add(row)
+    row.hostname = hostname[:255]
+    row.base_models = json.dumps(sorted(base_models))
+    row.capacity = capacity
+    row.status = "live"
+    row.started_at = now
+    row.heartbeat_at = now
+    s.flush()
+    return row
+
+
+def heartbeat(s: Session, worker_id: str) -> str | None:
+    """Record a heartbeat of a live worker; the worker's status (None: unknown).
+    A worker declared dead is not revived: it must stop serving."""
+    s.execute(
+        update(Worker)
+        .where(Worker.id == worker_id, Worker.status == "live")
+        .values(heartbeat_at=utcnow())
+    )
+    return s.scalar(select(Worker.status).where(Worker.id == worker_id))
+
+
+def set_worker_status(s: Session, worker_id: str, status: str) -> None:
+    s.execute(update(Worker).where(Worker.id == worker_id).values(status=status))
+
+
+def base_models_of(row: Worker) -> list[str]:
+    return list(json.loads(row.base_models or "[]"))
+
+
+def live_workers(s: Session, fresh_after: dt.datetime) -> Sequence[Worker]:
+    stmt = (
+        select(Worker)
+        .where(Worker.status == "live", Worker.heartbeat_at >= fresh_after)
+        .order_by(Worker.id)
+    )
+    return s.scalars(stmt).all()
+
+
+def worker_loads(s: Session) -> dict[str, int]:
+    """worker id -> active models placed on it."""
+    stmt = (
+        select(Model.worker_id, func.count())
+        .where(Model.status == "active", Model.worker_id.is_not(None))
+        .group_by(Model.worker_id)
+    )
+    return {str(w): int(n) for w, n in s.execute(stmt).all()}
+
+
+def declare_dead(s: Session, stale_before: dt.datetime) -> list[str]:
+    """Live workers whose last heartbeat is older than ``stale_before`` become dead;
+    the ids this call declared (another server may have declared some first)."""
+    candidates = s.scalars(
+        select(Worker.id).where(Worker.status == "live", Worker.heartbeat_at < stale_before)
+    ).all()
+    declared = []
+    for worker_id in candidates:
+        result = s.execute(
+            update(Worker)
+            .where(
+                Worker.id == worker_id,
+                Worker.status == "live",
+                Worker.heartbeat_at < stale_before,
+            )
+            .values(status="dead")
+        )
+        if getattr(result, "rowcount", 0) == 1:
+            declared.append(worker_id)
+    return declared
+
+
+def gone_workers(s: Session, worker_ids: Iterable[str]) -> set[str]:
+    """Of these ids, the workers that are dead, stopped or unknown."""
+    ids = set(worker_ids)
+    if not ids:
+        return set()
+    live = s.scalars(select(Worker.id).where(Worker.id.in_(ids), Worker.status == "live")).all()
+    return ids - set(live)
+
+
+def mark_models_lost(s: Session, worker_ids: Iterable[str]) -> list[str]:
+    """Active models of these (gone) workers become lost; their ids."""
+    ids = list(worker_ids)
+    if not ids:
+        return []
+    lost = list(
+        s.scalars(select(Model.id).where(Model.worker_id.in_(ids), Model.status == "active")).all()
+    )
+    if lost:
+        s.execute(
+            update(Model)
+            .where(Model.id.in_(lost), Model.status == "active")
+            .values(status="lost", updated_at=utcnow())
+        )
+    return lost
+
+
+def place_model(s: Session, model_id: str, worker_id: str) -> None:
+    s.execute(
+        update(Model)
+        .where(Model.id == model_id)
+        .values(worker_id=worker_id, status="active", updated_at=utcnow())
+    )
+
+
+def stopped_workers_with_models(s: Session) -> list[str]:
+    """Dead or stopped workers that still have active models (e.g. a worker that
+    stopped cleanly, or died while no server was watching)."""
+    stmt = (
+        select(Worker.id)
+        .join(Model, Model.worker_id == Worker.id)
+        .where(Worker.status != "live", Model.status == "active")
+        .distinct()
+    )
+    return list(s.scalars(stmt).all())
