@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import AsyncIterator
 
 import grpc
@@ -23,13 +24,16 @@ class InfoServicer(server_pb2_grpc.ServerServiceServicer):
     async def GetServerInfo(
         self, request: server_pb2.GetServerInfoRequest, context: grpc.aio.ServicerContext
     ) -> server_pb2.ServerInfo:
-        self.ctx.tenant(context)
+        tenant = self.ctx.tenant(context)
         d = self.ctx.dispatcher
+        # what one request may hold: the engine's limit, or the caller's quota if lower
+        quota = self.ctx.quotas.limits(tenant).max_tokens_per_request
+        max_tokens = min(self.ctx.config.max_tokens_per_call, quota or sys.maxsize)
         info = server_pb2.ServerInfo(
             server_version=treadle.__version__,
             api_version="treadle.v1",
             max_message_bytes=self.ctx.config.max_message_bytes,
-            max_tokens_per_request=self.ctx.config.max_tokens_per_call,
+            max_tokens_per_request=max_tokens,
             features=list(FEATURES),
         )
         for name in d.base_model_names():

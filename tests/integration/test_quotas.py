@@ -131,6 +131,7 @@ def test_ordered_calls_in_flight_do_not_deadlock(server: EmbeddedServer) -> None
 def test_tokens_per_request_is_final_and_takes_its_seq_id(server: EmbeddedServer) -> None:
     key = _tenant(server, "big")
     with treadle.ServiceClient(server.address, api_key=key) as client:
+        assert client.get_server_info().max_tokens_per_request == 1000  # the quota shows
         trainer = client.create_lora_training_client(BASE, rank=2)
         t0 = time.monotonic()
         with pytest.raises(ResourceExhaustedError, match="max_tokens_per_request") as info:
