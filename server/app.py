@@ -26,7 +26,7 @@ from treadle.server.interceptors import ErrorInterceptor
 from treadle.server.quotas import Quotas
 from treadle.server.sampling_servicer import SamplingServicer
 from treadle.server.session_servicer import SessionServicer
-from treadle.server.store import LocalStore
+from treadle.server.store import make_store
 from treadle.server.training_servicer import TrainingServicer
 from treadle.server.usage import UsageMeter
 from treadle.v1 import (
@@ -87,15 +87,14 @@ async def restore_models(ctx: ServerContext) -> int:
             plans.append((spec, ckpt.storage_path if ckpt else None, (ckpt.seq_id if ckpt else 0)))
     for spec, path, seq in plans:
         try:
-            await ctx.dispatcher.create_model(
-                spec, from_state=Path(path) if path else None, next_seq_id=seq + 1
-            )
+            await ctx.dispatcher.create_model(spec, from_state=path, next_seq_id=seq + 1)
         except Exception as err:  # a model we cannot restore is marked lost, not hidden
             log.error("could not restore model %s: %s", spec.model_id, err)
             with ctx.session() as s:
                 row = s.get(db.Model, spec.model_id)
                 if row is not None:
                     row.status = "lost"
+            ctx.owners[spec.model_id] = spec.tenant_id  # still its tenant's: load_state restores it
             continue
         ctx.owners[spec.model_id] = spec.tenant_id
         with ctx.session() as s:
@@ -133,13 +132,30 @@ async def create_server(
             return tenancy.quota_overrides(s, tenant_id)
 
     usage = UsageMeter(sessions, config.usage_flush_s)
+    # An S3 store stages checkpoints under checkpoint_root, where the engine writes them.
+    store = make_store(
+        config.store,
+        local_root=config.checkpoint_root,
+        endpoint_url=config.s3_endpoint_url,
+        staging=config.checkpoint_root,
+    )
+    if dispatcher is None and config.broker:
+        from treadle.server.celery_dispatch import CeleryDispatcher
+        from treadle.workers.base_models import BaseModelRegistry
+
+        dispatcher = CeleryDispatcher(
+            config.broker,
+            sessions,
+            BaseModelRegistry(config.models),
+            worker_timeout_s=config.worker_timeout_s,
+        )
     if dispatcher is None:
-        dispatcher = InProcessDispatcher(Engine(engine_config(config)).start())
+        dispatcher = InProcessDispatcher(Engine(engine_config(config)).start(), store)
     ctx = ServerContext(
         config=config,
         sessions=sessions,
         dispatcher=dispatcher,
-        store=LocalStore(config.checkpoint_root),
+        store=store,
         auth=Authenticator(
             sessions, default_key.tenant_id, enabled=config.auth, cache_s=config.auth_cache_s
         ),

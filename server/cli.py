@@ -54,6 +54,13 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _worker(args: argparse.Namespace) -> int:
+    from treadle.workers.celery_worker import run_worker
+    from treadle.workers.worker_config import worker_config_from_args
+
+    return run_worker(worker_config_from_args(args))
+
+
 def _print_key(ctx: ServerContext) -> None:
     """Where the default tenant's key is, so a local client can use it."""
     key = ctx.default_key
@@ -103,6 +110,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from treadle.server.config import add_server_flags
+    from treadle.workers.worker_config import add_worker_flags
 
     parser = argparse.ArgumentParser(
         prog="treadle", description="Self-hosted RL training-as-a-service for LLMs"
@@ -115,6 +123,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_server_flags(serve)
     serve.set_defaults(fn=_serve)
+
+    worker = sub.add_parser(
+        "worker",
+        help="run an engine as a Celery worker of a distributed server (--broker, --database-url)",
+    )
+    add_worker_flags(worker)
+    worker.set_defaults(fn=_worker)
 
     make = sub.add_parser(
         "make-model", help="build a small Llama-style model locally (random weights)"

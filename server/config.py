@@ -44,6 +44,13 @@ class ServerConfig:
     ttl_sweep_s: float = 0.0
     #: the heartbeat interval the server asks SDK sessions to keep
     heartbeat_interval_s: float = 10.0
+    #: distributed mode: the Celery broker (redis://... or amqp://...); "" = engine in-process
+    broker: str = ""
+    #: checkpoint store: "" = <data_dir>/checkpoints, a directory, or s3://bucket/prefix
+    store: str = ""
+    s3_endpoint_url: str = ""  # S3-compatible stores (MinIO, Ceph, moto)
+    #: a worker whose heartbeat is older than this is dead and its models are lost
+    worker_timeout_s: float = 15.0
     #: API keys are required; off (--no-auth) only on a loopback address (dev)
     auth: bool = True
     auth_cache_s: float = 5.0  # a revoked key stops working within this many seconds
@@ -90,6 +97,7 @@ class ServerConfig:
         for name, tls_path in (("tls_cert", self.tls_cert), ("tls_key", self.tls_key)):
             if tls_path is not None and not Path(tls_path).is_file():
                 raise InvalidArgumentError(f"{name}: {tls_path} is not a file")
+        self._check_urls()
         for name, path in self.models.items():
             if not (Path(path) / "config.json").exists():
                 raise InvalidArgumentError(
@@ -108,8 +116,32 @@ class ServerConfig:
     def sweep_interval_s(self) -> float:
         return self.ttl_sweep_s or min(self.model_ttl_s / 4, 30.0)
 
+    def _check_urls(self) -> None:
+        """Malformed URLs fail at start-up with what to write instead."""
+        if self.database_url:
+            from treadle.server.db.session import parse_database_url
+
+            parse_database_url(self.database_url)
+        if self.broker:
+            from treadle.workers.celery_app import check_broker_url
+
+            check_broker_url(self.broker)
+        if self.store.startswith("s3:"):
+            from treadle.server.s3_store import parse_s3_url
+
+            parse_s3_url(self.store)
+        elif "://" in self.store:
+            raise InvalidArgumentError(
+                f"store: {self.store!r}: give a directory or s3://bucket/prefix"
+            )
+        if self.worker_timeout_s <= 0:
+            raise InvalidArgumentError(f"worker_timeout_s: out of range ({self.worker_timeout_s})")
+
     @property
     def checkpoint_root(self) -> Path:
+        """Local checkpoints (and the staging area of an S3 store)."""
+        if self.store and not self.store.startswith("s3:"):
+            return Path(self.store)
         return self.data_dir / "checkpoints"
 
     @property
@@ -186,6 +218,28 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
         default=float(env("TREADLE_MODEL_TTL_S", "3600")),
         help="checkpoint and unload a model after this many idle seconds (no calls, no "
         "session heartbeat); it comes back on its next call. 0 = never",
+    )
+    parser.add_argument(
+        "--broker",
+        default=env("TREADLE_BROKER", ""),
+        help="run engines in `treadle worker` processes through Celery: redis://host:6379/0 "
+        "or amqp://user:pass@host:5672//; default: the engine runs in this process",
+    )
+    parser.add_argument(
+        "--store",
+        default=env("TREADLE_STORE", ""),
+        help="checkpoint store: s3://bucket/prefix, or a directory (default: DATA_DIR/checkpoints)",
+    )
+    parser.add_argument(
+        "--s3-endpoint-url",
+        default=env("TREADLE_S3_ENDPOINT_URL", ""),
+        help="endpoint of an S3-compatible store (MinIO, Ceph, ...)",
+    )
+    parser.add_argument(
+        "--worker-timeout",
+        type=float,
+        default=float(env("TREADLE_WORKER_TIMEOUT_S", "15")),
+        help="seconds without a heartbeat after which a worker is dead and its models lost",
     )
 
 
@@ -266,4 +320,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         tls_cert=Path(args.tls_cert) if args.tls_cert else None,
         tls_key=Path(args.tls_key) if args.tls_key else None,
         model_ttl_s=args.model_ttl_s,
+        broker=args.broker,
+        store=args.store,
+        s3_endpoint_url=args.s3_endpoint_url,
+        worker_timeout_s=args.worker_timeout,
     )

@@ -18,7 +18,7 @@ from treadle.server.db import models as db
 from treadle.server.db import queries
 from treadle.server.dispatch import Dispatcher
 from treadle.server.quotas import QuotaLimits, Quotas
-from treadle.server.store import LocalStore
+from treadle.server.store import Store
 from treadle.server.usage import UsageMeter
 
 if TYPE_CHECKING:
@@ -30,7 +30,7 @@ class ServerContext:
     config: ServerConfig
     sessions: sessionmaker[Session]
     dispatcher: Dispatcher
-    store: LocalStore
+    store: Store
     auth: Authenticator
     #: model_id -> tenant_id of live models, so the hot path skips a DB read
     owners: dict[str, str] = field(default_factory=dict)

@@ -12,6 +12,7 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Protocol, TypeVar
 
+from treadle.server.store import Store, storage_path_str
 from treadle.workers.domain import (
     ModelSpec,
     ModelStatus,
@@ -24,14 +25,18 @@ from treadle.workers.domain import (
 )
 from treadle.workers.engine import Engine
 from treadle.workers.model.config import ModelConfig
+from treadle.workers.staging import StagedEngine
 
 T = TypeVar("T")
 
 
 class Dispatcher(Protocol):
     async def create_model(
-        self, spec: ModelSpec, *, from_state: Path | None, next_seq_id: int
-    ) -> ModelStatus: ...
+        self, spec: ModelSpec, *, from_state: str | Path | None, next_seq_id: int
+    ) -> ModelStatus:
+        """``from_state``: a checkpoint's storage path (a directory, or s3://...)."""
+        ...
+
     async def delete_model(self, model_id: str) -> None: ...
     async def unload_model(self, model_id: str, directory: Path) -> SaveResult:
         """Checkpoint an idle model into ``directory`` and free it (FAILED_PRECONDITION
@@ -62,12 +67,22 @@ async def _await(fut: Future[T]) -> T:
 
 
 class InProcessDispatcher:
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, store: Store | None = None) -> None:
         self.engine = engine
+        #: with a remote store (S3), checkpoints move through local staging off the
+        #: engine thread; with a local one, storage paths are the engine's directories
+        self.staged = (
+            StagedEngine(engine, store) if store is not None and not store.is_local else None
+        )
 
     async def create_model(
-        self, spec: ModelSpec, *, from_state: Path | None, next_seq_id: int
+        self, spec: ModelSpec, *, from_state: str | Path | None, next_seq_id: int
     ) -> ModelStatus:
+        if self.staged is not None and from_state is not None:
+            path = storage_path_str(from_state)
+            return await _await(
+                self.staged.create_model(spec, from_state=path, next_seq_id=next_seq_id)
+            )
         return await _await(
             self.engine.create_model(spec, from_state=from_state, next_seq_id=next_seq_id)
         )
@@ -82,7 +97,7 @@ class InProcessDispatcher:
         return await _await(self.engine.export_weights(model_id, directory, merged=merged))
 
     async def submit(self, model_id: str, seq_id: int, op: OrderedOp, digest: str) -> OpResult:
-        return await _await(self.engine.submit(model_id, seq_id, op, digest))
+        return await _await((self.staged or self.engine).submit(model_id, seq_id, op, digest))
 
     async def sample(
         self, target: SamplerTarget, op: SampleOp, dedupe_key: tuple[str, int, str] | None
@@ -105,4 +120,6 @@ class InProcessDispatcher:
         return self.engine.bases.names()
 
     def close(self) -> None:
+        if self.staged is not None:
+            self.staged.stop()
         self.engine.stop()

@@ -22,6 +22,7 @@ from botocore.config import Config as BotoConfig
 from botocore.exceptions import BotoCoreError, ClientError
 
 from treadle.errors import InvalidArgumentError, NotFoundError, UnavailableError
+from treadle.server.store import storage_path_str
 
 PART_BYTES = 8 * 1024 * 1024
 MANIFEST = "manifest.json"
@@ -76,8 +77,13 @@ class S3Store:
         key = "/".join(p for p in (self.prefix, tenant_id, model_id, name) if p)
         return f"s3://{self.bucket}/{key}"
 
-    def _key(self, storage_path: str) -> str:
-        bucket, key = parse_s3_url(storage_path, "storage_path")
+    def state_dir(self, tenant_id: str, model_id: str, name: str) -> Path:
+        """``state_path`` as a ``Path`` (which reads ``s3:/...``; every consumer of a
+        storage path mends it with ``storage_path_str``). Prefer ``state_path``."""
+        return Path(self.state_path(tenant_id, model_id, name))
+
+    def _key(self, storage_path: str | Path) -> str:
+        bucket, key = parse_s3_url(storage_path_str(storage_path), "storage_path")
         if bucket != self.bucket:
             raise NotFoundError(f"path: {storage_path!r} is not in this store's bucket")
         return key

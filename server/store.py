@@ -79,6 +79,10 @@ class Store(Protocol):
     is_local: bool
 
     def state_path(self, tenant_id: str, model_id: str, name: str) -> str: ...
+    def state_dir(self, tenant_id: str, model_id: str, name: str) -> Path:
+        """``state_path`` as a ``Path`` (older callers); prefer ``state_path``."""
+        ...
+
     def staging_dir(self, storage_path: str) -> Path: ...
     def commit(self, local_dir: Path, storage_path: str) -> int: ...
     def fetch(self, storage_path: str) -> Path: ...
@@ -125,6 +129,15 @@ class LocalStore:
 
     def delete(self, storage_path: str) -> None:
         shutil.rmtree(storage_path, ignore_errors=True)
+
+
+def storage_path_str(path: str | Path) -> str:
+    """A storage path as the store wrote it. ``Path("s3://b/k")`` reads ``s3:/b/k``
+    (pathlib folds the double slash), so a path that went through ``Path`` is mended."""
+    text = str(path)
+    if text.startswith("s3:/") and not text.startswith("s3://"):
+        text = "s3://" + text[len("s3:/") :]
+    return text
 
 
 def make_store(url: str, *, local_root: Path, endpoint_url: str = "", staging: Path) -> Store:

@@ -6,7 +6,6 @@ import contextlib
 import logging
 import shutil
 from collections.abc import AsyncIterator, Callable
-from pathlib import Path
 from typing import Any
 
 import grpc
@@ -23,9 +22,14 @@ from treadle.server.context import ServerContext
 from treadle.server.db import models as db
 from treadle.server.db import queries, tenancy
 from treadle.server.metering import CallMeter
-from treadle.server.store import check_name, parse_state_uri, state_uri, weights_uri
+from treadle.server.store import (
+    check_name,
+    parse_state_uri,
+    state_uri,
+    storage_path_str,
+    weights_uri,
+)
 from treadle.v1 import training_pb2, training_pb2_grpc
-from treadle.workers import checkpoint
 from treadle.workers.domain import (
     ForwardResult,
     LoadResult,
@@ -58,11 +62,11 @@ class TrainingServicer(training_pb2_grpc.TrainingServiceServicer):
     ) -> training_pb2.ModelInfo:
         ctx = self.ctx
         tenant = ctx.tenant(context)
-        from_state: Path | None = None
+        from_state: str | None = None
         if request.from_state:
             with ctx.session() as s:
                 from_state = self._checkpoint_dir(s, tenant, request.from_state, "from_state")
-            manifest = checkpoint.read_manifest(from_state)
+            manifest = ctx.store.read_manifest(from_state)
             base_model, rank = manifest["base_model"], int(manifest["lora_rank"])
             alpha, seed, dtype = (
                 float(manifest["lora_alpha"]),
@@ -228,11 +232,7 @@ class TrainingServicer(training_pb2_grpc.TrainingServiceServicer):
     def _finish(self, request: Any, status: str, code: str | None) -> bool:
         """Record the call's end; whether this was the call that ended it."""
         with self.ctx.session() as s:
-            op = queries.get_op(s, request.model_id, request.seq_id)
-            if op is not None and op.status == "pending":
-                queries.finish_op(s, request.model_id, request.seq_id, status, code)
-                return True
-        return False
+            return queries.finish_pending_op(s, request.model_id, request.seq_id, status, code)
 
     async def ForwardBackward(
         self, request: training_pb2.ForwardBackwardRequest, context: grpc.aio.ServicerContext
@@ -311,11 +311,11 @@ class TrainingServicer(training_pb2_grpc.TrainingServiceServicer):
 
         def build(_: str) -> OrderedOp:
             name = check_name(request.name)
-            return SaveStateOp(name, str(self.ctx.store.state_dir(tenant, request.model_id, name)))
+            return SaveStateOp(name, self.ctx.store.state_path(tenant, request.model_id, name))
 
         result: SaveResult = await self._ordered(context, request, build, "save_state")
         with self.ctx.session() as s:
-            directory = str(self.ctx.store.state_dir(tenant, request.model_id, request.name))
+            directory = self.ctx.store.state_path(tenant, request.model_id, request.name)
             row = self._record_checkpoint(
                 s,
                 tenant,
@@ -338,7 +338,7 @@ class TrainingServicer(training_pb2_grpc.TrainingServiceServicer):
 
         def build(_: str) -> OrderedOp:
             with self.ctx.session() as s:
-                return LoadStateOp(str(self._checkpoint_dir(s, tenant, request.path, "path")))
+                return LoadStateOp(self._checkpoint_dir(s, tenant, request.path, "path"))
 
         result: LoadResult = await self._ordered(context, request, build, "load_state")
         with self.ctx.session() as s:
@@ -459,9 +459,10 @@ class TrainingServicer(training_pb2_grpc.TrainingServiceServicer):
             size_bytes=size,
         )
 
-    def _checkpoint_dir(self, s: Any, tenant: str, uri: str, field: str) -> Path:
+    def _checkpoint_dir(self, s: Any, tenant: str, uri: str, field: str) -> str:
+        """The storage path (a directory, or s3://...) of the tenant's checkpoint."""
         parse_state_uri(uri, field)
         row = queries.get_checkpoint_by_uri(s, tenant, uri)
         if row is None:
             raise NotFoundError(f"{field}: checkpoint {uri!r} not found")
-        return Path(row.storage_path)
+        return storage_path_str(row.storage_path)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TypeVar
 
-from sqlalchemy import select
+from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
 from treadle.errors import AlreadyExistsError, NotFoundError
@@ -272,3 +272,17 @@ def finish_op(
     op.finished_at = utcnow()
     s.flush()
     return op
+
+
+def finish_pending_op(
+    s: Session, model_id: str, seq_id: int, status: str, error_code: str | None = None
+) -> bool:
+    """End a pending op in one UPDATE (the hot path's write); whether this call
+    ended it (False: unknown, or already ended by an earlier call)."""
+    result = s.execute(
+        update(Op)
+        .where(Op.model_id == model_id, Op.seq_id == seq_id, Op.status == "pending")
+        .values(status=status, error_code=error_code, finished_at=utcnow())
+        .execution_options(synchronize_session=False)
+    )
+    return getattr(result, "rowcount", 0) == 1

@@ -109,3 +109,26 @@ def fresh_postgres(prefix: str = "treadle_dist") -> Iterator[str]:
         with admin.connect() as conn:
             conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
         admin.dispose()
+
+
+def wait_for_workers(database_url: str, ids: list[str], timeout_s: float = 90.0) -> None:
+    """Until every worker id is registered live (a worker registers once its Celery
+    consumer is up)."""
+    from sqlalchemy import create_engine, text
+
+    engine = create_engine(database_url)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while True:
+            with engine.connect() as conn:
+                live = {
+                    row[0]
+                    for row in conn.execute(text("SELECT id FROM workers WHERE status = 'live'"))
+                }
+            if set(ids) <= live:
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"workers {sorted(set(ids) - live)} did not come up")
+            time.sleep(0.2)
+    finally:
+        engine.dispose()

@@ -1,0 +1,104 @@
+"""What the server and the workers agree on about Celery: the app's settings,
+the one task, the exchanges, and how a reply is framed.
+
+One task, ``treadle.call(cid, reply_to, kind, payload)``, carries every call:
+``kind`` names the engine method, ``payload`` is ``treadle.workers.codec`` bytes.
+Tasks go to the ``treadle.worker`` direct exchange with the worker's id as the
+routing key, so each worker consumes only its own queue. A task never waits: it
+hands the call to the engine and returns; the engine's future, once resolved,
+is published by the worker on the ``treadle.reply`` exchange with the server's
+id as routing key (the reply's ``cid`` names the call). Celery keeps no results
+(no result backend): ordering and barriers are the engine's (by ``seq_id``),
+whatever order Celery delivers in.
+
+Serializer: msgpack (bytes travel as bytes); JSON cannot carry bytes and
+pickle would let a payload run code on a worker shared by every tenant.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+from urllib.parse import urlparse
+
+from celery import Celery
+from kombu import Exchange, Queue
+
+from treadle.errors import InvalidArgumentError
+from treadle.workers import codec
+
+TASK = "treadle.call"
+WORKER_EXCHANGE = Exchange("treadle.worker", type="direct", durable=False)
+REPLY_EXCHANGE = Exchange("treadle.reply", type="direct", durable=False)
+#: content type of a reply body (raw codec bytes, no kombu serializer around them)
+REPLY_CONTENT_TYPE = "application/x-treadle"
+BROKER_SCHEMES = ("redis", "rediss", "amqp", "amqps", "pyamqp")
+
+#: call kinds a worker understands (the servers send only these)
+KINDS = ("create", "delete", "submit", "sample", "check_target", "unload", "export")
+
+
+def check_broker_url(url: str, field: str = "broker") -> str:
+    """redis://host[:port][/db] or amqp://user:pass@host[:port]/vhost, else a clear error."""
+    try:
+        parsed = urlparse(url)
+        parsed.port  # noqa: B018 - raises on a malformed port
+    except ValueError as err:
+        raise InvalidArgumentError(f"{field}: cannot parse {url!r}: {err}") from None
+    if parsed.scheme not in BROKER_SCHEMES:
+        raise InvalidArgumentError(
+            f"{field}: {url!r} is not a broker URL; expected redis://host:6379/0 or "
+            "amqp://user:password@host:5672// (schemes: " + ", ".join(BROKER_SCHEMES) + ")"
+        )
+    if not parsed.hostname:
+        raise InvalidArgumentError(f"{field}: {url!r} names no host")
+    return url
+
+
+def make_celery(broker: str) -> Celery:
+    app = Celery("treadle", broker=check_broker_url(broker), set_as_current=False)
+    app.conf.update(
+        task_serializer="msgpack",
+        accept_content=["msgpack"],
+        result_backend=None,
+        task_ignore_result=True,
+        task_acks_late=False,  # a dead worker's calls are failed by the server, never redelivered
+        worker_prefetch_multiplier=16,
+        worker_hijack_root_logger=False,
+        worker_redirect_stdouts=False,
+        worker_enable_remote_control=False,
+        worker_send_task_events=False,
+        task_send_sent_event=False,
+        broker_connection_retry_on_startup=True,
+        broker_heartbeat=0,
+        task_create_missing_queues=False,
+        task_default_exchange=WORKER_EXCHANGE.name,
+        task_default_exchange_type="direct",
+    )
+    return app
+
+
+def worker_queue(worker_id: str) -> Queue:
+    """A worker's own queue; it goes when its worker goes (RabbitMQ auto-delete)."""
+    return Queue(
+        f"treadle.worker.{worker_id}",
+        WORKER_EXCHANGE,
+        routing_key=worker_id,
+        durable=False,
+        auto_delete=True,
+    )
+
+
+def reply_queue(server_id: str) -> Queue:
+    return Queue(
+        f"treadle.reply.{server_id}",
+        REPLY_EXCHANGE,
+        routing_key=server_id,
+        durable=False,
+        auto_delete=True,
+    )
+
+
+def encode_reply(cid: str, outcome: Any, status: Any = None) -> bytes:
+    """``outcome``: a result, or an exception (sent as its treadle error)."""
+    ok = not isinstance(outcome, BaseException)
+    return codec.encode({"cid": cid, "ok": ok, "value": outcome, "status": status})

@@ -1,0 +1,322 @@
+"""``treadle worker``: a process that hosts one engine (base models + every
+tenant's adapters placed on it) behind a Celery worker consuming its own queue.
+
+Threads, and why:
+
+- main: the Celery worker, ``solo`` pool. The one task decodes a call, hands it
+  to the engine and returns at once, so it never blocks on ``seq_id`` order (a
+  call waiting for its predecessor waits in the engine's scheduler, not in a
+  task slot) and the prefork pool (which forks after OpenMP started) is never used.
+- engine: runs every model's calls in ``seq_id`` order (``treadle.workers.engine``).
+- store I/O: checkpoint uploads and downloads (``treadle.workers.staging``).
+- replies: publishes each resolved call on the reply exchange to the server that
+  sent it, so neither the engine nor the task thread waits on the broker.
+- heartbeat: ``workers.heartbeat_at`` every ``heartbeat_s``; a worker the server has
+  declared dead stops serving (its models have been marked lost, and may already
+  be restored elsewhere).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import secrets
+import signal
+import socket
+import threading
+import time
+from concurrent.futures import Future
+from typing import Any
+
+from kombu import Connection
+
+from treadle.errors import (
+    FailedPreconditionError,
+    InvalidArgumentError,
+    ResourceExhaustedError,
+    TreadleError,
+)
+from treadle.workers import codec
+from treadle.workers.celery_app import (
+    REPLY_CONTENT_TYPE,
+    REPLY_EXCHANGE,
+    TASK,
+    encode_reply,
+    make_celery,
+    worker_queue,
+)
+from treadle.workers.engine import Engine, EngineConfig
+from treadle.workers.staging import StagedEngine
+from treadle.workers.worker_config import WorkerConfig
+
+log = logging.getLogger("treadle.worker")
+
+
+class Replier:
+    """Publishes replies from its own thread and its own broker connection."""
+
+    def __init__(self, broker: str, engine: Engine) -> None:
+        self.broker = broker
+        self.engine = engine
+        self._queue: queue.SimpleQueue[tuple[str, str, Any, str | None] | None] = (
+            queue.SimpleQueue()
+        )
+        self._thread = threading.Thread(target=self._run, name="treadle-replies", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._queue.put(None)
+        self._thread.join(5)
+
+    def put(self, reply_to: str, cid: str, outcome: Any, model_id: str | None) -> None:
+        """``outcome``: a resolved future, a result or an exception."""
+        self._queue.put((reply_to, cid, outcome, model_id))
+
+    def _run(self) -> None:
+        with Connection(self.broker) as conn:
+            producer = conn.Producer()
+            while True:
+                item = self._queue.get()
+                if item is None:
+                    return
+                reply_to, cid, outcome, model_id = item
+                try:
+                    body = self._encode(cid, outcome, model_id)
+                    producer.publish(
+                        body,
+                        exchange=REPLY_EXCHANGE,
+                        routing_key=reply_to,
+                        declare=[REPLY_EXCHANGE],
+                        content_type=REPLY_CONTENT_TYPE,
+                        content_encoding="binary",
+                        retry=True,
+                        retry_policy={"max_retries": 5, "interval_start": 0.1},
+                    )
+                except Exception:
+                    log.exception("could not publish the reply of call %s", cid)
+
+    def _encode(self, cid: str, outcome: Any, model_id: str | None) -> bytes:
+        if isinstance(outcome, Future):
+            err = outcome.exception()
+            outcome = err if err is not None else outcome.result()
+        status = None
+        if model_id is not None and self.engine.has_model(model_id):
+            status = self.engine.model_status(model_id)
+        try:
+            return encode_reply(cid, outcome, status)
+        except codec.CodecError as err:
+            return encode_reply(cid, err, status)
+
+
+class Worker:
+    def __init__(self, config: WorkerConfig) -> None:
+        from treadle.server.db import make_engine, make_session_factory
+        from treadle.server.store import make_store
+
+        self.config = config
+        self.worker_id = config.worker_id or f"w-{socket.gethostname()}-{secrets.token_hex(4)}"
+        self.store = make_store(
+            config.store,
+            local_root=config.data_dir / "checkpoints",
+            endpoint_url=config.s3_endpoint_url,
+            staging=config.data_dir / "staging",
+        )
+        self.engine = Engine(
+            EngineConfig(
+                base_models=dict(config.models),
+                default_dtype=config.default_dtype,
+                threads=config.threads,
+                gap_timeout_s=config.gap_timeout_s,
+                keep_versions=config.keep_versions,
+                sampler_slots=config.sampler_slots,
+                sampler_max_len=config.sampler_max_len,
+                max_tokens_per_call=config.max_tokens_per_call,
+                auto_checkpoint_steps=config.auto_checkpoint_steps,
+                auto_checkpoint_root=self.store.local_root,
+            )
+        )
+        self.staged = StagedEngine(self.engine, self.store)
+        self.db = make_engine(config.database_url)
+        self.sessions = make_session_factory(self.db)
+        self.replies = Replier(config.broker, self.engine)
+        self.hosted: set[str] = set()
+        self._hosted_lock = threading.Lock()
+        self._stopping = threading.Event()
+        self.app = make_celery(config.broker)
+        self.app.conf.task_queues = (worker_queue(self.worker_id),)
+        self.app.task(name=TASK)(self.handle)
+
+    # ---- the task ----------------------------------------------------------------------
+
+    def handle(self, cid: str, reply_to: str, kind: str, payload: bytes) -> None:
+        """Hand the call to the engine and return; the reply goes out when it resolves."""
+        model_id: str | None = None
+        try:
+            args = codec.decode(payload)
+            model_id, fut = self._start(kind, args)
+        except Exception as err:
+            self.replies.put(reply_to, cid, err, model_id)
+            return
+        fut.add_done_callback(lambda f: self.replies.put(reply_to, cid, f, model_id))
+
+    def _start(self, kind: str, args: Any) -> tuple[str | None, Future[Any]]:
+        staged = self.staged
+        if kind == "submit":
+            model_id, seq_id, op, digest = args
+            return model_id, staged.submit(model_id, seq_id, op, digest)
+        if kind == "sample":
+            target, op, dedupe_key = args
+            return None, staged.sample(target, op, dedupe_key=dedupe_key)
+        if kind == "check_target":
+            (target,) = args
+            return None, staged.check_sampler_target(target)
+        if kind == "create":
+            spec, from_state, next_seq_id = args
+            return spec.model_id, self._create(spec, from_state, next_seq_id)
+        if kind == "delete":
+            (model_id,) = args
+            fut = staged.delete_model(model_id)
+            fut.add_done_callback(lambda _: self._forget(model_id))
+            return None, fut
+        raise InvalidArgumentError(f"kind: unknown call {kind!r}")
+
+    def _create(self, spec: Any, from_state: str | None, next_seq_id: int) -> Future[Any]:
+        if self.engine.has_model(spec.model_id):  # a server restarted and adopts its models
+            done: Future[Any] = Future()
+            done.set_result(self.engine.model_status(spec.model_id))
+            return done
+        with self._hosted_lock:
+            if len(self.hosted) >= self.config.capacity:
+                raise ResourceExhaustedError(
+                    f"worker {self.worker_id} is full ({self.config.capacity} models)",
+                    retry_after_s=1.0,
+                )
+            self.hosted.add(spec.model_id)
+        fut = self.staged.create_model(spec, from_state=from_state, next_seq_id=next_seq_id)
+        fut.add_done_callback(lambda f: self._forget(spec.model_id) if f.exception() else None)
+        return fut
+
+    def _forget(self, model_id: str) -> None:
+        with self._hosted_lock:
+            self.hosted.discard(model_id)
+
+    # ---- lifecycle -----------------------------------------------------------------------
+
+    def _wait_for_schema(self, timeout_s: float = 60.0) -> None:
+        """The server owns migrations; a worker waits for the workers table."""
+        from sqlalchemy import inspect
+
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                if inspect(self.db).has_table("workers"):
+                    return
+                reason = "the database has no workers table yet"
+            except Exception as err:  # unreachable database
+                reason = f"{type(err).__name__}: {err}"
+            if time.monotonic() > deadline:
+                raise FailedPreconditionError(
+                    f"database_url: {reason}; start `treadle serve` with this database first "
+                    "(it applies the migrations)"
+                )
+            time.sleep(0.5)
+
+    def _register(self) -> None:
+        from treadle.server.db import workers as wq
+
+        with self.sessions() as s:
+            wq.register_worker(
+                s,
+                self.worker_id,
+                hostname=socket.gethostname(),
+                base_models=self.config.models,
+                capacity=self.config.capacity,
+            )
+            s.commit()
+        threading.Thread(target=self._heartbeat, name="treadle-heartbeat", daemon=True).start()
+        log.info("worker %s live: serving %s", self.worker_id, ", ".join(self.config.models))
+        print(f"treadle worker {self.worker_id}: ready", flush=True)
+
+    def _heartbeat(self) -> None:
+        from treadle.server.db import workers as wq
+
+        while not self._stopping.wait(self.config.heartbeat_s):
+            try:
+                with self.sessions() as s:
+                    status = wq.heartbeat(s, self.worker_id)
+                    s.commit()
+            except Exception as err:
+                log.warning("heartbeat failed: %s", err)
+                continue
+            if status != "live":
+                log.error(
+                    "worker %s was declared %s by a server: it stops serving",
+                    self.worker_id,
+                    status,
+                )
+                self._stopping.set()
+                os.kill(os.getpid(), signal.SIGTERM)
+                return
+
+    def _deregister(self) -> None:
+        from treadle.server.db import workers as wq
+
+        self._stopping.set()
+        try:
+            with self.sessions() as s:
+                if s.scalar(_status_query(self.worker_id)) == "live":
+                    wq.set_worker_status(s, self.worker_id, "stopped")
+                s.commit()
+        except Exception as err:
+            log.warning("could not deregister: %s", err)
+
+    def run(self) -> int:
+        from celery.signals import worker_ready, worker_shutting_down
+
+        self._wait_for_schema()
+        self.engine.start()
+        self.replies.start()
+        worker_ready.connect(lambda **_: self._register(), weak=False)
+        # A stopping worker stops heart-beating at once: servers fail its calls
+        # rather than wait for replies that will not come.
+        worker_shutting_down.connect(lambda **_: self._deregister(), weak=False)
+        celery_worker = self.app.Worker(
+            hostname=f"{self.worker_id}@{socket.gethostname()}",
+            queues=[worker_queue(self.worker_id).name],
+            pool_cls="solo",
+            concurrency=1,
+            loglevel="WARNING",
+            without_heartbeat=True,
+            without_mingle=True,
+            without_gossip=True,
+            quiet=True,
+            optimization="fair",
+        )
+        try:
+            celery_worker.start()
+        finally:
+            self._deregister()
+            self.engine.stop()
+            self.replies.stop()
+            self.staged.stop()
+            self.db.dispose()
+        return int(getattr(celery_worker, "exitcode", 0) or 0)
+
+
+def _status_query(worker_id: str) -> Any:
+    from sqlalchemy import select
+
+    from treadle.server.db.models import Worker as WorkerRow
+
+    return select(WorkerRow.status).where(WorkerRow.id == worker_id)
+
+
+def run_worker(config: WorkerConfig) -> int:
+    try:
+        worker = Worker(config)
+    except TreadleError:
+        raise
+    return worker.run()

@@ -1,0 +1,198 @@
+"""An engine in front of a checkpoint store: the engine reads and writes local
+directories only; this moves checkpoints between a local staging directory and
+the store (S3) on I/O threads, never on the engine thread.
+
+- ``SaveStateOp``: the engine writes into a fresh staging directory; once it has
+  applied the op, the directory is uploaded and only then does the call resolve.
+- ``LoadStateOp`` and ``create_model(from_state=...)``: the checkpoint is
+  downloaded first, then handed to the engine. Later calls of the model may
+  arrive meanwhile: the engine's scheduler holds them until this ``seq_id`` lands.
+- Auto-checkpoints (after an ``OptimStepOp``): moved aside on the engine thread
+  the moment the step resolves (so the next one cannot overwrite them mid-upload),
+  then uploaded; the result names the storage path.
+
+With a local store every path is already a local directory and calls go straight
+to the engine (the embedded hot path pays nothing).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from treadle.errors import InternalError, TreadleError
+from treadle.workers.domain import (
+    LoadStateOp,
+    ModelSpec,
+    ModelStatus,
+    OpResult,
+    OptimStepResult,
+    OrderedOp,
+    SampleOp,
+    SampleResult,
+    SamplerTarget,
+    SaveResult,
+    SaveStateOp,
+)
+from treadle.workers.engine import Engine
+
+if TYPE_CHECKING:
+    from treadle.server.store import Store
+
+log = logging.getLogger("treadle.engine")
+T = TypeVar("T")
+
+
+class StagedEngine:
+    """The thread-safe API of ``Engine`` (futures out), with storage paths in."""
+
+    def __init__(self, engine: Engine, store: Store, io_threads: int = 4) -> None:
+        self.engine = engine
+        self.store = store
+        self._io = ThreadPoolExecutor(io_threads, thread_name_prefix="treadle-store")
+
+    def stop(self) -> None:
+        self.engine.stop()
+        self._io.shutdown(wait=False, cancel_futures=True)
+
+    # ---- pass-through ----------------------------------------------------------------
+
+    def delete_model(self, model_id: str) -> Future[None]:
+        return self.engine.delete_model(model_id)
+
+    def sample(
+        self, target: SamplerTarget, op: SampleOp, *, dedupe_key: tuple[str, int, str] | None = None
+    ) -> Future[SampleResult]:
+        return self.engine.sample(target, op, dedupe_key=dedupe_key)
+
+    def check_sampler_target(self, target: SamplerTarget) -> Future[int]:
+        return self.engine.check_sampler_target(target)
+
+    def model_status(self, model_id: str) -> ModelStatus:
+        return self.engine.model_status(model_id)
+
+    def has_model(self, model_id: str) -> bool:
+        return self.engine.has_model(model_id)
+
+    # ---- staged ------------------------------------------------------------------------
+
+    def create_model(
+        self, spec: ModelSpec, *, from_state: str | None = None, next_seq_id: int = 1
+    ) -> Future[ModelStatus]:
+        if from_state is None or self.store.is_local:
+            return self.engine.create_model(spec, from_state=from_state, next_seq_id=next_seq_id)
+        out: Future[ModelStatus] = Future()
+
+        def fetched(local: Path) -> None:
+            inner = self.engine.create_model(spec, from_state=local, next_seq_id=next_seq_id)
+            self._chain(inner, out, after=lambda _: self.store.release(local, from_state))
+
+        self._on_io(lambda: self.store.fetch(from_state), out, fetched)
+        return out
+
+    def submit(self, model_id: str, seq_id: int, op: OrderedOp, digest: str) -> Future[OpResult]:
+        if self.store.is_local:
+            return self.engine.submit(model_id, seq_id, op, digest)
+        out: Future[OpResult] = Future()
+        if isinstance(op, LoadStateOp):
+            path = op.directory
+
+            def fetched(local: Path) -> None:
+                inner = self.engine.submit(
+                    model_id, seq_id, replace(op, directory=str(local)), digest
+                )
+                self._chain(inner, out, after=lambda _: self.store.release(local, path))
+
+            self._on_io(lambda: self.store.fetch(path), out, fetched)
+        elif isinstance(op, SaveStateOp):
+            staged = self.store.staging_dir(op.directory)
+            inner = self.engine.submit(model_id, seq_id, replace(op, directory=str(staged)), digest)
+            self._chain(inner, out, upload=lambda r: self._upload_save(r, staged, op.directory))
+        else:
+            inner = self.engine.submit(model_id, seq_id, op, digest)
+            inner.add_done_callback(lambda f: self._after_step(f, out))
+        return out
+
+    # ---- plumbing ------------------------------------------------------------------------
+
+    def _upload_save(self, result: Any, staged: Path, path: str) -> Any:
+        if not staged.exists():  # a repeat of an applied save: the first call uploaded it
+            self.store.release(staged, path)
+            return result
+        size = self.store.commit(staged, path)
+        return replace(result, size_bytes=size) if isinstance(result, SaveResult) else result
+
+    def _after_step(self, inner: Future[OpResult], out: Future[OpResult]) -> None:
+        """Runs on the engine thread as the call resolves: an auto-checkpoint is moved
+        aside before the engine can start the next call, then uploaded."""
+        if inner.exception() is not None:
+            _settle(out, inner.exception())
+            return
+        result = inner.result()
+        auto = result.auto_checkpoint if isinstance(result, OptimStepResult) else None
+        if auto is None or auto.directory.startswith("s3://"):
+            _settle(out, result)
+            return
+        local = Path(auto.directory)
+        try:
+            parts = local.relative_to(self.store.local_root).parts  # <tenant>/<model>/auto
+            path = self.store.state_path(*parts)
+            moved = self.store.staging_dir(path)
+            local.rename(moved)
+        except Exception as err:
+            log.error("auto-checkpoint %s: %s", local, err)
+            _settle(out, InternalError(f"auto-checkpoint: {err}"))
+            return
+
+        def upload() -> OpResult:
+            self.store.commit(moved, path)
+            return replace(result, auto_checkpoint=replace(auto, directory=path))
+
+        self._on_io(upload, out, lambda r: _settle(out, r))
+
+    def _chain(
+        self,
+        inner: Future[Any],
+        out: Future[Any],
+        *,
+        after: Callable[[Future[Any]], None] | None = None,
+        upload: Callable[[Any], Any] | None = None,
+    ) -> None:
+        def done(f: Future[Any]) -> None:
+            if after is not None:
+                self._io.submit(after, f)
+            err = f.exception()
+            if err is not None or upload is None:
+                _settle(out, err if err is not None else f.result())
+                return
+            self._on_io(lambda: upload(f.result()), out, lambda r: _settle(out, r))
+
+        inner.add_done_callback(done)
+
+    def _on_io(self, fn: Callable[[], T], out: Future[Any], then: Callable[[T], None]) -> None:
+        def run() -> None:
+            try:
+                value = fn()
+            except TreadleError as err:
+                _settle(out, err)
+                return
+            except Exception as err:
+                log.exception("store I/O failed")
+                _settle(out, InternalError(f"store: {type(err).__name__}: {err}"))
+                return
+            then(value)
+
+        self._io.submit(run)
+
+
+def _settle(fut: Future[Any], outcome: Any) -> None:
+    if fut.done():
+        return
+    if isinstance(outcome, BaseException):
+        fut.set_exception(outcome)
+    else:
+        fut.set_result(outcome)

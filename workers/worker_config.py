@@ -1,0 +1,139 @@
+"""A Celery worker's configuration (``treadle worker``): one frozen, validated
+object, read from flags and environment (``TREADLE_*``) in this one place."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from treadle.errors import InvalidArgumentError
+
+DTYPES = ("float32", "float64", "bfloat16")
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    models: Mapping[str, Path] = field(default_factory=dict)  # base model name -> HF directory
+    broker: str = ""
+    database_url: str = ""
+    store: str = ""  # "" = <data_dir>/checkpoints (a directory shared with the server)
+    s3_endpoint_url: str = ""
+    data_dir: Path = Path("treadle-worker")  # staging for checkpoints on their way to S3
+    worker_id: str = ""  # "" = w-<host>-<random>
+    capacity: int = 64  # training models this worker hosts at most
+    heartbeat_s: float = 2.0
+    threads: int = 0  # torch threads of the engine; 0 = torch's default
+    default_dtype: str = "float32"
+    gap_timeout_s: float = 60.0
+    keep_versions: int = 4
+    sampler_slots: int = 64
+    sampler_max_len: int = 1024
+    max_tokens_per_call: int = 262_144
+    auto_checkpoint_steps: int = 0
+
+    def __post_init__(self) -> None:
+        from treadle.server.db.session import parse_database_url
+        from treadle.workers.celery_app import check_broker_url
+
+        if not self.models:
+            raise InvalidArgumentError("model: a worker serves at least one base model (--model)")
+        for name, path in self.models.items():
+            if not (Path(path) / "config.json").exists():
+                raise InvalidArgumentError(
+                    f"model {name}: {path} has no config.json (an HF model directory)"
+                )
+        if not self.broker:
+            raise InvalidArgumentError("broker: required (redis://... or amqp://...)")
+        check_broker_url(self.broker)
+        if not self.database_url:
+            raise InvalidArgumentError(
+                "database_url: required; the server's database (postgresql+psycopg://...)"
+            )
+        parse_database_url(self.database_url)
+        if self.default_dtype not in DTYPES:
+            raise InvalidArgumentError(f"dtype: {self.default_dtype!r}; choose from {DTYPES}")
+        for name, ok in (
+            ("capacity", self.capacity >= 1),
+            ("heartbeat_s", self.heartbeat_s > 0),
+            ("threads", self.threads >= 0),
+            ("gap_timeout_s", self.gap_timeout_s > 0),
+            ("keep_versions", self.keep_versions >= 1),
+            ("sampler_slots", self.sampler_slots >= 1),
+            ("sampler_max_len", self.sampler_max_len >= 2),
+            ("auto_checkpoint_steps", self.auto_checkpoint_steps >= 0),
+        ):
+            if not ok:
+                raise InvalidArgumentError(f"{name}: out of range ({getattr(self, name)})")
+
+
+def add_worker_flags(parser: argparse.ArgumentParser) -> None:
+    env = os.environ.get
+    parser.add_argument(
+        "--model",
+        action="append",
+        default=[],
+        metavar="[NAME=]DIR",
+        help="base model directory to serve (repeatable); env TREADLE_MODELS (comma-separated)",
+    )
+    parser.add_argument(
+        "--broker", default=env("TREADLE_BROKER", ""), help="redis://... or amqp://..."
+    )
+    parser.add_argument(
+        "--database-url",
+        default=env("TREADLE_DATABASE_URL", ""),
+        help="the server's database, e.g. postgresql+psycopg://user@host/treadle",
+    )
+    parser.add_argument(
+        "--store",
+        default=env("TREADLE_STORE", ""),
+        help="checkpoint store: s3://bucket/prefix, or a directory shared with the server",
+    )
+    parser.add_argument("--s3-endpoint-url", default=env("TREADLE_S3_ENDPOINT_URL", ""))
+    parser.add_argument("--data-dir", default=env("TREADLE_DATA_DIR", "treadle-worker"))
+    parser.add_argument("--worker-id", default=env("TREADLE_WORKER_ID", ""))
+    parser.add_argument("--capacity", type=int, default=int(env("TREADLE_CAPACITY", "64")))
+    parser.add_argument("--heartbeat", type=float, default=float(env("TREADLE_HEARTBEAT_S", "2")))
+    parser.add_argument("--threads", type=int, default=int(env("TREADLE_THREADS", "0")))
+    parser.add_argument("--dtype", default=env("TREADLE_DTYPE", "float32"), choices=DTYPES)
+    parser.add_argument(
+        "--gap-timeout", type=float, default=float(env("TREADLE_GAP_TIMEOUT_S", "60"))
+    )
+    parser.add_argument("--keep-versions", type=int, default=int(env("TREADLE_KEEP_VERSIONS", "4")))
+    parser.add_argument(
+        "--sampler-slots", type=int, default=int(env("TREADLE_SAMPLER_SLOTS", "64"))
+    )
+    parser.add_argument(
+        "--sampler-max-len", type=int, default=int(env("TREADLE_SAMPLER_MAX_LEN", "1024"))
+    )
+    parser.add_argument(
+        "--auto-checkpoint-steps", type=int, default=int(env("TREADLE_AUTO_CHECKPOINT_STEPS", "0"))
+    )
+
+
+def worker_config_from_args(args: argparse.Namespace) -> WorkerConfig:
+    from treadle.server.config import parse_models
+
+    model_values = list(args.model)
+    if not model_values and os.environ.get("TREADLE_MODELS"):
+        model_values = [m for m in os.environ["TREADLE_MODELS"].split(",") if m]
+    return WorkerConfig(
+        models=parse_models(model_values),
+        broker=args.broker,
+        database_url=args.database_url,
+        store=args.store,
+        s3_endpoint_url=args.s3_endpoint_url,
+        data_dir=Path(args.data_dir),
+        worker_id=args.worker_id,
+        capacity=args.capacity,
+        heartbeat_s=args.heartbeat,
+        threads=args.threads,
+        default_dtype=args.dtype,
+        gap_timeout_s=args.gap_timeout,
+        keep_versions=args.keep_versions,
+        sampler_slots=args.sampler_slots,
+        sampler_max_len=args.sampler_max_len,
+        auto_checkpoint_steps=args.auto_checkpoint_steps,
+    )
