@@ -148,6 +148,7 @@ async def create_server(
             sessions,
             BaseModelRegistry(config.models),
             worker_timeout_s=config.worker_timeout_s,
+            store=store,
         )
     if dispatcher is None:
         dispatcher = InProcessDispatcher(Engine(engine_config(config)).start(), store)

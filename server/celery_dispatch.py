@@ -31,6 +31,7 @@ import datetime as dt
 import logging
 import random
 import secrets
+import shutil
 import socket
 import threading
 import time
@@ -46,6 +47,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from treadle.errors import (
     AbortedError,
+    FailedPreconditionError,
     NotFoundError,
     ResourceExhaustedError,
     TreadleError,
@@ -53,7 +55,7 @@ from treadle.errors import (
 )
 from treadle.server.db import models as db
 from treadle.server.db import workers as wq
-from treadle.server.store import storage_path_str
+from treadle.server.store import Store, storage_path_str
 from treadle.workers import codec
 from treadle.workers.base_models import BaseModelRegistry
 from treadle.workers.celery_app import (
@@ -73,6 +75,7 @@ from treadle.workers.domain import (
     SampleOp,
     SampleResult,
     SamplerTarget,
+    SaveResult,
 )
 from treadle.workers.model.config import ModelConfig
 
@@ -102,8 +105,10 @@ class CeleryDispatcher:
         *,
         worker_timeout_s: float = 10.0,
         check_s: float | None = None,
+        store: Store | None = None,
     ) -> None:
         self.broker = broker
+        self.store = store
         self.app = make_celery(broker)
         self.server_id = f"srv-{socket.gethostname()}-{secrets.token_hex(4)}"
         self.sessions = sessions
@@ -165,6 +170,45 @@ class CeleryDispatcher:
         if worker_id is None or gone:
             raise NotFoundError(f"model {model_id} not found")
         await self._call(worker_id, "delete", (model_id,), None)
+
+    async def unload_model(self, model_id: str, directory: str | Path) -> SaveResult:
+        """Checkpoint the idle model to the storage path ``directory`` and free it."""
+        worker_id = self._worker_of(model_id)
+        path = storage_path_str(directory)
+        result = await self._call(worker_id, "unload", (model_id, path), None)
+        with self._lock:
+            self._placement.pop(model_id, None)
+            self._status.pop(model_id, None)
+        return result  # type: ignore[no-any-return]
+
+    async def export_weights(
+        self, model_id: str, directory: str | Path, *, merged: bool
+    ) -> list[str]:
+        """The worker exports into the store; the files come down into ``directory``."""
+        store = self.store
+        if store is None:
+            raise FailedPreconditionError("export: this server has no checkpoint store")
+        worker_id = self._worker_of(model_id)
+        with self.sessions() as s:
+            row = s.get(db.Model, model_id)
+            if row is None:
+                raise NotFoundError(f"model {model_id} not found")
+            tenant_id = row.tenant_id
+        path = store.state_path(tenant_id, model_id, f"export-{uuid.uuid4().hex[:12]}")
+        names = list(await self._call(worker_id, "export", (model_id, path, merged), None))
+
+        def download() -> None:
+            local = store.fetch(path)
+            try:
+                Path(directory).mkdir(parents=True, exist_ok=True)
+                for name in names:
+                    shutil.copyfile(local / name, Path(directory) / name)
+            finally:
+                store.release(local, path)
+                store.delete(path)
+
+        await asyncio.get_running_loop().run_in_executor(None, download)
+        return names
 
     async def submit(self, model_id: str, seq_id: int, op: OrderedOp, digest: str) -> OpResult:
         restored = self._restored.get((model_id, seq_id))

@@ -91,6 +91,9 @@ class InProcessDispatcher:
         await _await(self.engine.delete_model(model_id))
 
     async def unload_model(self, model_id: str, directory: Path) -> SaveResult:
+        if self.staged is not None:  # the checkpoint goes to the remote store
+            path = storage_path_str(directory)
+            return await _await(self.staged.unload_model(model_id, path))
         return await _await(self.engine.unload_model(model_id, directory))
 
     async def export_weights(self, model_id: str, directory: Path, *, merged: bool) -> list[str]:

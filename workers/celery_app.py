@@ -27,7 +27,9 @@ from treadle.errors import InvalidArgumentError
 from treadle.workers import codec
 
 TASK = "treadle.call"
-WORKER_EXCHANGE = Exchange("treadle.worker", type="direct", durable=False)
+#: durable, as Celery declares a task exchange it is given by name (RabbitMQ refuses a
+#: redeclaration with other arguments)
+WORKER_EXCHANGE = Exchange("treadle.worker", type="direct", durable=True)
 REPLY_EXCHANGE = Exchange("treadle.reply", type="direct", durable=False)
 #: content type of a reply body (raw codec bytes, no kombu serializer around them)
 REPLY_CONTENT_TYPE = "application/x-treadle"

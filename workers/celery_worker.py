@@ -181,6 +181,14 @@ class Worker:
             fut = staged.delete_model(model_id)
             fut.add_done_callback(lambda _: self._forget(model_id))
             return None, fut
+        if kind == "unload":
+            model_id, path = args
+            fut = staged.unload_model(model_id, path)
+            fut.add_done_callback(lambda f: None if f.exception() else self._forget(model_id))
+            return None, fut
+        if kind == "export":
+            model_id, path, merged = args
+            return None, staged.export_weights(model_id, path, merged=merged)
         raise InvalidArgumentError(f"kind: unknown call {kind!r}")
 
     def _create(self, spec: Any, from_state: str | None, next_seq_id: int) -> Future[Any]:

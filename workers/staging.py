@@ -117,6 +117,29 @@ class StagedEngine:
             inner.add_done_callback(lambda f: self._after_step(f, out))
         return out
 
+    def unload_model(self, model_id: str, path: str) -> Future[SaveResult]:
+        """Checkpoint an idle model to the storage path ``path``, then free it."""
+        if self.store.is_local:
+            return self.engine.unload_model(model_id, path)
+        out: Future[SaveResult] = Future()
+        staged = self.store.staging_dir(path)
+        inner = self.engine.unload_model(model_id, staged)
+        self._chain(inner, out, upload=lambda r: self._upload_save(r, staged, path))
+        return out
+
+    def export_weights(self, model_id: str, path: str, *, merged: bool) -> Future[list[str]]:
+        """Export into the storage path ``path`` (files a server then fetches); the names."""
+        out: Future[list[str]] = Future()
+        staged = self.store.staging_dir(path)
+        inner = self.engine.export_weights(model_id, staged, merged=merged)
+
+        def upload(names: list[str]) -> list[str]:
+            self.store.commit(staged, path)
+            return names
+
+        self._chain(inner, out, upload=upload)
+        return out
+
     # ---- plumbing ------------------------------------------------------------------------
 
     def _upload_save(self, result: Any, staged: Path, path: str) -> Any:

@@ -1,0 +1,366 @@
+"""The shared service, distributed, for real: one server, two ``treadle worker``
+processes (Celery over Redis, then over RabbitMQ), PostgreSQL (a fresh database,
+dropped afterwards) and an S3 server (moto on loopback).
+
+- Three tenants run the RL loop (sample -> forward_backward -> optim_step -> sync)
+  at the same time; each sees only its own models, weights and checkpoints.
+- A checkpoint saved through one worker loads through the other with identical
+  weights and optimizer state (and then trains identically).
+- A worker killed (SIGKILL) in the middle of a ``forward_backward``: the call fails
+  UNAVAILABLE, the model is lost at its last applied step, calls on it answer
+  ABORTED, other tenants' models carry on, and ``load_state`` restores it from its
+  checkpoint on the surviving worker.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+from sqlalchemy import create_engine, text
+
+import treadle
+from treadle import rl
+from treadle.errors import AbortedError, NotFoundError, UnavailableError
+from treadle.server.config import ServerConfig
+from treadle.server.embedded import EmbeddedServer
+
+from .services import (
+    AMQP_URL,
+    REDIS_URL,
+    S3_ENV,
+    fresh_postgres,
+    moto_s3,
+    port_open,
+    wait_for_workers,
+)
+
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
+
+BASE = "tiny"
+BUCKET = "treadle-dist"
+BROKERS = {"redis": (REDIS_URL, 6379), "rabbitmq": (AMQP_URL, 5672)}
+TENANTS = ("alice", "bob", "carol")
+WORKER_TIMEOUT_S = 5.0
+
+
+@dataclass
+class Cluster:
+    name: str
+    server: EmbeddedServer
+    database_url: str
+    s3_endpoint: str
+    store: str
+    workers: dict[str, subprocess.Popen[bytes]]
+    logs: dict[str, Path]
+    keys: dict[str, str] = field(default_factory=dict)
+    clients: list[treadle.ServiceClient] = field(default_factory=list)
+
+    def client(self, tenant: str, **kwargs: object) -> treadle.ServiceClient:
+        client = treadle.ServiceClient(self.server.address, api_key=self.keys[tenant], **kwargs)  # type: ignore[arg-type]
+        self.clients.append(client)
+        return client
+
+    def sql(self, query: str, **params: object) -> list[tuple[object, ...]]:
+        engine = create_engine(self.database_url)
+        try:
+            with engine.connect() as conn:
+                return [tuple(r) for r in conn.execute(text(query), params)]
+        finally:
+            engine.dispose()
+
+    def worker_of(self, model_id: str) -> str:
+        ((worker_id,),) = self.sql("SELECT worker_id FROM models WHERE id = :m", m=model_id)
+        return str(worker_id)
+
+    def log_tail(self) -> str:
+        return "\n".join(
+            f"--- {w} ---\n" + "\n".join(p.read_text(errors="replace").splitlines()[-15:])
+            for w, p in self.logs.items()
+        )
+
+
+def _create_tenant(database_url: str, name: str) -> str:
+    """A tenant and its key, made by the admin CLI as an operator would."""
+    from treadle.server.cli import main
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
+        assert main(["admin", "--database-url", database_url, "create-tenant", name]) == 0
+    return out.getvalue().strip().splitlines()[-1]
+
+
+def _start_worker(
+    worker_id: str, model: Path, broker: str, database_url: str, store: str, s3: str, tmp: Path
+) -> tuple[subprocess.Popen[bytes], Path]:
+    log = tmp / f"{worker_id}.log"
+    cmd = [
+        *(sys.executable, "-m", "treadle.server.cli", "worker"),
+        *("--model", f"{BASE}={model}", "--broker", broker, "--database-url", database_url),
+        *("--store", store, "--s3-endpoint-url", s3, "--data-dir", str(tmp / worker_id)),
+        *("--worker-id", worker_id, "--heartbeat", "0.5", "--threads", "1"),
+    ]
+    env = dict(os.environ, **S3_ENV, OMP_NUM_THREADS="1")
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+    return proc, log
+
+
+@pytest.fixture(scope="module")
+def s3_endpoint() -> Iterator[str]:
+    with moto_s3(BUCKET) as url:
+        yield url
+
+
+@pytest.fixture(scope="module", params=list(BROKERS))
+def cluster(
+    request: pytest.FixtureRequest,
+    tmp_path_factory: pytest.TempPathFactory,
+    tiny_model_dir: Path,
+    s3_endpoint: str,
+) -> Iterator[Cluster]:
+    name = request.param
+    broker, port = BROKERS[name]
+    if not port_open("127.0.0.1", port):
+        pytest.skip(f"{name} is not running on 127.0.0.1:{port}")
+    tmp = tmp_path_factory.mktemp(f"dist-{name}")
+    store = f"s3://{BUCKET}/{name}"
+    with fresh_postgres() as database_url:
+        config = ServerConfig(
+            data_dir=tmp / "server",
+            models={BASE: tiny_model_dir},
+            port=0,
+            threads=1,
+            database_url=database_url,
+            broker=broker,
+            store=store,
+            s3_endpoint_url=s3_endpoint,
+            worker_timeout_s=WORKER_TIMEOUT_S,
+        )
+        server = EmbeddedServer(config).start()
+        workers: dict[str, subprocess.Popen[bytes]] = {}
+        logs: dict[str, Path] = {}
+        try:
+            for i in (1, 2):
+                worker_id = f"{name}-w{i}-{os.getpid()}"
+                workers[worker_id], logs[worker_id] = _start_worker(
+                    worker_id, tiny_model_dir, broker, database_url, store, s3_endpoint, tmp
+                )
+            c = Cluster(name, server, database_url, s3_endpoint, store, workers, logs)
+            try:
+                wait_for_workers(database_url, list(workers), timeout_s=120)
+            except TimeoutError as err:
+                raise AssertionError(f"{err}\n{c.log_tail()}") from None
+            c.keys = {t: _create_tenant(database_url, t) for t in TENANTS}
+            yield c
+            for client in c.clients:
+                client.close()
+        finally:
+            for proc in workers.values():
+                if proc.poll() is None:
+                    proc.terminate()
+            for proc in workers.values():
+                try:
+                    proc.wait(20)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+            server.stop()
+
+
+def _datum(tokens: list[int]) -> treadle.Datum:
+    return treadle.Datum(
+        model_input=treadle.ModelInput.from_ints(tokens[:-1]),
+        loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)},
+    )
+
+
+def _rl_loop(c: Cluster, tenant: str, seed: int, steps: int, out: dict[str, object]) -> None:
+    """The SDK loop of one tenant: sample -> reward -> forward_backward -> optim_step -> sync."""
+    service = c.client(tenant)
+    tok = service.get_tokenizer(BASE)
+    trainer = service.create_lora_training_client(BASE, rank=4, seed=seed)
+    prompts, group = ["12+3=", "7+8="], 4
+    adam = treadle.AdamParams(learning_rate=1e-2)
+    versions = []
+    for step in range(steps):
+        sampler = trainer.sync_weights()
+        futures = [
+            sampler.sample(
+                tok.encode(p), group, treadle.SamplingParams(max_tokens=4, seed=seed * 100 + step)
+            )
+            for p in prompts
+        ]
+        rollouts, rewards = [], []
+        for p, fut in zip(prompts, futures, strict=True):
+            for seq in fut.result().sequences:
+                rewards.append(float(sum(ch.isdigit() for ch in tok.decode(seq.tokens))))
+                rollouts.append(rl.Rollout.from_sequence(tok.encode(p), seq))
+                versions.extend(span.version for span in seq.versions)
+        adv = rl.group_advantages(np.array(rewards), group)
+        data = rl.build_datums(rollouts, adv, aggregation="token_mean")
+        fb = trainer.forward_backward(
+            data, "ppo", {"clip_low_threshold": 0.8, "clip_high_threshold": 1.28}
+        )
+        result = trainer.optim_step(adam)
+        assert np.isfinite(fb.result().metrics["loss:sum"])
+        assert result.result().step == step + 1
+    trainer.sync_weights()
+    out.update(model_id=trainer.model_id, versions=versions, info=trainer.get_info())
+
+
+def _state(c: Cluster, model_id: str, name: str) -> dict[str, torch.Tensor]:
+    from treadle.server.s3_store import S3Store
+
+    store = S3Store(c.store, endpoint_url=c.s3_endpoint)
+    ((tenant_id,),) = c.sql("SELECT tenant_id FROM models WHERE id = :m", m=model_id)
+    local = store.fetch(store.state_path(str(tenant_id), model_id, name))
+    try:
+        weights = load_file(str(local / "weights.safetensors"))
+        optim = load_file(str(local / "optimizer.safetensors"))
+        return {
+            **{f"w.{k}": v for k, v in weights.items()},
+            **{f"o.{k}": v for k, v in optim.items()},
+        }
+    finally:
+        store.release(local, "")
+
+
+def test_three_tenants_two_workers(cluster: Cluster) -> None:
+    c = cluster
+    t0 = time.monotonic()
+    results: dict[str, dict[str, object]] = {t: {} for t in TENANTS}
+    errors: list[BaseException] = []
+
+    def run(tenant: str, seed: int) -> None:
+        try:
+            _rl_loop(c, tenant, seed, 2, results[tenant])
+        except BaseException as err:  # surfaced below, with the workers' logs
+            errors.append(err)
+
+    threads = [threading.Thread(target=run, args=(t, i)) for i, t in enumerate(TENANTS)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(240)
+    if errors:
+        raise AssertionError(f"{errors[0]!r}\n{c.log_tail()}") from errors[0]
+    loop_s = time.monotonic() - t0
+
+    models = {t: str(results[t]["model_id"]) for t in TENANTS}
+    for t in TENANTS:
+        info = results[t]["info"]
+        assert info.status == "active" and info.version == 2  # type: ignore[attr-defined]
+        assert set(results[t]["versions"]) == {0, 1}  # type: ignore[arg-type]
+    # placed least loaded first: both workers host models
+    placed = {m: c.worker_of(m) for m in models.values()}
+    assert set(placed.values()) == set(c.workers), placed
+
+    # tenants are walls, across workers too
+    for t in TENANTS:
+        service = c.client(t)
+        assert [m.model_id for m in service.list_models()] == [models[t]]
+        for other in TENANTS:
+            if other == t:
+                continue
+            with pytest.raises(NotFoundError):
+                service.get_model_info(models[other])
+            with pytest.raises(NotFoundError):
+                service.create_sampling_client(weights=f"treadle://{models[other]}/v/1")
+
+    # a checkpoint saved through one worker loads through the other, identically
+    loads: dict[str, int] = {}
+    for w in placed.values():
+        loads[w] = loads.get(w, 0) + 1
+    busy = max(loads, key=lambda w: loads[w])
+    tenant = next(t for t in TENANTS if placed[models[t]] == busy)
+    service = c.client(tenant)
+    original = service.get_training_client(models[tenant])
+    saved = original.save_state("portable").result()
+    copy = service.create_training_client_from_state(saved.path)
+    assert c.worker_of(copy.model_id) != busy  # the other worker, the least loaded one
+    assert copy.get_info().version == 2
+    copy.save_state("portable").result()
+    a, b = _state(c, original.model_id, "portable"), _state(c, copy.model_id, "portable")
+    assert a.keys() == b.keys() and any(k.startswith("o.") for k in a)
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+    # and they train on identically: same step, same optimizer moments
+    tok = service.get_tokenizer(BASE)
+    data = [_datum(tok.encode("12+3=15")), _datum(tok.encode("7+8=15"))]
+    for tc in (original, copy):
+        tc.forward_backward(data, "cross_entropy").result()
+        assert tc.optim_step(treadle.AdamParams(learning_rate=1e-2)).result().step == 3
+    out = [tc.forward_logprobs(data).result().loss_fn_outputs for tc in (original, copy)]
+    for x, y in zip(out[0], out[1], strict=True):
+        np.testing.assert_array_equal(x.logprobs, y.logprobs)
+    print(f"\n{c.name}: 3 tenants x 2 RL steps on 2 workers in {loop_s:.1f} s")
+
+
+def test_worker_killed_mid_forward_backward(cluster: Cluster) -> None:
+    c = cluster
+    alice = c.client("alice", max_retries=0)
+    tok = alice.get_tokenizer(BASE)
+    small = [_datum(tok.encode("12+3=15"))]
+    victim_tc = alice.create_lora_training_client(BASE, rank=4, seed=11)
+    victim = c.worker_of(victim_tc.model_id)
+    bob = c.client("bob")
+    bystander = bob.create_lora_training_client(BASE, rank=4, seed=12)
+    for _ in range(3):  # a model of another tenant on the other worker
+        if c.worker_of(bystander.model_id) != victim:
+            break
+        bystander = bob.create_lora_training_client(BASE, rank=4, seed=12)
+    assert c.worker_of(bystander.model_id) != victim
+    adam = treadle.AdamParams(learning_rate=1e-2)
+    victim_tc.forward_backward(small, "cross_entropy").result()
+    victim_tc.optim_step(adam).result()
+    before = victim_tc.save_state("before").result()  # step 1
+    victim_tc.forward_backward(small, "cross_entropy").result()
+    assert victim_tc.optim_step(adam).result().step == 2
+
+    big = [_datum(list(np.random.default_rng(0).integers(3, 60, 121)))] * 1024
+    fut = victim_tc.forward_backward(big, "cross_entropy")
+    time.sleep(1.0)  # the worker has it, and is computing
+    c.workers[victim].send_signal(signal.SIGKILL)
+    t0 = time.monotonic()
+    with pytest.raises(UnavailableError, match="stopped answering"):
+        fut.result(timeout=60)
+    detected_s = time.monotonic() - t0
+    assert detected_s < WORKER_TIMEOUT_S + 5
+
+    info = alice.get_model_info(victim_tc.model_id)
+    assert info.status == "lost" and info.version == 2  # its last applied step
+    with pytest.raises(AbortedError, match="load_state"):
+        victim_tc.forward_logprobs(small).result()
+    # another tenant's model, on the other worker, carries on
+    bystander.forward_backward(small, "cross_entropy").result()
+    assert bystander.optim_step(adam).result().step == 1
+    # restore from the checkpoint, on the surviving worker, and train on
+    assert victim_tc.load_state(before.path).result() == 1
+    survivor = c.worker_of(victim_tc.model_id)
+    assert survivor != victim and survivor in c.workers
+    info = alice.get_model_info(victim_tc.model_id)
+    assert info.status == "active" and info.version == 1
+    victim_tc.forward_backward(small, "cross_entropy").result()
+    assert victim_tc.optim_step(adam).result().step == 2
+    # the database knows: the worker is dead, the killed call failed UNAVAILABLE
+    assert c.sql("SELECT status FROM workers WHERE id = :w", w=victim) == [("dead",)]
+    failed = c.sql(
+        "SELECT error_code FROM ops WHERE model_id = :m AND kind = 'forward_backward' "
+        "AND status = 'failed'",
+        m=victim_tc.model_id,
+    )
+    assert failed == [("UNAVAILABLE",)], failed
+    print(f"\n{c.name}: worker death detected in {detected_s:.1f} s")
