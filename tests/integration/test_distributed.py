@@ -238,7 +238,7 @@ def _state(c: Cluster, model_id: str, name: str) -> dict[str, torch.Tensor]:
         store.release(local, "")
 
 
-def test_three_tenants_two_workers(cluster: Cluster) -> None:
+def test_three_tenants_two_workers(cluster: Cluster, tmp_path: Path) -> None:
     c = cluster
     t0 = time.monotonic()
     results: dict[str, dict[str, object]] = {t: {} for t in TENANTS}
@@ -306,6 +306,10 @@ def test_three_tenants_two_workers(cluster: Cluster) -> None:
     out = [tc.forward_logprobs(data).result().loss_fn_outputs for tc in (original, copy)]
     for x, y in zip(out[0], out[1], strict=True):
         np.testing.assert_array_equal(x.logprobs, y.logprobs)
+    # an export comes down from the worker through the store
+    exported = copy.export_weights(tmp_path / "peft")
+    assert (exported / "adapter_model.safetensors").is_file()
+    assert (exported / "adapter_config.json").is_file()
     print(f"\n{c.name}: 3 tenants x 2 RL steps on 2 workers in {loop_s:.1f} s")
 
 

@@ -1,0 +1,58 @@
+"""Malformed database, broker or store URLs stop ``treadle serve`` and
+``treadle worker`` at start-up with a message naming the flag, exit status 2."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from treadle.server.cli import main
+from treadle.workers.model.tiny import build_tiny_model
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("m") / "tiny", preset="tiny")
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--database-url", "postgres://u@h/db"], "psycopg"),
+        (["--database-url", "mysql://u@h/db"], "database_url"),
+        (["--database-url", "::not a url::"], "database_url"),
+        (["--broker", "http://localhost:6379"], "broker"),
+        (["--broker", "redis://localhost:notaport/0"], "broker"),
+        (["--broker", "amqp://"], "broker"),
+        (["--store", "gs://bucket/x"], "store"),
+        (["--store", "s3:///no-bucket"], "store"),
+    ],
+)
+def test_serve_refuses_malformed_urls(
+    model: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    flags: list[str],
+    message: str,
+) -> None:
+    argv = ["serve", "--model", f"tiny={model}", "--data-dir", str(tmp_path), *flags]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and "treadle:" in err
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        ([], "broker: required"),
+        (["--broker", "redis://localhost:6379/0"], "database_url: required"),
+        (["--broker", "redis://localhost:6379/0", "--database-url", "postgres://x/y"], "psycopg"),
+        (["--broker", "kafka://x", "--database-url", "sqlite:///x.db"], "broker"),
+    ],
+)
+def test_worker_refuses_malformed_urls(
+    model: Path, capsys: pytest.CaptureFixture[str], flags: list[str], message: str
+) -> None:
+    assert main(["worker", "--model", f"tiny={model}", *flags]) == 2
+    assert message in capsys.readouterr().err
