@@ -127,7 +127,7 @@ class ModelLifecycle:
                 row.seed,
                 row.dtype,
             )
-            path, seq_id = Path(ckpt.storage_path), ckpt.seq_id
+            path, seq_id = ckpt.storage_path, ckpt.seq_id
         status = await ctx.dispatcher.create_model(spec, from_state=path, next_seq_id=seq_id + 1)
         with ctx.session() as s:
             model = s.get(db.Model, model_id)
@@ -185,22 +185,21 @@ class ModelLifecycle:
     async def _unload(self, model_id: str) -> bool:
         ctx = self.ctx
         tenant = ctx.owners.pop(model_id)
+        # The dispatcher writes the checkpoint into the store (uploading it if remote).
         storage_path = ctx.store.state_path(tenant, model_id, AUTO_NAME)
-        directory = ctx.store.staging_dir(storage_path)
         try:
-            saved = await ctx.dispatcher.unload_model(model_id, directory)
+            saved = await ctx.dispatcher.unload_model(model_id, Path(storage_path))
         except TreadleError as err:  # not idle after all (or lost, not in the engine): leave it be
             log.info("model %s not unloaded: %s", model_id, err)
             ctx.owners[model_id] = tenant
             self.last_used[model_id] = time.time()
             return False
         try:
-            size = await asyncio.to_thread(ctx.store.commit, directory, storage_path)
             with ctx.session() as s:
                 ckpt = record_checkpoint(
                     s, tenant, model_id, AUTO_NAME, storage_path, saved.seq_id, saved.step
                 )
-                ckpt.size_bytes = size
+                ckpt.size_bytes = saved.size_bytes
                 queries.update_model_progress(s, model_id, version=saved.step, last_checkpoint=ckpt)
                 model = s.get(db.Model, model_id)
                 if model is not None:
@@ -208,7 +207,7 @@ class ModelLifecycle:
         except Exception:
             # The engine let go but the database does not know: load it back at once.
             log.exception("model %s: could not record its unload; loading it back", model_id)
-            await _reload(ctx, tenant, model_id, directory, saved.seq_id)
+            await _reload(ctx, tenant, model_id, storage_path, saved.seq_id)
             return False
         self.forget(model_id)
         log.info(
@@ -243,7 +242,7 @@ class ModelLifecycle:
 
 
 async def _reload(
-    ctx: ServerContext, tenant: str, model_id: str, directory: Path, seq_id: int
+    ctx: ServerContext, tenant: str, model_id: str, storage_path: str, seq_id: int
 ) -> None:
     with ctx.session() as s:
         row = s.get(db.Model, model_id)
@@ -251,7 +250,7 @@ async def _reload(
         spec = ModelSpec(
             row.id, tenant, row.base_model, row.lora_rank, row.lora_alpha, row.seed, row.dtype
         )
-    await ctx.dispatcher.create_model(spec, from_state=directory, next_seq_id=seq_id + 1)
+    await ctx.dispatcher.create_model(spec, from_state=storage_path, next_seq_id=seq_id + 1)
     ctx.owners[model_id] = tenant
 
 

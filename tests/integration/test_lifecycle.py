@@ -294,3 +294,43 @@ def test_delete_checkpoint_of_another_tenant_is_not_found(
     assert (theirs / "weights.safetensors").exists()
     with srv.ctx.sessions() as s:  # type: ignore[union-attr]
         assert queries.get_checkpoint_by_uri(s, other.id, uri) is not None
+
+
+def test_unload_and_restore_through_an_s3_store(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """With checkpoints in S3 the unload's checkpoint goes to the bucket and the
+    restore comes back from it; delete_checkpoint removes its objects."""
+    import boto3
+
+    from tests.integration.services import moto_s3
+
+    with moto_s3("lifecycle") as endpoint:
+        srv = make_server(
+            tmp_path,
+            {"tiny": tiny_model_dir},
+            model_ttl_s=TTL_S,
+            ttl_sweep_s=0.1,
+            store="s3://lifecycle/ckpt",
+            s3_endpoint_url=endpoint,
+        )
+        try:
+            with _client(srv, session=False) as c:
+                tc = c.create_lora_training_client("tiny", rank=2)
+                tc.forward_backward([_datum()])
+                tc.optim_step(ADAM)
+                before = tc.forward_logprobs([_datum()]).result().loss_fn_outputs[0].logprobs
+                _wait_for(lambda: _status(srv, tc.model_id) == "unloaded")
+                s3 = boto3.client("s3", endpoint_url=endpoint)
+
+                def keys() -> list[str]:
+                    listed = s3.list_objects_v2(Bucket="lifecycle", Prefix="ckpt/")
+                    return [o["Key"] for o in listed.get("Contents", [])]
+
+                assert any(k.endswith(f"{tc.model_id}/auto/manifest.json") for k in keys())
+                after = tc.forward_logprobs([_datum()]).result().loss_fn_outputs[0].logprobs
+                np.testing.assert_array_equal(after, before)
+                assert tc.optim_step(ADAM).result().step == 2
+                path = f"treadle://{tc.model_id}/state/auto"
+                tc.delete_checkpoint(path)  # loaded again, so the auto checkpoint may go
+                assert not any(f"{tc.model_id}/auto/" in k for k in keys())
+        finally:
+            srv.stop()
