@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from tokenizers import Tokenizer
 from torch import Tensor
 
@@ -331,9 +332,15 @@ class TorchSampler:
     def step(self) -> None:
         self._clock += 1
         self._drop_cancelled()
-        self._admit()
-        if self.prefilling:
-            self._prefill()
+        # Prefill within a token budget; with no row decoding nobody waits on it, so
+        # it may take more (a batch of requests arriving at once starts full).
+        budget = self.limits.max_prefill_tokens * (1 if self.running else 4)
+        while budget > 0:
+            self._admit()
+            used = self._prefill(budget) if self.prefilling else 0
+            if used == 0:
+                break
+            budget -= used
         if self.running:
             self._decode()
         self._maybe_log()
@@ -408,9 +415,8 @@ class TorchSampler:
 
     # ---- prefill -----------------------------------------------------------------------
 
-    def _prefill(self) -> None:
-        """One chunk of prompt tokens for the prefilling requests, within the step's budget."""
-        budget = self.limits.max_prefill_tokens
+    def _prefill(self, budget: int) -> int:
+        """One chunk of prompt tokens for the prefilling requests; the tokens used."""
         chunks: list[tuple[_Request, int]] = []
         for req in self.prefilling:
             if budget <= 0:
@@ -423,6 +429,7 @@ class TorchSampler:
         done = [r for r in self.prefilling if r.prefilled == r.prompt.size]
         for req in done:
             self.prefilling.remove(req)
+        return sum(n for _, n in chunks)
 
     def _prefill_forward(self, batch: list[tuple[_Request, int]]) -> None:
         B, T = len(batch), max(n for _, n in batch)
@@ -693,41 +700,63 @@ def sample_tokens(
 ) -> tuple[Tensor, Tensor]:
     """One token per row and its logprob at the row's temperature (pre-truncation).
 
-    Inverse-CDF sampling: token = the first whose cumulative (truncated,
-    unnormalised) probability reaches ``u * total``, with ``u`` the row's
-    uniform. Temperature 0 is greedy; its reported logprob is at temperature 1.
-    Every operation is per row, so a row's result does not depend on the
-    others in the batch.
+    Inverse-CDF sampling: token = the first whose cumulative (truncated)
+    probability reaches ``u * total``, with ``u`` the row's uniform; found in
+    two levels (block sums, then one block) so the vocabulary is read twice in
+    all, a softmax and a sum. Temperature 0 is greedy; its reported logprob is
+    at temperature 1. Every operation is per row, so a row's result does not
+    depend on the others in the batch.
     """
     B, V = logits_B_V.shape
     logits = logits_B_V.float()
     temps = [t if t > 0 else 1.0 for t in temperatures]
     if any(t != 1.0 for t in temps):
-        logits = logits / torch.tensor(temps, dtype=logits.dtype)[:, None]
-    max_B_1 = logits.amax(-1, keepdim=True)
-    shifted_B_V = logits - max_B_1
-    probs_B_V = shifted_B_V.exp()  # unnormalised
-    total_B = probs_B_V.sum(-1, dtype=torch.float64)
+        logits = logits / torch.tensor(temps, dtype=logits.dtype, device=logits.device)[:, None]
+    probs_B_V = torch.softmax(logits, dim=-1)
     truncate = [b for b in range(B) if (0 < top_ks[b] < V) or top_ps[b] < 1.0]
     weights_B_V = probs_B_V
     if truncate:
         weights_B_V = probs_B_V.clone()
-        rows = torch.tensor(truncate)
+        rows = torch.tensor(truncate, device=logits.device)
         weights_B_V[rows] = _truncate(
             probs_B_V[rows],
-            total_B[rows],
+            probs_B_V[rows].sum(-1, dtype=torch.float64),
             [top_ks[b] for b in truncate],
             [top_ps[b] for b in truncate],
         )
-    cdf_B_V = weights_B_V.cumsum(-1, dtype=torch.float64)
-    target_B_1 = (uniforms_B.to(torch.float64) * cdf_B_V[:, -1])[:, None]
-    tokens_B = torch.searchsorted(cdf_B_V, target_B_1).squeeze(-1).clamp_(max=V - 1)
+    tokens_B = _inverse_cdf(weights_B_V, uniforms_B.to(device=logits.device))
     greedy = [b for b in range(B) if temperatures[b] <= 0]
     if greedy:
         tokens_B[greedy] = logits_B_V[greedy].argmax(-1)
-    picked_B = shifted_B_V.gather(-1, tokens_B[:, None]).squeeze(-1)
-    logprobs_B = picked_B - total_B.log().to(picked_B.dtype)
+    logprobs_B = probs_B_V.gather(-1, tokens_B[:, None]).squeeze(-1).log()
     return tokens_B, logprobs_B
+
+
+def _inverse_cdf(weights_B_V: Tensor, uniforms_B: Tensor) -> Tensor:
+    """Per row, the first index whose cumulative weight reaches ``u * total`` (float64).
+
+    Blocks of ``blk`` tokens: a cumulative sum over block sums picks the block,
+    a cumulative sum inside that block picks the token. A chosen token always
+    has positive weight.
+    """
+    B, V = weights_B_V.shape
+    blk = 256
+    while blk > 8 and V % blk:
+        blk //= 2
+    if V % blk:
+        weights_B_V = F.pad(weights_B_V, (0, blk - V % blk))
+    nb = weights_B_V.shape[1] // blk
+    w_B_N_K = weights_B_V.view(B, nb, blk)
+    cum_B_N = w_B_N_K.sum(-1, dtype=torch.float64).cumsum(-1)
+    target_B = uniforms_B.to(torch.float64) * cum_B_N[:, -1]
+    block_B = torch.searchsorted(cum_B_N, target_B[:, None]).squeeze(-1).clamp_(max=nb - 1)
+    before_B = cum_B_N.gather(-1, (block_B - 1).clamp(min=0)[:, None]).squeeze(-1)
+    before_B = torch.where(block_B > 0, before_B, torch.zeros_like(before_B))
+    rows_B = torch.arange(B, device=weights_B_V.device)
+    cdf_B_K = w_B_N_K[rows_B, block_B].cumsum(-1, dtype=torch.float64)
+    inner_B = torch.minimum((target_B - before_B).clamp(min=1e-300), cdf_B_K[:, -1])
+    index_B = torch.searchsorted(cdf_B_K, inner_B[:, None]).squeeze(-1).clamp_(max=blk - 1)
+    return (block_B * blk + index_B).clamp_(max=V - 1)
 
 
 def _truncate(
