@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import grpc
+from sqlalchemy import Connection
 from sqlalchemy.orm import Session, sessionmaker
 
 from treadle.errors import NotFoundError
@@ -57,6 +58,12 @@ class ServerContext:
         with self.sessions() as s:
             yield s
             s.commit()
+
+    @contextmanager
+    def connection(self) -> Iterator[Connection]:
+        """A Core transaction, for the hot path's writes (half the cost of a Session)."""
+        with self.sessions.kw["bind"].begin() as conn:
+            yield conn
 
     def require_model(self, tenant_id: str, model_id: str) -> None:
         """NOT_FOUND for a missing model and for another tenant's (indistinguishable)."""

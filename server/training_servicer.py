@@ -209,12 +209,12 @@ class TrainingServicer(training_pb2_grpc.TrainingServiceServicer):
             op = RejectedOp(err, kind=kind)
         digest = convert.digest(request)
         ticket = None
-        with self.ctx.session() as s:
-            if queries.get_op(s, request.model_id, request.seq_id) is None:
+        with self.ctx.connection() as conn:
+            if not queries.op_recorded(conn, request.model_id, request.seq_id):
                 # A repeat of a recorded call is not admitted (or counted) again.
                 ticket, op = self.meter.admit_ordered(tenant, request.model_id, request.seq_id, op)
                 try:
-                    queries.record_op(s, request.model_id, request.seq_id, kind, digest)
+                    queries.insert_op(conn, request.model_id, request.seq_id, kind, digest)
                 except Exception:
                     self.meter.release_ordered(request.model_id, request.seq_id, ticket)
                     raise
@@ -231,8 +231,8 @@ class TrainingServicer(training_pb2_grpc.TrainingServiceServicer):
 
     def _finish(self, request: Any, status: str, code: str | None) -> bool:
         """Record the call's end; whether this was the call that ended it."""
-        with self.ctx.session() as s:
-            return queries.finish_pending_op(s, request.model_id, request.seq_id, status, code)
+        with self.ctx.connection() as conn:
+            return queries.finish_pending_op(conn, request.model_id, request.seq_id, status, code)
 
     async def ForwardBackward(
         self, request: training_pb2.ForwardBackwardRequest, context: grpc.aio.ServicerContext

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TypeVar
 
-from sqlalchemy import select, update
+from sqlalchemy import Connection, insert, select, update
 from sqlalchemy.orm import Session
 
 from treadle.errors import AlreadyExistsError, NotFoundError
@@ -274,8 +274,31 @@ def finish_op(
     return op
 
 
+def op_recorded(conn: Connection, model_id: str, seq_id: int) -> bool:
+    """Core, not ORM: the ops log is written twice per call on the hot path."""
+    stmt = select(Op.status).where(Op.model_id == model_id, Op.seq_id == seq_id)
+    return conn.execute(stmt).first() is not None
+
+
+def insert_op(conn: Connection, model_id: str, seq_id: int, kind: str, digest: str) -> None:
+    conn.execute(
+        insert(Op).values(
+            model_id=model_id,
+            seq_id=seq_id,
+            kind=kind,
+            payload_digest=digest,
+            status="pending",
+            created_at=utcnow(),
+        )
+    )
+
+
 def finish_pending_op(
-    s: Session, model_id: str, seq_id: int, status: str, error_code: str | None = None
+    s: Session | Connection,
+    model_id: str,
+    seq_id: int,
+    status: str,
+    error_code: str | None = None,
 ) -> bool:
     """End a pending op in one UPDATE (the hot path's write); whether this call
     ended it (False: unknown, or already ended by an earlier call)."""
