@@ -61,9 +61,9 @@ from treadle.workers.base_models import BaseModelRegistry
 from treadle.workers.celery_app import (
     REPLY_CONTENT_TYPE,
     TASK,
-    WORKER_EXCHANGE,
     make_celery,
     reply_queue,
+    worker_queue,
 )
 from treadle.workers.domain import (
     LoadResult,
@@ -111,6 +111,7 @@ class CeleryDispatcher:
         self.store = store
         self.app = make_celery(broker)
         self.server_id = f"srv-{socket.gethostname()}-{secrets.token_hex(4)}"
+        self._reply_to = reply_queue(self.server_id).name
         self.sessions = sessions
         self.bases = bases
         self.worker_timeout_s = worker_timeout_s
@@ -388,9 +389,9 @@ class CeleryDispatcher:
             try:
                 self.app.send_task(
                     TASK,
-                    args=[cid, self.server_id, kind, codec.encode(args)],
-                    exchange=WORKER_EXCHANGE,
-                    routing_key=worker_id,
+                    args=[cid, self._reply_to, kind, codec.encode(args)],
+                    queue=worker_queue(worker_id),
+                    declare=[],  # the worker declared it; a gone worker's stays gone
                     retry=True,
                     retry_policy={"max_retries": 3, "interval_start": 0.1},
                 )
@@ -407,7 +408,7 @@ class CeleryDispatcher:
                 with Connection(self.broker, connect_timeout=5) as conn:
                     conn.ensure_connection(max_retries=3)
                     with conn.Consumer(
-                        [reply_queue(self.server_id)],
+                        [reply_queue(self.server_id)],  # declared here, before any call
                         on_message=self._on_reply,
                         no_ack=True,
                         accept=[REPLY_CONTENT_TYPE],

@@ -3,13 +3,14 @@ the one task, the exchanges, and how a reply is framed.
 
 One task, ``treadle.call(cid, reply_to, kind, payload)``, carries every call:
 ``kind`` names the engine method, ``payload`` is ``treadle.workers.codec`` bytes.
-Tasks go to the ``treadle.worker`` direct exchange with the worker's id as the
-routing key, so each worker consumes only its own queue. A task never waits: it
-hands the call to the engine and returns; the engine's future, once resolved,
-is published by the worker on the ``treadle.reply`` exchange with the server's
-id as routing key (the reply's ``cid`` names the call). Celery keeps no results
-(no result backend): ordering and barriers are the engine's (by ``seq_id``),
-whatever order Celery delivers in.
+Tasks go to the worker's own queue, ``treadle.worker.<id>``, and replies to the
+sending server's own queue, ``treadle.reply.<id>`` (``reply_to``), both through
+the default (nameless) exchange: on Redis that saves a binding lookup, one round
+trip, per message, and on RabbitMQ it routes by queue name just the same. A task
+never waits: it hands the call to the engine and returns; the engine's future,
+once resolved, is published by the worker to ``reply_to`` (the reply's ``cid``
+names the call). Celery keeps no results (no result backend): ordering and
+barriers are the engine's (by ``seq_id``), whatever order Celery delivers in.
 
 Serializer: msgpack (bytes travel as bytes); JSON cannot carry bytes and
 pickle would let a payload run code on a worker shared by every tenant.
@@ -21,16 +22,12 @@ from typing import Any
 from urllib.parse import urlparse
 
 from celery import Celery
-from kombu import Exchange, Queue
+from kombu import Queue
 
 from treadle.errors import InvalidArgumentError
 from treadle.workers import codec
 
 TASK = "treadle.call"
-#: durable, as Celery declares a task exchange it is given by name (RabbitMQ refuses a
-#: redeclaration with other arguments)
-WORKER_EXCHANGE = Exchange("treadle.worker", type="direct", durable=True)
-REPLY_EXCHANGE = Exchange("treadle.reply", type="direct", durable=False)
 #: content type of a reply body (raw codec bytes, no kombu serializer around them)
 REPLY_CONTENT_TYPE = "application/x-treadle"
 BROKER_SCHEMES = ("redis", "rediss", "amqp", "amqps", "pyamqp")
@@ -73,31 +70,19 @@ def make_celery(broker: str) -> Celery:
         broker_connection_retry_on_startup=True,
         broker_heartbeat=0,
         task_create_missing_queues=False,
-        task_default_exchange=WORKER_EXCHANGE.name,
-        task_default_exchange_type="direct",
     )
     return app
 
 
 def worker_queue(worker_id: str) -> Queue:
     """A worker's own queue; it goes when its worker goes (RabbitMQ auto-delete)."""
-    return Queue(
-        f"treadle.worker.{worker_id}",
-        WORKER_EXCHANGE,
-        routing_key=worker_id,
-        durable=False,
-        auto_delete=True,
-    )
+    name = f"treadle.worker.{worker_id}"
+    return Queue(name, routing_key=name, durable=False, auto_delete=True)
 
 
 def reply_queue(server_id: str) -> Queue:
-    return Queue(
-        f"treadle.reply.{server_id}",
-        REPLY_EXCHANGE,
-        routing_key=server_id,
-        durable=False,
-        auto_delete=True,
-    )
+    name = f"treadle.reply.{server_id}"
+    return Queue(name, routing_key=name, durable=False, auto_delete=True)
 
 
 def encode_reply(cid: str, outcome: Any, status: Any = None) -> bytes:

@@ -9,7 +9,7 @@ Threads, and why:
   task slot) and the prefork pool (which forks after OpenMP started) is never used.
 - engine: runs every model's calls in ``seq_id`` order (``treadle.workers.engine``).
 - store I/O: checkpoint uploads and downloads (``treadle.workers.staging``).
-- replies: publishes each resolved call on the reply exchange to the server that
+- replies: publishes each resolved call to the reply queue of the server that
   sent it, so neither the engine nor the task thread waits on the broker.
 - heartbeat: ``workers.heartbeat_at`` every ``heartbeat_s``; a worker the server has
   declared dead stops serving (its models have been marked lost, and may already
@@ -40,7 +40,6 @@ from treadle.errors import (
 from treadle.workers import codec
 from treadle.workers.celery_app import (
     REPLY_CONTENT_TYPE,
-    REPLY_EXCHANGE,
     TASK,
     encode_reply,
     make_celery,
@@ -87,9 +86,8 @@ class Replier:
                     body = self._encode(cid, outcome, model_id)
                     producer.publish(
                         body,
-                        exchange=REPLY_EXCHANGE,
+                        exchange="",  # the default exchange: straight to the queue named
                         routing_key=reply_to,
-                        declare=[REPLY_EXCHANGE],
                         content_type=REPLY_CONTENT_TYPE,
                         content_encoding="binary",
                         retry=True,
