@@ -150,16 +150,17 @@ def cluster(
             s3_endpoint_url=s3_endpoint,
             worker_timeout_s=WORKER_TIMEOUT_S,
         )
-        server = EmbeddedServer(config).start()
         workers: dict[str, subprocess.Popen[bytes]] = {}
         logs: dict[str, Path] = {}
+        c = Cluster(
+            name, EmbeddedServer(config).start(), database_url, s3_endpoint, store, workers, logs
+        )
         try:
             for i in (1, 2):
                 worker_id = f"{name}-w{i}-{os.getpid()}"
                 workers[worker_id], logs[worker_id] = _start_worker(
                     worker_id, tiny_model_dir, broker, database_url, store, s3_endpoint, tmp
                 )
-            c = Cluster(name, server, database_url, s3_endpoint, store, workers, logs)
             try:
                 wait_for_workers(database_url, list(workers), timeout_s=120)
             except TimeoutError as err:
@@ -177,7 +178,7 @@ def cluster(
                     proc.wait(20)
                 except subprocess.TimeoutExpired:
                     proc.kill()
-            server.stop()
+            c.server.stop()  # the current one: a test may have restarted it
 
 
 def _datum(tokens: list[int]) -> treadle.Datum:
@@ -368,3 +369,28 @@ def test_worker_killed_mid_forward_backward(cluster: Cluster) -> None:
     )
     assert failed == [("UNAVAILABLE",)], failed
     print(f"\n{c.name}: worker death detected in {detected_s:.1f} s")
+
+
+def test_server_restart_adopts_models(cluster: Cluster) -> None:
+    """The server restarts; the models stay on their live workers and carry on
+    where they were (same worker, same step, same seq_id), not from a checkpoint."""
+    c = cluster
+    alice = c.client("alice")
+    tok = alice.get_tokenizer(BASE)
+    data = [_datum(tok.encode("12+3=15"))]
+    tc = alice.create_lora_training_client(BASE, rank=4, seed=21)
+    tc.forward_backward(data, "cross_entropy").result()
+    tc.optim_step(treadle.AdamParams(learning_rate=1e-2)).result()
+    before = tc.forward_logprobs(data).result().loss_fn_outputs[0].logprobs
+    worker = c.worker_of(tc.model_id)
+    config = c.server.config
+    c.server.stop()
+    c.server = EmbeddedServer(config).start()
+    again = c.client("alice").get_training_client(tc.model_id)
+    info = again.get_info()
+    assert info.status == "active" and info.version == 1
+    assert c.worker_of(tc.model_id) == worker
+    after = again.forward_logprobs(data).result().loss_fn_outputs[0].logprobs
+    np.testing.assert_array_equal(before, after)
+    again.forward_backward(data, "cross_entropy").result()
+    assert again.optim_step(treadle.AdamParams(learning_rate=1e-2)).result().step == 2
