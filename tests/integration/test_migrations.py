@@ -17,6 +17,7 @@ from sqlalchemy.exc import IntegrityError, OperationalError
 from treadle.errors import InvalidArgumentError
 from treadle.server.db import downgrade, make_engine, make_session_factory, tenancy, upgrade_to_head
 from treadle.server.db import queries as q
+from treadle.server.db import workers as wq
 from treadle.server.db.models import Base
 from treadle.server.db.session import alembic_config
 
@@ -33,6 +34,7 @@ TABLES = {
     "ops",
     "usage",
     "sessions",
+    "workers",
 }
 
 
@@ -107,6 +109,8 @@ def _fill_every_table(engine: Engine) -> None:
         delta = tenancy.UsageDelta(tokens_sampled=2**40, tokens_trained=5, calls=2, compute_s=0.5)
         tenancy.add_usage(s, tenant.id, model.id, "tiny-llama", delta)
         tenancy.add_usage(s, tenant.id, "", "tiny-llama", delta)
+        wq.register_worker(s, "w-1", hostname="gpu-1", base_models=["tiny-llama"], capacity=8)
+        wq.place_model(s, model.id, "w-1")
         s.commit()
 
 

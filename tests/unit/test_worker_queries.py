@@ -1,0 +1,80 @@
+"""The worker fleet's queries: registration, heartbeats, declaring the dead once,
+their models lost, and placement loads."""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from sqlalchemy.orm import Session
+
+from treadle.server.db import make_engine, make_session_factory, upgrade_to_head
+from treadle.server.db import queries as q
+from treadle.server.db import workers as wq
+from treadle.server.db.models import Model, Worker, utcnow
+
+
+@pytest.fixture
+def session(tmp_path: Path) -> Iterator[Session]:
+    engine = make_engine(f"sqlite:///{tmp_path / 'treadle.db'}")
+    upgrade_to_head(engine)
+    with make_session_factory(engine)() as s:
+        yield s
+    engine.dispose()
+
+
+def _model(s: Session, tenant_id: str, worker_id: str) -> str:
+    row = q.create_model(
+        s,
+        tenant_id=tenant_id,
+        base_model="tiny",
+        lora_rank=4,
+        lora_alpha=4.0,
+        seed=0,
+        dtype="float32",
+    )
+    wq.place_model(s, row.id, worker_id)
+    return row.id
+
+
+def test_register_heartbeat_and_loads(session: Session) -> None:
+    s = session
+    w = wq.register_worker(s, "w-1", hostname="gpu-1", base_models=["tiny", "big"], capacity=2)
+    assert wq.base_models_of(w) == ["big", "tiny"] and w.status == "live"
+    wq.register_worker(s, "w-2", hostname="gpu-2", base_models=["tiny"], capacity=2)
+    tenant = q.ensure_tenant(s, "alice").id
+    a, _ = _model(s, tenant, "w-1"), _model(s, tenant, "w-1")
+    _model(s, tenant, "w-2")
+    q.mark_model_deleted(s, tenant, a)
+    assert wq.worker_loads(s) == {"w-1": 1, "w-2": 1}  # deleted models free their place
+    assert wq.heartbeat(s, "w-1") == "live"
+    assert wq.heartbeat(s, "nobody") is None
+    fresh = utcnow() - dt.timedelta(seconds=5)
+    assert [w.id for w in wq.live_workers(s, fresh)] == ["w-1", "w-2"]
+
+
+def test_dead_once_models_lost_and_no_revival(session: Session) -> None:
+    s = session
+    wq.register_worker(s, "w-1", hostname="h", base_models=["tiny"], capacity=4)
+    wq.register_worker(s, "w-2", hostname="h", base_models=["tiny"], capacity=4)
+    tenant = q.ensure_tenant(s, "alice").id
+    lost, kept = _model(s, tenant, "w-1"), _model(s, tenant, "w-2")
+    s.get(Worker, "w-1").heartbeat_at = utcnow() - dt.timedelta(seconds=60)  # type: ignore[union-attr]
+    s.flush()
+    stale = utcnow() - dt.timedelta(seconds=15)
+    assert wq.declare_dead(s, stale) == ["w-1"]
+    assert wq.declare_dead(s, stale) == []  # a second server finds it declared already
+    assert wq.stopped_workers_with_models(s) == ["w-1"]
+    assert wq.mark_models_lost(s, ["w-1"]) == [lost]
+    assert wq.stopped_workers_with_models(s) == []
+    assert s.get(Model, lost).status == "lost"  # type: ignore[union-attr]
+    assert s.get(Model, kept).status == "active"  # type: ignore[union-attr]
+    assert wq.gone_workers(s, ["w-1", "w-2", "w-9"]) == {"w-1", "w-9"}
+    # a worker declared dead is not revived by a late heartbeat: it must stop
+    assert wq.heartbeat(s, "w-1") == "dead"
+    assert [w.id for w in wq.live_workers(s, stale)] == ["w-2"]
+    # ... unless it registers again (a restart), empty
+    wq.register_worker(s, "w-1", hostname="h", base_models=["tiny"], capacity=4)
+    assert wq.heartbeat(s, "w-1") == "live"
