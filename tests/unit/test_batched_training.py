@@ -170,6 +170,37 @@ def test_lora_segments_equal_one_adapter_per_row_group(base: BaseModel) -> None:
     torch.testing.assert_close(got, want)
 
 
+def test_stacked_adapters_equal_one_adapter_per_segment(base: BaseModel) -> None:
+    """Same-size segments of one rank take the batched-matmul path; scales may differ."""
+    adapters = [_model(base, 7 + i).adapter for i in range(3)]
+    adapters[1].scale *= 3.0  # type: ignore[union-attr]
+    x = torch.randn(6, 4, base.cfg.hidden_size)
+    y = torch.randn(6, 4, base.cfg.intermediate_size)
+    segs = LoraSegments([(2 * i, 2 * i + 2, a) for i, a in enumerate(adapters)])
+    assert segs.stacked is not None
+    got = segs.apply(0, "up_proj", x, y.clone())
+    want = torch.cat(
+        [
+            a.apply(0, "up_proj", x[2 * i : 2 * i + 2], y[2 * i : 2 * i + 2].clone())  # type: ignore[union-attr]
+            for i, a in enumerate(adapters)
+        ]
+    )
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+
+
+def test_calls_of_one_shape_batch_like_alone(base: BaseModel) -> None:
+    rng = np.random.default_rng(3)
+    models = [_model(base, 10 + i) for i in range(4)]
+    work = [(m, ForwardBackwardOp((_datum(rng, 12),), "ppo", {})) for m in models]
+    alone = [_alone(m, op) for m, op in work]
+    grads_alone = _grads(models)
+    batch = [BatchCall(m, op) for m, op in work]
+    run_batch(batch, lambda op: None)
+    for a, call in zip(alone, batch, strict=True):
+        _assert_result(a, call.outcome)  # type: ignore[arg-type]
+    _assert_grads(grads_alone, _grads(models))
+
+
 def test_full_finetunes_are_not_batched(base: BaseModel) -> None:
     full = TrainingModel(ModelSpec("f", "t", "tiny", 0, 0.0, 0, "float32"), base)
     lora = _model(base, 5)
