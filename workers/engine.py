@@ -55,7 +55,7 @@ from treadle.workers.domain import (
     SyncResult,
     SyncWeightsOp,
 )
-from treadle.workers.sampler import SamplerLimits, TorchSampler
+from treadle.workers.sampler import SamplerLimits, SamplerStats, TorchSampler
 from treadle.workers.scheduler import Admission, OrderedCall, Scheduler, WorkUnit
 from treadle.workers.trainer import TrainingModel
 from treadle.workers.versions import VersionStore, WeightSnapshot
@@ -104,6 +104,9 @@ class Engine:
             OrderedDict()
         )
         self._sample_lock = threading.Lock()
+        self._sampler_stats: dict[tuple[str, torch.dtype], SamplerStats] = {}
+        self._stats_lock = threading.Lock()
+        self._stats_at = 0.0
 
     # ---- lifecycle ---------------------------------------------------------------------
 
@@ -181,6 +184,14 @@ class Engine:
         self._inbox.put(lambda: self._admit_sample(target, op, fut))
         return fut
 
+    def sampler_metrics(self) -> list[SamplerStats]:
+        """The latest stats of every sampler (thread-safe; refreshed as they step)."""
+        now = time.monotonic()
+        with self._stats_lock:
+            stats = list(self._sampler_stats.values())
+        # A sampler that has not decoded for a while generates nothing now.
+        return [s if now - s.last_step_at < 5.0 else replace(s, tokens_per_s=0.0) for s in stats]
+
     def check_sampler_target(self, target: SamplerTarget) -> Future[int]:
         """Resolve a sampler target now (NOT_FOUND if its weights are gone); the version."""
         return self._on_engine(lambda: self._snapshot(target).version)
@@ -232,7 +243,7 @@ class Engine:
                     record=False,
                 )
             self._execute_units(out.units)
-            for sampler in self.samplers.values():
+            for key, sampler in self.samplers.items():
                 if sampler.has_work():
                     t0 = time.perf_counter()
                     try:
@@ -241,6 +252,7 @@ class Engine:
                         log.error("sampler step failed: %s\n%s", err, traceback.format_exc())
                         self._fail_sampler(sampler, err)
                     self.busy_s += time.perf_counter() - t0
+                    self._publish_stats(key, sampler)
         self._shutdown()
 
     def _drain_inbox(self) -> None:
@@ -268,6 +280,17 @@ class Engine:
             self._resolve(call, err, record=False)
         for sampler in self.samplers.values():
             self._fail_sampler(sampler, err)
+
+    def _publish_stats(self, key: tuple[str, torch.dtype], sampler: TorchSampler) -> None:
+        """Refresh the stats GetServerInfo reads: at most 4 times a second while
+        busy, and once more when the sampler goes idle."""
+        now = time.monotonic()
+        if sampler.has_work() and now - self._stats_at < 0.25:
+            return
+        self._stats_at = now
+        stats = sampler.stats()
+        with self._stats_lock:
+            self._sampler_stats[key] = stats
 
     def _fail_sampler(self, sampler: TorchSampler, err: Exception) -> None:
         error = err if isinstance(err, TreadleError) else InternalError(str(err))

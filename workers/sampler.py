@@ -147,6 +147,9 @@ class SamplerStats:
     decode_steps: int
     tokens_per_s: float  # generated tokens per second over the recent window
     occupancy: float  # mean fraction of slots decoding per step, recent window
+    base_model: str = ""
+    dtype: str = ""
+    last_step_at: float = 0.0  # time.monotonic() of the last decode step (0: none yet)
 
 
 class TorchSampler:
@@ -309,6 +312,9 @@ class TorchSampler:
             decode_steps=self.decode_steps,
             tokens_per_s=rate,
             occupancy=rows / (steps * self.cache.num_slots) if steps else 0.0,
+            base_model=self.base.name,
+            dtype=str(self.base.dtype).removeprefix("torch."),
+            last_step_at=window[-1][0] if window else 0.0,
         )
 
     def fail_all(self, error: TreadleError) -> None:
