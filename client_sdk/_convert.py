@@ -19,6 +19,7 @@ from treadle.types import (
     ModelInput,
     SampledSequence,
     SampleResponse,
+    SamplerMetrics,
     SamplingParams,
     ServerInfo,
     VersionSpan,
@@ -149,4 +150,20 @@ def server_info_from_wire(msg: server_pb2.ServerInfo) -> ServerInfo:
         max_message_bytes=msg.max_message_bytes,
         max_tokens_per_request=msg.max_tokens_per_request,
         features=list(msg.features),
+        sampler_metrics=[
+            SamplerMetrics(
+                m.base_model,
+                m.dtype,
+                m.tokens_per_s,
+                m.occupancy,
+                m.running_rows,
+                m.num_slots,
+                m.queued_requests,
+                m.prefilling_requests,
+                m.tokens_generated,
+                m.prompt_tokens,
+                m.prefix_reused_tokens,
+            )
+            for m in msg.sampler_metrics
+        ],
     )

@@ -211,6 +211,23 @@ class BaseModelInfo:
 
 
 @dataclass(frozen=True)
+class SamplerMetrics:
+    """A sampler's live progress (one per base model and dtype on the server)."""
+
+    base_model: str
+    dtype: str
+    tokens_per_s: float  # generated tokens per second, recent decode steps
+    occupancy: float  # mean fraction of KV slots decoding per step, recent steps
+    running_rows: int  # sequences decoding now
+    num_slots: int  # the most sequences that decode together
+    queued_requests: int  # requests waiting for slots (queue depth)
+    prefilling_requests: int
+    tokens_generated: int
+    prompt_tokens: int
+    prefix_reused_tokens: int
+
+
+@dataclass(frozen=True)
 class ServerInfo:
     server_version: str
     api_version: str
@@ -218,3 +235,4 @@ class ServerInfo:
     max_message_bytes: int
     max_tokens_per_request: int
     features: list[str] = field(default_factory=list)
+    sampler_metrics: list[SamplerMetrics] = field(default_factory=list)

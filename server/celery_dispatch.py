@@ -78,6 +78,7 @@ from treadle.workers.domain import (
     SaveResult,
 )
 from treadle.workers.model.config import ModelConfig
+from treadle.workers.sampler import SamplerStats
 
 log = logging.getLogger("treadle.server")
 
@@ -248,6 +249,11 @@ class CeleryDispatcher:
 
     def base_model_names(self) -> list[str]:
         return self.bases.names()
+
+    def sampler_metrics(self) -> list[SamplerStats]:
+        """None here: each worker's samplers run in its process and log their own
+        throughput (``treadle.sampler``)."""
+        return []
 
     def close(self) -> None:
         self._stopping.set()

@@ -25,6 +25,7 @@ from treadle.workers.domain import (
 )
 from treadle.workers.engine import Engine
 from treadle.workers.model.config import ModelConfig
+from treadle.workers.sampler import SamplerStats
 from treadle.workers.staging import StagedEngine
 
 T = TypeVar("T")
@@ -57,6 +58,10 @@ class Dispatcher(Protocol):
     def base_model_config(self, name: str) -> ModelConfig: ...
     def base_model_path(self, name: str) -> Path: ...
     def base_model_names(self) -> list[str]: ...
+    def sampler_metrics(self) -> list[SamplerStats]:
+        """Live stats of the samplers this dispatcher reaches directly."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -121,6 +126,9 @@ class InProcessDispatcher:
 
     def base_model_names(self) -> list[str]:
         return self.engine.bases.names()
+
+    def sampler_metrics(self) -> list[SamplerStats]:
+        return self.engine.sampler_metrics()
 
     def close(self) -> None:
         if self.staged is not None:

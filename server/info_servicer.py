@@ -46,6 +46,20 @@ class InfoServicer(server_pb2_grpc.ServerServiceServicer):
                 num_params=cfg.num_params(),
                 dtype=self.ctx.config.default_dtype,
             )
+        for m in d.sampler_metrics():
+            info.sampler_metrics.add(
+                base_model=m.base_model,
+                dtype=m.dtype,
+                tokens_per_s=m.tokens_per_s,
+                occupancy=m.occupancy,
+                running_rows=m.running_rows,
+                num_slots=m.num_slots,
+                queued_requests=m.queued_requests,
+                prefilling_requests=m.prefilling_requests,
+                tokens_generated=m.tokens_generated,
+                prompt_tokens=m.prompt_tokens,
+                prefix_reused_tokens=m.prefix_reused_tokens,
+            )
         return info
 
     async def GetTokenizer(

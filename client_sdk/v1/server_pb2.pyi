@@ -28,20 +28,48 @@ class BaseModel(_message.Message):
     def __init__(self, name: _Optional[str] = ..., arch: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., num_params: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class ServerInfo(_message.Message):
-    __slots__ = ("server_version", "api_version", "base_models", "max_message_bytes", "max_tokens_per_request", "features")
+    __slots__ = ("server_version", "api_version", "base_models", "max_message_bytes", "max_tokens_per_request", "features", "sampler_metrics")
     SERVER_VERSION_FIELD_NUMBER: _ClassVar[int]
     API_VERSION_FIELD_NUMBER: _ClassVar[int]
     BASE_MODELS_FIELD_NUMBER: _ClassVar[int]
     MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_PER_REQUEST_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FIELD_NUMBER: _ClassVar[int]
+    SAMPLER_METRICS_FIELD_NUMBER: _ClassVar[int]
     server_version: str
     api_version: str
     base_models: _containers.RepeatedCompositeFieldContainer[BaseModel]
     max_message_bytes: int
     max_tokens_per_request: int
     features: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, server_version: _Optional[str] = ..., api_version: _Optional[str] = ..., base_models: _Optional[_Iterable[_Union[BaseModel, _Mapping]]] = ..., max_message_bytes: _Optional[int] = ..., max_tokens_per_request: _Optional[int] = ..., features: _Optional[_Iterable[str]] = ...) -> None: ...
+    sampler_metrics: _containers.RepeatedCompositeFieldContainer[SamplerMetrics]
+    def __init__(self, server_version: _Optional[str] = ..., api_version: _Optional[str] = ..., base_models: _Optional[_Iterable[_Union[BaseModel, _Mapping]]] = ..., max_message_bytes: _Optional[int] = ..., max_tokens_per_request: _Optional[int] = ..., features: _Optional[_Iterable[str]] = ..., sampler_metrics: _Optional[_Iterable[_Union[SamplerMetrics, _Mapping]]] = ...) -> None: ...
+
+class SamplerMetrics(_message.Message):
+    __slots__ = ("base_model", "dtype", "tokens_per_s", "occupancy", "running_rows", "num_slots", "queued_requests", "prefilling_requests", "tokens_generated", "prompt_tokens", "prefix_reused_tokens")
+    BASE_MODEL_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    OCCUPANCY_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_ROWS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    PREFILLING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_GENERATED_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_REUSED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    base_model: str
+    dtype: str
+    tokens_per_s: float
+    occupancy: float
+    running_rows: int
+    num_slots: int
+    queued_requests: int
+    prefilling_requests: int
+    tokens_generated: int
+    prompt_tokens: int
+    prefix_reused_tokens: int
+    def __init__(self, base_model: _Optional[str] = ..., dtype: _Optional[str] = ..., tokens_per_s: _Optional[float] = ..., occupancy: _Optional[float] = ..., running_rows: _Optional[int] = ..., num_slots: _Optional[int] = ..., queued_requests: _Optional[int] = ..., prefilling_requests: _Optional[int] = ..., tokens_generated: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., prefix_reused_tokens: _Optional[int] = ...) -> None: ...
 
 class GetTokenizerRequest(_message.Message):
     __slots__ = ("base_model",)
