@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from treadle.errors import ResourceExhaustedError
+from treadle.errors import InvalidArgumentError, ResourceExhaustedError
 from treadle.workers.base_models import BaseModel, BaseModelRegistry
 from treadle.workers.domain import (
     AdamConfig,
@@ -310,3 +310,24 @@ def test_inverse_cdf_sampling_matches_the_distribution() -> None:
     assert set(tokens.tolist()) == {1, 2}
     tokens, _ = sample_tokens(logits, [1.0] * 20000, [-1] * 20000, [0.5] * 20000, u)
     assert set(tokens.tolist()) == {2}
+
+
+@pytest.mark.parametrize(
+    ("params", "prompt_len", "field"),
+    [
+        ({"stop_strings": ("x" * 257,)}, 4, "stop"),
+        ({}, 64, "prompt"),  # the prompt alone fills the context
+        ({"max_tokens": 61}, 4, "max_tokens"),  # prompt + max_tokens past the context
+        ({"top_p": 1.5}, 4, "top_p"),
+        ({"top_p": -0.1}, 4, "top_p"),
+        ({"top_k": -2}, 4, "top_k"),
+    ],
+)
+def test_bad_input_is_invalid_argument_naming_the_field(
+    base: BaseModel, snap: WeightSnapshot, params: dict, prompt_len: int, field: str
+) -> None:
+    sampler = TorchSampler(base, limits=SamplerLimits(num_slots=2, max_len=64))
+    op = SampleOp(np.arange(3, 3 + prompt_len), 1, SamplingConfig(**params))
+    with pytest.raises(InvalidArgumentError, match=rf"^INVALID_ARGUMENT: {field}\b"):
+        sampler.submit(op, snap, Future())
+    assert not sampler.has_work()
