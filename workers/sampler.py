@@ -59,6 +59,9 @@ from treadle.workers.versions import WeightSnapshot
 log = logging.getLogger("treadle.sampler")
 
 MAX_STOP_STRING_CHARS = 256
+#: A queued request waits for one being prefilled when it could then reuse this
+#: many more prompt tokens (the wait is at most that request's prefill).
+MIN_PREFIX_WAIT = 16
 
 
 @dataclass(frozen=True)
@@ -390,10 +393,17 @@ class TorchSampler:
             n = min(staged.tokens.size, prompt.size)
             if n <= best_len or not staged.computed_by(request.snapshot):
                 continue
-            diff = np.flatnonzero(staged.tokens[:n] != prompt[:n])
-            common = int(diff[0]) if diff.size else n
+            common = _common_prefix(staged.tokens[:n], prompt[:n])
             if common > best_len:
                 best, best_len = i, common
+        for staged in self.staged:
+            # A request with the same prompt is being prefilled right now (G samples
+            # sent as separate requests): wait for it, then copy instead of recompute.
+            owner = staged.owner
+            if owner is not None and staged.computed_by(request.snapshot):
+                n = min(owner.prompt.size, prompt.size)
+                if _common_prefix(owner.prompt[:n], prompt[:n]) >= best_len + MIN_PREFIX_WAIT:
+                    return -1
         if best >= 0 and self.staged[best].owner is None:
             slot = best
         else:
@@ -614,6 +624,12 @@ class TorchSampler:
             s.tokens_generated,
             s.prefix_reused_tokens,
         )
+
+
+def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+    """Length of the common prefix of two equally long token arrays."""
+    diff = np.flatnonzero(a != b)
+    return int(diff[0]) if diff.size else a.size
 
 
 def _tag(request: _Request) -> float:

@@ -207,6 +207,20 @@ def test_prefix_reuse_gives_identical_tokens_and_logprobs(
         _assert_same(g, _alone(base, o, snap))
 
 
+def test_separate_requests_for_one_prompt_share_its_prefill(
+    base: BaseModel, snap: WeightSnapshot
+) -> None:
+    """G samples sent as G requests at once: one prefill, the others copy it."""
+    prompt = np.arange(3, 43)
+    ops = [SampleOp(prompt, 1, SamplingConfig(max_tokens=6, seed=s)) for s in range(5)]
+    sampler = TorchSampler(base, limits=SamplerLimits(num_slots=8, max_len=64, prefill_slots=4))
+    got = _run(sampler, [(o, snap) for o in ops])
+    assert sampler.stats().prompt_tokens == prompt.size + 4  # the last token, 4 times
+    assert sampler.stats().prefix_reused_tokens == 4 * (prompt.size - 1)
+    for o, g in zip(ops, got, strict=True):
+        _assert_same(g, _alone(base, o, snap))
+
+
 def test_prefix_cache_is_keyed_by_weights(base: BaseModel, snap: WeightSnapshot) -> None:
     model = _trained(base, "pk", 5)
     prompt = np.arange(3, 43)
