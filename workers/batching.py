@@ -66,59 +66,66 @@ class LoraSegments:
     """Rows ``[start, stop)`` use ``adapter`` (None: the base model only).
 
     The batch is laid out call by call, so each adapter's rows are one
-    contiguous range. When every segment has an adapter of one rank and the
-    segments are the same size (calls of one shape, the common case), all
-    updates run as two batched matmuls over the stacked adapters (BGMV-style:
-    a handful of ops whatever the number of tenants). Otherwise each adapter's
-    update is computed on a view of ``x`` (no gather), and all are
-    concatenated and added in one op (no scatter).
+    contiguous range. All adapters' updates run as two matmuls, whatever the
+    number of tenants: ``h = x @ [A_1; ...; A_n]^T`` computes every adapter's
+    down-projection for every row (a rank-``sum r_i`` matmul, cheap for
+    LoRA ranks), a mask keeps row b's own block (scaled by its adapter's
+    ``alpha / r``) and zeroes the others, and ``y + h @ [B_1 ... B_n]^T``
+    adds the up-projection. The zeros contribute exactly nothing, so each row
+    gets its own adapter's update; a few large matmuls replace n small ones
+    (and their backward), which is what batching tenants is for. Past
+    ``MAX_DENSE_RANK`` total rank the wasted columns would cost more than
+    they save, and each adapter's update is computed on its own rows instead.
     """
+
+    MAX_DENSE_RANK = 256
 
     def __init__(self, segments: Sequence[tuple[int, int, LoraAdapter | None]]) -> None:
         self.segments = list(segments)
-        sizes = {stop - start for start, stop, _ in self.segments}
-        adapters = [a for _, _, a in self.segments]
-        self.stacked: list[LoraAdapter] | None = None
-        if len(self.segments) > 1 and len(sizes) == 1 and all(a is not None for a in adapters):
-            ranks = {a.rank for a in adapters if a is not None}
-            if len(ranks) == 1:
-                self.stacked = [a for a in adapters if a is not None]
+        self.adapters: list[LoraAdapter] = []
+        for _, _, adapter in self.segments:
+            if adapter is not None and all(adapter is not a for a in self.adapters):
+                self.adapters.append(adapter)
+        offsets, total = {}, 0
+        for adapter in self.adapters:
+            offsets[id(adapter)] = total
+            total += adapter.rank
+        self.total_rank = total
+        rows = self.segments[-1][1] if self.segments else 0
+        mask_B_1_C = torch.zeros(rows, 1, total)
+        for start, stop, adapter in self.segments:
+            if adapter is not None:
+                col = offsets[id(adapter)]
+                mask_B_1_C[start:stop, :, col : col + adapter.rank] = adapter.scale
+        self.mask_B_1_C = mask_B_1_C
 
     def apply(self, layer: int, target: str, x_B_T_I: Tensor, y_B_T_O: Tensor) -> Tensor:
         if len(self.segments) == 1 and self.segments[0][2] is not None:
             return self.segments[0][2].apply(layer, target, x_B_T_I, y_B_T_O)
-        if self.stacked is not None and all(target in a.a[layer] for a in self.stacked):
-            return self._apply_stacked(self.stacked, layer, target, x_B_T_I, y_B_T_O)
+        if not self.adapters:
+            return y_B_T_O
+        dense = self.total_rank <= self.MAX_DENSE_RANK and all(
+            target in a.a[layer] for a in self.adapters
+        )
+        if dense:
+            return self._apply_dense(layer, target, x_B_T_I, y_B_T_O)
         parts: list[Tensor] = []
-        any_update = False
         for start, stop, adapter in self.segments:
             delta = None if adapter is None else adapter.delta(layer, target, x_B_T_I[start:stop])
             if delta is None:
-                parts.append(y_B_T_O.new_zeros((stop - start, *y_B_T_O.shape[1:])))
-            else:
-                parts.append(delta)
-                any_update = True
-        if not any_update:
-            return y_B_T_O
+                delta = y_B_T_O.new_zeros((stop - start, *y_B_T_O.shape[1:]))
+            parts.append(delta)
         return y_B_T_O + torch.cat(parts)
 
-    @staticmethod
-    def _apply_stacked(
-        adapters: list[LoraAdapter], layer: int, target: str, x_B_T_I: Tensor, y_B_T_O: Tensor
-    ) -> Tensor:
-        n = len(adapters)
-        a_N_R_I = torch.stack([a.a[layer][target] for a in adapters])
-        b_N_O_R = torch.stack([a.b[layer][target] for a in adapters])
-        scales = [a.scale for a in adapters]
-        alpha = scales[0]
-        if len(set(scales)) > 1:  # fold each adapter's scale into its (small) B
-            scale_N = torch.tensor(scales, dtype=b_N_O_R.dtype, device=b_N_O_R.device)
-            b_N_O_R, alpha = b_N_O_R * scale_N[:, None, None], 1.0
-        x_N_M_I = x_B_T_I.reshape(n, -1, x_B_T_I.shape[-1])
-        h_N_M_R = torch.bmm(x_N_M_I, a_N_R_I.transpose(1, 2))
-        y_N_M_O = y_B_T_O.reshape(n, -1, y_B_T_O.shape[-1])
-        out_N_M_O = torch.baddbmm(y_N_M_O, h_N_M_R, b_N_O_R.transpose(1, 2), alpha=alpha)
-        return out_N_M_O.reshape(y_B_T_O.shape)
+    def _apply_dense(self, layer: int, target: str, x_B_T_I: Tensor, y_B_T_O: Tensor) -> Tensor:
+        a_C_I = torch.cat([a.a[layer][target] for a in self.adapters])
+        b_O_C = torch.cat([a.b[layer][target] for a in self.adapters], dim=1)
+        if self.mask_B_1_C.dtype != x_B_T_I.dtype or self.mask_B_1_C.device != x_B_T_I.device:
+            self.mask_B_1_C = self.mask_B_1_C.to(dtype=x_B_T_I.dtype, device=x_B_T_I.device)
+        h_B_T_C = F.linear(x_B_T_I, a_C_I) * self.mask_B_1_C
+        out_dim, rank = y_B_T_O.shape[-1], self.total_rank
+        out_N_O = torch.addmm(y_B_T_O.reshape(-1, out_dim), h_B_T_C.reshape(-1, rank), b_O_C.t())
+        return out_N_O.view(y_B_T_O.shape)
 
 
 @dataclass

@@ -170,19 +170,25 @@ def test_lora_segments_equal_one_adapter_per_row_group(base: BaseModel) -> None:
     torch.testing.assert_close(got, want)
 
 
-def test_stacked_adapters_equal_one_adapter_per_segment(base: BaseModel) -> None:
-    """Same-size segments of one rank take the batched-matmul path; scales may differ."""
-    adapters = [_model(base, 7 + i).adapter for i in range(3)]
-    adapters[1].scale *= 3.0  # type: ignore[union-attr]
-    x = torch.randn(6, 4, base.cfg.hidden_size)
-    y = torch.randn(6, 4, base.cfg.intermediate_size)
-    segs = LoraSegments([(2 * i, 2 * i + 2, a) for i, a in enumerate(adapters)])
-    assert segs.stacked is not None
+@pytest.mark.parametrize("dense", [True, False])
+def test_lora_segments_equal_each_adapter_on_its_rows(base: BaseModel, dense: bool) -> None:
+    """Mixed ranks and scales, unequal segments, a base-only segment: the dense
+    path (two matmuls for all adapters) and the per-segment path both equal
+    each adapter applied to its own rows."""
+    a, b, c = _model(base, 7).adapter, _model(base, 8, rank=8).adapter, _model(base, 9).adapter
+    assert a is not None and b is not None and c is not None
+    b.scale *= 3.0
+    segments = [(0, 2, a), (2, 3, None), (3, 6, b), (6, 7, c), (7, 8, a)]
+    segs = LoraSegments(segments)
+    if not dense:
+        segs.MAX_DENSE_RANK = 0
+    x = torch.randn(8, 4, base.cfg.hidden_size)
+    y = torch.randn(8, 4, base.cfg.intermediate_size)
     got = segs.apply(0, "up_proj", x, y.clone())
     want = torch.cat(
         [
-            a.apply(0, "up_proj", x[2 * i : 2 * i + 2], y[2 * i : 2 * i + 2].clone())  # type: ignore[union-attr]
-            for i, a in enumerate(adapters)
+            y[s:e].clone() if ad is None else ad.apply(0, "up_proj", x[s:e], y[s:e].clone())
+            for s, e, ad in segments
         ]
     )
     torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)

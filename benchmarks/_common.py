@@ -1,0 +1,76 @@
+"""Shared helpers of the benchmarks: a fixed thread budget, this machine's limits
+measured in the same run, a locally built model, and Markdown tables."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+THREADS = 2  # every benchmark runs on the same fixed budget (CI's 2-core runner)
+os.environ.setdefault("OMP_NUM_THREADS", str(THREADS))
+# Waiting OpenMP threads sleep instead of spinning. On a shared 2-core machine a
+# spinning thread steals the core its partner needs and a parallel region can
+# take 5-10x longer; both sides of every comparison run in this one process,
+# under the same policy.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402
+
+torch.set_num_threads(THREADS)
+
+
+def model_dir(preset: str, given: str | None) -> Path:
+    """A random-weight Llama of ``preset`` built on the spot (or reused from ``given``)."""
+    from treadle.workers.model.tiny import build_tiny_model
+
+    if given:
+        path = Path(given)
+        if (path / "config.json").exists():
+            return path
+    else:
+        path = Path(tempfile.mkdtemp(prefix=f"treadle-bench-{preset}-"))
+    return build_tiny_model(path, preset=preset, seed=0)
+
+
+def best_time(fn: Callable[[], object], repeat: int = 5) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def matmul_gflops(dtype: torch.dtype = torch.float32, n: int = 1024) -> float:
+    """Peak-ish matmul throughput of this machine at ``dtype`` (best of a few runs)."""
+    a = torch.randn(n, n).to(dtype)
+    b = torch.randn(n, n).to(dtype)
+    return 2 * n**3 / best_time(lambda: a @ b) / 1e9
+
+
+def memory_gbs() -> float:
+    """Copy bandwidth (read + write) of a 256 MB buffer, GB/s."""
+    src = torch.ones(64 * 2**20)
+    dst = torch.empty_like(src)
+    return 2 * src.numel() * 4 / best_time(lambda: dst.copy_(src), repeat=3) / 1e9
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    def fmt(v: object) -> str:
+        if isinstance(v, float):
+            return f"{v:,.3g}" if abs(v) < 10 else f"{v:,.0f}"
+        return str(v)
+
+    cells = [[fmt(v) for v in row] for row in rows]
+    widths = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(headers)]
+    lines = [
+        "| " + " | ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)) + " |",
+        "|" + "|".join("-" * (w + 2) for w in widths) + "|",
+    ]
+    for r in cells:
+        lines.append("| " + " | ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) + " |")
+    return "\n".join(lines)
