@@ -4,8 +4,8 @@ Every LoRA model of a worker shares the frozen base weights, so the
 ``ForwardBackward`` and ``ForwardLogprobs`` calls of different models (up to
 each model's next barrier, as the scheduler hands them out) can run as one
 forward: the base matmuls once for every row, each row's low-rank update from
-its own adapter (``LoraSegments``). Each call keeps its own loss, computed on
-its own rows only, so the one ``backward()`` of the summed losses gives every
+its own adapter (``LoraRows``: two more matmuls for all adapters together).
+Each call keeps its own loss, computed on its own rows only, so the one ``backward()`` of the summed losses gives every
 adapter exactly the gradient of its own call(s): the same numbers, within
 floating-point reordering, as running each call alone (``trainer``).
 
@@ -35,7 +35,7 @@ from treadle.errors import InternalError, TreadleError
 from treadle.workers import trainer
 from treadle.workers.domain import ForwardBackwardOp, ForwardLogprobsOp, ForwardResult
 from treadle.workers.model.llama import forward_hidden, lm_logits
-from treadle.workers.model.lora import LoraAdapter
+from treadle.workers.model.lora import LoraAdapter, LoraRows
 from treadle.workers.trainer import TrainingModel
 
 log = logging.getLogger("treadle.batching")
@@ -60,72 +60,6 @@ class BatchCall:
     model: TrainingModel
     op: BatchableOp
     outcome: ForwardResult | Exception | None = None
-
-
-class LoraSegments:
-    """Rows ``[start, stop)`` use ``adapter`` (None: the base model only).
-
-    The batch is laid out call by call, so each adapter's rows are one
-    contiguous range. All adapters' updates run as two matmuls, whatever the
-    number of tenants: ``h = x @ [A_1; ...; A_n]^T`` computes every adapter's
-    down-projection for every row (a rank-``sum r_i`` matmul, cheap for
-    LoRA ranks), a mask keeps row b's own block (scaled by its adapter's
-    ``alpha / r``) and zeroes the others, and ``y + h @ [B_1 ... B_n]^T``
-    adds the up-projection. The zeros contribute exactly nothing, so each row
-    gets its own adapter's update; a few large matmuls replace n small ones
-    (and their backward), which is what batching tenants is for. Past
-    ``MAX_DENSE_RANK`` total rank the wasted columns would cost more than
-    they save, and each adapter's update is computed on its own rows instead.
-    """
-
-    MAX_DENSE_RANK = 256
-
-    def __init__(self, segments: Sequence[tuple[int, int, LoraAdapter | None]]) -> None:
-        self.segments = list(segments)
-        self.adapters: list[LoraAdapter] = []
-        for _, _, adapter in self.segments:
-            if adapter is not None and all(adapter is not a for a in self.adapters):
-                self.adapters.append(adapter)
-        offsets, total = {}, 0
-        for adapter in self.adapters:
-            offsets[id(adapter)] = total
-            total += adapter.rank
-        self.total_rank = total
-        rows = self.segments[-1][1] if self.segments else 0
-        mask_B_1_C = torch.zeros(rows, 1, total)
-        for start, stop, adapter in self.segments:
-            if adapter is not None:
-                col = offsets[id(adapter)]
-                mask_B_1_C[start:stop, :, col : col + adapter.rank] = adapter.scale
-        self.mask_B_1_C = mask_B_1_C
-
-    def apply(self, layer: int, target: str, x_B_T_I: Tensor, y_B_T_O: Tensor) -> Tensor:
-        if len(self.segments) == 1 and self.segments[0][2] is not None:
-            return self.segments[0][2].apply(layer, target, x_B_T_I, y_B_T_O)
-        if not self.adapters:
-            return y_B_T_O
-        dense = self.total_rank <= self.MAX_DENSE_RANK and all(
-            target in a.a[layer] for a in self.adapters
-        )
-        if dense:
-            return self._apply_dense(layer, target, x_B_T_I, y_B_T_O)
-        parts: list[Tensor] = []
-        for start, stop, adapter in self.segments:
-            delta = None if adapter is None else adapter.delta(layer, target, x_B_T_I[start:stop])
-            if delta is None:
-                delta = y_B_T_O.new_zeros((stop - start, *y_B_T_O.shape[1:]))
-            parts.append(delta)
-        return y_B_T_O + torch.cat(parts)
-
-    def _apply_dense(self, layer: int, target: str, x_B_T_I: Tensor, y_B_T_O: Tensor) -> Tensor:
-        a_C_I = torch.cat([a.a[layer][target] for a in self.adapters])
-        b_O_C = torch.cat([a.b[layer][target] for a in self.adapters], dim=1)
-        if self.mask_B_1_C.dtype != x_B_T_I.dtype or self.mask_B_1_C.device != x_B_T_I.device:
-            self.mask_B_1_C = self.mask_B_1_C.to(dtype=x_B_T_I.dtype, device=x_B_T_I.device)
-        h_B_T_C = F.linear(x_B_T_I, a_C_I) * self.mask_B_1_C
-        out_dim, rank = y_B_T_O.shape[-1], self.total_rank
-        out_N_O = torch.addmm(y_B_T_O.reshape(-1, out_dim), h_B_T_C.reshape(-1, rank), b_O_C.t())
-        return out_N_O.view(y_B_T_O.shape)
 
 
 @dataclass
@@ -230,18 +164,24 @@ def _logprobs(rows: list[_Rows], *, with_entropy: bool) -> list[tuple[Tensor, Te
     """One forward over every call's rows; each call's logprobs at its own temperature."""
     T = max(r.tokens_B_T.shape[1] for r in rows)
     start = 0
-    tokens, segments = [], []
+    tokens: list[Tensor] = []
+    adapters: list[LoraAdapter] = []
+    row_ids: list[int] = []
     for r in rows:
         B, t = r.tokens_B_T.shape
         r.start, r.stop = start, start + B
         start += B
         tokens.append(F.pad(r.tokens_B_T, (0, T - t)))  # right padding: never attended
-        segments.append((r.start, r.stop, r.adapter))
+        if r.adapter is None:
+            row_ids += [-1] * B
+            continue
+        if all(r.adapter is not a for a in adapters):
+            adapters.append(r.adapter)
+        row_ids += [next(i for i, a in enumerate(adapters) if a is r.adapter)] * B
     model = rows[0].call.model
     tokens_B_T = torch.cat(tokens)
-    hidden_B_T_H = forward_hidden(
-        model.cfg, model.params, tokens_B_T, lora=LoraSegments(_merge(segments))
-    )
+    lora = LoraRows(adapters, torch.tensor(row_ids)) if adapters else None
+    hidden_B_T_H = forward_hidden(model.cfg, model.params, tokens_B_T, lora=lora)
     out = []
     for r in rows:
         t = r.tokens_B_T.shape[1]
@@ -252,16 +192,3 @@ def _logprobs(rows: list[_Rows], *, with_entropy: bool) -> list[tuple[Tensor, Te
             )
         )
     return out
-
-
-def _merge(
-    segments: list[tuple[int, int, LoraAdapter | None]],
-) -> list[tuple[int, int, LoraAdapter | None]]:
-    """Join neighbouring segments of the same adapter (a model's several calls)."""
-    merged: list[tuple[int, int, LoraAdapter | None]] = []
-    for start, stop, adapter in segments:
-        if merged and merged[-1][2] is adapter and merged[-1][1] == start:
-            merged[-1] = (merged[-1][0], stop, adapter)
-        else:
-            merged.append((start, stop, adapter))
-    return merged

@@ -17,7 +17,7 @@ from treadle.errors import InvalidArgumentError
 from treadle.workers import batching, trainer
 from treadle.workers import engine as engine_mod
 from treadle.workers.base_models import BaseModel, BaseModelRegistry
-from treadle.workers.batching import BatchCall, LoraSegments, run_batch
+from treadle.workers.batching import BatchCall, run_batch
 from treadle.workers.domain import (
     AdamConfig,
     DatumData,
@@ -29,6 +29,7 @@ from treadle.workers.domain import (
     OrderedOp,
 )
 from treadle.workers.engine import Engine, EngineConfig
+from treadle.workers.model.lora import LoraRows
 from treadle.workers.trainer import TrainingModel
 
 torch.set_num_threads(1)
@@ -154,44 +155,32 @@ def test_an_invalid_call_fails_alone(base: BaseModel) -> None:
     assert all(p.grad is None for p in m2.trainable.values())
 
 
-def test_lora_segments_equal_one_adapter_per_row_group(base: BaseModel) -> None:
-    a, b = _model(base, 3).adapter, _model(base, 4).adapter
-    assert a is not None and b is not None
-    x = torch.randn(5, 3, base.cfg.hidden_size)
-    y = torch.randn(5, 3, base.cfg.q_size)
-    got = LoraSegments([(0, 2, a), (2, 3, None), (3, 5, b)]).apply(1, "q_proj", x, y.clone())
-    want = torch.cat(
-        [
-            a.apply(1, "q_proj", x[:2], y[:2].clone()),
-            y[2:3],
-            b.apply(1, "q_proj", x[3:], y[3:].clone()),
-        ]
-    )
-    torch.testing.assert_close(got, want)
-
-
 @pytest.mark.parametrize("dense", [True, False])
-def test_lora_segments_equal_each_adapter_on_its_rows(base: BaseModel, dense: bool) -> None:
-    """Mixed ranks and scales, unequal segments, a base-only segment: the dense
-    path (two matmuls for all adapters) and the per-segment path both equal
-    each adapter applied to its own rows."""
+def test_lora_rows_equal_each_adapter_on_its_rows(base: BaseModel, dense: bool) -> None:
+    """Mixed ranks and scales, a base-only row, rows of one adapter apart: the
+    dense path (two matmuls for all adapters) and the gather/scatter path both
+    equal each adapter applied to its own rows, and gradients reach each."""
     a, b, c = _model(base, 7).adapter, _model(base, 8, rank=8).adapter, _model(base, 9).adapter
     assert a is not None and b is not None and c is not None
     b.scale *= 3.0
-    segments = [(0, 2, a), (2, 3, None), (3, 6, b), (6, 7, c), (7, 8, a)]
-    segs = LoraSegments(segments)
+    ids = [0, 0, -1, 1, 1, 1, 2, 0]
+    rows = LoraRows([a, b, c], torch.tensor(ids))
     if not dense:
-        segs.MAX_DENSE_RANK = 0
+        rows.DENSE_MAX_RANK = 0
     x = torch.randn(8, 4, base.cfg.hidden_size)
     y = torch.randn(8, 4, base.cfg.intermediate_size)
-    got = segs.apply(0, "up_proj", x, y.clone())
+    got = rows.apply(0, "up_proj", x, y.clone())
     want = torch.cat(
         [
-            y[s:e].clone() if ad is None else ad.apply(0, "up_proj", x[s:e], y[s:e].clone())
-            for s, e, ad in segments
+            y[i : i + 1].clone()
+            if k < 0
+            else [a, b, c][k].apply(0, "up_proj", x[i : i + 1], y[i : i + 1].clone())
+            for i, k in enumerate(ids)
         ]
     )
     torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+    got.sum().backward()
+    assert all(ad.a[0]["up_proj"].grad is not None for ad in (a, b, c))
 
 
 def test_calls_of_one_shape_batch_like_alone(base: BaseModel) -> None:

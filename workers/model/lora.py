@@ -246,12 +246,20 @@ class LoraAdapter:
 class LoraRows:
     """A batch where row b uses ``adapters[row_adapter_B[b]]`` (-1: base model only).
 
-    Rows are grouped by adapter once, at construction (one host sync per
-    forward, not per projection). In each projection the base output of all
-    rows is computed once; each group then gathers its rows, applies its
-    adapter, and adds the update back with ``index_add_``. A group that holds
-    every row skips the gather and scatter.
+    The base output of all rows is computed once (the shared matmul); then
+    every adapter's update is added with two more matmuls, however many
+    adapters the batch mixes: ``h = x @ [A_1; ...; A_n]^T`` computes every
+    adapter's down-projection for every row (cheap at LoRA ranks), a mask
+    keeps row b's own block, scaled by its adapter's ``alpha / r``, and zeroes
+    the rest, and ``y + h @ [B_1 ... B_n]^T`` adds the up-projection. The
+    zeros contribute exactly nothing, so each row gets its own update. Past
+    ``DENSE_MAX_RANK`` total rank the wasted columns would cost more than they
+    save: each adapter then gathers its rows, applies its update, and adds it
+    back with ``index_add_``. One adapter for every row is the single-adapter
+    fast path.
     """
+
+    DENSE_MAX_RANK = 256
 
     def __init__(self, adapters: Sequence[LoraAdapter], row_adapter_B: Tensor) -> None:
         ids = [int(i) for i in row_adapter_B.tolist()]
@@ -262,16 +270,26 @@ class LoraRows:
             )
         self.adapters = list(adapters)
         self.row_adapter_B = row_adapter_B
+        self.row_ids = ids
+        self.used = sorted(set(ids) - {-1})
         self.groups: list[tuple[LoraAdapter, Tensor | None]] = []
-        for adapter_id in sorted(set(ids) - {-1}):
+        for adapter_id in self.used:
             rows = [b for b, i in enumerate(ids) if i == adapter_id]
             if len(rows) == len(ids):
                 self.groups.append((self.adapters[adapter_id], None))
             else:
                 idx = torch.tensor(rows, dtype=torch.long, device=row_adapter_B.device)
                 self.groups.append((self.adapters[adapter_id], idx))
+        self._masks: dict[tuple[int, ...], Tensor] = {}
 
     def apply(self, layer: int, target: str, x_B_T_I: Tensor, y_B_T_O: Tensor) -> Tensor:
+        if len(self.groups) == 1 and self.groups[0][1] is None:
+            return self.groups[0][0].apply(layer, target, x_B_T_I, y_B_T_O)
+        present = tuple(i for i in self.used if target in self.adapters[i].a[layer])
+        if not present:
+            return y_B_T_O
+        if sum(self.adapters[i].rank for i in present) <= self.DENSE_MAX_RANK:
+            return self._apply_dense(present, layer, target, x_B_T_I, y_B_T_O)
         for adapter, rows_G in self.groups:
             if rows_G is None:
                 y_B_T_O = adapter.apply(layer, target, x_B_T_I, y_B_T_O)
@@ -280,3 +298,31 @@ class LoraRows:
             if delta_G_T_O is not None:
                 y_B_T_O = y_B_T_O.index_add_(0, rows_G, delta_G_T_O)
         return y_B_T_O
+
+    def _apply_dense(
+        self, present: tuple[int, ...], layer: int, target: str, x_B_T_I: Tensor, y_B_T_O: Tensor
+    ) -> Tensor:
+        adapters = [self.adapters[i] for i in present]
+        a_C_I = torch.cat([a.a[layer][target] for a in adapters])
+        b_O_C = torch.cat([a.b[layer][target] for a in adapters], dim=1)
+        mask_B_1_C = self._mask(present, x_B_T_I)
+        h_B_T_C = F.linear(x_B_T_I, a_C_I) * mask_B_1_C
+        out_dim, rank = y_B_T_O.shape[-1], a_C_I.shape[0]
+        out_N_O = torch.addmm(y_B_T_O.reshape(-1, out_dim), h_B_T_C.reshape(-1, rank), b_O_C.t())
+        return out_N_O.view(y_B_T_O.shape)
+
+    def _mask(self, present: tuple[int, ...], like: Tensor) -> Tensor:
+        """``[B, 1, C]``: row b's adapter's scale on that adapter's columns, else 0."""
+        mask = self._masks.get(present)
+        if mask is None or mask.dtype != like.dtype or mask.device != like.device:
+            cols, offset = {}, 0
+            for i in present:
+                cols[i] = (offset, offset + self.adapters[i].rank)
+                offset += self.adapters[i].rank
+            mask = torch.zeros(len(self.row_ids), 1, offset)
+            for b, i in enumerate(self.row_ids):
+                if i in cols:
+                    mask[b, :, cols[i][0] : cols[i][1]] = self.adapters[i].scale
+            mask = mask.to(dtype=like.dtype, device=like.device)
+            self._masks[present] = mask
+        return mask
