@@ -1,7 +1,9 @@
-"""`treadle demo --quick`: the README's first command runs end to end and RL helps.
+"""`treadle demo`: the README's first command runs end to end and RL helps.
 
 The demo is seeded (problems, sampling noise, model weights), so this is the
-same run every time: about 30 s on 2 CPU cores.
+same run every time: about 75 s on 2 CPU cores. It is the whole demo, not the
+quick one, because "it learns" means the exact-match reward rises by at least
+0.3 within the demo's budget.
 """
 
 from __future__ import annotations
@@ -17,13 +19,13 @@ from treadle.server.demo import SUMMARY_FILE
 
 
 @pytest.mark.slow
-def test_quick_demo_reward_rises(
+def test_demo_reward_rises(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.delenv("TREADLE_API_KEY", raising=False)  # the embedded server sets it
     data_dir, png = tmp_path / "demo", tmp_path / "curve.png"
 
-    rc = main(["demo", "--quick", "--data-dir", str(data_dir), "--out", str(png), "--seed", "0"])
+    rc = main(["demo", "--data-dir", str(data_dir), "--out", str(png), "--seed", "0"])
 
     assert rc == 0
     assert png.stat().st_size > 0 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -34,7 +36,7 @@ def test_quick_demo_reward_rises(
     assert 0.15 <= summary["eval_before"] <= 0.7
     # ...and GRPO learns it: on the fixed evaluation set (same seeds before and
     # after) and on the rollouts themselves.
-    assert summary["eval_after"] >= summary["eval_before"] + 0.08, summary
+    assert summary["eval_after"] >= summary["eval_before"] + 0.3, summary
     k = len(rewards) // 4
     assert np.mean(rewards[-k:]) >= np.mean(rewards[:k]) + 0.05, rewards
     # Sampler and trainer compute the same logprobs (invariant 4).
