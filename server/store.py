@@ -131,6 +131,20 @@ class LocalStore:
         shutil.rmtree(storage_path, ignore_errors=True)
 
 
+def copy_checkpoint(store: Store, src_path: str, dst_path: str) -> int:
+    """Copy a checkpoint to another storage path of the same store; the bytes written.
+    Blocking I/O: call it off the event loop."""
+    src = store.fetch(src_path)
+    staging = store.staging_dir(dst_path)
+    try:
+        shutil.rmtree(staging, ignore_errors=True)
+        shutil.copytree(src, staging)
+        return store.commit(staging, dst_path)
+    finally:
+        store.release(src, src_path)
+        store.release(staging, dst_path)
+
+
 def storage_path_str(path: str | Path) -> str:
     """A storage path as the store wrote it. ``Path("s3://b/k")`` reads ``s3:/b/k``
     (pathlib folds the double slash), so a path that went through ``Path`` is mended."""

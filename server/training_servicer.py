@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import shutil
@@ -24,6 +25,7 @@ from treadle.server.db import queries, tenancy
 from treadle.server.metering import CallMeter
 from treadle.server.store import (
     check_name,
+    copy_checkpoint,
     parse_state_uri,
     state_uri,
     storage_path_str,
@@ -47,6 +49,8 @@ from treadle.workers.domain import (
 
 log = logging.getLogger("treadle.server")
 MAX_LORA_RANK = 1024
+#: name of the checkpoint a model created from a state keeps of its starting point
+INIT_CHECKPOINT = "init"
 EXPORT_CHUNK_BYTES = 1 << 20
 
 
@@ -118,9 +122,29 @@ class TrainingServicer(training_pb2_grpc.TrainingServiceServicer):
             raise
         ctx.owners[model_id] = tenant
         ctx.lifecycle.touch(model_id)
+        init = None
+        if from_state is not None:
+            # The model owns a copy of the state it started from, so a restart (or
+            # the source's deletion) brings it back there, not to a fresh init.
+            init_path = ctx.store.state_path(tenant, model_id, INIT_CHECKPOINT)
+            size = await asyncio.to_thread(copy_checkpoint, ctx.store, from_state, init_path)
+            init = (init_path, size)
         with ctx.session() as s:
             if status.version:
                 queries.update_model_progress(s, model_id, version=status.version)
+            if init is not None:
+                row = self._record_checkpoint(
+                    s,
+                    tenant,
+                    model_id,
+                    INIT_CHECKPOINT,
+                    init[0],
+                    0,
+                    status.version,
+                    "auto",
+                    init[1],
+                )
+                queries.update_model_progress(s, model_id, last_checkpoint=row)
             return self._info(ctx.model_row(s, tenant, model_id))
 
     async def GetModelInfo(

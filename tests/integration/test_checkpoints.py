@@ -183,12 +183,6 @@ def test_restart_brings_models_back_at_their_last_checkpoint(
         srv.stop()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: a model created with from_state has no checkpoint of its own, so "
-    "restore_models() recreates it from its seed (fresh adapter, version 0) and the "
-    "loaded weights and optimizer state are silently lost",
-)
 def test_model_created_from_state_survives_a_restart(tmp_path: Path, tiny_model_dir: Path) -> None:
     """A model created from a checkpoint and never saved again comes back with the
     checkpoint's weights, not with a fresh initialisation."""
