@@ -6,6 +6,15 @@ numpy only; torch tensors are accepted as inputs but torch is never imported.
 from treadle.rl.advantages import effective_group_rate, group_advantages, informative_groups
 from treadle.rl.datums import AGGREGATIONS, Aggregation, Rollout, build_datums
 from treadle.rl.kl import kl_k3
+from treadle.rl.loops import (
+    Group,
+    Prompt,
+    StepStats,
+    async_loop,
+    grpo_train_step,
+    one_step_stale_loop,
+    sync_loop,
+)
 from treadle.rl.staleness import (
     Versions,
     drop_stale,
@@ -19,15 +28,22 @@ __all__ = [
     "AGGREGATIONS",
     "Aggregation",
     "Rollout",
+    "Group",
+    "Prompt",
+    "StepStats",
     "Versions",
+    "async_loop",
     "build_datums",
     "drop_stale",
     "effective_group_rate",
     "expand_versions",
     "group_advantages",
+    "grpo_train_step",
     "informative_groups",
     "kl_k3",
+    "one_step_stale_loop",
     "rollout_staleness",
     "staleness_histogram",
+    "sync_loop",
     "token_staleness",
 ]

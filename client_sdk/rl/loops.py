@@ -1,0 +1,467 @@
+"""The async-RL ladder as three small loops: copy one and change it.
+
+Each loop is a generator: it yields one :class:`StepStats` per training step,
+so the caller prints, logs, evaluates or stops (``break``) between steps. The
+user supplies three hooks:
+
+* a **prompt source**: an iterator of :class:`Prompt` (tokens, the task the
+  reward reads, optional per-prompt :class:`~treadle.types.SamplingParams`);
+* a **reward function** ``reward_fn(task, sequence) -> float``;
+* a **train step** ``train_step(trainer, groups) -> metrics`` that applies
+  one or more optimizer steps; :func:`grpo_train_step` builds the usual one
+  (group-centred advantages, a policy loss, minibatches) and its ``loss`` /
+  ``loss_config`` / ``proximal`` arguments pick importance sampling, PPO or
+  decoupled PPO.
+
+The rungs (seed "generation-training-loop", "Overlapping generation and training"):
+
+* :func:`sync_loop` (rung 0): generate a batch, train on it, sync, repeat.
+  Strictly on-policy; the sampler idles while the trainer works and the
+  trainer waits for the slowest answer of the batch.
+* :func:`one_step_stale_loop` (rung 2): batch k+1 is sampled (by the weights
+  before step k) while the trainer trains on batch k.
+* :func:`async_loop` (rung 3): requests run continuously on a ``latest``
+  sampler into a bounded buffer (back-pressure: at most ``buffer_groups``
+  groups are in flight or waiting); the trainer takes finished groups in
+  completion order, drops those older than ``max_staleness`` versions and
+  syncs every ``sync_every`` steps.
+
+Staleness is in optimizer steps (DESIGN.md "Versions count optimizer steps"):
+a group is as stale as its oldest token. Every wait has a timeout, so a stuck
+server fails the loop with ``TimeoutError`` instead of hanging it.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import wait as wait_futures
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from treadle.errors import InvalidArgumentError
+from treadle.rl.advantages import group_advantages
+from treadle.rl.datums import Rollout, build_datums
+from treadle.rl.staleness import rollout_staleness
+from treadle.types import AdamParams, Datum, SampledSequence, SamplingParams
+
+if TYPE_CHECKING:
+    from treadle.futures import APIFuture
+    from treadle.sampling_client import SamplingClient
+    from treadle.training_client import TrainingClient
+
+#: DAPO's asymmetric clip (ratio thresholds).
+PPO_CLIP: Mapping[str, float] = {"clip_low_threshold": 0.8, "clip_high_threshold": 1.28}
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One prompt of the prompt source: its tokens, what the reward needs, its sampling params."""
+
+    tokens: Sequence[int]
+    task: Any = None
+    sampling_params: SamplingParams | None = None
+
+
+@dataclass(frozen=True)
+class Group:
+    """One prompt's G rollouts (one ``sample`` request), rewards filled in."""
+
+    prompt: Prompt
+    rollouts: list[Rollout]
+
+
+RewardFn = Callable[[Any, SampledSequence], float]
+#: ``train_step(trainer, groups) -> metrics``; it may set ``metrics["version"]``
+#: (the optimizer steps applied after it), else the loop asks the server.
+TrainStep = Callable[["TrainingClient", list[Group]], dict[str, float]]
+
+
+@dataclass
+class StepStats:
+    """What one training step saw (the issue's signals)."""
+
+    step: int
+    version: int  # trainer version after the step
+    groups: int
+    rollouts: int
+    trained_tokens: int  # completion tokens in the batch trained on
+    reward: float  # mean reward of the batch
+    staleness: dict[int, int]  # rollout staleness (at train time, in steps) -> count
+    dropped_stale: int  # rollouts dropped for staleness before this step
+    wait_data_s: float  # the trainer waited this long for rollouts
+    sampler_wait_s: float  # the sampler had nothing allowed to run (weights / back-pressure)
+    step_s: float
+    occupancy: float | None = None  # the sampler's slot occupancy (server metrics), if reported
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+# ---- the train step --------------------------------------------------------------------
+
+
+def grpo_train_step(
+    *,
+    loss: str = "ppo",
+    loss_config: Mapping[str, float] | None = None,
+    adam: AdamParams | None = None,
+    minibatches: int = 1,
+    temperature: float = 1.0,
+    proximal: bool = False,
+) -> TrainStep:
+    """A GRPO train step: group-centred advantages, ``minibatches`` optimizer steps.
+
+    The ratio's denominator is the sampler's behaviour logprobs, so the loss
+    corrects staleness by importance sampling (``ppo`` clips it,
+    ``importance_sampling`` reweights it). ``proximal=True`` is decoupled PPO
+    (AReaL): the trainer's current logprobs (``forward_logprobs``) go in as
+    ``proximal_logprobs``, the clip centres on them and the behaviour weight
+    ``exp(proximal - behaviour)`` corrects the rest.
+    """
+    if minibatches < 1:
+        raise InvalidArgumentError(f"minibatches: must be >= 1, got {minibatches}")
+    config = dict(PPO_CLIP if loss_config is None and loss == "ppo" else (loss_config or {}))
+    adam = adam or AdamParams(learning_rate=3e-4)
+
+    def step(trainer: TrainingClient, groups: list[Group]) -> dict[str, float]:
+        G = {len(g.rollouts) for g in groups}
+        if len(G) != 1:
+            raise InvalidArgumentError(f"groups: every group needs the same size, got {sorted(G)}")
+        rollouts = [r for g in groups for r in g.rollouts]
+        adv_B = group_advantages([r.reward for r in rollouts], G.pop())
+        keep = [i for i, a in enumerate(adv_B) if a != 0.0 and rollouts[i].completion_tokens]
+        if not keep:
+            return {"loss": 0.0, "trained_rollouts": 0.0}
+        order = np.random.permutation(keep)
+        fbs, opts = [], []
+        for mb in np.array_split(order, min(minibatches, len(order))):
+            datums = build_datums([rollouts[i] for i in mb], adv_B[mb])  # one denominator a step
+            if proximal:
+                datums = _with_proximal(trainer, datums, temperature)
+            fbs.append(trainer.forward_backward(datums, loss, config, temperature=temperature))
+            opts.append(trainer.optim_step(adam))
+        metrics = [f.result().metrics for f in fbs]
+        version = [o.result().step for o in opts][-1]
+        out = {"loss": sum(m.get("loss:sum", 0.0) for m in metrics), "version": float(version)}
+        out["trained_rollouts"] = float(len(keep))
+        if any("clip_frac:mean" in m for m in metrics):
+            out["clip_frac"] = float(np.mean([m.get("clip_frac:mean", 0.0) for m in metrics]))
+        return out
+
+    return step
+
+
+def _with_proximal(trainer: TrainingClient, datums: list[Datum], temperature: float) -> list[Datum]:
+    out = trainer.forward_logprobs(datums, temperature=temperature).result()
+    return [
+        replace(d, loss_fn_inputs={**d.loss_fn_inputs, "proximal_logprobs": o.logprobs})
+        for d, o in zip(datums, out.loss_fn_outputs, strict=True)
+    ]
+
+
+# ---- shared pieces ---------------------------------------------------------------------
+
+
+def _check_common(groups_per_step: int, group_size: int, steps: int, timeout: float) -> None:
+    for name, value in (("groups_per_step", groups_per_step), ("group_size", group_size)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise InvalidArgumentError(f"{name}: must be an integer >= 1, got {value!r}")
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+        raise InvalidArgumentError(f"steps: must be an integer >= 0, got {steps!r}")
+    if not timeout > 0:
+        raise InvalidArgumentError(f"timeout: must be > 0 seconds, got {timeout!r}")
+
+
+def _submit(
+    sampler: SamplingClient, prompt: Prompt, group_size: int, params: SamplingParams | None
+) -> APIFuture:
+    return sampler.sample(prompt.tokens, group_size, prompt.sampling_params or params)
+
+
+def _group(prompt: Prompt, fut: APIFuture, reward_fn: RewardFn, timeout: float) -> Group:
+    try:
+        response = fut.result(timeout)
+    except TimeoutError as err:  # concurrent.futures.TimeoutError is TimeoutError (3.11+)
+        raise TimeoutError(f"a sample request did not finish within {timeout} s") from err
+    return Group(
+        prompt,
+        [
+            Rollout.from_sequence(prompt.tokens, seq, reward=float(reward_fn(prompt.task, seq)))
+            for seq in response.sequences
+        ],
+    )
+
+
+def _version(trainer: TrainingClient, metrics: Mapping[str, float]) -> int:
+    if "version" in metrics:
+        return int(metrics["version"])
+    return trainer.get_info().version
+
+
+def _occupancy(trainer: TrainingClient) -> float | None:
+    """The trainer's base model sampler's occupancy from the server's metrics, if reported."""
+    try:
+        info = trainer._service.get_server_info()
+    except Exception:  # a signal, never a reason to fail the loop
+        return None
+    values = [m.occupancy for m in info.sampler_metrics if m.base_model == trainer.base_model]
+    return float(max(values)) if values else None
+
+
+def _stats(
+    step: int,
+    version_before: int,
+    version: int,
+    groups: list[Group],
+    dropped: int,
+    wait_data_s: float,
+    sampler_wait_s: float,
+    t0: float,
+    trainer: TrainingClient,
+    metrics: dict[str, float],
+) -> StepStats:
+    rollouts = [r for g in groups for r in g.rollouts]
+    staleness = Counter(rollout_staleness(r, version_before) for r in rollouts)
+    return StepStats(
+        step=step,
+        version=version,
+        groups=len(groups),
+        rollouts=len(rollouts),
+        trained_tokens=sum(len(r.completion_tokens) for r in rollouts),
+        reward=float(np.mean([r.reward for r in rollouts])) if rollouts else 0.0,
+        staleness=dict(sorted(staleness.items())),
+        dropped_stale=dropped,
+        wait_data_s=wait_data_s,
+        sampler_wait_s=sampler_wait_s,
+        step_s=time.perf_counter() - t0,
+        occupancy=_occupancy(trainer),
+        metrics=metrics,
+    )
+
+
+def _sync(trainer: TrainingClient, timeout: float) -> SamplingClient:
+    sampler = trainer.sync_weights()
+    done = threading.Event()
+    sampler._info.add_done_callback(lambda _: done.set())
+    if not done.wait(timeout):
+        raise TimeoutError(f"sync_weights did not land within {timeout} s")
+    sampler._info.result()  # raises the sync's error, if any
+    return sampler
+
+
+# ---- rung 0 ----------------------------------------------------------------------------
+
+
+def sync_loop(
+    trainer: TrainingClient,
+    prompts: Iterable[Prompt],
+    reward_fn: RewardFn,
+    *,
+    steps: int,
+    groups_per_step: int,
+    group_size: int,
+    sampling_params: SamplingParams | None = None,
+    train_step: TrainStep | None = None,
+    timeout: float = 300.0,
+) -> Iterator[StepStats]:
+    """Rung 0: sample a batch from the current weights, train on it, sync, repeat."""
+    _check_common(groups_per_step, group_size, steps, timeout)
+    train_step = train_step or grpo_train_step()
+    source = iter(prompts)
+    sampler = _sync(trainer, timeout)
+    version = trainer.get_info().version
+    for step in range(1, steps + 1):
+        t0 = time.perf_counter()
+        batch = [next(source) for _ in range(groups_per_step)]
+        futures = [_submit(sampler, p, group_size, sampling_params) for p in batch]
+        groups = [_group(p, f, reward_fn, timeout) for p, f in zip(batch, futures, strict=True)]
+        wait_data = time.perf_counter() - t0  # the trainer idles while the whole batch samples
+        t_train = time.perf_counter()
+        metrics = train_step(trainer, groups)
+        sampler = _sync(trainer, timeout)
+        new_version = _version(trainer, metrics)
+        sampler_wait = time.perf_counter() - t_train  # the sampler idles while the trainer works
+        yield _stats(
+            step, version, new_version, groups, 0, wait_data, sampler_wait, t0, trainer, metrics
+        )
+        version = new_version
+
+
+# ---- rung 2 ----------------------------------------------------------------------------
+
+
+def one_step_stale_loop(
+    trainer: TrainingClient,
+    prompts: Iterable[Prompt],
+    reward_fn: RewardFn,
+    *,
+    steps: int,
+    groups_per_step: int,
+    group_size: int,
+    sampling_params: SamplingParams | None = None,
+    train_step: TrainStep | None = None,
+    timeout: float = 300.0,
+) -> Iterator[StepStats]:
+    """Rung 2: batch k+1 samples (weights before step k) while the trainer trains on batch k.
+
+    Batch k+1 is one train step stale when it is trained on; the ratio to the
+    behaviour logprobs (and the clip) absorbs it. The sampler still waits for
+    the sync at the end of each step before the next batch starts.
+    """
+    _check_common(groups_per_step, group_size, steps, timeout)
+    train_step = train_step or grpo_train_step()
+    source = iter(prompts)
+    sampler = _sync(trainer, timeout)
+    version = trainer.get_info().version
+
+    def launch(sampler: SamplingClient) -> tuple[list[Prompt], list[APIFuture], list[float]]:
+        batch = [next(source) for _ in range(groups_per_step)]
+        futures = [_submit(sampler, p, group_size, sampling_params) for p in batch]
+        done_at: list[float] = []  # when each request finished (the sampler's idle starts after)
+        for f in futures:
+            f.add_done_callback(lambda _: done_at.append(time.perf_counter()))
+        return batch, futures, done_at
+
+    nxt = launch(sampler)
+    for step in range(1, steps + 1):
+        t0 = time.perf_counter()
+        batch, futures, _ = nxt
+        groups = [_group(p, f, reward_fn, timeout) for p, f in zip(batch, futures, strict=True)]
+        wait_data = time.perf_counter() - t0
+        nxt = launch(sampler) if step < steps else ([], [], [])  # overlaps with this step
+        metrics = train_step(trainer, groups)
+        sampler = _sync(trainer, timeout)
+        t_synced = time.perf_counter()
+        new_version = _version(trainer, metrics)
+        # the next batch's sampling idled from its last answer until these weights landed
+        done_at = nxt[2]
+        sampler_wait = (
+            max(0.0, t_synced - max(done_at)) if nxt[1] and len(done_at) == len(nxt[1]) else 0.0
+        )
+        yield _stats(
+            step, version, new_version, groups, 0, wait_data, sampler_wait, t0, trainer, metrics
+        )
+        version = new_version
+
+
+# ---- rung 3 ----------------------------------------------------------------------------
+
+
+def async_loop(
+    trainer: TrainingClient,
+    sampler: SamplingClient,
+    prompts: Iterable[Prompt],
+    reward_fn: RewardFn,
+    *,
+    steps: int,
+    groups_per_step: int,
+    group_size: int,
+    buffer_groups: int,
+    max_staleness: int,
+    sync_every: int = 1,
+    sampling_params: SamplingParams | None = None,
+    train_step: TrainStep | None = None,
+    timeout: float = 300.0,
+) -> Iterator[StepStats]:
+    """Rung 3: continuous sampling into a bounded buffer; the trainer takes what is finished.
+
+    ``sampler`` must follow the model's ``latest`` weights
+    (``service.create_sampling_client(weights=f"treadle://{model_id}/latest")``).
+    At most ``buffer_groups`` requests are in flight or finished-but-untaken:
+    when the buffer is full the producer waits (back-pressure); when it is
+    empty the trainer waits. Groups older than ``max_staleness`` versions when
+    taken are dropped and counted. Default train step: ``ppo`` against the
+    sampler's behaviour logprobs, which corrects staleness by importance
+    sampling (pass ``grpo_train_step(proximal=True)`` for decoupled PPO).
+    """
+    _check_common(groups_per_step, group_size, steps, timeout)
+    if isinstance(max_staleness, bool) or not isinstance(max_staleness, int) or max_staleness < 0:
+        raise InvalidArgumentError(f"max_staleness: must be an integer >= 0, got {max_staleness!r}")
+    if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
+        raise InvalidArgumentError(f"sync_every: must be an integer >= 1, got {sync_every!r}")
+    if isinstance(buffer_groups, bool) or not isinstance(buffer_groups, int) or buffer_groups < 1:
+        raise InvalidArgumentError(f"buffer_groups: must be an integer >= 1, got {buffer_groups!r}")
+    if sampler.version is not None or sampler.model_id != trainer.model_id:
+        raise InvalidArgumentError(
+            "sampler: async_loop needs a sampler following this model's latest weights "
+            f"(treadle://{trainer.model_id}/latest); a pinned sampler never sees the updates"
+        )
+    train_step = train_step or grpo_train_step()
+    source = iter(prompts)
+    slots = threading.Semaphore(buffer_groups)  # requests in flight + finished, not yet taken
+    finished: queue.Queue[tuple[Prompt, APIFuture]] = queue.Queue()
+    stop = threading.Event()
+    in_flight: set[APIFuture] = set()
+    lock = threading.Lock()
+    sampler_wait = [0.0]  # producer time blocked on back-pressure, since the last step
+    errors: list[BaseException] = []
+
+    def produce() -> None:
+        try:
+            while not stop.is_set():
+                t = time.perf_counter()
+                if not slots.acquire(timeout=0.05):
+                    with lock:
+                        sampler_wait[0] += time.perf_counter() - t
+                    continue
+                with lock:
+                    sampler_wait[0] += time.perf_counter() - t
+                prompt = next(source)
+                fut = _submit(sampler, prompt, group_size, sampling_params)
+                with lock:
+                    in_flight.add(fut)
+
+                def done(f: APIFuture, prompt: Prompt = prompt) -> None:
+                    with lock:
+                        in_flight.discard(f)
+                    finished.put((prompt, f))
+
+                fut.add_done_callback(done)
+        except BaseException as err:  # StopIteration of the prompt source included
+            errors.append(err)
+
+    producer = threading.Thread(target=produce, name="treadle-rollouts", daemon=True)
+    producer.start()
+    version = trainer.get_info().version
+    dropped = 0
+    try:
+        for step in range(1, steps + 1):
+            t0 = time.perf_counter()
+            groups: list[Group] = []
+            while len(groups) < groups_per_step:
+                try:
+                    prompt, fut = finished.get(timeout=timeout)
+                except queue.Empty:
+                    raise TimeoutError(
+                        f"no rollout finished within {timeout} s"
+                        + (f" (the producer failed: {errors[0]!r})" if errors else "")
+                    ) from None
+                slots.release()  # taken from the buffer: the producer may send another
+                group = _group(prompt, fut, reward_fn, timeout)
+                if max(rollout_staleness(r, version) for r in group.rollouts) > max_staleness:
+                    dropped += len(group.rollouts)
+                else:
+                    groups.append(group)
+            wait_data = time.perf_counter() - t0
+            metrics = train_step(trainer, groups)
+            new_version = _version(trainer, metrics)
+            if step % sync_every == 0:
+                _sync(trainer, timeout)
+            with lock:
+                s_wait, sampler_wait[0] = sampler_wait[0], 0.0
+            yield _stats(
+                step, version, new_version, groups, dropped, wait_data, s_wait, t0, trainer, metrics
+            )
+            version, dropped = new_version, 0
+    finally:
+        stop.set()
+        slots.release()  # wake the producer if it waits for a slot
+        producer.join(timeout)
+        with lock:
+            pending = list(in_flight)
+        # let requests already sent finish, so the next user of the sampler starts clean
+        wait_futures([f.concurrent for f in pending], timeout=timeout)
