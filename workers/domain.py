@@ -77,6 +77,9 @@ class OptimStepOp:
 
 @dataclass(frozen=True)
 class SyncWeightsOp:
+    #: PipelineRL: sequences still generating on a ``latest`` sampler of the model
+    #: switch to the new weights from their next decode step (docs/engine.md)
+    inflight: bool = False
     kind: str = "sync_weights"
 
 
@@ -207,6 +210,7 @@ class SequenceResult:
     tokens: np.ndarray  # int64 [n]
     logprobs: np.ndarray  # float32 [n]
     stop_reason: str  # "stop" | "length" | "cancelled"
+    #: one (start, length, version) span per run of tokens sampled under one version
     versions: tuple[tuple[int, int, int], ...]  # (start, length, version) spans
 
 

@@ -52,6 +52,7 @@ from treadle.workers.domain import (
     SamplerTarget,
     SaveResult,
     SaveStateOp,
+    SequenceResult,
     SyncResult,
     SyncWeightsOp,
 )
@@ -156,16 +157,23 @@ class Engine:
         return fut
 
     def sample(
-        self, target: SamplerTarget, op: SampleOp, *, dedupe_key: tuple[str, int, str] | None = None
+        self,
+        target: SamplerTarget,
+        op: SampleOp,
+        *,
+        dedupe_key: tuple[str, int, str] | None = None,
+        on_sequence: Callable[[int, SequenceResult], None] | None = None,
     ) -> Future[SampleResult]:
         """Queue a sample request. Cancelling the future frees its rows at the next step.
 
         ``dedupe_key`` = (sampler_id, seq_id, payload digest): a repeat of a seen
         (sampler_id, seq_id) shares the first call's result; with another payload
-        it fails with FAILED_PRECONDITION.
+        it fails with FAILED_PRECONDITION. ``on_sequence`` (streamed rollouts) is
+        called on the engine thread with (sample index, sequence) as each sample
+        finishes; it must not block. Not with ``dedupe_key``.
         """
         fut: Future[SampleResult] = Future()
-        if dedupe_key is not None:
+        if dedupe_key is not None and on_sequence is None:
             sampler_id, seq_id, digest = dedupe_key
             with self._sample_lock:
                 prior = self._sample_calls.get((sampler_id, seq_id))
@@ -181,7 +189,7 @@ class Engine:
                 self._sample_calls[(sampler_id, seq_id)] = (digest, fut)
                 while len(self._sample_calls) > 4096:
                     self._sample_calls.popitem(last=False)
-        self._inbox.put(lambda: self._admit_sample(target, op, fut))
+        self._inbox.put(lambda: self._admit_sample(target, op, fut, on_sequence))
         return fut
 
     def sampler_metrics(self) -> list[SamplerStats]:
@@ -452,7 +460,11 @@ class Engine:
         if isinstance(op, OptimStepOp):
             return self._auto_checkpoint(model, seq_id, model.optim_step(op.adam))
         if isinstance(op, SyncWeightsOp):
-            self.versions.publish(model.snapshot())
+            snapshot = model.snapshot()
+            self.versions.publish(snapshot)
+            if op.inflight:  # PipelineRL: running latest rows continue under it
+                for sampler in self.samplers.values():
+                    sampler.swap_weights(snapshot)
             return SyncResult(version=model.version)
         if isinstance(op, SaveStateOp):
             result = checkpoint.save_state(model, op.directory, seq_id)
@@ -504,13 +516,26 @@ class Engine:
             self.samplers[key] = TorchSampler(base, limits=limits)
         return self.samplers[key]
 
-    def _admit_sample(self, target: SamplerTarget, op: SampleOp, fut: Future[SampleResult]) -> None:
+    def _admit_sample(
+        self,
+        target: SamplerTarget,
+        op: SampleOp,
+        fut: Future[SampleResult],
+        on_sequence: Callable[[int, SequenceResult], None] | None = None,
+    ) -> None:
         if fut.cancelled():
             return
         try:
             snapshot = self._snapshot(target)
             sampler = self._sampler_for(target.base_model, snapshot.params.dtype)
-            sampler.submit(op, snapshot, fut, tenant=target.tenant_id)
+            sampler.submit(
+                op,
+                snapshot,
+                fut,
+                tenant=target.tenant_id,
+                latest_of=target.model_id if target.follows_latest else None,
+                on_sequence=on_sequence,
+            )
         except TreadleError as err:
             fut.set_exception(err)
         except Exception as err:

@@ -38,7 +38,7 @@ import os
 import time
 import weakref
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -98,6 +98,13 @@ class _Request:
     compute_s: float = 0.0  # its share of the forward passes it was in (usage accounting)
     tenant: str = ""
     tag: float = 0.0  # fair-queueing start tag: the queue is kept in tag order
+    #: the model whose latest weights this request follows (in-flight updates reach it)
+    latest_of: str | None = None
+    #: weights published in flight while the prompt was prefilling: the rows take
+    #: them after their first token (drawn from the prompt's logits, old weights)
+    swap_to: WeightSnapshot | None = None
+    #: called (on the engine thread) with (index, sequence) as each row finishes
+    on_sequence: Callable[[int, SequenceResult], None] | None = None
 
     @property
     def cancelled(self) -> bool:
@@ -251,8 +258,15 @@ class TorchSampler:
         snapshot: WeightSnapshot,
         future: Future[SampleResult],
         tenant: str = "",
+        *,
+        latest_of: str | None = None,
+        on_sequence: Callable[[int, SequenceResult], None] | None = None,
     ) -> None:
         """Queue a request (validated first); RESOURCE_EXHAUSTED when the queue is full.
+
+        ``latest_of``: the model whose latest weights the request follows (an
+        in-flight update, ``swap_weights``, reaches it). ``on_sequence``: called
+        with (sample index, sequence) the moment each row finishes.
 
         The queue is fair across tenants, never first-come-first-served between
         them: start-time fair queueing by tokens (Goyal et al.). A request's start
@@ -274,7 +288,17 @@ class TorchSampler:
         if seed is None:
             seed = int.from_bytes(os.urandom(8), "little") >> 1
         prompt = np.ascontiguousarray(op.prompt, dtype=np.int64)
-        request = _Request(op, snapshot, future, stop_ids, seed, prompt, tenant=tenant)
+        request = _Request(
+            op,
+            snapshot,
+            future,
+            stop_ids,
+            seed,
+            prompt,
+            tenant=tenant,
+            latest_of=latest_of,
+            on_sequence=on_sequence,
+        )
         if op.params.max_tokens == 0:
             request.rows = [
                 _Row(request, i, -1, 0, snapshot, stop_reason="length")
@@ -292,6 +316,29 @@ class TorchSampler:
             self._finish_tags = {t: f for t, f in self._finish_tags.items() if f > self._vtime}
         request.tag = start
         self.queue.insert(bisect.bisect_right(self.queue, start, key=_tag), request)
+
+    def swap_weights(self, snapshot: WeightSnapshot) -> int:
+        """An in-flight weight update (PipelineRL): every request following the
+        latest weights of ``snapshot.model_id`` continues under ``snapshot``.
+
+        Running rows decode their next token with it (their KV cache, computed
+        under the old weights, is kept); requests still prefilling take it after
+        their first token; queued ones prefill with it. Returns the running rows
+        switched.
+        """
+        model_id = snapshot.model_id
+        switched = 0
+        for row in self.running:
+            if row.request.latest_of == model_id and row.stop_reason is None:
+                row.snapshot = snapshot
+                switched += 1
+        for req in self.prefilling:
+            if req.latest_of == model_id:
+                req.swap_to = snapshot
+        for req in self.queue:
+            if req.latest_of == model_id:
+                req.snapshot = snapshot
+        return switched
 
     def has_work(self) -> bool:
         return bool(self.queue or self.prefilling or self.running)
@@ -495,6 +542,10 @@ class TorchSampler:
         request.rows = rows
         self.running.extend(rows)
         self._emit(rows, logits_V.expand(G, -1))
+        if request.swap_to is not None:
+            for row in rows:
+                row.snapshot = request.swap_to
+            request.swap_to = None
         if any(r.stop_reason for r in rows):
             self._compact()
 
@@ -587,6 +638,13 @@ class TorchSampler:
                 r.slot = hole
         live.sort(key=lambda r: r.slot)
         self.running = live
+        for row in done:
+            callback = row.request.on_sequence
+            if callback is not None and row.stop_reason != "cancelled":
+                try:
+                    callback(row.index, _sequence(row))
+                except Exception:  # a consumer's bug must not stop the sampler
+                    log.exception("sampler: on_sequence callback failed")
         for req in {id(r.request): r.request for r in done}.values():
             if all(r.stop_reason is not None for r in req.rows):
                 self._finish_request(req)
@@ -594,15 +652,7 @@ class TorchSampler:
     def _finish_request(self, request: _Request) -> None:
         if request.future.done():
             return
-        sequences = tuple(
-            SequenceResult(
-                tokens=np.asarray(r.tokens, dtype=np.int64),
-                logprobs=np.asarray(r.logprobs, dtype=np.float32),
-                stop_reason=r.stop_reason or "length",
-                versions=version_spans(r.versions),
-            )
-            for r in request.rows
-        )
+        sequences = tuple(_sequence(r) for r in request.rows)
         request.future.set_result(SampleResult(sequences, compute_s=request.compute_s))
 
     def _maybe_log(self) -> None:
@@ -624,6 +674,15 @@ class TorchSampler:
             s.tokens_generated,
             s.prefix_reused_tokens,
         )
+
+
+def _sequence(row: _Row) -> SequenceResult:
+    return SequenceResult(
+        tokens=np.asarray(row.tokens, dtype=np.int64),
+        logprobs=np.asarray(row.logprobs, dtype=np.float32),
+        stop_reason=row.stop_reason or "length",
+        versions=version_spans(row.versions),
+    )
 
 
 def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:

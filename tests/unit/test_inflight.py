@@ -1,0 +1,156 @@
+"""In-flight weight updates (PipelineRL) and per-sequence completion callbacks,
+driven step by step on an engine whose loop thread is not started (so every
+step, sync and swap happens exactly where the test puts it)."""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from treadle.workers.domain import (
+    AdamConfig,
+    DatumData,
+    ForwardBackwardOp,
+    ForwardLogprobsOp,
+    ModelSpec,
+    OptimStepOp,
+    SampleOp,
+    SampleResult,
+    SamplerTarget,
+    SamplingConfig,
+    SequenceResult,
+    SyncWeightsOp,
+)
+from treadle.workers.engine import Engine, EngineConfig
+from treadle.workers.sampler import TorchSampler
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture()
+def engine(tiny_model_dir: Path) -> Engine:
+    eng = Engine(EngineConfig(base_models={"tiny": tiny_model_dir}, sampler_slots=8))
+    eng._create_model(ModelSpec("m", "t", "tiny", 4, 8.0, 3, "float32"), None, 1)
+    return eng
+
+
+def _train_step(engine: Engine, seq_id: int) -> int:
+    """One forward_backward + optim_step on model m (large lr: the weights move)."""
+    model = engine.models["m"]
+    toks = np.arange(3, 27)
+    datum = DatumData(toks[:-1], {"target_tokens": toks[1:], "weights": np.ones(23, np.float32)})
+    engine._apply(model, seq_id, ForwardBackwardOp((datum,), "cross_entropy", {}))
+    engine._apply(model, seq_id + 1, OptimStepOp(AdamConfig(learning_rate=5e-2)))
+    return seq_id + 2
+
+
+def _sampler(engine: Engine) -> TorchSampler:
+    (sampler,) = engine.samplers.values()
+    return sampler
+
+
+def _submit(
+    engine: Engine, target: SamplerTarget, op: SampleOp, seen: list | None = None
+) -> Future[SampleResult]:
+    fut: Future[SampleResult] = Future()
+    cb = None if seen is None else (lambda i, s: seen.append((i, s)))
+    engine._admit_sample(target, op, fut, cb)
+    return fut
+
+
+def _logprobs(engine: Engine, seq_id: int, prompt: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+    """The trainer's logprobs of ``tokens`` after ``prompt`` under model m's current weights."""
+    full = np.concatenate([prompt, tokens])
+    datum = DatumData(full[:-1], {"target_tokens": full[1:]})
+    res = engine._apply(engine.models["m"], seq_id, ForwardLogprobsOp((datum,)))
+    return np.asarray(res.logprobs[0])[prompt.size - 1 :]
+
+
+def test_inflight_update_switches_running_latest_rows(engine: Engine) -> None:
+    prompt = np.arange(5, 17)
+    op = SampleOp(prompt, 2, SamplingConfig(max_tokens=12, seed=7, ignore_eos=True))
+    latest = SamplerTarget("tiny", "m")
+    pinned = SamplerTarget("tiny", "m", version=0)
+    f_latest = _submit(engine, latest, op)
+    f_pinned = _submit(engine, pinned, op)
+    sampler = _sampler(engine)
+
+    def latest_rows() -> list:
+        return [r for r in sampler.running if r.request.latest_of == "m"]
+
+    while not latest_rows() or len(latest_rows()[0].tokens) < 4:
+        sampler.step()  # one decode step: one token per running row
+    assert [len(r.tokens) for r in latest_rows()] == [4, 4]
+    seq = 1
+    lp_v0 = [_logprobs(engine, seq, prompt, np.asarray(r.tokens)) for r in latest_rows()]
+    seq = _train_step(engine, seq + 1)
+    engine._apply(engine.models["m"], seq, SyncWeightsOp(inflight=True))
+    seq += 1
+    while sampler.has_work():
+        sampler.step()
+    for s in f_latest.result().sequences:
+        assert s.versions == ((0, 4, 0), (4, 8, 1))
+    for s in f_pinned.result().sequences:
+        assert s.versions == ((0, 12, 0),)
+    # The tokens before the swap were sampled under v0: their logprobs are v0's.
+    for s, ref in zip(f_latest.result().sequences, lp_v0, strict=True):
+        np.testing.assert_allclose(s.logprobs[:4], ref, atol=2e-4)
+    # The same seed on the pinned sampler drew the same first 4 tokens, then diverged
+    # in weights: after the swap the latest rows' logprobs are no longer v0's.
+    a, b = f_latest.result().sequences[0], f_pinned.result().sequences[0]
+    np.testing.assert_array_equal(a.tokens[:4], b.tokens[:4])
+    # The token right after the swap was chosen from v1's logits over the kept KV:
+    # when it equals the pinned row's token, its logprob differs (v1 vs v0).
+    if a.tokens[4] == b.tokens[4]:
+        assert abs(float(a.logprobs[4]) - float(b.logprobs[4])) > 1e-5
+
+
+def test_plain_sync_leaves_running_rows_on_their_version(engine: Engine) -> None:
+    op = SampleOp(np.arange(5, 12), 1, SamplingConfig(max_tokens=8, seed=1, ignore_eos=True))
+    fut = _submit(engine, SamplerTarget("tiny", "m"), op)
+    sampler = _sampler(engine)
+    sampler.step()
+    seq = _train_step(engine, 1)
+    engine._apply(engine.models["m"], seq, SyncWeightsOp())
+    later = _submit(engine, SamplerTarget("tiny", "m"), op)
+    while sampler.has_work():
+        sampler.step()
+    assert fut.result().sequences[0].versions == ((0, 8, 0),)
+    assert later.result().sequences[0].versions == ((0, 8, 1),)
+
+
+def test_inflight_update_reaches_queued_and_prefilling_requests(engine: Engine) -> None:
+    op = SampleOp(np.arange(5, 12), 1, SamplingConfig(max_tokens=3, seed=1, ignore_eos=True))
+    fut = _submit(engine, SamplerTarget("tiny", "m"), op)  # queued, not stepped yet
+    seq = _train_step(engine, 1)
+    engine._apply(engine.models["m"], seq, SyncWeightsOp(inflight=True))
+    sampler = _sampler(engine)
+    while sampler.has_work():
+        sampler.step()
+    assert fut.result().sequences[0].versions == ((0, 3, 1),)
+
+
+def test_sequences_are_reported_as_they_finish(engine: Engine) -> None:
+    """One request of G rows with different lengths (stop token ids chosen so the
+    rows stop at different steps): the callback sees short rows first, every
+    index exactly once, and the same sequences the future resolves with."""
+    seen: list[tuple[int, SequenceResult]] = []
+    stops = tuple(range(3, 40))  # about a third of the tiny vocabulary: rows stop early, at random
+    params = SamplingConfig(max_tokens=20, seed=5, stop_token_ids=stops)
+    op = SampleOp(np.arange(5, 12), 6, params)
+    fut = _submit(engine, SamplerTarget("tiny"), op, seen)
+    sampler = _sampler(engine)
+    while sampler.has_work():
+        sampler.step()
+    result = fut.result()
+    assert sorted(i for i, _ in seen) == list(range(6))
+    lengths = [s.tokens.size for _, s in seen]
+    assert lengths == sorted(lengths)
+    assert lengths[0] < lengths[-1], lengths  # the rows did stop at different steps
+    for i, s in seen:
+        np.testing.assert_array_equal(s.tokens, result.sequences[i].tokens)
+        assert s.versions == result.sequences[i].versions
