@@ -1,0 +1,319 @@
+"""Async vs sync RL on a long-tailed batch: the ladder's rungs, measured in one run.
+
+The demo's GRPO task (single-digit addition, "demo" preset, full fine-tune,
+SFT warm-up) with the seed's long tail: in every ``groups_per_step`` prompts,
+one group's answers run to ``16 L`` tokens and the others to ``L``. Lengths
+are forced identically for every variant: each prompt of the (seeded) prompt
+stream carries its own ``max_tokens`` and EOS does not stop a sequence (the
+engine's ``ignore_eos``, switched on for every request of this benchmark's
+embedded server), and the reward is scored on the answer prefix (the answer
+digits then EOS).
+
+Variants, each from the same warmed-up state, the same prompt stream, the same
+number of train steps and the same engine thread budget:
+
+* rung 0 ``sync_loop``: the batch waits for its long group, decoded with the
+  rest of the slots idle;
+* rung 2 ``one_step_stale_loop``;
+* rung 3 ``async_loop`` with ``max_staleness`` 2 and 4 (``buffer_groups``
+  requests kept in flight on a ``latest`` sampler);
+* rung 3 with in-flight updates, when ``TrainingClient.sync_weights`` takes
+  ``inflight``.
+
+Reported per variant: trained tokens per second (completion tokens the
+trainer consumed / wall time), the sampler's mean occupancy (polled
+``GetServerInfo`` every 0.25 s), the time the trainer waited for data, the
+dropped-stale count, and the final reward (prefix exact match on all 100
+problems, fixed seeds). ``--seeds 0 1 2`` repeats everything per seed.
+
+    python benchmarks/async_vs_sync.py [--steps 12] [--seeds 0]
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import itertools
+import os
+import random
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import replace
+from pathlib import Path
+
+THREADS = 1  # the engine's torch threads (the SDK, gRPC and this script share the other core)
+os.environ.setdefault("OMP_NUM_THREADS", str(THREADS))
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import numpy as np  # noqa: E402
+
+import treadle  # noqa: E402
+from treadle import rl  # noqa: E402
+from treadle.server import convert  # noqa: E402
+from treadle.server.config import ServerConfig  # noqa: E402
+from treadle.server.demo import PROBLEMS, Plan, Problem, prompt_tokens, warm_up  # noqa: E402
+from treadle.server.embedded import EmbeddedServer  # noqa: E402
+from treadle.workers.model.tiny import build_tiny_model  # noqa: E402
+
+L = 4  # short answers: two digits, EOS, one spare
+LONG = 16 * L
+
+
+FORCE = threading.Event()  # off during the SFT warm-up (its probe needs EOS to stop)
+
+
+def force_lengths() -> None:
+    """While FORCE is set, every request of this process's server runs to its max_tokens."""
+    if getattr(convert.sample_op, "_forced", False):
+        return
+    real = convert.sample_op
+
+    def sample_op(req):  # type: ignore[no-untyped-def]
+        op = real(req)
+        if not FORCE.is_set():
+            return op
+        return replace(op, params=replace(op.params, ignore_eos=True))
+
+    sample_op._forced = True  # type: ignore[attr-defined]
+    convert.sample_op = sample_op
+
+
+class Task:
+    def __init__(self, tok: treadle.Tokenizer) -> None:
+        self.tok = tok
+
+    def prompts(self, seed: int, groups_per_step: int) -> Iterator[rl.Prompt]:
+        """The same stream for every variant: one long group in every ``groups_per_step``."""
+        rng = random.Random(seed)
+        for i in itertools.count():
+            p = rng.choice(PROBLEMS)
+            n = LONG if i % groups_per_step == groups_per_step - 1 else L
+            params = treadle.SamplingParams(max_tokens=n, temperature=1.0, seed=rng.getrandbits(31))
+            yield rl.Prompt(prompt_tokens(self.tok, p), p, params)
+
+    def reward(self, p: Problem, seq: treadle.SampledSequence) -> float:
+        """The answer prefix: the answer's tokens then EOS."""
+        want = [*self.tok.encode(p.answer), self.tok.eos_token_id]
+        return float(list(seq.tokens[: len(want)]) == want)
+
+    def evaluate(self, sampler: treadle.SamplingClient, samples: int = 4) -> float:
+        params = [treadle.SamplingParams(max_tokens=L, temperature=1.0, seed=i) for i in range(100)]
+        futs = [
+            sampler.sample(prompt_tokens(self.tok, p), samples, params[i])
+            for i, p in enumerate(PROBLEMS)
+        ]
+        return float(
+            np.mean(
+                [
+                    self.reward(p, s)
+                    for p, f in zip(PROBLEMS, futs, strict=True)
+                    for s in f.result(300).sequences
+                ]
+            )
+        )
+
+
+class OccupancyProbe:
+    """Polls the sampler's occupancy while a variant runs."""
+
+    def __init__(self, service: treadle.ServiceClient, every_s: float = 0.25) -> None:
+        self.service, self.every_s = service, every_s
+        self.samples: list[tuple[float, float]] = []
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        t0 = time.perf_counter()
+        while not self._stop.wait(self.every_s):
+            info = self.service.get_server_info()
+            occ = [m.occupancy for m in info.sampler_metrics if m.running_rows or m.occupancy]
+            busy = [m.running_rows / max(m.num_slots, 1) for m in info.sampler_metrics]
+            self.samples.append((time.perf_counter() - t0, max(busy, default=0.0)))
+            del occ
+
+    def __enter__(self) -> OccupancyProbe:
+        self._t.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._t.join(5)
+
+    def mean(self) -> float:
+        return float(np.mean([s for _, s in self.samples])) if self.samples else 0.0
+
+    def sparkline(self, width: int = 24) -> str:
+        if not self.samples:
+            return ""
+        bars = " ▁▂▃▄▅▆▇█"
+        vals = np.array([s for _, s in self.samples])
+        chunks = np.array_split(vals, min(width, len(vals)))
+        return "".join(bars[min(8, int(round(c.mean() * 8)))] for c in chunks)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", type=int, default=12, help="train steps per variant")
+    ap.add_argument("--groups-per-step", type=int, default=8)
+    ap.add_argument("--group-size", type=int, default=8)
+    ap.add_argument("--buffer-groups", type=int, default=16)
+    ap.add_argument("--lr", type=float, default=3e-4)
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0])
+    ap.add_argument("--variants", nargs="+", default=None)
+    args = ap.parse_args()
+    force_lengths()
+    inflight_ok = "inflight" in inspect.signature(treadle.TrainingClient.sync_weights).parameters
+
+    data = Path(tempfile.mkdtemp(prefix="treadle-async-bench-"))
+    config = ServerConfig(
+        data_dir=data / "data",
+        models={"demo": build_tiny_model(data / "model", preset="demo", seed=0)},
+        port=0,
+        threads=THREADS,
+        sampler_slots=args.groups_per_step * args.group_size * 2,
+        sampler_max_len=LONG + 16,
+    )
+    G, P = args.group_size, args.groups_per_step
+    train_step = rl.grpo_train_step(adam=treadle.AdamParams(learning_rate=args.lr))
+    rows: list[list[object]] = []
+    results: dict[str, list[tuple[float, float]]] = {}
+    t_all = time.perf_counter()
+    with (
+        EmbeddedServer(config) as server,
+        treadle.ServiceClient(server.address, api_key=server.api_key) as service,
+    ):
+        task = Task(service.get_tokenizer("demo"))
+        for seed in args.seeds:
+            # one warm-up per seed, every variant starts from its saved state
+            trainer = service.create_training_client("demo", seed=seed)
+            t0 = time.perf_counter()
+            FORCE.clear()
+            warm_up(trainer, task.tok, Plan(), random.Random(seed), _NoBar())
+            FORCE.set()
+            start = trainer.save_state(f"warm-{seed}").result(300).path
+            before = task.evaluate(trainer.sync_weights())
+            print(
+                f"seed {seed}: warm-up {time.perf_counter() - t0:.0f} s, "
+                f"prefix reward {before:.3f}",
+                file=sys.stderr,
+            )
+
+            def common(seed: int = seed) -> dict[str, object]:
+                return dict(
+                    prompts=task.prompts(seed, P),
+                    reward_fn=task.reward,
+                    steps=args.steps,
+                    groups_per_step=P,
+                    group_size=G,
+                    train_step=train_step,
+                )
+
+            def rung3(ms: int, inflight: bool = False) -> Callable:
+                def run(model: treadle.TrainingClient) -> Iterator[rl.StepStats]:
+                    model.sync_weights().sampler_id  # noqa: B018 - a version for `latest`
+                    latest = service.create_sampling_client(
+                        weights=f"treadle://{model.model_id}/latest"
+                    )
+                    kw = {"inflight": True} if inflight else {}
+                    return rl.async_loop(
+                        model,
+                        latest,
+                        buffer_groups=args.buffer_groups,
+                        max_staleness=ms,
+                        **kw,
+                        **common(),
+                    )
+
+                return run
+
+            variants: dict[str, Callable] = {
+                "rung 0 sync": lambda tr: rl.sync_loop(tr, **common()),
+                "rung 2 one-step-stale": lambda tr: rl.one_step_stale_loop(tr, **common()),
+                "rung 3 max_staleness 2": rung3(2),
+                "rung 3 max_staleness 4": rung3(4),
+            }
+            if inflight_ok and "inflight" in inspect.signature(rl.async_loop).parameters:
+                variants["rung 3 ms 4 + in-flight"] = rung3(4, inflight=True)
+            for name, make in variants.items():
+                if args.variants and not any(v in name for v in args.variants):
+                    continue
+                tr = service.create_training_client_from_state(start)
+                with OccupancyProbe(service) as probe:
+                    t0 = time.perf_counter()
+                    stats = list(make(tr))
+                    wall = time.perf_counter() - t0
+                final = task.evaluate(tr.sync_weights())
+                tokens = sum(s.trained_tokens for s in stats)
+                stale = float(np.mean([rl_counter(s.staleness) for s in stats]))
+                results.setdefault(name, []).append((tokens / wall, final))
+                rows.append(
+                    [
+                        seed,
+                        name,
+                        f"{tokens / wall:.0f}",
+                        f"{wall:.1f}",
+                        f"{probe.mean():.2f}",
+                        probe.sparkline(),
+                        f"{sum(s.wait_data_s for s in stats):.1f}",
+                        f"{sum(s.sampler_wait_s for s in stats):.1f}",
+                        sum(s.dropped_stale for s in stats),
+                        f"{stale:.2f}",
+                        f"{before:.3f}",
+                        f"{final:.3f}",
+                    ]
+                )
+                print(" | ".join(str(c) for c in rows[-1]), file=sys.stderr)
+                service.delete_model(tr.model_id)
+
+    headers = [
+        "seed",
+        "variant",
+        "trained tok/s",
+        "wall s",
+        "occupancy",
+        "occupancy over time",
+        "trainer wait s",
+        "sampler wait s",
+        "dropped",
+        "mean staleness",
+        "reward before",
+        "final reward",
+    ]
+    print(_table(headers, rows))
+    base = results.get("rung 0 sync")
+    if base:
+        print("\nper variant, mean over seeds (speed-up vs rung 0 | final reward ± std):")
+        b = np.mean([t for t, _ in base])
+        for name, res in results.items():
+            tps, fin = np.array([t for t, _ in res]), np.array([f for _, f in res])
+            print(
+                f"  {name:<26} {tps.mean():>7.0f} tok/s  x{tps.mean() / b:.2f}  "
+                f"reward {fin.mean():.3f} ± {fin.std():.3f}"
+            )
+    print(f"\ntotal {time.perf_counter() - t_all:.0f} s")
+    return 0
+
+
+def rl_counter(hist: dict[int, int]) -> float:
+    """Mean staleness of a step's histogram (per rollout)."""
+    n = sum(hist.values())
+    return sum(k * v for k, v in hist.items()) / n if n else 0.0
+
+
+class _NoBar:
+    def update(self, n: int = 1) -> None: ...
+
+    def set_postfix(self, **kw: object) -> None: ...
+
+
+def _table(headers: list[str], rows: list[list[object]]) -> str:
+    out = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    out += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
+    return "\n".join(out)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
