@@ -243,8 +243,9 @@ def _stats(
     )
 
 
-def _sync(trainer: TrainingClient, timeout: float) -> SamplingClient:
-    sampler = trainer.sync_weights()
+def _sync(trainer: TrainingClient, timeout: float, inflight: bool = False) -> SamplingClient:
+    # inflight is passed only when asked for, so the loops run on servers without it
+    sampler = trainer.sync_weights(inflight=True) if inflight else trainer.sync_weights()
     done = threading.Event()
     sampler._info.add_done_callback(lambda _: done.set())
     if not done.wait(timeout):
@@ -363,6 +364,7 @@ def async_loop(
     buffer_groups: int,
     max_staleness: int,
     sync_every: int = 1,
+    inflight: bool = False,
     sampling_params: SamplingParams | None = None,
     train_step: TrainStep | None = None,
     timeout: float = 300.0,
@@ -377,6 +379,9 @@ def async_loop(
     taken are dropped and counted. Default train step: ``ppo`` against the
     sampler's behaviour logprobs, which corrects staleness by importance
     sampling (pass ``grpo_train_step(proximal=True)`` for decoupled PPO).
+    ``inflight=True`` syncs with ``sync_weights(inflight=True)`` (PipelineRL):
+    sequences still generating continue under the new weights, so a long
+    answer's later tokens are fresh (its staleness is still its oldest token's).
     """
     _check_common(groups_per_step, group_size, steps, timeout)
     if isinstance(max_staleness, bool) or not isinstance(max_staleness, int) or max_staleness < 0:
@@ -450,7 +455,7 @@ def async_loop(
             metrics = train_step(trainer, groups)
             new_version = _version(trainer, metrics)
             if step % sync_every == 0:
-                _sync(trainer, timeout)
+                _sync(trainer, timeout, inflight)
             with lock:
                 s_wait, sampler_wait[0] = sampler_wait[0], 0.0
             yield _stats(

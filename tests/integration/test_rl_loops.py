@@ -7,6 +7,7 @@ hanging it.
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import threading
 from collections.abc import Callable, Iterator
@@ -211,3 +212,24 @@ def test_async_loop_timeout_fails_instead_of_hanging(
                 )
             )
         )  # fmt: skip
+
+
+@pytest.mark.skipif(
+    "inflight" not in inspect.signature(treadle.TrainingClient.sync_weights).parameters,
+    reason="sync_weights(inflight=True) not in this SDK yet",
+)
+def test_async_loop_with_inflight_updates(
+    service: treadle.ServiceClient, trainer: treadle.TrainingClient
+) -> None:
+    sampler = latest(service, trainer)
+    long = treadle.SamplingParams(max_tokens=12, temperature=1.0)
+    stats = run_with_deadline(
+        lambda: list(
+            async_loop(
+                trainer, sampler, prompts(), reward, steps=3, groups_per_step=1, group_size=2,
+                buffer_groups=3, max_staleness=8, inflight=True, sampling_params=long,
+                timeout=30.0,
+            )
+        )
+    )  # fmt: skip
+    assert [s.step for s in stats] == [1, 2, 3]
