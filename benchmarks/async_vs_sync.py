@@ -20,13 +20,18 @@ number of train steps and the same engine thread budget:
 * rung 3 with in-flight updates, when ``TrainingClient.sync_weights`` takes
   ``inflight``.
 
-Reported per variant: trained tokens per second (completion tokens the
-trainer consumed / wall time), the sampler's mean occupancy (polled
-``GetServerInfo`` every 0.25 s), the time the trainer waited for data, the
+The train step trains on the scored prefix of each answer (the forced tail
+stands for reasoning the reward does not read; ``--train-full`` trains on
+every generated token, which makes the trainer dominate on a CPU).
+
+Reported per variant: trained tokens per second (completion tokens of the
+rollouts the trainer consumed / wall time), the tokens the sampler generated
+per second (dropped rollouts included), the sampler's occupancy (running rows
+/ slots, polled from ``GetServerInfo`` every 0.25 s; a sparkline over time), the time the trainer waited for data, the
 dropped-stale count, and the final reward (prefix exact match on all 100
 problems, fixed seeds). ``--seeds 0 1 2`` repeats everything per seed.
 
-    python benchmarks/async_vs_sync.py [--steps 12] [--seeds 0]
+    python benchmarks/async_vs_sync.py [--steps 30] [--seeds 0 1 2] [--train-full]
 """
 
 from __future__ import annotations
@@ -122,6 +127,7 @@ class OccupancyProbe:
     def __init__(self, service: treadle.ServiceClient, every_s: float = 0.25) -> None:
         self.service, self.every_s = service, every_s
         self.samples: list[tuple[float, float]] = []
+        self.generated: list[tuple[float, int]] = []
         self._stop = threading.Event()
         self._t = threading.Thread(target=self._run, daemon=True)
 
@@ -129,10 +135,17 @@ class OccupancyProbe:
         t0 = time.perf_counter()
         while not self._stop.wait(self.every_s):
             info = self.service.get_server_info()
-            occ = [m.occupancy for m in info.sampler_metrics if m.running_rows or m.occupancy]
             busy = [m.running_rows / max(m.num_slots, 1) for m in info.sampler_metrics]
+            made = sum(m.tokens_generated for m in info.sampler_metrics)
             self.samples.append((time.perf_counter() - t0, max(busy, default=0.0)))
-            del occ
+            self.generated.append((time.perf_counter() - t0, made))
+
+    def generated_per_s(self) -> float:
+        """Tokens the sampler generated per second while the variant ran."""
+        if len(self.generated) < 2:
+            return 0.0
+        (t0, n0), (t1, n1) = self.generated[0], self.generated[-1]
+        return (n1 - n0) / max(t1 - t0, 1e-9)
 
     def __enter__(self) -> OccupancyProbe:
         self._t.start()
@@ -156,12 +169,17 @@ class OccupancyProbe:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--steps", type=int, default=12, help="train steps per variant")
+    ap.add_argument("--steps", type=int, default=30, help="train steps per variant")
     ap.add_argument("--groups-per-step", type=int, default=8)
     ap.add_argument("--group-size", type=int, default=8)
     ap.add_argument("--buffer-groups", type=int, default=16)
     ap.add_argument("--lr", type=float, default=3e-4)
-    ap.add_argument("--seeds", type=int, nargs="+", default=[0])
+    ap.add_argument(
+        "--train-full",
+        action="store_true",
+        help="train on every generated token (default: on the scored answer prefix)",
+    )
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--variants", nargs="+", default=None)
     args = ap.parse_args()
     force_lengths()
@@ -177,7 +195,15 @@ def main() -> int:
         sampler_max_len=LONG + 16,
     )
     G, P = args.group_size, args.groups_per_step
-    train_step = rl.grpo_train_step(adam=treadle.AdamParams(learning_rate=args.lr))
+    grpo = rl.grpo_train_step(adam=treadle.AdamParams(learning_rate=args.lr))
+
+    def prefix_step(trainer: treadle.TrainingClient, groups: list[rl.Group]) -> dict[str, float]:
+        """GRPO on the scored prefix of each answer (the forced tail is padding)."""
+        n = 3  # two digits + EOS: the longest answer the reward reads
+        cut = [rl.Group(g.prompt, [_prefix(r, n) for r in g.rollouts]) for g in groups]
+        return grpo(trainer, cut)
+
+    train_step = grpo if args.train_full else prefix_step
     rows: list[list[object]] = []
     results: dict[str, list[tuple[float, float]]] = {}
     t_all = time.perf_counter()
@@ -234,6 +260,7 @@ def main() -> int:
                 "rung 2 one-step-stale": lambda tr: rl.one_step_stale_loop(tr, **common()),
                 "rung 3 max_staleness 2": rung3(2),
                 "rung 3 max_staleness 4": rung3(4),
+                "rung 3 max_staleness 16": rung3(16),
             }
             if inflight_ok and "inflight" in inspect.signature(rl.async_loop).parameters:
                 variants["rung 3 ms 4 + in-flight"] = rung3(4, inflight=True)
@@ -255,6 +282,7 @@ def main() -> int:
                         name,
                         f"{tokens / wall:.0f}",
                         f"{wall:.1f}",
+                        f"{probe.generated_per_s():.0f}",
                         f"{probe.mean():.2f}",
                         probe.sparkline(),
                         f"{sum(s.wait_data_s for s in stats):.1f}",
@@ -273,6 +301,7 @@ def main() -> int:
         "variant",
         "trained tok/s",
         "wall s",
+        "generated tok/s",
         "occupancy",
         "occupancy over time",
         "trainer wait s",
@@ -301,6 +330,13 @@ def rl_counter(hist: dict[int, int]) -> float:
     """Mean staleness of a step's histogram (per rollout)."""
     n = sum(hist.values())
     return sum(k * v for k, v in hist.items()) / n if n else 0.0
+
+
+def _prefix(r: rl.Rollout, n: int) -> rl.Rollout:
+    versions = r.token_versions()[:n]
+    return rl.Rollout(
+        r.prompt_tokens, r.completion_tokens[:n], r.completion_logprobs[:n], r.reward, versions
+    )
 
 
 class _NoBar:
