@@ -35,6 +35,7 @@ from treadle.types import (
     SamplingParams,
     SaveStateResponse,
     ServerInfo,
+    StreamedSample,
     VersionSpan,
 )
 
@@ -62,6 +63,7 @@ __all__ = [
     "SaveStateResponse",
     "ServerInfo",
     "ServiceClient",
+    "StreamedSample",
     "Tokenizer",
     "TrainingClient",
     "TreadleError",

@@ -22,6 +22,7 @@ from treadle.types import (
     SamplerMetrics,
     SamplingParams,
     ServerInfo,
+    StreamedSample,
     VersionSpan,
 )
 from treadle.v1 import common_pb2, sampling_pb2, server_pb2, training_pb2
@@ -91,6 +92,7 @@ def sampling_params_to_wire(params: SamplingParams) -> sampling_pb2.SamplingPara
             msg.stop_token_ids.append(int(stop))
     if params.seed is not None:
         msg.seed = params.seed
+    msg.token_budget = params.token_budget
     return msg
 
 
@@ -99,17 +101,25 @@ def prompt_to_wire(prompt: ModelInput, out: common_pb2.Tensor) -> None:
 
 
 def sample_response_from_wire(msg: sampling_pb2.SampleResponse) -> SampleResponse:
-    sequences = []
-    for i, seq in enumerate(msg.sequences):
-        sequences.append(
-            SampledSequence(
-                tokens=[int(t) for t in from_wire(seq.tokens, f"sequences[{i}].tokens")],
-                logprobs=[float(x) for x in from_wire(seq.logprobs, f"sequences[{i}].logprobs")],
-                stop_reason=_STOP_REASONS.get(seq.stop_reason, "stop"),  # type: ignore[arg-type]
-                versions=[VersionSpan(s.start, s.length, s.version) for s in seq.versions],
-            )
-        )
-    return SampleResponse(sequences=sequences)
+    return SampleResponse(
+        sequences=[
+            sequence_from_wire(seq, f"sequences[{i}]") for i, seq in enumerate(msg.sequences)
+        ]
+    )
+
+
+def sequence_from_wire(seq: sampling_pb2.SampledSequence, name: str) -> SampledSequence:
+    return SampledSequence(
+        tokens=[int(t) for t in from_wire(seq.tokens, f"{name}.tokens")],
+        logprobs=[float(x) for x in from_wire(seq.logprobs, f"{name}.logprobs")],
+        stop_reason=_STOP_REASONS.get(seq.stop_reason, "stop"),  # type: ignore[arg-type]
+        versions=[VersionSpan(s.start, s.length, s.version) for s in seq.versions],
+        resume_handle=seq.resume_handle or None,
+    )
+
+
+def streamed_sample_from_wire(msg: sampling_pb2.SampleStreamResponse) -> StreamedSample:
+    return StreamedSample(index=msg.index, sequence=sequence_from_wire(msg.sequence, "sequence"))
 
 
 def model_info_from_wire(msg: training_pb2.ModelInfo) -> ModelInfo:

@@ -81,6 +81,12 @@ class InternalError(TreadleError):
     code = "INTERNAL"
 
 
+class UnimplementedError(TreadleError):
+    """This deployment does not offer the call (e.g. streamed sampling on Celery workers)."""
+
+    code = "UNIMPLEMENTED"
+
+
 ERRORS_BY_CODE: dict[str, type[TreadleError]] = {
     cls.code: cls
     for cls in (
@@ -95,6 +101,7 @@ ERRORS_BY_CODE: dict[str, type[TreadleError]] = {
         DeadlineExceededError,
         CancelledError,
         InternalError,
+        UnimplementedError,
     )
 }
 

@@ -151,12 +151,19 @@ class TrainingClient:
             lambda r: OptimStepResponse(step=r.step, metrics=dict(r.metrics)),
         )
 
-    def sync_weights(self) -> SamplingClient:
+    def sync_weights(self, *, inflight: bool = False) -> SamplingClient:
         """Publish the current weights as version v (= optimizer steps applied) and
         return a sampler pinned to it. Returns at once; sampling calls made on the
-        client wait for the sync to land."""
+        client wait for the sync to land.
+
+        ``inflight=True`` (PipelineRL): sequences still generating on a sampler
+        following this model's ``latest`` weights continue under the new weights
+        from their next decode step (their later tokens carry the new version;
+        their KV cache is kept, docs/engine.md). The model needs such a sampler
+        (``create_sampling_client(weights=f"treadle://{model_id}/latest")``),
+        else the sync fails with INVALID_ARGUMENT."""
         request = training_pb2.SyncWeightsRequest(
-            model_id=self.model_id, create_sampler=True, seq_id=self._take_seq()
+            model_id=self.model_id, create_sampler=True, seq_id=self._take_seq(), inflight=inflight
         )
         info: Future[sampling_pb2.SamplerInfo] = self._service._caller.call(
             self._service._training.SyncWeights,

@@ -102,6 +102,18 @@ class SamplingParams:
     top_k: int = -1
     stop: Sequence[str] | Sequence[int] | None = None
     seed: int | None = None
+    #: partial rollouts (Kimi k1.5): at most this many tokens per sequence in this
+    #: call (0 = no budget); a sequence reaching it first comes back with
+    #: stop_reason "partial" and a ``resume_handle`` for ``SamplingClient.resume``
+    token_budget: int = 0
+
+
+@dataclass(frozen=True)
+class StreamedSample:
+    """One sample of ``SamplingClient.sample_stream``, yielded the moment it finished."""
+
+    index: int  # within the request, 0..num_samples-1
+    sequence: SampledSequence
 
 
 @dataclass(frozen=True)
@@ -129,6 +141,8 @@ class SampledSequence:
     logprobs: list[float]
     stop_reason: StopReason
     versions: list[VersionSpan] = field(default_factory=list)
+    #: set when stop_reason is "partial": pass it to ``SamplingClient.resume``
+    resume_handle: str | None = None
 
     def token_versions(self) -> list[int]:
         out: list[int] = []

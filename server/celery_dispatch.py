@@ -37,7 +37,7 @@ import threading
 import time
 import uuid
 import zlib
-from collections.abc import Iterable
+from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -52,6 +52,7 @@ from treadle.errors import (
     ResourceExhaustedError,
     TreadleError,
     UnavailableError,
+    UnimplementedError,
 )
 from treadle.server.db import models as db
 from treadle.server.db import workers as wq
@@ -75,7 +76,9 @@ from treadle.workers.domain import (
     SampleOp,
     SampleResult,
     SamplerTarget,
+    SamplingConfig,
     SaveResult,
+    StreamedSequence,
 )
 from treadle.workers.model.config import ModelConfig
 from treadle.workers.sampler import SamplerStats
@@ -229,6 +232,29 @@ class CeleryDispatcher:
     ) -> SampleResult:
         worker_id = self._worker_for_target(target, dedupe_key[0] if dedupe_key else None)
         return await self._call(worker_id, "sample", (target, op, dedupe_key), None)  # type: ignore[no-any-return]
+
+    async def sample_stream(
+        self, target: SamplerTarget, op: SampleOp
+    ) -> AsyncIterator[StreamedSequence]:
+        """Not offered here: a Celery reply carries one whole result, so a
+        worker cannot send sequences as they finish."""
+        raise UnimplementedError(
+            "SampleStream is not available with Celery workers (a task answers once); "
+            "use Sample, or run the server with the in-process engine"
+        )
+        yield  # an async generator, like the in-process one
+
+    async def resume(
+        self,
+        target: SamplerTarget,
+        sampler_id: str,
+        handles: tuple[str, ...],
+        params: SamplingConfig,
+    ) -> SampleResult:
+        """On the worker that sampled through ``sampler_id`` (it keeps the
+        handles): resume through the sampler that returned them."""
+        worker_id = self._worker_for_target(target, sampler_id)
+        return await self._call(worker_id, "resume", (target, handles, params), None)  # type: ignore[no-any-return]
 
     async def check_sampler_target(self, target: SamplerTarget) -> int:
         worker_id = self._worker_for_target(target, None)

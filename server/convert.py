@@ -23,6 +23,8 @@ from treadle.workers.domain import (
     SampleOp,
     SampleResult,
     SamplingConfig,
+    SequenceResult,
+    StreamedSequence,
 )
 
 _STOP_REASONS = {
@@ -103,8 +105,12 @@ def sample_op(req: sampling_pb2.SampleRequest) -> SampleOp:
     prompt = from_wire(req.prompt, "prompt").reshape(-1)
     if prompt.dtype.kind not in "iu":
         raise InvalidArgumentError("prompt: token ids must be integers")
-    p = req.params
-    params = SamplingConfig(
+    params = sampling_config(req.params)
+    return SampleOp(prompt=prompt.astype(np.int64), num_samples=req.num_samples, params=params)
+
+
+def sampling_config(p: sampling_pb2.SamplingParams) -> SamplingConfig:
+    return SamplingConfig(
         max_tokens=p.max_tokens,
         temperature=p.temperature,
         top_p=p.top_p if p.top_p != 0 else 1.0,
@@ -112,17 +118,27 @@ def sample_op(req: sampling_pb2.SampleRequest) -> SampleOp:
         stop_strings=tuple(p.stop),
         stop_token_ids=tuple(int(t) for t in p.stop_token_ids),
         seed=p.seed if p.HasField("seed") else None,
+        token_budget=p.token_budget,
     )
-    return SampleOp(prompt=prompt.astype(np.int64), num_samples=req.num_samples, params=params)
 
 
 def sample_response(result: SampleResult) -> sampling_pb2.SampleResponse:
     msg = sampling_pb2.SampleResponse()
     for seq in result.sequences:
-        out = msg.sequences.add()
-        to_wire(seq.tokens.astype(np.int32), out.tokens)
-        to_wire(seq.logprobs.astype(np.float32), out.logprobs)
-        out.stop_reason = _STOP_REASONS[seq.stop_reason]
-        for start, length, version in seq.versions:
-            out.versions.add(start=start, length=length, version=version)
+        sequence_to_wire(seq, msg.sequences.add())
+    return msg
+
+
+def sequence_to_wire(seq: SequenceResult, out: sampling_pb2.SampledSequence) -> None:
+    to_wire(seq.tokens.astype(np.int32), out.tokens)
+    to_wire(seq.logprobs.astype(np.float32), out.logprobs)
+    out.stop_reason = _STOP_REASONS[seq.stop_reason]
+    for start, length, version in seq.versions:
+        out.versions.add(start=start, length=length, version=version)
+    out.resume_handle = seq.resume_handle
+
+
+def stream_response(item: StreamedSequence) -> sampling_pb2.SampleStreamResponse:
+    msg = sampling_pb2.SampleStreamResponse(index=item.index)
+    sequence_to_wire(item.sequence, msg.sequence)
     return msg

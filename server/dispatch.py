@@ -8,6 +8,7 @@ servicers never know where the engine runs.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Protocol, TypeVar
@@ -21,7 +22,10 @@ from treadle.workers.domain import (
     SampleOp,
     SampleResult,
     SamplerTarget,
+    SamplingConfig,
     SaveResult,
+    SequenceResult,
+    StreamedSequence,
 )
 from treadle.workers.engine import Engine
 from treadle.workers.model.config import ModelConfig
@@ -53,6 +57,21 @@ class Dispatcher(Protocol):
     async def sample(
         self, target: SamplerTarget, op: SampleOp, dedupe_key: tuple[str, int, str] | None
     ) -> SampleResult: ...
+    def sample_stream(self, target: SamplerTarget, op: SampleOp) -> AsyncIterator[StreamedSequence]:
+        """Each sample the moment it finishes (every index once, unless an error
+        ends the stream); closing the iterator early cancels the rest."""
+        ...
+
+    async def resume(
+        self,
+        target: SamplerTarget,
+        sampler_id: str,
+        handles: tuple[str, ...],
+        params: SamplingConfig,
+    ) -> SampleResult:
+        """Continue partial rollouts (``Engine.resume``); ``sampler_id`` routes it."""
+        ...
+
     async def check_sampler_target(self, target: SamplerTarget) -> int: ...
     def model_status(self, model_id: str) -> ModelStatus: ...
     def base_model_config(self, name: str) -> ModelConfig: ...
@@ -111,6 +130,47 @@ class InProcessDispatcher:
         self, target: SamplerTarget, op: SampleOp, dedupe_key: tuple[str, int, str] | None
     ) -> SampleResult:
         return await _await(self.engine.sample(target, op, dedupe_key=dedupe_key))
+
+    async def sample_stream(
+        self, target: SamplerTarget, op: SampleOp
+    ) -> AsyncIterator[StreamedSequence]:
+        loop = asyncio.get_running_loop()
+        items: asyncio.Queue[StreamedSequence] = asyncio.Queue()
+
+        def on_sequence(index: int, seq: SequenceResult, compute_s: float) -> None:
+            item = StreamedSequence(index, seq, compute_s)
+            loop.call_soon_threadsafe(items.put_nowait, item)
+
+        fut = self.engine.sample(target, op, on_sequence=on_sequence)
+        done = asyncio.wrap_future(fut)
+        sent = 0
+        get: asyncio.Future[StreamedSequence] | None = None
+        try:
+            while sent < op.num_samples:
+                get = asyncio.ensure_future(items.get())
+                await asyncio.wait({get, done}, return_when=asyncio.FIRST_COMPLETED)
+                if not get.done():
+                    get.cancel()
+                    error = done.exception()
+                    if error is not None:
+                        raise error
+                    continue  # the result is in; its last items are still on the loop
+                sent += 1
+                yield get.result()
+        finally:
+            if get is not None and not get.done():
+                get.cancel()
+            if not fut.done():
+                fut.cancel()  # the engine frees the remaining rows at its next step
+
+    async def resume(
+        self,
+        target: SamplerTarget,
+        sampler_id: str,
+        handles: tuple[str, ...],
+        params: SamplingConfig,
+    ) -> SampleResult:
+        return await _await(self.engine.resume(target, handles, params))
 
     async def check_sampler_target(self, target: SamplerTarget) -> int:
         return await _await(self.engine.check_sampler_target(target))

@@ -97,7 +97,9 @@ class CallMeter:
     ) -> None:
         """Settle the reservation with what was generated; count a sample that ran."""
         generated = sum(int(s.tokens.size) for s in result.sequences) if result else 0
-        self.quotas.end(ticket, used_tokens=int(op.prompt.size) + generated)
+        resumed = int(getattr(result, "resumed_tokens", 0))  # prefilled again, not sampled
+        generated -= resumed
+        self.quotas.end(ticket, used_tokens=int(op.prompt.size) + resumed + generated)
         if result is None or self.usage is None:
             return
         self.usage.add(

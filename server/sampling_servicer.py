@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import AsyncIterator
 from dataclasses import replace
 
 import grpc
+import numpy as np
 
 from treadle.errors import InvalidArgumentError, NotFoundError
 from treadle.server import convert
@@ -13,7 +16,7 @@ from treadle.server.db import queries
 from treadle.server.metering import CallMeter
 from treadle.server.store import parse_weights_uri
 from treadle.v1 import sampling_pb2, sampling_pb2_grpc
-from treadle.workers.domain import SampleOp, SampleResult, SamplerTarget
+from treadle.workers.domain import SampleOp, SampleResult, SamplerTarget, SequenceResult
 
 
 class SamplingServicer(sampling_pb2_grpc.SamplingServiceServicer):
@@ -119,3 +122,53 @@ class SamplingServicer(sampling_pb2_grpc.SamplingServiceServicer):
             async with self.ctx.lifecycle.using(tenant, target.model_id):
                 result = await self._sample(tenant, target, op, key)
         return convert.sample_response(result)
+
+    async def Resume(
+        self, request: sampling_pb2.ResumeRequest, context: grpc.aio.ServicerContext
+    ) -> sampling_pb2.SampleResponse:
+        """Continue partial rollouts under the weights the sampler reads now; the
+        sequences come back whole (earlier parts first)."""
+        tenant = self.ctx.tenant(context)
+        target = replace(self._target(tenant, request.sampler_id), tenant_id=tenant)
+        params = convert.sampling_config(request.params)
+        handles = tuple(request.resume_handles)
+        # the quota reserves the new tokens; the re-prefilled ones settle as prompt
+        op = SampleOp(np.zeros(0, dtype=np.int64), max(1, len(handles)), params)
+        async with contextlib.AsyncExitStack() as stack:
+            if target.model_id is not None:
+                await stack.enter_async_context(self.ctx.lifecycle.using(tenant, target.model_id))
+            ticket = self.meter.admit_sample(tenant, op)
+            result: SampleResult | None = None
+            try:
+                result = await self.ctx.dispatcher.resume(
+                    target, request.sampler_id, handles, params
+                )
+            finally:
+                self.meter.end_sample(tenant, target, op, ticket, result)
+        return convert.sample_response(result)
+
+    async def SampleStream(
+        self, request: sampling_pb2.SampleRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[sampling_pb2.SampleStreamResponse]:
+        """Each sequence the moment it finishes; a client that cancels the stream
+        cancels the samples still generating (the generator is closed)."""
+        tenant = self.ctx.tenant(context)
+        target = self._target(tenant, request.sampler_id)
+        op = convert.sample_op(request)
+        async with contextlib.AsyncExitStack() as stack:
+            if target.model_id is not None:  # restores an unloaded model, resets its idle clock
+                await stack.enter_async_context(self.ctx.lifecycle.using(tenant, target.model_id))
+            ticket = self.meter.admit_sample(tenant, op)
+            done: list[SequenceResult] = []
+            compute_s = 0.0
+            try:
+                stream = self.ctx.dispatcher.sample_stream(replace(target, tenant_id=tenant), op)
+                async with contextlib.aclosing(stream):
+                    async for item in stream:
+                        done.append(item.sequence)
+                        compute_s += item.compute_s
+                        yield convert.stream_response(item)
+            finally:
+                # Usage counts what was generated and delivered, cancelled or not.
+                result = SampleResult(tuple(done), compute_s=compute_s) if done else None
+                self.meter.end_sample(tenant, target, op, ticket, result)

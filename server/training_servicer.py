@@ -306,9 +306,20 @@ class TrainingServicer(training_pb2_grpc.TrainingServiceServicer):
         self, request: training_pb2.SyncWeightsRequest, context: grpc.aio.ServicerContext
     ) -> training_pb2.SyncWeightsResponse:
         tenant = self.ctx.tenant(context)
-        result: SyncResult = await self._ordered(
-            context, request, lambda _: SyncWeightsOp(), "sync_weights"
-        )
+
+        def build(tenant: str) -> SyncWeightsOp:
+            if request.inflight:
+                with self.ctx.session() as s:
+                    if not queries.has_latest_sampler(s, tenant, request.model_id):
+                        raise InvalidArgumentError(
+                            f"inflight: model {request.model_id} has no sampler following "
+                            "its latest weights, so no sequence could take the update in "
+                            f"flight; create one from treadle://{request.model_id}/latest "
+                            "first, or sync without inflight"
+                        )
+            return SyncWeightsOp(inflight=request.inflight)
+
+        result: SyncResult = await self._ordered(context, request, build, "sync_weights")
         uri = weights_uri(request.model_id, result.version)
         response = training_pb2.SyncWeightsResponse(version=result.version, weights_uri=uri)
         with self.ctx.session() as s:

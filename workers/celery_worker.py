@@ -168,6 +168,9 @@ class Worker:
         if kind == "sample":
             target, op, dedupe_key = args
             return None, staged.sample(target, op, dedupe_key=dedupe_key)
+        if kind == "resume":
+            target, handles, params = args
+            return None, staged.engine.resume(target, tuple(handles), params)
         if kind == "check_target":
             (target,) = args
             return None, staged.check_sampler_target(target)

@@ -182,6 +182,9 @@ class SamplingConfig:
     # Engine-level only (benchmarks): EOS does not stop a sequence, so every
     # sequence runs to max_tokens; explicit stop_token_ids still stop it.
     ignore_eos: bool = False
+    #: partial rollouts: a sequence that samples this many tokens in this call
+    #: (0 = no budget) stops with "partial" and a resume handle
+    token_budget: int = 0
 
 
 @dataclass(frozen=True)
@@ -209,15 +212,28 @@ class SampleOp:
 class SequenceResult:
     tokens: np.ndarray  # int64 [n]
     logprobs: np.ndarray  # float32 [n]
-    stop_reason: str  # "stop" | "length" | "cancelled"
+    stop_reason: str  # "stop" | "length" | "cancelled" | "partial"
     #: one (start, length, version) span per run of tokens sampled under one version
     versions: tuple[tuple[int, int, int], ...]  # (start, length, version) spans
+    resume_handle: str = ""  # set with "partial": continues it (Engine.resume)
+
+
+@dataclass(frozen=True)
+class StreamedSequence:
+    """One sample of a streamed request, sent the moment it finished."""
+
+    index: int  # within the request, 0..num_samples-1
+    sequence: SequenceResult
+    compute_s: float = 0.0  # engine seconds charged to the request since the previous one
 
 
 @dataclass(frozen=True)
 class SampleResult:
     sequences: tuple[SequenceResult, ...]
     compute_s: float = 0.0  # engine seconds spent on it (usage accounting)
+    #: a resume: the tokens of earlier calls included in ``sequences`` (prefilled
+    #: again in this call, not sampled by it)
+    resumed_tokens: int = 0
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
+import numpy as np
 import torch
 
 from treadle.errors import (
@@ -29,6 +30,7 @@ from treadle.errors import (
     InternalError,
     InvalidArgumentError,
     NotFoundError,
+    ResourceExhaustedError,
     TreadleError,
     UnavailableError,
 )
@@ -50,6 +52,7 @@ from treadle.workers.domain import (
     SampleOp,
     SampleResult,
     SamplerTarget,
+    SamplingConfig,
     SaveResult,
     SaveStateOp,
     SequenceResult,
@@ -162,15 +165,16 @@ class Engine:
         op: SampleOp,
         *,
         dedupe_key: tuple[str, int, str] | None = None,
-        on_sequence: Callable[[int, SequenceResult], None] | None = None,
+        on_sequence: Callable[[int, SequenceResult, float], None] | None = None,
     ) -> Future[SampleResult]:
         """Queue a sample request. Cancelling the future frees its rows at the next step.
 
         ``dedupe_key`` = (sampler_id, seq_id, payload digest): a repeat of a seen
         (sampler_id, seq_id) shares the first call's result; with another payload
         it fails with FAILED_PRECONDITION. ``on_sequence`` (streamed rollouts) is
-        called on the engine thread with (sample index, sequence) as each sample
-        finishes; it must not block. Not with ``dedupe_key``.
+        called on the engine thread with (sample index, sequence, engine seconds
+        since its previous call) as each sample finishes; it must not block.
+        ``dedupe_key`` is ignored with it (a stream is never shared).
         """
         fut: Future[SampleResult] = Future()
         if dedupe_key is not None and on_sequence is None:
@@ -190,6 +194,19 @@ class Engine:
                 while len(self._sample_calls) > 4096:
                     self._sample_calls.popitem(last=False)
         self._inbox.put(lambda: self._admit_sample(target, op, fut, on_sequence))
+        return fut
+
+    def resume(
+        self, target: SamplerTarget, handles: Sequence[str], params: SamplingConfig
+    ) -> Future[SampleResult]:
+        """Continue partial rollouts (their resume handles, consumed) under the
+        weights ``target`` reads now: each is re-prefilled from its prompt and
+        tokens so far, then sampled on with ``params`` (``max_tokens`` counts the
+        whole sequence). The sequences come back whole: earlier parts first, with
+        their own logprobs and versions. A handle unknown, consumed, or of
+        another tenant or model: NOT_FOUND, the same for each."""
+        fut: Future[SampleResult] = Future()
+        self._inbox.put(lambda: self._admit_resume(target, tuple(handles), params, fut))
         return fut
 
     def sampler_metrics(self) -> list[SamplerStats]:
@@ -521,7 +538,7 @@ class Engine:
         target: SamplerTarget,
         op: SampleOp,
         fut: Future[SampleResult],
-        on_sequence: Callable[[int, SequenceResult], None] | None = None,
+        on_sequence: Callable[[int, SequenceResult, float], None] | None = None,
     ) -> None:
         if fut.cancelled():
             return
@@ -535,12 +552,100 @@ class Engine:
                 tenant=target.tenant_id,
                 latest_of=target.model_id if target.follows_latest else None,
                 on_sequence=on_sequence,
+                owner=_owner(target),
             )
         except TreadleError as err:
             fut.set_exception(err)
         except Exception as err:
             log.error("sample admission failed: %s\n%s", err, traceback.format_exc())
             fut.set_exception(InternalError(str(err)))
+
+    def _admit_resume(
+        self,
+        target: SamplerTarget,
+        handles: tuple[str, ...],
+        params: SamplingConfig,
+        fut: Future[SampleResult],
+    ) -> None:
+        if fut.cancelled():
+            return
+        try:
+            snapshot = self._snapshot(target)
+            sampler = self._sampler_for(target.base_model, snapshot.params.dtype)
+            owner = _owner(target)
+            kept = sampler.take_partials(owner, handles)
+            ops: list[SampleOp] = []
+            try:
+                for handle, part in zip(handles, kept, strict=True):
+                    done = len(part.tokens)
+                    if params.max_tokens <= done:
+                        raise InvalidArgumentError(
+                            f"max_tokens: counts the whole sequence, and resume handle "
+                            f"{handle[:48]!r} has {done} tokens already; give more than "
+                            f"{done} (got {params.max_tokens})"
+                        )
+                    prompt = np.concatenate([part.prompt, np.asarray(part.tokens, np.int64)])
+                    op = SampleOp(prompt, 1, replace(params, max_tokens=params.max_tokens - done))
+                    sampler.validate(op)
+                    ops.append(op)
+                if len(sampler.queue) + len(ops) > sampler.limits.max_queued:
+                    raise ResourceExhaustedError(
+                        f"sampler: too many requests queued for {target.base_model}; retry later",
+                        retry_after_s=1.0,
+                    )
+            except TreadleError:
+                sampler.give_back_partials(handles, kept)  # refused: nothing consumed
+                raise
+            parts: list[Future[SampleResult]] = [Future() for _ in ops]
+            _gather(parts, fut, resumed=sum(len(p.tokens) for p in kept))
+            for op, part, sub in zip(ops, kept, parts, strict=True):
+                sampler.submit(
+                    op,
+                    snapshot,
+                    sub,
+                    tenant=target.tenant_id,
+                    latest_of=target.model_id if target.follows_latest else None,
+                    owner=owner,
+                    prefix=part,
+                )
+        except TreadleError as err:
+            fut.set_exception(err)
+        except Exception as err:
+            log.error("resume admission failed: %s\n%s", err, traceback.format_exc())
+            fut.set_exception(InternalError(str(err)))
+
+
+def _owner(target: SamplerTarget) -> tuple[str, str]:
+    """Who may resume a partial rollout: the tenant, on the same model (or base)."""
+    return (target.tenant_id, target.model_id or f"base:{target.base_model}")
+
+
+def _gather(parts: list[Future[SampleResult]], out: Future[SampleResult], resumed: int) -> None:
+    """Resolve ``out`` with the one sequence of each part, in order; cancelling
+    ``out`` cancels the parts."""
+
+    def done(_: Future[SampleResult]) -> None:
+        if out.done():
+            return
+        for part in parts:
+            if part.done() and not part.cancelled() and part.exception() is not None:
+                for other in parts:
+                    other.cancel()
+                out.set_exception(part.exception())  # type: ignore[arg-type]
+                return
+        if all(p.done() and not p.cancelled() for p in parts):
+            results = [p.result() for p in parts]
+            out.set_result(
+                SampleResult(
+                    tuple(r.sequences[0] for r in results),
+                    compute_s=sum(r.compute_s for r in results),
+                    resumed_tokens=resumed,
+                )
+            )
+
+    for part in parts:
+        part.add_done_callback(done)
+    out.add_done_callback(lambda f: [p.cancel() for p in parts] if f.cancelled() else None)
 
 
 def _settle(fut: Future[Any], outcome: Any) -> None:

@@ -35,9 +35,10 @@ import bisect
 import logging
 import math
 import os
+import secrets
 import time
 import weakref
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -48,7 +49,12 @@ import torch.nn.functional as F
 from tokenizers import Tokenizer
 from torch import Tensor
 
-from treadle.errors import InvalidArgumentError, ResourceExhaustedError, TreadleError
+from treadle.errors import (
+    InvalidArgumentError,
+    NotFoundError,
+    ResourceExhaustedError,
+    TreadleError,
+)
 from treadle.workers.base_models import BaseModel
 from treadle.workers.domain import SampleOp, SampleResult, SequenceResult, version_spans
 from treadle.workers.model.kv_cache import KVCache
@@ -62,6 +68,8 @@ MAX_STOP_STRING_CHARS = 256
 #: A queued request waits for one being prefilled when it could then reuse this
 #: many more prompt tokens (the wait is at most that request's prefill).
 MIN_PREFIX_WAIT = 16
+#: partial rollouts kept for resumption per sampler; beyond it the oldest are forgotten
+MAX_PARTIALS = 65536
 
 
 @dataclass(frozen=True)
@@ -103,8 +111,14 @@ class _Request:
     #: weights published in flight while the prompt was prefilling: the rows take
     #: them after their first token (drawn from the prompt's logits, old weights)
     swap_to: WeightSnapshot | None = None
-    #: called (on the engine thread) with (index, sequence) as each row finishes
-    on_sequence: Callable[[int, SequenceResult], None] | None = None
+    #: called (on the engine thread) as each row finishes with (index, sequence,
+    #: engine seconds charged to the request since the previous call)
+    on_sequence: Callable[[int, SequenceResult, float], None] | None = None
+    reported_s: float = 0.0  # compute_s already handed to on_sequence
+    #: who may resume its partial rows: (tenant, model id or "base:<name>")
+    owner: tuple[str, str] = ("", "")
+    #: a resumed partial rollout (one row): what its earlier calls sampled
+    prefix: _Partial | None = None
 
     @property
     def cancelled(self) -> bool:
@@ -124,6 +138,18 @@ class _Row:
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)  # the weight version of each token
     stop_reason: str | None = None
+    handle: str = ""  # its resume handle once it stopped "partial"
+
+
+@dataclass
+class _Partial:
+    """A partial rollout kept for resumption: the prompt and everything sampled so far."""
+
+    owner: tuple[str, str]
+    prompt: np.ndarray
+    tokens: list[int]
+    logprobs: list[float]
+    versions: list[int]
 
 
 @dataclass
@@ -193,6 +219,7 @@ class TorchSampler:
         self.prefilling: list[_Request] = []
         self.running: list[_Row] = []  # running[i].slot == i
         self.reserved = 0  # main slots promised to prefilling requests
+        self.partials: OrderedDict[str, _Partial] = OrderedDict()  # resume handle -> rollout
         tok_path = base.path / "tokenizer.json"
         self.tokenizer = Tokenizer.from_file(str(tok_path)) if tok_path.exists() else None
         self.eos_ids = frozenset(self.cfg.eos_token_ids)
@@ -227,6 +254,10 @@ class TorchSampler:
             raise InvalidArgumentError(
                 f"num_samples: must be in 1..{self.cache.num_slots}, got {op.num_samples}"
             )
+        if p.token_budget < 0:
+            raise InvalidArgumentError(
+                f"token_budget: must be >= 0 (0 = none), got {p.token_budget}"
+            )
         if p.max_tokens < 0:
             raise InvalidArgumentError(f"max_tokens: must be >= 0, got {p.max_tokens}")
         if prompt.size + p.max_tokens > self.max_len:
@@ -260,13 +291,17 @@ class TorchSampler:
         tenant: str = "",
         *,
         latest_of: str | None = None,
-        on_sequence: Callable[[int, SequenceResult], None] | None = None,
+        on_sequence: Callable[[int, SequenceResult, float], None] | None = None,
+        owner: tuple[str, str] = ("", ""),
+        prefix: _Partial | None = None,
     ) -> None:
         """Queue a request (validated first); RESOURCE_EXHAUSTED when the queue is full.
 
         ``latest_of``: the model whose latest weights the request follows (an
         in-flight update, ``swap_weights``, reaches it). ``on_sequence``: called
-        with (sample index, sequence) the moment each row finishes.
+        with (sample index, sequence, engine seconds since its previous call) the
+        moment each row finishes (not for cancelled rows). ``owner``: who may
+        resume its partial rows; ``prefix``: the partial rollout it continues.
 
         The queue is fair across tenants, never first-come-first-served between
         them: start-time fair queueing by tokens (Goyal et al.). A request's start
@@ -298,12 +333,15 @@ class TorchSampler:
             tenant=tenant,
             latest_of=latest_of,
             on_sequence=on_sequence,
+            owner=owner,
+            prefix=prefix,
         )
         if op.params.max_tokens == 0:
             request.rows = [
                 _Row(request, i, -1, 0, snapshot, stop_reason="length")
                 for i in range(op.num_samples)
             ]
+            self._report(request.rows)
             self._finish_request(request)
             return
         self._enqueue(request)
@@ -316,6 +354,43 @@ class TorchSampler:
             self._finish_tags = {t: f for t, f in self._finish_tags.items() if f > self._vtime}
         request.tag = start
         self.queue.insert(bisect.bisect_right(self.queue, start, key=_tag), request)
+
+    def take_partials(self, owner: tuple[str, str], handles: Sequence[str]) -> list[_Partial]:
+        """The partial rollouts of ``handles``, removed (each resumes once).
+
+        All or nothing: a handle that never existed, was consumed (or forgotten,
+        beyond ``MAX_PARTIALS``), or belongs to another tenant or model is
+        NOT_FOUND, with the same message, and then no handle is consumed.
+        """
+        if not handles:
+            raise InvalidArgumentError("resume_handles: give at least one")
+        if len(set(handles)) != len(handles):
+            raise InvalidArgumentError("resume_handles: a handle is given twice")
+        for h in handles:
+            kept = self.partials.get(h)
+            if kept is None or kept.owner != owner:
+                raise NotFoundError(f"resume handle {h[:48]!r} not found")
+        return [self.partials.pop(h) for h in handles]
+
+    def give_back_partials(self, handles: Sequence[str], partials: Sequence[_Partial]) -> None:
+        """Undo ``take_partials`` (the resume was refused before it started)."""
+        for h, kept in zip(handles, partials, strict=True):
+            self.partials[h] = kept
+
+    def _keep_partial(self, row: _Row) -> str:
+        prefix = row.request.prefix
+        kept = _Partial(
+            owner=row.request.owner,
+            prompt=row.request.prompt if prefix is None else prefix.prompt,
+            tokens=(prefix.tokens if prefix else []) + row.tokens,
+            logprobs=(prefix.logprobs if prefix else []) + row.logprobs,
+            versions=(prefix.versions if prefix else []) + row.versions,
+        )
+        handle = "rh-" + secrets.token_urlsafe(18)
+        self.partials[handle] = kept
+        while len(self.partials) > MAX_PARTIALS:  # the oldest are forgotten
+            self.partials.popitem(last=False)
+        return handle
 
     def swap_weights(self, snapshot: WeightSnapshot) -> int:
         """An in-flight weight update (PipelineRL): every request following the
@@ -608,6 +683,9 @@ class TorchSampler:
                 row.stop_reason = "stop"
             elif len(row.tokens) >= p.max_tokens:
                 row.stop_reason = "length"
+            elif p.token_budget and len(row.tokens) >= p.token_budget:
+                row.stop_reason = "partial"
+                row.handle = self._keep_partial(row)
         self.tokens_generated += len(rows)
 
     def _hit_stop_string(self, row: _Row) -> bool:
@@ -638,16 +716,22 @@ class TorchSampler:
                 r.slot = hole
         live.sort(key=lambda r: r.slot)
         self.running = live
-        for row in done:
-            callback = row.request.on_sequence
-            if callback is not None and row.stop_reason != "cancelled":
-                try:
-                    callback(row.index, _sequence(row))
-                except Exception:  # a consumer's bug must not stop the sampler
-                    log.exception("sampler: on_sequence callback failed")
+        self._report(done)
         for req in {id(r.request): r.request for r in done}.values():
             if all(r.stop_reason is not None for r in req.rows):
                 self._finish_request(req)
+
+    def _report(self, rows: Sequence[_Row]) -> None:
+        """Hand finished rows to their request's ``on_sequence`` (streamed rollouts)."""
+        for row in rows:
+            req = row.request
+            if req.on_sequence is None or row.stop_reason == "cancelled" or req.cancelled:
+                continue
+            spent, req.reported_s = req.compute_s - req.reported_s, req.compute_s
+            try:
+                req.on_sequence(row.index, _sequence(row), spent)
+            except Exception:  # a consumer's bug must not stop the sampler
+                log.exception("sampler: on_sequence callback failed")
 
     def _finish_request(self, request: _Request) -> None:
         if request.future.done():
@@ -677,11 +761,18 @@ class TorchSampler:
 
 
 def _sequence(row: _Row) -> SequenceResult:
+    """The row's sequence; a resumed partial rollout's includes its earlier parts."""
+    prefix = row.request.prefix
+    tokens, logprobs, versions = row.tokens, row.logprobs, row.versions
+    if prefix is not None:
+        tokens, logprobs = prefix.tokens + tokens, prefix.logprobs + logprobs
+        versions = prefix.versions + versions
     return SequenceResult(
-        tokens=np.asarray(row.tokens, dtype=np.int64),
-        logprobs=np.asarray(row.logprobs, dtype=np.float32),
+        tokens=np.asarray(tokens, dtype=np.int64),
+        logprobs=np.asarray(logprobs, dtype=np.float32),
         stop_reason=row.stop_reason or "length",
-        versions=version_spans(row.versions),
+        versions=version_spans(versions),
+        resume_handle=row.handle,
     )
 
 

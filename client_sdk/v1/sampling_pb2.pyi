@@ -31,7 +31,7 @@ class SamplerInfo(_message.Message):
     def __init__(self, sampler_id: _Optional[str] = ..., base_model: _Optional[str] = ..., model_id: _Optional[str] = ..., version: _Optional[int] = ..., follows_latest: _Optional[bool] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
-    __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "stop", "stop_token_ids", "seed")
+    __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "stop", "stop_token_ids", "seed", "token_budget")
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
@@ -39,6 +39,7 @@ class SamplingParams(_message.Message):
     STOP_FIELD_NUMBER: _ClassVar[int]
     STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_BUDGET_FIELD_NUMBER: _ClassVar[int]
     max_tokens: int
     temperature: float
     top_p: float
@@ -46,7 +47,8 @@ class SamplingParams(_message.Message):
     stop: _containers.RepeatedScalarFieldContainer[str]
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
     seed: int
-    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., seed: _Optional[int] = ...) -> None: ...
+    token_budget: int
+    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., seed: _Optional[int] = ..., token_budget: _Optional[int] = ...) -> None: ...
 
 class SampleRequest(_message.Message):
     __slots__ = ("sampler_id", "seq_id", "prompt", "num_samples", "params")
@@ -63,19 +65,39 @@ class SampleRequest(_message.Message):
     def __init__(self, sampler_id: _Optional[str] = ..., seq_id: _Optional[int] = ..., prompt: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., num_samples: _Optional[int] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
 
 class SampledSequence(_message.Message):
-    __slots__ = ("tokens", "logprobs", "stop_reason", "versions")
+    __slots__ = ("tokens", "logprobs", "stop_reason", "versions", "resume_handle")
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     STOP_REASON_FIELD_NUMBER: _ClassVar[int]
     VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    RESUME_HANDLE_FIELD_NUMBER: _ClassVar[int]
     tokens: _common_pb2.Tensor
     logprobs: _common_pb2.Tensor
     stop_reason: _common_pb2.StopReason
     versions: _containers.RepeatedCompositeFieldContainer[_common_pb2.VersionSpan]
-    def __init__(self, tokens: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., logprobs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., stop_reason: _Optional[_Union[_common_pb2.StopReason, str]] = ..., versions: _Optional[_Iterable[_Union[_common_pb2.VersionSpan, _Mapping]]] = ...) -> None: ...
+    resume_handle: str
+    def __init__(self, tokens: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., logprobs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., stop_reason: _Optional[_Union[_common_pb2.StopReason, str]] = ..., versions: _Optional[_Iterable[_Union[_common_pb2.VersionSpan, _Mapping]]] = ..., resume_handle: _Optional[str] = ...) -> None: ...
 
 class SampleResponse(_message.Message):
     __slots__ = ("sequences",)
     SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     sequences: _containers.RepeatedCompositeFieldContainer[SampledSequence]
     def __init__(self, sequences: _Optional[_Iterable[_Union[SampledSequence, _Mapping]]] = ...) -> None: ...
+
+class SampleStreamResponse(_message.Message):
+    __slots__ = ("index", "sequence")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    sequence: SampledSequence
+    def __init__(self, index: _Optional[int] = ..., sequence: _Optional[_Union[SampledSequence, _Mapping]] = ...) -> None: ...
+
+class ResumeRequest(_message.Message):
+    __slots__ = ("sampler_id", "resume_handles", "params")
+    SAMPLER_ID_FIELD_NUMBER: _ClassVar[int]
+    RESUME_HANDLES_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_FIELD_NUMBER: _ClassVar[int]
+    sampler_id: str
+    resume_handles: _containers.RepeatedScalarFieldContainer[str]
+    params: SamplingParams
+    def __init__(self, sampler_id: _Optional[str] = ..., resume_handles: _Optional[_Iterable[str]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...

@@ -45,6 +45,16 @@ class SamplingServiceStub:
                 request_serializer=treadle_dot_v1_dot_sampling__pb2.SampleRequest.SerializeToString,
                 response_deserializer=treadle_dot_v1_dot_sampling__pb2.SampleResponse.FromString,
                 _registered_method=True)
+        self.SampleStream = channel.unary_stream(
+                '/treadle.v1.SamplingService/SampleStream',
+                request_serializer=treadle_dot_v1_dot_sampling__pb2.SampleRequest.SerializeToString,
+                response_deserializer=treadle_dot_v1_dot_sampling__pb2.SampleStreamResponse.FromString,
+                _registered_method=True)
+        self.Resume = channel.unary_unary(
+                '/treadle.v1.SamplingService/Resume',
+                request_serializer=treadle_dot_v1_dot_sampling__pb2.ResumeRequest.SerializeToString,
+                response_deserializer=treadle_dot_v1_dot_sampling__pb2.SampleResponse.FromString,
+                _registered_method=True)
 
 
 class SamplingServiceServicer:
@@ -62,6 +72,26 @@ class SamplingServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SampleStream(self, request, context):
+        """Streamed rollouts: the same request as Sample; each sequence is sent the
+        moment it finishes (short ones before long ones), with its index in the
+        request. Cancelling the stream cancels the samples still generating.
+        seq_id de-duplication does not apply (a retried stream samples again).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Resume(self, request, context):
+        """Partial rollouts: continue sequences that stopped with PARTIAL (their
+        resume handles), under the weights the sampler reads now. Each handle is
+        consumed; an unknown, consumed, or another tenant's or model's handle is
+        NOT_FOUND.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SamplingServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -73,6 +103,16 @@ def add_SamplingServiceServicer_to_server(servicer, server):
             'Sample': grpc.unary_unary_rpc_method_handler(
                     servicer.Sample,
                     request_deserializer=treadle_dot_v1_dot_sampling__pb2.SampleRequest.FromString,
+                    response_serializer=treadle_dot_v1_dot_sampling__pb2.SampleResponse.SerializeToString,
+            ),
+            'SampleStream': grpc.unary_stream_rpc_method_handler(
+                    servicer.SampleStream,
+                    request_deserializer=treadle_dot_v1_dot_sampling__pb2.SampleRequest.FromString,
+                    response_serializer=treadle_dot_v1_dot_sampling__pb2.SampleStreamResponse.SerializeToString,
+            ),
+            'Resume': grpc.unary_unary_rpc_method_handler(
+                    servicer.Resume,
+                    request_deserializer=treadle_dot_v1_dot_sampling__pb2.ResumeRequest.FromString,
                     response_serializer=treadle_dot_v1_dot_sampling__pb2.SampleResponse.SerializeToString,
             ),
     }
@@ -129,6 +169,60 @@ class SamplingService:
             target,
             '/treadle.v1.SamplingService/Sample',
             treadle_dot_v1_dot_sampling__pb2.SampleRequest.SerializeToString,
+            treadle_dot_v1_dot_sampling__pb2.SampleResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SampleStream(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/treadle.v1.SamplingService/SampleStream',
+            treadle_dot_v1_dot_sampling__pb2.SampleRequest.SerializeToString,
+            treadle_dot_v1_dot_sampling__pb2.SampleStreamResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Resume(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/treadle.v1.SamplingService/Resume',
+            treadle_dot_v1_dot_sampling__pb2.ResumeRequest.SerializeToString,
             treadle_dot_v1_dot_sampling__pb2.SampleResponse.FromString,
             options,
             channel_credentials,

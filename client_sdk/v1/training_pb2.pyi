@@ -172,14 +172,16 @@ class OptimStepResponse(_message.Message):
     def __init__(self, step: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class SyncWeightsRequest(_message.Message):
-    __slots__ = ("model_id", "seq_id", "create_sampler")
+    __slots__ = ("model_id", "seq_id", "create_sampler", "inflight")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     CREATE_SAMPLER_FIELD_NUMBER: _ClassVar[int]
+    INFLIGHT_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     seq_id: int
     create_sampler: bool
-    def __init__(self, model_id: _Optional[str] = ..., seq_id: _Optional[int] = ..., create_sampler: _Optional[bool] = ...) -> None: ...
+    inflight: bool
+    def __init__(self, model_id: _Optional[str] = ..., seq_id: _Optional[int] = ..., create_sampler: _Optional[bool] = ..., inflight: _Optional[bool] = ...) -> None: ...
 
 class SyncWeightsResponse(_message.Message):
     __slots__ = ("version", "weights_uri", "sampler_id")

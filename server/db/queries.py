@@ -245,6 +245,14 @@ def create_sampler(
     return _add(s, row)
 
 
+def has_latest_sampler(s: Session, tenant_id: str, model_id: str) -> bool:
+    """Whether the tenant has a sampler following the model's latest weights."""
+    stmt = select(Sampler.id).where(
+        Sampler.tenant_id == tenant_id, Sampler.model_id == model_id, Sampler.mode == "latest"
+    )
+    return s.scalars(stmt.limit(1)).first() is not None
+
+
 def get_sampler(s: Session, tenant_id: str, sampler_id: str) -> Sampler | None:
     stmt = select(Sampler).where(Sampler.id == sampler_id, Sampler.tenant_id == tenant_id)
     return s.scalars(stmt).one_or_none()

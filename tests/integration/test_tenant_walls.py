@@ -213,6 +213,12 @@ ID_CASES: dict[str, list[IdCase]] = {
         ),
     ],
     "treadle.v1.SamplingService.Sample": [_sample],
+    "treadle.v1.SamplingService.SampleStream": [_sample],
+    "treadle.v1.SamplingService.Resume": [
+        lambda ids, w: sampling_pb2.ResumeRequest(
+            sampler_id=ids["sampler"], resume_handles=["rh-x"], params={"max_tokens": 4}
+        ),
+    ],
     "treadle.v1.SessionService.Heartbeat": [
         lambda ids, w: _session_msg("HeartbeatRequest", session_id=ids["session"]),
     ],

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from treadle.errors import NotFoundError
 from treadle.workers.domain import (
     AdamConfig,
     DatumData,
@@ -57,7 +58,7 @@ def _submit(
     engine: Engine, target: SamplerTarget, op: SampleOp, seen: list | None = None
 ) -> Future[SampleResult]:
     fut: Future[SampleResult] = Future()
-    cb = None if seen is None else (lambda i, s: seen.append((i, s)))
+    cb = None if seen is None else (lambda i, s, _t: seen.append((i, s)))
     engine._admit_sample(target, op, fut, cb)
     return fut
 
@@ -154,3 +155,82 @@ def test_sequences_are_reported_as_they_finish(engine: Engine) -> None:
     for i, s in seen:
         np.testing.assert_array_equal(s.tokens, result.sequences[i].tokens)
         assert s.versions == result.sequences[i].versions
+
+
+# ---- partial rollouts ---------------------------------------------------------------------
+
+
+def _drive(engine: Engine, fut: Future[SampleResult]) -> SampleResult:
+    sampler = _sampler(engine)
+    while sampler.has_work():
+        sampler.step()
+    return fut.result(timeout=0)
+
+
+def _resume(engine: Engine, target: SamplerTarget, handles: list[str], params: SamplingConfig):
+    fut: Future[SampleResult] = Future()
+    engine._admit_resume(target, tuple(handles), params, fut)
+    return fut
+
+
+def test_a_resumed_partial_rollout_continues_the_same_sequence(engine: Engine) -> None:
+    prompt = np.arange(5, 14)
+    latest = SamplerTarget("tiny", "m", tenant_id="t")
+    first_params = SamplingConfig(max_tokens=12, seed=3, ignore_eos=True, token_budget=5)
+    first = _drive(engine, _submit(engine, latest, SampleOp(prompt, 2, first_params)))
+    for s in first.sequences:
+        assert s.stop_reason == "partial" and s.resume_handle
+        assert s.tokens.size == 5 and s.versions == ((0, 5, 0),)
+    # the trainer moves on and publishes v1; the resumed rows continue under it
+    seq = _train_step(engine, 1)
+    engine._apply(engine.models["m"], seq, SyncWeightsOp())
+    handles = [s.resume_handle for s in first.sequences]
+    params = SamplingConfig(max_tokens=12, seed=4, ignore_eos=True)
+    done = _drive(engine, _resume(engine, latest, handles, params))
+    assert len(done.sequences) == 2 and done.resumed_tokens == 10
+    for part, whole in zip(first.sequences, done.sequences, strict=True):
+        assert whole.stop_reason == "length" and whole.resume_handle == ""
+        np.testing.assert_array_equal(whole.tokens[:5], part.tokens)
+        np.testing.assert_array_equal(whole.logprobs[:5], part.logprobs)
+        assert whole.tokens.size == 12
+        assert whole.versions == ((0, 5, 0), (5, 7, 1))
+        # the continuation was prefilled and sampled under v1: the trainer's v1
+        # logprobs of the whole sequence agree on its tokens
+        ref = _logprobs(engine, seq + 1, prompt, whole.tokens)
+        np.testing.assert_allclose(whole.logprobs[5:], ref[5:], atol=2e-4)
+
+
+def test_a_budget_hit_again_gives_a_new_handle(engine: Engine) -> None:
+    target = SamplerTarget("tiny", tenant_id="t")
+    params = SamplingConfig(max_tokens=9, seed=3, ignore_eos=True, token_budget=4)
+    first = _drive(engine, _submit(engine, target, SampleOp(np.arange(5, 9), 1, params)))
+    (s1,) = first.sequences
+    second = _drive(engine, _resume(engine, target, [s1.resume_handle], params))
+    (s2,) = second.sequences
+    assert s2.stop_reason == "partial" and s2.tokens.size == 8
+    assert s2.resume_handle and s2.resume_handle != s1.resume_handle
+    third = _drive(engine, _resume(engine, target, [s2.resume_handle], params))
+    (s3,) = third.sequences
+    assert s3.stop_reason == "length" and s3.tokens.size == 9
+    np.testing.assert_array_equal(s3.tokens[:8], s2.tokens)
+
+
+def test_foreign_and_consumed_handles_are_not_found_alike(engine: Engine) -> None:
+    mine = SamplerTarget("tiny", "m", tenant_id="t")
+    params = SamplingConfig(max_tokens=8, seed=3, ignore_eos=True, token_budget=2)
+    (s,) = _drive(engine, _submit(engine, mine, SampleOp(np.arange(5, 9), 1, params))).sequences
+    handle = s.resume_handle
+    messages = []
+    for target, h in [
+        (SamplerTarget("tiny", "m", tenant_id="other"), handle),  # another tenant
+        (SamplerTarget("tiny", tenant_id="t"), handle),  # the base, not model m
+        (mine, "rh-never-existed"),
+    ]:
+        with pytest.raises(NotFoundError) as err:
+            _resume(engine, target, [h], params).result(timeout=0)
+        messages.append(str(err.value).replace(h[:48], "H"))
+    _drive(engine, _resume(engine, mine, [handle], params))  # still there: consumed now
+    with pytest.raises(NotFoundError) as err:
+        _resume(engine, mine, [handle], params).result(timeout=0)
+    messages.append(str(err.value).replace(handle[:48], "H"))
+    assert len(set(messages)) == 1, messages
