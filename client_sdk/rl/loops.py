@@ -245,7 +245,8 @@ def _stats(
 
 def _sync(trainer: TrainingClient, timeout: float, inflight: bool = False) -> SamplingClient:
     # inflight is passed only when asked for, so the loops run on servers without it
-    sampler = trainer.sync_weights(inflight=True) if inflight else trainer.sync_weights()
+    sync: Any = trainer.sync_weights  # Any: `inflight` is newer than some servers' SDKs
+    sampler: SamplingClient = sync(inflight=True) if inflight else sync()
     done = threading.Event()
     sampler._info.add_done_callback(lambda _: done.set())
     if not done.wait(timeout):
