@@ -24,7 +24,8 @@ from treadle.workers.domain import (
     SampleResult,
     SamplingConfig,
 )
-from treadle.workers.sampler import SamplerLimits, TorchSampler, sample_tokens
+from treadle.workers.sampler import SamplerLimits, TorchSampler
+from treadle.workers.sampling import sample_tokens
 from treadle.workers.trainer import TrainingModel, forward_backward, forward_logprobs
 from treadle.workers.versions import WeightSnapshot
 
