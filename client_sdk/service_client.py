@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import hashlib
 import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
+import grpc
+
 from treadle import _convert
-from treadle._rpc import Caller, make_channel
+from treadle._rpc import Caller, error_from_rpc, make_channel
 from treadle.errors import InvalidArgumentError
 from treadle.futures import APIFuture
 from treadle.sampling_client import SamplingClient
@@ -213,12 +216,15 @@ class ServiceClient:
         try:
             for chunk in stream:
                 files.setdefault(chunk.file_name, bytearray()).extend(chunk.data)
-        except Exception as err:
-            from treadle._rpc import error_from_rpc
-
-            raise error_from_rpc(err) from None  # type: ignore[arg-type]
+        except grpc.RpcError as err:
+            raise error_from_rpc(err) from None
         for name, data in files.items():
-            (directory / Path(name).name).write_bytes(bytes(data))
+            # Atomic per file: other clients (threads, processes) may be loading the
+            # same cached tokenizer while this one refreshes it.
+            fd, tmp = tempfile.mkstemp(dir=directory, prefix=".part-")
+            with os.fdopen(fd, "wb") as out:
+                out.write(bytes(data))
+            os.replace(tmp, directory / Path(name).name)
         tok = Tokenizer(directory)
         self._tokenizers[base_model] = tok
         return tok
