@@ -37,6 +37,7 @@ import threading
 import time
 import uuid
 import zlib
+from collections import Counter
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,6 +55,7 @@ from treadle.errors import (
     UnavailableError,
     UnimplementedError,
 )
+from treadle.server import convert
 from treadle.server.db import models as db
 from treadle.server.db import workers as wq
 from treadle.server.store import Store, storage_path_str
@@ -126,6 +128,7 @@ class CeleryDispatcher:
         self._lost: dict[str, str] = {}  # model_id -> the worker it was lost with
         self._status: dict[str, ModelStatus] = {}
         self._gone: set[str] = set()
+        self._placing: Counter[str] = Counter()  # creations in flight, per worker
         self._live: list[_Live] = []
         self._restored: dict[tuple[str, int], LoadResult] = {}
         self._stopping = threading.Event()
@@ -149,16 +152,21 @@ class CeleryDispatcher:
         candidates = [adopt] if adopt else self._candidates(spec.base_model)
         last: TreadleError | None = None
         for worker_id in candidates:
+            with self._lock:  # counted by _candidates until the DB row says where it went
+                self._placing[worker_id] += 1
             try:
                 status = await self._call(
                     worker_id, "create", (spec, path, next_seq_id), spec.model_id
                 )
+                with self.sessions() as s:
+                    wq.place_model(s, spec.model_id, worker_id)
+                    s.commit()
             except ResourceExhaustedError as err:  # full since we counted: try the next
                 last = err
                 continue
-            with self.sessions() as s:
-                wq.place_model(s, spec.model_id, worker_id)
-                s.commit()
+            finally:
+                with self._lock:
+                    self._placing[worker_id] -= 1
             with self._lock:
                 self._placement[spec.model_id] = worker_id
                 self._lost.pop(spec.model_id, None)
@@ -356,7 +364,9 @@ class CeleryDispatcher:
                 and w.id not in skip
             ]
         with self._lock:
-            rows = [r for r in rows if r[2] not in self._gone]
+            # Creations in flight count too: concurrent creates would otherwise all
+            # read the same loads and pile onto one worker.
+            rows = [(n + self._placing[w], r, w) for n, r, w in rows if w not in self._gone]
         if not rows:
             raise UnavailableError(
                 f"no live worker serves base model {base_model!r} with room for another model "
@@ -369,15 +379,7 @@ class CeleryDispatcher:
             row = s.get(db.Model, model_id)
             if row is None:
                 raise NotFoundError(f"model {model_id} not found")
-            spec = ModelSpec(
-                row.id,
-                row.tenant_id,
-                row.base_model,
-                row.lora_rank,
-                row.lora_alpha,
-                row.seed,
-                row.dtype,
-            )
+            spec = convert.model_spec(row)
         with self._lock:
             dead = {w for w in (self._lost.get(model_id), self._placement.get(model_id)) if w}
         status = None
