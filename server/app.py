@@ -15,6 +15,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from treadle._rpc import channel_options
+from treadle.server import convert
 from treadle.server.auth import Authenticator, AuthInterceptor, bootstrap_default_tenant
 from treadle.server.config import ServerConfig
 from treadle.server.context import ServerContext
@@ -39,7 +40,6 @@ from treadle.v1 import (
     training_pb2,
     training_pb2_grpc,
 )
-from treadle.workers.domain import ModelSpec
 from treadle.workers.engine import Engine, EngineConfig
 
 log = logging.getLogger("treadle.server")
@@ -75,15 +75,7 @@ async def restore_models(ctx: ServerContext) -> int:
         plans = []
         for row in rows:
             ckpt = row.last_checkpoint
-            spec = ModelSpec(
-                row.id,
-                row.tenant_id,
-                row.base_model,
-                row.lora_rank,
-                row.lora_alpha,
-                row.seed,
-                row.dtype,
-            )
+            spec = convert.model_spec(row)
             plans.append((spec, ckpt.storage_path if ckpt else None, (ckpt.seq_id if ckpt else 0)))
     for spec, path, seq in plans:
         try:

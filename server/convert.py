@@ -13,6 +13,7 @@ import numpy as np
 
 from treadle._tensor import from_wire, to_wire
 from treadle.errors import InvalidArgumentError
+from treadle.server.db import models as db
 from treadle.v1 import common_pb2, sampling_pb2, training_pb2
 from treadle.workers.domain import (
     AdamConfig,
@@ -20,6 +21,7 @@ from treadle.workers.domain import (
     ForwardBackwardOp,
     ForwardLogprobsOp,
     ForwardResult,
+    ModelSpec,
     SampleOp,
     SampleResult,
     SamplingConfig,
@@ -39,6 +41,13 @@ def digest(request: object) -> str:
     """A stable digest of a request's payload, for seq_id de-duplication."""
     data = request.SerializeToString(deterministic=True)  # type: ignore[attr-defined]
     return hashlib.blake2b(data, digest_size=16).hexdigest()
+
+
+def model_spec(row: db.Model) -> ModelSpec:
+    """A model's stored row -> the engine's spec of it (restore, unload, re-placement)."""
+    return ModelSpec(
+        row.id, row.tenant_id, row.base_model, row.lora_rank, row.lora_alpha, row.seed, row.dtype
+    )
 
 
 def loss_name(value: int) -> str:

@@ -29,10 +29,10 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from treadle.errors import NotFoundError, TreadleError
+from treadle.server import convert
 from treadle.server.db import models as db
 from treadle.server.db import queries
 from treadle.server.store import state_uri
-from treadle.workers.domain import ModelSpec
 
 if TYPE_CHECKING:
     from treadle.server.context import ServerContext
@@ -118,15 +118,7 @@ class ModelLifecycle:
             ckpt = row.last_checkpoint
             if ckpt is None:  # an unload always records its checkpoint; never guess
                 raise NotFoundError(f"model {model_id!r} not found")
-            spec = ModelSpec(
-                row.id,
-                row.tenant_id,
-                row.base_model,
-                row.lora_rank,
-                row.lora_alpha,
-                row.seed,
-                row.dtype,
-            )
+            spec = convert.model_spec(row)
             path, seq_id = ckpt.storage_path, ckpt.seq_id
         status = await ctx.dispatcher.create_model(spec, from_state=path, next_seq_id=seq_id + 1)
         with ctx.session() as s:
@@ -247,9 +239,7 @@ async def _reload(
     with ctx.session() as s:
         row = s.get(db.Model, model_id)
         assert row is not None
-        spec = ModelSpec(
-            row.id, tenant, row.base_model, row.lora_rank, row.lora_alpha, row.seed, row.dtype
-        )
+        spec = convert.model_spec(row)
     await ctx.dispatcher.create_model(spec, from_state=storage_path, next_seq_id=seq_id + 1)
     ctx.owners[model_id] = tenant
 
