@@ -56,6 +56,7 @@ from treadle.errors import (
 )
 from treadle.workers.base_models import BaseModel
 from treadle.workers.domain import SampleOp, SampleResult, SequenceResult, version_spans
+from treadle.workers.model import prepack
 from treadle.workers.model.kv_cache import KVCache
 from treadle.workers.model.llama import LlamaParams, forward_hidden, lm_logits
 from treadle.workers.model.lora import LoraAdapter, LoraRows
@@ -70,6 +71,8 @@ MAX_STOP_STRING_CHARS = 256
 MIN_PREFIX_WAIT = 16
 #: partial rollouts kept for resumption per sampler; beyond it the oldest are forgotten
 MAX_PARTIALS = 65536
+#: weight versions kept prepacked per sampler (each is a second copy of the weights)
+MAX_PACKED = 2
 
 
 @dataclass(frozen=True)
@@ -89,6 +92,9 @@ class SamplerLimits:
     max_prefill_tokens: int = 512
     max_queued: int = 4096
     log_every_s: float = 30.0
+    #: decode with weights prepacked for ``num_slots`` rows (fp32 on CPU; a second
+    #: copy of the weights of each of the last ``MAX_PACKED`` versions decoded)
+    prepack: bool = True
 
 
 @dataclass
@@ -220,6 +226,7 @@ class TorchSampler:
         self.running: list[_Row] = []  # running[i].slot == i
         self.reserved = 0  # main slots promised to prefilling requests
         self.partials: OrderedDict[str, _Partial] = OrderedDict()  # resume handle -> rollout
+        self._packed: OrderedDict[int, weakref.ref[LlamaParams]] = OrderedDict()  # prepacked
         tok_path = base.path / "tokenizer.json"
         self.tokenizer = Tokenizer.from_file(str(tok_path)) if tok_path.exists() else None
         self.eos_ids = frozenset(self.cfg.eos_token_ids)
@@ -632,22 +639,32 @@ class TorchSampler:
             groups.setdefault(id(row.snapshot.params), []).append(row)
         for rows in groups.values():
             params = rows[0].snapshot.params
-            tokens_B_1 = torch.tensor([[r.next_input] for r in rows])
-            positions_B_1 = torch.tensor([[r.position] for r in rows])
-            slots_B = torch.tensor([r.slot for r in rows])
+            tokens = [r.next_input for r in rows]
+            positions = [r.position for r in rows]
+            slots = [r.slot for r in rows]
+            adapters = [r.snapshot.adapter for r in rows]
+            pad = self._pad_rows(params, len(rows))
+            if pad:
+                # Filler rows in free slots at position 0 (overwritten before any
+                # real row reads them), so the batch has the packed width.
+                free = len(self.running)
+                tokens += [0] * pad
+                positions += [0] * pad
+                slots += range(free, free + pad)
+                adapters += [adapters[0]] * pad
             t0 = time.perf_counter()
             hidden_B_1_H = forward_hidden(
                 self.cfg,
                 params,
-                tokens_B_1,
-                positions_B_1,
-                lora=_lora_for([r.snapshot.adapter for r in rows]),
+                torch.tensor(tokens)[:, None],
+                torch.tensor(positions)[:, None],
+                lora=_lora_for(adapters),
                 cache=self.cache,
-                slots_B=slots_B,
+                slots_B=torch.tensor(slots),
             )
             for r in rows:
                 r.position += 1
-            logits_B_V = lm_logits(self.cfg, params, hidden_B_1_H[:, -1])
+            logits_B_V = lm_logits(self.cfg, params, hidden_B_1_H[:, -1])[: len(rows)]
             _charge([(r.request, 1) for r in rows], time.perf_counter() - t0)
             self._emit(rows, logits_B_V)
         self.decode_steps += 1
@@ -655,6 +672,30 @@ class TorchSampler:
         while len(self._window) > 64:
             self._window.popleft()
         self._compact()
+
+    def _pad_rows(self, params: LlamaParams, rows: int) -> int:
+        """Filler rows to add to a decode batch of ``rows`` rows on ``params``: up to
+        the slot count when the weights can be prepacked for it and the batch is
+        at least half full (below that, the plain product of fewer rows is
+        cheaper), and the free slots can hold them; else 0."""
+        width = self.cache.num_slots
+        if not self.limits.prepack or rows < max(2, width // 2) or not prepack.available(params):
+            return 0
+        if width - len(self.running) < width - rows:
+            return 0  # other weight versions hold the slots the filler would need
+        key = id(params)
+        known = self._packed.get(key)
+        if known is None or known() is not params or prepack.packed_rows(params) != width:
+            self._packed.pop(key, None)
+            while len(self._packed) >= MAX_PACKED:
+                oldest = self._packed.popitem(last=False)[1]()
+                if oldest is not None:
+                    prepack.unpack(oldest)
+            if prepack.packed_rows(params) != width:
+                prepack.prepack(params, width)
+            self._packed[key] = weakref.ref(params)
+        self._packed.move_to_end(key)
+        return width - rows
 
     # ---- choosing tokens -----------------------------------------------------------------
 

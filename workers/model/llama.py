@@ -29,6 +29,7 @@ from torch import Tensor
 
 from treadle.errors import InvalidArgumentError
 from treadle.workers.model.config import ModelConfig
+from treadle.workers.model.prepack import linear
 
 if TYPE_CHECKING:
     from treadle.workers.model.kv_cache import KVCache
@@ -287,7 +288,7 @@ def _proj(
     x: Tensor, w: Tensor, b: Tensor | None, lora: Lora | None, layer: int, name: str
 ) -> Tensor:
     """A linear projection; the LoRA update (if any) is added after the shared base matmul."""
-    y = F.linear(x, w, b)
+    y = linear(x, w, b)
     return y if lora is None else lora.apply(layer, name, x, y)
 
 
@@ -453,7 +454,7 @@ def lm_logits(cfg: ModelConfig, params: LlamaParams, hidden_B_T_H: Tensor) -> Te
     token).
     """
     del cfg  # the head is fully described by params; kept for a uniform signature
-    logits = F.linear(hidden_B_T_H, params.lm_head_weight)
+    logits = linear(hidden_B_T_H, params.lm_head_weight)
     if logits.dtype not in (torch.float32, torch.float64):
         logits = logits.float()
     return logits

@@ -1,0 +1,86 @@
+"""Prepacked weights (the sampler's fp32 CPU fast path): the same numbers as
+``F.linear``, never used while recording gradients or after the weight changed,
+and a sampler that decodes through them (padding its batch to the packed width)
+returns what one without them returns."""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from treadle.workers.base_models import BaseModel, BaseModelRegistry
+from treadle.workers.domain import SampleOp, SampleResult, SamplingConfig
+from treadle.workers.model import prepack
+from treadle.workers.sampler import SamplerLimits, TorchSampler
+from treadle.workers.versions import WeightSnapshot
+
+pytestmark = pytest.mark.skipif(
+    not torch.backends.mkl.is_available(), reason="this torch has no MKL"
+)
+
+
+@pytest.fixture(scope="module")
+def base(tiny_model_dir: Path) -> BaseModel:
+    return BaseModelRegistry({"tiny": tiny_model_dir}).get("tiny", torch.float32)
+
+
+def _entry(w: torch.Tensor) -> object:
+    return getattr(w, "_treadle_mkl_packed", None)
+
+
+def test_packed_linear_matches_and_falls_back(base: BaseModel) -> None:
+    params = base.params.clone()
+    assert prepack.available(params)
+    prepack.prepack(params, 8)
+    assert prepack.packed_rows(params) == 8
+    w = params.layers[0].gate_proj
+    x = torch.randn(8, 1, w.shape[1])
+    with torch.no_grad():
+        packed = prepack.linear(x, w)
+        assert packed.shape == (8, 1, w.shape[0])
+        torch.testing.assert_close(packed, F.linear(x, w), rtol=1e-5, atol=1e-5)
+        other = torch.randn(3, w.shape[1])  # another row count: the plain product
+        torch.testing.assert_close(prepack.linear(other, w), F.linear(other, w), rtol=0, atol=0)
+    # recording gradients: the plain op, so gradients flow
+    xg = x.clone().requires_grad_(True)
+    prepack.linear(xg, w).sum().backward()
+    assert xg.grad is not None
+    # a weight changed in place is never multiplied with its stale packed copy
+    with torch.no_grad():
+        w.add_(1.0)
+        torch.testing.assert_close(prepack.linear(x, w), F.linear(x, w), rtol=0, atol=0)
+    assert prepack.packed_rows(params) == 8  # the head is unchanged
+    prepack.unpack(params)
+    assert _entry(w) is None and prepack.packed_rows(params) is None
+
+
+def _sample(base: BaseModel, snap: WeightSnapshot, *, on: bool) -> list[SampleResult]:
+    limits = SamplerLimits(num_slots=8, max_len=64, prepack=on)
+    sampler = TorchSampler(base, limits=limits)
+    rng = np.random.default_rng(0)
+    futures: list[Future[SampleResult]] = []
+    for i in range(5):  # 5 x 2 rows > 8 slots: rows join and leave, batches of 4..8 rows
+        fut: Future[SampleResult] = Future()
+        params = SamplingConfig(max_tokens=int(rng.integers(3, 20)), seed=i, temperature=0.9)
+        prompt = rng.integers(3, 90, size=int(rng.integers(2, 12)))
+        sampler.submit(SampleOp(prompt, 2, params), snap, fut)
+        futures.append(fut)
+    while sampler.has_work():
+        sampler.step()
+    assert (len(sampler._packed) > 0) == on
+    return [f.result() for f in futures]
+
+
+def test_sampler_with_prepacked_weights_samples_the_same(base: BaseModel) -> None:
+    snap = WeightSnapshot(None, 0, base.params.clone(), None)
+    plain = _sample(base, snap, on=False)
+    packed = _sample(base, snap, on=True)
+    for a, b in zip(plain, packed, strict=True):
+        for x, y in zip(a.sequences, b.sequences, strict=True):
+            np.testing.assert_array_equal(x.tokens, y.tokens)
+            np.testing.assert_allclose(x.logprobs, y.logprobs, atol=1e-5)
