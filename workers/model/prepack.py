@@ -9,7 +9,7 @@ torch packs for one row count: ``torch.ops.mkl._mkl_linear`` multiplies with
 the packed copy only when the input has exactly that many rows, and otherwise
 falls back to the plain product (the same numbers as ``F.linear``). So the
 sampler packs a snapshot's weights for its decode width (its slot count) and
-pads a decode batch that is at least half full up to that width
+pads a decode batch at most 1/8 short of that width up to it
 (``TorchSampler``); every other call (prefill, the trainer) is unchanged.
 
 The packed copy is a second copy of the weights; it is attached to each weight
