@@ -68,7 +68,7 @@ class Plan:
     sft_batch: int = 64
     sft_lr: float = 3e-3
     sft_target: float = 0.35  # stop the warm-up once the sampled accuracy reaches this
-    sft_probe_every: int = 25
+    sft_probe_every: int = 10
     rl_steps: int = 80
     prompts_per_step: int = 64
     group_size: int = 8
