@@ -27,6 +27,8 @@ class ServerConfig:
     database_url: str = ""  # "" = SQLite file in data_dir
     default_dtype: str = "float32"
     threads: int = 0  # torch threads of the engine; 0 = torch's default
+    sampler_thread: bool = False  # the sampler steps on its own thread (overlaps training)
+    sampler_threads: int = 0  # torch threads of that thread; 0 = threads
     gap_timeout_s: float = 60.0
     keep_versions: int = 4
     auto_checkpoint_steps: int = 0  # 0 = off; else checkpoint every N optimizer steps
@@ -75,6 +77,7 @@ class ServerConfig:
             ("max_message_bytes", self.max_message_bytes >= 4 * 1024 * 1024),
             ("auto_checkpoint_steps", self.auto_checkpoint_steps >= 0),
             ("threads", self.threads >= 0),
+            ("sampler_threads", self.sampler_threads >= 0),
             ("model_ttl_s", self.model_ttl_s >= 0),
             ("ttl_sweep_s", self.ttl_sweep_s >= 0),
             ("heartbeat_interval_s", self.heartbeat_interval_s > 0),
@@ -188,6 +191,15 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--dtype", default=env("TREADLE_DTYPE", "float32"), choices=DTYPES)
     parser.add_argument("--threads", type=int, default=int(env("TREADLE_THREADS", "0")))
+    parser.add_argument(
+        "--sampler-thread",
+        action="store_true",
+        default=env("TREADLE_SAMPLER_THREAD", "") not in ("", "0"),
+        help="step the sampler on a thread of its own (with --sampler-threads torch threads, default --threads), so sampling overlaps training",
+    )
+    parser.add_argument(
+        "--sampler-threads", type=int, default=int(env("TREADLE_SAMPLER_THREADS", "0"))
+    )
     parser.add_argument(
         "--gap-timeout",
         type=float,
@@ -312,6 +324,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         database_url=args.database_url,
         default_dtype=args.dtype,
         threads=args.threads,
+        sampler_thread=args.sampler_thread,
+        sampler_threads=args.sampler_threads,
         gap_timeout_s=args.gap_timeout,
         keep_versions=args.keep_versions,
         auto_checkpoint_steps=args.auto_checkpoint_steps,

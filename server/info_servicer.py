@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import sys
 from collections.abc import AsyncIterator
 
@@ -46,7 +47,8 @@ class InfoServicer(server_pb2_grpc.ServerServiceServicer):
                 num_params=cfg.num_params(),
                 dtype=self.ctx.config.default_dtype,
             )
-        for m in d.sampler_metrics():
+        # off the event loop: with a sampler thread this waits for its current step
+        for m in await asyncio.to_thread(d.sampler_metrics):
             info.sampler_metrics.add(
                 base_model=m.base_model,
                 dtype=m.dtype,

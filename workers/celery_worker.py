@@ -127,6 +127,8 @@ class Worker:
                 base_models=dict(config.models),
                 default_dtype=config.default_dtype,
                 threads=config.threads,
+                sampler_thread=config.sampler_thread,
+                sampler_threads=config.sampler_threads,
                 gap_timeout_s=config.gap_timeout_s,
                 keep_versions=config.keep_versions,
                 sampler_slots=config.sampler_slots,

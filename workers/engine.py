@@ -1,5 +1,6 @@
 """The worker engine: owns the base models, every training model, the sampler
-and the scheduler, and runs them on one thread.
+and the scheduler, and runs them on one thread (or two: ``sampler_thread``
+steps the samplers on their own, ``workers.sampler_loop``).
 
 Callers (the in-process dispatcher, or a Celery task) hand work over through
 thread-safe methods that return ``concurrent.futures.Future`` at once; nothing
@@ -60,6 +61,7 @@ from treadle.workers.domain import (
     SyncWeightsOp,
 )
 from treadle.workers.sampler import SamplerLimits, SamplerStats, TorchSampler
+from treadle.workers.sampler_loop import SamplerLoop
 from treadle.workers.scheduler import Admission, OrderedCall, Scheduler, WorkUnit
 from treadle.workers.trainer import TrainingModel
 from treadle.workers.versions import VersionStore, WeightSnapshot
@@ -73,6 +75,10 @@ class EngineConfig:
     base_models: Mapping[str, str | Path]
     default_dtype: str = "float32"
     threads: int = 0  # 0: leave torch's default
+    #: step the samplers on a thread of their own, so sampling overlaps training
+    #: (``workers.sampler_loop``); off: between ordered calls on the engine thread
+    sampler_thread: bool = False
+    sampler_threads: int = 0  # torch threads of that sampler thread; 0: ``threads``
     gap_timeout_s: float = 60.0
     keep_versions: int = 4
     sampler_slots: int = 64
@@ -111,11 +117,18 @@ class Engine:
         self._sampler_stats: dict[tuple[str, torch.dtype], SamplerStats] = {}
         self._stats_lock = threading.Lock()
         self._stats_at = 0.0
+        self.sampler_loop = SamplerLoop(
+            self._step_samplers,
+            lambda: any(s.has_work() for s in self.samplers.values()),
+            threaded=config.sampler_thread,
+            torch_threads=config.sampler_threads or config.threads,
+        )
 
     # ---- lifecycle ---------------------------------------------------------------------
 
     def start(self) -> Engine:
         self._thread.start()
+        self.sampler_loop.start()
         return self
 
     def stop(self, timeout: float = 10.0) -> None:
@@ -123,6 +136,7 @@ class Engine:
         self._inbox.put(lambda: None)
         if self._thread.is_alive():
             self._thread.join(timeout)
+        self.sampler_loop.stop(timeout)
 
     # ---- thread-safe API ---------------------------------------------------------------
 
@@ -210,7 +224,18 @@ class Engine:
         return fut
 
     def sampler_metrics(self) -> list[SamplerStats]:
-        """The latest stats of every sampler (thread-safe; refreshed as they step)."""
+        """The latest stats of every sampler (thread-safe; refreshed as they step, and
+        with a sampler thread, refreshed now: it answers between two steps)."""
+        if self.sampler_loop.running:
+            fresh = threading.Event()
+
+            def publish() -> None:
+                for key, sampler in self.samplers.items():
+                    self._publish_stats(key, sampler, force=True)
+                fresh.set()
+
+            self.sampler_loop.post(publish)
+            fresh.wait(1.0)
         now = time.monotonic()
         with self._stats_lock:
             stats = list(self._sampler_stats.values())
@@ -268,21 +293,26 @@ class Engine:
                     record=False,
                 )
             self._execute_units(out.units)
-            for key, sampler in self.samplers.items():
-                if sampler.has_work():
-                    t0 = time.perf_counter()
-                    try:
-                        sampler.step()
-                    except Exception as err:
-                        log.error("sampler step failed: %s\n%s", err, traceback.format_exc())
-                        self._fail_sampler(sampler, err)
-                    self.busy_s += time.perf_counter() - t0
-                    self._publish_stats(key, sampler)
+            if not self.sampler_loop.threaded:
+                t0 = time.perf_counter()
+                self._step_samplers()
+                self.busy_s += time.perf_counter() - t0
         self._shutdown()
 
+    def _step_samplers(self) -> None:
+        """One step of every sampler with work (on the sampler loop's thread, if any)."""
+        for key, sampler in list(self.samplers.items()):
+            if sampler.has_work():
+                try:
+                    sampler.step()
+                except Exception as err:
+                    log.error("sampler step failed: %s\n%s", err, traceback.format_exc())
+                    self._fail_sampler(sampler, err)
+                self._publish_stats(key, sampler)
+
     def _drain_inbox(self) -> None:
-        idle = not self.scheduler.has_ready_work() and not any(
-            s.has_work() for s in self.samplers.values()
+        idle = not self.scheduler.has_ready_work() and (
+            self.sampler_loop.threaded or not any(s.has_work() for s in self.samplers.values())
         )
         timeout = None
         if idle:
@@ -303,14 +333,20 @@ class Engine:
         err = UnavailableError("the engine is shutting down")
         for call in list(self.scheduler.waiting_calls()):
             self._resolve(call, err, record=False)
-        for sampler in self.samplers.values():
-            self._fail_sampler(sampler, err)
 
-    def _publish_stats(self, key: tuple[str, torch.dtype], sampler: TorchSampler) -> None:
+        def fail_all() -> None:
+            for sampler in self.samplers.values():
+                self._fail_sampler(sampler, err)
+
+        self.sampler_loop.post(fail_all)
+
+    def _publish_stats(
+        self, key: tuple[str, torch.dtype], sampler: TorchSampler, *, force: bool = False
+    ) -> None:
         """Refresh the stats GetServerInfo reads: at most 4 times a second while
-        busy, and once more when the sampler goes idle."""
+        busy, and once more when the sampler goes idle (or now, ``force``)."""
         now = time.monotonic()
-        if sampler.has_work() and now - self._stats_at < 0.25:
+        if not force and sampler.has_work() and now - self._stats_at < 0.25:
             return
         self._stats_at = now
         stats = sampler.stats()
@@ -480,8 +516,7 @@ class Engine:
             snapshot = model.snapshot()
             self.versions.publish(snapshot)
             if op.inflight:  # PipelineRL: running latest rows continue under it
-                for sampler in self.samplers.values():
-                    sampler.swap_weights(snapshot)
+                self.sampler_loop.post(lambda: self._swap_weights(snapshot))
             return SyncResult(version=model.version)
         if isinstance(op, SaveStateOp):
             result = checkpoint.save_state(model, op.directory, seq_id)
@@ -533,6 +568,10 @@ class Engine:
             self.samplers[key] = TorchSampler(base, limits=limits)
         return self.samplers[key]
 
+    def _swap_weights(self, snapshot: WeightSnapshot) -> None:
+        for sampler in self.samplers.values():
+            sampler.swap_weights(snapshot)
+
     def _admit_sample(
         self,
         target: SamplerTarget,
@@ -544,6 +583,11 @@ class Engine:
             return
         try:
             snapshot = self._snapshot(target)
+        except TreadleError as err:
+            fut.set_exception(err)
+            return
+
+        def submit() -> None:
             sampler = self._sampler_for(target.base_model, snapshot.params.dtype)
             sampler.submit(
                 op,
@@ -554,11 +598,8 @@ class Engine:
                 on_sequence=on_sequence,
                 owner=_owner(target),
             )
-        except TreadleError as err:
-            fut.set_exception(err)
-        except Exception as err:
-            log.error("sample admission failed: %s\n%s", err, traceback.format_exc())
-            fut.set_exception(InternalError(str(err)))
+
+        self.sampler_loop.post(lambda: _reporting(submit, fut, "sample admission"))
 
     def _admit_resume(
         self,
@@ -571,48 +612,74 @@ class Engine:
             return
         try:
             snapshot = self._snapshot(target)
-            sampler = self._sampler_for(target.base_model, snapshot.params.dtype)
-            owner = _owner(target)
-            kept = sampler.take_partials(owner, handles)
-            ops: list[SampleOp] = []
-            try:
-                for handle, part in zip(handles, kept, strict=True):
-                    done = len(part.tokens)
-                    if params.max_tokens <= done:
-                        raise InvalidArgumentError(
-                            f"max_tokens: counts the whole sequence, and resume handle "
-                            f"{handle[:48]!r} has {done} tokens already; give more than "
-                            f"{done} (got {params.max_tokens})"
-                        )
-                    prompt = np.concatenate([part.prompt, np.asarray(part.tokens, np.int64)])
-                    op = SampleOp(prompt, 1, replace(params, max_tokens=params.max_tokens - done))
-                    sampler.validate(op)
-                    ops.append(op)
-                if len(sampler.queue) + len(ops) > sampler.limits.max_queued:
-                    raise ResourceExhaustedError(
-                        f"sampler: too many requests queued for {target.base_model}; retry later",
-                        retry_after_s=1.0,
-                    )
-            except TreadleError:
-                sampler.give_back_partials(handles, kept)  # refused: nothing consumed
-                raise
-            parts: list[Future[SampleResult]] = [Future() for _ in ops]
-            _gather(parts, fut, resumed=sum(len(p.tokens) for p in kept))
-            for op, part, sub in zip(ops, kept, parts, strict=True):
-                sampler.submit(
-                    op,
-                    snapshot,
-                    sub,
-                    tenant=target.tenant_id,
-                    latest_of=target.model_id if target.follows_latest else None,
-                    owner=owner,
-                    prefix=part,
-                )
         except TreadleError as err:
             fut.set_exception(err)
-        except Exception as err:
-            log.error("resume admission failed: %s\n%s", err, traceback.format_exc())
-            fut.set_exception(InternalError(str(err)))
+            return
+        self.sampler_loop.post(
+            lambda: _reporting(
+                lambda: self._resume_on(target, snapshot, handles, params, fut),
+                fut,
+                "resume admission",
+            )
+        )
+
+    def _resume_on(
+        self,
+        target: SamplerTarget,
+        snapshot: WeightSnapshot,
+        handles: tuple[str, ...],
+        params: SamplingConfig,
+        fut: Future[SampleResult],
+    ) -> None:
+        """``resume``'s admission, where the samplers live (``SamplerLoop.post``)."""
+        sampler = self._sampler_for(target.base_model, snapshot.params.dtype)
+        owner = _owner(target)
+        kept = sampler.take_partials(owner, handles)
+        ops: list[SampleOp] = []
+        try:
+            for handle, part in zip(handles, kept, strict=True):
+                done = len(part.tokens)
+                if params.max_tokens <= done:
+                    raise InvalidArgumentError(
+                        f"max_tokens: counts the whole sequence, and resume handle "
+                        f"{handle[:48]!r} has {done} tokens already; give more than "
+                        f"{done} (got {params.max_tokens})"
+                    )
+                prompt = np.concatenate([part.prompt, np.asarray(part.tokens, np.int64)])
+                op = SampleOp(prompt, 1, replace(params, max_tokens=params.max_tokens - done))
+                sampler.validate(op)
+                ops.append(op)
+            if len(sampler.queue) + len(ops) > sampler.limits.max_queued:
+                raise ResourceExhaustedError(
+                    f"sampler: too many requests queued for {target.base_model}; retry later",
+                    retry_after_s=1.0,
+                )
+        except TreadleError:
+            sampler.give_back_partials(handles, kept)  # refused: nothing consumed
+            raise
+        parts: list[Future[SampleResult]] = [Future() for _ in ops]
+        _gather(parts, fut, resumed=sum(len(p.tokens) for p in kept))
+        for op, part, sub in zip(ops, kept, parts, strict=True):
+            sampler.submit(
+                op,
+                snapshot,
+                sub,
+                tenant=target.tenant_id,
+                latest_of=target.model_id if target.follows_latest else None,
+                owner=owner,
+                prefix=part,
+            )
+
+
+def _reporting(fn: Callable[[], None], fut: Future[Any], what: str) -> None:
+    """Run ``fn``; an error it raises fails ``fut`` (a bug is logged first)."""
+    try:
+        fn()
+    except TreadleError as err:
+        fut.set_exception(err)
+    except Exception as err:
+        log.error("%s failed: %s\n%s", what, err, traceback.format_exc())
+        fut.set_exception(InternalError(str(err)))
 
 
 def _owner(target: SamplerTarget) -> tuple[str, str]:

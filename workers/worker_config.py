@@ -26,6 +26,8 @@ class WorkerConfig:
     capacity: int = 64  # training models this worker hosts at most
     heartbeat_s: float = 2.0
     threads: int = 0  # torch threads of the engine; 0 = torch's default
+    sampler_thread: bool = False  # the sampler steps on its own thread (overlaps training)
+    sampler_threads: int = 0  # torch threads of that thread; 0 = threads
     default_dtype: str = "float32"
     gap_timeout_s: float = 60.0
     keep_versions: int = 4
@@ -59,6 +61,7 @@ class WorkerConfig:
             ("capacity", self.capacity >= 1),
             ("heartbeat_s", self.heartbeat_s > 0),
             ("threads", self.threads >= 0),
+            ("sampler_threads", self.sampler_threads >= 0),
             ("gap_timeout_s", self.gap_timeout_s > 0),
             ("keep_versions", self.keep_versions >= 1),
             ("sampler_slots", self.sampler_slots >= 1),
@@ -97,6 +100,15 @@ def add_worker_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--capacity", type=int, default=int(env("TREADLE_CAPACITY", "64")))
     parser.add_argument("--heartbeat", type=float, default=float(env("TREADLE_HEARTBEAT_S", "2")))
     parser.add_argument("--threads", type=int, default=int(env("TREADLE_THREADS", "0")))
+    parser.add_argument(
+        "--sampler-thread",
+        action="store_true",
+        default=env("TREADLE_SAMPLER_THREAD", "") not in ("", "0"),
+        help="step the sampler on a thread of its own (with --sampler-threads torch threads, default --threads), so sampling overlaps training",
+    )
+    parser.add_argument(
+        "--sampler-threads", type=int, default=int(env("TREADLE_SAMPLER_THREADS", "0"))
+    )
     parser.add_argument("--dtype", default=env("TREADLE_DTYPE", "float32"), choices=DTYPES)
     parser.add_argument(
         "--gap-timeout", type=float, default=float(env("TREADLE_GAP_TIMEOUT_S", "60"))
@@ -130,6 +142,8 @@ def worker_config_from_args(args: argparse.Namespace) -> WorkerConfig:
         capacity=args.capacity,
         heartbeat_s=args.heartbeat,
         threads=args.threads,
+        sampler_thread=args.sampler_thread,
+        sampler_threads=args.sampler_threads,
         default_dtype=args.dtype,
         gap_timeout_s=args.gap_timeout,
         keep_versions=args.keep_versions,

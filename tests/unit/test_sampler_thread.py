@@ -1,0 +1,135 @@
+"""The engine with its samplers on a thread of their own (``sampler_thread``):
+the same samples as on one thread while training runs beside them, an in-flight
+weight update that lands between two decode steps, and a shutdown that fails
+what is still sampling. Driven through the engine's thread-safe API."""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from treadle.errors import UnavailableError
+from treadle.workers.domain import (
+    AdamConfig,
+    DatumData,
+    ForwardBackwardOp,
+    ModelSpec,
+    OptimStepOp,
+    SampleOp,
+    SampleResult,
+    SamplerTarget,
+    SamplingConfig,
+    SyncWeightsOp,
+)
+from treadle.workers.engine import Engine, EngineConfig
+
+torch.set_num_threads(1)
+
+
+def _engine(model_dir: Path, *, threaded: bool) -> Engine:
+    config = EngineConfig(
+        base_models={"tiny": model_dir}, sampler_slots=8, threads=1, sampler_thread=threaded
+    )
+    engine = Engine(config).start()
+    engine.create_model(ModelSpec("m", "t", "tiny", 4, 8.0, 3, "float32")).result(30)
+    return engine
+
+
+def _train(engine: Engine, seq_id: int) -> int:
+    """forward_backward + optim_step on model m through the ordered API; the next seq_id."""
+    toks = np.arange(3, 27)
+    datum = DatumData(toks[:-1], {"target_tokens": toks[1:], "weights": np.ones(23, np.float32)})
+    engine.submit("m", seq_id, ForwardBackwardOp((datum,), "cross_entropy", {}), f"fb{seq_id}")
+    engine.submit("m", seq_id + 1, OptimStepOp(AdamConfig(learning_rate=5e-2)), f"o{seq_id}")
+    return seq_id + 2
+
+
+def _ops() -> list[SampleOp]:
+    rng = np.random.default_rng(0)
+    return [
+        SampleOp(
+            rng.integers(3, 90, size=int(rng.integers(3, 12))),
+            int(rng.integers(1, 3)),
+            SamplingConfig(max_tokens=int(rng.integers(4, 20)), seed=i, temperature=0.8),
+        )
+        for i in range(6)
+    ]
+
+
+def _run(engine: Engine) -> list[SampleResult]:
+    """Samples of the base and of a pinned version while the model trains."""
+    seq = _train(engine, 1)
+    engine.submit("m", seq, SyncWeightsOp(), "sync").result(30)  # version 1
+    targets = [SamplerTarget("tiny"), SamplerTarget("tiny", "m", version=1)]
+    futures = [engine.sample(targets[i % 2], op) for i, op in enumerate(_ops())]
+    seq += 1
+    for _ in range(3):  # training goes on beside the sampling
+        seq = _train(engine, seq)
+    engine.submit("m", seq, SyncWeightsOp(), "sync2").result(30)
+    return [f.result(60) for f in futures]
+
+
+def test_threaded_engine_samples_what_one_thread_samples(tiny_model_dir: Path) -> None:
+    results = []
+    for threaded in (False, True):
+        engine = _engine(tiny_model_dir, threaded=threaded)
+        try:
+            results.append(_run(engine))
+        finally:
+            engine.stop()
+    for a, b in zip(*results, strict=True):
+        for x, y in zip(a.sequences, b.sequences, strict=True):
+            np.testing.assert_array_equal(x.tokens, y.tokens)
+            np.testing.assert_allclose(x.logprobs, y.logprobs, atol=1e-5)
+            assert x.versions == y.versions
+
+
+def test_inflight_update_lands_between_decode_steps(tiny_model_dir: Path) -> None:
+    engine = _engine(tiny_model_dir, threaded=True)
+    try:
+        gate, paused = threading.Event(), threading.Event()
+        steps = [0]
+
+        def tick() -> None:  # posted work runs before each step: pause after 5 steps
+            steps[0] += 1
+            if steps[0] <= 5:
+                engine.sampler_loop.post(tick)
+            else:
+                paused.set()
+                gate.wait(30)
+
+        op = SampleOp(np.arange(5, 17), 2, SamplingConfig(max_tokens=16, seed=7, ignore_eos=True))
+        fut = engine.sample(SamplerTarget("tiny", "m"), op)  # latest: version 0
+        # The engine thread takes calls in order: once this answers, the sample's
+        # admission is posted to the sampler thread, ahead of the tick.
+        engine.check_sampler_target(SamplerTarget("tiny")).result(30)
+        engine.sampler_loop.post(tick)
+        assert paused.wait(30)
+        seq = _train(engine, 1)
+        engine.submit("m", seq, SyncWeightsOp(inflight=True), "sync").result(30)
+        gate.set()
+        for s in fut.result(60).sequences:
+            (start, n0, v0), (cut, n1, v1) = s.versions  # (first token, count, version)
+            assert (start, v0, v1, cut, n0 + n1) == (0, 0, 1, n0, 16)
+            assert 5 <= n0 <= 9  # decoded before the pause (and a step or two around it)
+    finally:
+        engine.stop()
+
+
+def test_stopping_fails_what_is_still_sampling(tiny_model_dir: Path) -> None:
+    engine = _engine(tiny_model_dir, threaded=True)
+    gate = threading.Event()
+    engine.sampler_loop.post(lambda: gate.wait(30))  # hold the sampler thread
+    op = SampleOp(np.arange(5, 12), 1, SamplingConfig(max_tokens=40, ignore_eos=True))
+    fut: Future[SampleResult] = engine.sample(SamplerTarget("tiny"), op)
+    stopper = threading.Thread(target=engine.stop)
+    stopper.start()
+    gate.set()
+    stopper.join(30)
+    with pytest.raises(UnavailableError):
+        fut.result(30)

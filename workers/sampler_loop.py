@@ -1,0 +1,101 @@
+"""Where the engine's samplers step: on the engine thread between ordered calls
+(the default), or on a thread of their own so that sampling overlaps training.
+
+With a thread of its own (``EngineConfig.sampler_thread``), the samplers step
+while the engine thread trains: a second core generates while the first runs
+``forward_backward``, which is what the async rungs need to pay off
+(``docs/async_rl.md``). The samplers read only published weight snapshots
+(copies, never the tensors a training step updates in place), so the two
+threads share no tensor that either writes. The samplers' bookkeeping (queues,
+rows, the KV cache) belongs to the sampler thread alone: the engine thread
+hands it work with ``post``, which runs on the sampler thread between two
+steps, in the order posted, and never waits for a step to end. An in-flight
+weight update (``swap_weights``) is posted like a request, so it lands between
+two decode steps and before any request posted after it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+
+import torch
+
+log = logging.getLogger("treadle.engine")
+
+
+class SamplerLoop:
+    """Runs posted work and ``step_all`` on its own thread, or, with
+    ``threaded=False``, runs posted work at once and leaves ``step_all`` to the
+    engine thread's loop."""
+
+    def __init__(
+        self,
+        step_all: Callable[[], None],
+        has_work: Callable[[], bool],
+        *,
+        threaded: bool,
+        torch_threads: int = 0,
+    ) -> None:
+        self.threaded = threaded
+        self._step_all = step_all
+        self._has_work = has_work
+        self._torch_threads = torch_threads
+        self._cv = threading.Condition()
+        self._posted: deque[Callable[[], None]] = deque()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="treadle-sampler", daemon=True)
+        self.busy_s = 0.0  # seconds the sampler thread spent stepping
+
+    @property
+    def running(self) -> bool:
+        """Whether the sampler thread is up (so posted work runs there)."""
+        return self._thread.is_alive()
+
+    def start(self) -> None:
+        if self.threaded:
+            self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Run what was posted, then end the thread."""
+        with self._cv:
+            self._stopping = True
+            self._cv.notify_all()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    def post(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` where the samplers live: on their thread before its next step,
+        or here and now when there is no such thread. ``fn`` handles its own errors."""
+        if not self.threaded:
+            fn()
+            return
+        with self._cv:
+            self._posted.append(fn)
+            self._cv.notify_all()
+
+    def _run(self) -> None:
+        if self._torch_threads > 0:
+            torch.set_num_threads(self._torch_threads)
+        while True:
+            with self._cv:
+                while not (self._stopping or self._posted or self._has_work()):
+                    self._cv.wait()
+                posted, stopping = list(self._posted), self._stopping
+                self._posted.clear()
+            for fn in posted:
+                try:
+                    fn()
+                except Exception:  # posted work reports its own errors; this is a bug
+                    log.exception("sampler loop: posted work failed")
+            if stopping:
+                return
+            t0 = time.perf_counter()
+            try:
+                self._step_all()
+            except Exception:  # step_all handles a sampler's own failure; this is a bug
+                log.exception("sampler loop: a step failed")
+            self.busy_s += time.perf_counter() - t0
