@@ -202,14 +202,23 @@ def _version(trainer: TrainingClient, metrics: Mapping[str, float]) -> int:
     return trainer.get_info().version
 
 
-def _occupancy(trainer: TrainingClient) -> float | None:
-    """The trainer's base model sampler's occupancy from the server's metrics, if reported."""
+def _occupancy(trainer: TrainingClient) -> Callable[[], float | None]:
+    """Ask the server for its metrics now (no waiting); the returned function gives
+    the trainer's base model sampler's occupancy from them, if reported."""
     try:
-        info = trainer._service.get_server_info()
+        fut = trainer._service.get_server_info_async()
     except Exception:  # a signal, never a reason to fail the loop
-        return None
-    values = [m.occupancy for m in info.sampler_metrics if m.base_model == trainer.base_model]
-    return float(max(values)) if values else None
+        return lambda: None
+
+    def occupancy() -> float | None:
+        try:
+            info = fut.result(10.0)
+        except Exception:
+            return None
+        values = [m.occupancy for m in info.sampler_metrics if m.base_model == trainer.base_model]
+        return float(max(values)) if values else None
+
+    return occupancy
 
 
 def _stats(
@@ -221,7 +230,7 @@ def _stats(
     wait_data_s: float,
     sampler_wait_s: float,
     t0: float,
-    trainer: TrainingClient,
+    occupancy: Callable[[], float | None],
     metrics: dict[str, float],
 ) -> StepStats:
     rollouts = [r for g in groups for r in g.rollouts]
@@ -238,7 +247,7 @@ def _stats(
         wait_data_s=wait_data_s,
         sampler_wait_s=sampler_wait_s,
         step_s=time.perf_counter() - t0,
-        occupancy=_occupancy(trainer),
+        occupancy=occupancy(),
         metrics=metrics,
     )
 
@@ -278,6 +287,7 @@ def sync_loop(
     version = trainer.get_info().version
     for step in range(1, steps + 1):
         t0 = time.perf_counter()
+        occupancy = _occupancy(trainer)  # while this batch samples
         batch = [next(source) for _ in range(groups_per_step)]
         futures = [_submit(sampler, p, group_size, sampling_params) for p in batch]
         groups = [_group(p, f, reward_fn, timeout) for p, f in zip(batch, futures, strict=True)]
@@ -288,7 +298,7 @@ def sync_loop(
         new_version = _version(trainer, metrics)
         sampler_wait = time.perf_counter() - t_train  # the sampler idles while the trainer works
         yield _stats(
-            step, version, new_version, groups, 0, wait_data, sampler_wait, t0, trainer, metrics
+            step, version, new_version, groups, 0, wait_data, sampler_wait, t0, occupancy, metrics
         )
         version = new_version
 
@@ -335,6 +345,7 @@ def one_step_stale_loop(
         groups = [_group(p, f, reward_fn, timeout) for p, f in zip(batch, futures, strict=True)]
         wait_data = time.perf_counter() - t0
         nxt = launch(sampler) if step < steps else ([], [], [])  # overlaps with this step
+        occupancy = _occupancy(trainer)  # while the next batch samples
         metrics = train_step(trainer, groups)
         sampler = _sync(trainer, timeout)
         t_synced = time.perf_counter()
@@ -345,7 +356,7 @@ def one_step_stale_loop(
             max(0.0, t_synced - max(done_at)) if nxt[1] and len(done_at) == len(nxt[1]) else 0.0
         )
         yield _stats(
-            step, version, new_version, groups, 0, wait_data, sampler_wait, t0, trainer, metrics
+            step, version, new_version, groups, 0, wait_data, sampler_wait, t0, occupancy, metrics
         )
         version = new_version
 
@@ -453,6 +464,7 @@ def async_loop(
                 else:
                     groups.append(group)
             wait_data = time.perf_counter() - t0
+            occupancy = _occupancy(trainer)  # while this step trains
             metrics = train_step(trainer, groups)
             new_version = _version(trainer, metrics)
             if step % sync_every == 0:
@@ -460,7 +472,16 @@ def async_loop(
             with lock:
                 s_wait, sampler_wait[0] = sampler_wait[0], 0.0
             yield _stats(
-                step, version, new_version, groups, dropped, wait_data, s_wait, t0, trainer, metrics
+                step,
+                version,
+                new_version,
+                groups,
+                dropped,
+                wait_data,
+                s_wait,
+                t0,
+                occupancy,
+                metrics,
             )
             version, dropped = new_version, 0
     finally:
