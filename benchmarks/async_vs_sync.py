@@ -10,7 +10,9 @@ embedded server), and the reward is scored on the answer prefix (the answer
 digits then EOS).
 
 Variants, each from the same warmed-up state, the same prompt stream, the same
-number of train steps and the same engine thread budget:
+number of train steps and the same thread budget (one torch thread for the
+trainer, one for the sampler on a thread of its own, ``EngineConfig.sampler_thread``;
+``--one-thread`` puts both on the engine thread):
 
 * rung 0 ``sync_loop``: the batch waits for its long group, decoded with the
   rest of the slots idle;
@@ -49,7 +51,9 @@ from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 
-THREADS = 1  # the engine's torch threads (the SDK, gRPC and this script share the other core)
+#: torch threads of the trainer (the engine thread) and of the sampler (its own thread,
+#: unless --one-thread): one core each; the SDK, gRPC and this script share them
+THREADS = 1
 os.environ.setdefault("OMP_NUM_THREADS", str(THREADS))
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
@@ -172,7 +176,14 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=30, help="train steps per variant")
     ap.add_argument("--groups-per-step", type=int, default=8)
     ap.add_argument("--group-size", type=int, default=8)
-    ap.add_argument("--buffer-groups", type=int, default=16)
+    ap.add_argument(
+        "--buffer-groups",
+        type=int,
+        default=0,
+        help="rung 3's requests in flight or finished but not taken (default: one step's "
+        "groups plus one; more keeps more rows decoding, which makes each decode step "
+        "slower and the long answers staler)",
+    )
     ap.add_argument("--lr", type=float, default=3e-4)
     ap.add_argument(
         "--train-full",
@@ -180,8 +191,15 @@ def main() -> int:
         help="train on every generated token (default: on the scored answer prefix)",
     )
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument(
+        "--one-thread",
+        action="store_true",
+        help="sampler and trainer share the engine thread (default: the sampler steps on a "
+        "thread of its own, so sampling overlaps training)",
+    )
     ap.add_argument("--variants", nargs="+", default=None)
     args = ap.parse_args()
+    args.buffer_groups = args.buffer_groups or args.groups_per_step + 1
     force_lengths()
     inflight_ok = "inflight" in inspect.signature(treadle.TrainingClient.sync_weights).parameters
 
@@ -193,6 +211,8 @@ def main() -> int:
         threads=THREADS,
         sampler_slots=args.groups_per_step * args.group_size * 2,
         sampler_max_len=LONG + 16,
+        sampler_thread=not args.one_thread,
+        sampler_threads=THREADS,
     )
     G, P = args.group_size, args.groups_per_step
     grpo = rl.grpo_train_step(adam=treadle.AdamParams(learning_rate=args.lr))
