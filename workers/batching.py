@@ -98,8 +98,8 @@ def run_batch(calls: Sequence[BatchCall], check: Callable[[BatchableOp], None]) 
         _run(fb, fl)
     except Exception as err:  # a bug, not a user error: fail this batch, keep the engine
         log.error("batched pass failed: %s\n%s", err, traceback.format_exc())
-        for call, _ in fb:
-            call.model.optimizer.zero_grad()  # a half-done backward must not leak
+        # No gradient was added (they are added all at once, last): every model
+        # keeps what its earlier calls accumulated.
         for call in [c for c, _ in fb] + [c for c, _ in fl]:
             call.outcome = InternalError(f"{call.op.kind} failed: {type(err).__name__}: {err}")
 
@@ -153,7 +153,7 @@ def _run(
         total = loss if total is None else total + loss
         call.outcome = result
     if total is not None:
-        total.backward()
+        trainer.accumulate_gradients(total, [call.model for call, _ in fb])
 
 
 def _temp(call: BatchCall) -> float:

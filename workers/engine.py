@@ -450,8 +450,6 @@ class Engine:
             outcome = err
         except Exception as err:
             log.error("engine: %s failed: %s\n%s", call.kind, err, traceback.format_exc())
-            if call.kind == "forward_backward":
-                model.optimizer.zero_grad()  # a half-done backward must not leak into the step
             outcome = InternalError(f"{call.kind} failed: {type(err).__name__}: {err}")
         spent = time.perf_counter() - t0
         self.busy_s += spent

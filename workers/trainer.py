@@ -303,8 +303,29 @@ def forward_backward(model: TrainingModel, op: ForwardBackwardOp) -> ForwardResu
         model, prep.batch, op.temperature, reference=False, with_entropy=True
     )
     loss, result = finish_forward_backward(model, op, prep, lp_B_T, entropy_B_T)
-    loss.backward()
+    accumulate_gradients(loss, [model])
     return result
+
+
+def accumulate_gradients(loss: Tensor, models: Sequence[TrainingModel]) -> None:
+    """Add d(loss)/d(weights) to each model's accumulated gradients, all or nothing.
+
+    The gradients are computed first (``torch.autograd.grad``) and added only
+    once all of them exist, so a call that fails on the way (out of memory in
+    the backward, say) leaves the gradients of the calls before it exactly as
+    they were: the model stays at its last applied call.
+    """
+    unique = list({id(m): m for m in models}.values())  # a model may have several calls
+    params = [p for m in unique for p in m.trainable.values() if p.requires_grad]
+    grads = torch.autograd.grad(loss, params, allow_unused=True)
+    with torch.no_grad():
+        for p, g in zip(params, grads, strict=True):
+            if g is None:
+                continue
+            if p.grad is None:
+                p.grad = g
+            else:
+                p.grad.add_(g)
 
 
 def _loss_dtype(model: TrainingModel) -> torch.dtype:

@@ -278,3 +278,44 @@ def test_the_engine_batches_a_round_and_keeps_barriers(
     assert isinstance(batched[-1], InvalidArgumentError)
     _assert_grads(grads_batched, grads_alone)
     assert not grads_batched[0] and grads_batched[1] and not grads_batched[2]
+
+
+def _snapshot_grads(models: list[TrainingModel]) -> list[dict[str, torch.Tensor]]:
+    return [
+        {k: v.grad.clone() for k, v in m.trainable.items() if v.grad is not None} for m in models
+    ]
+
+
+def test_a_call_that_fails_in_its_backward_keeps_the_earlier_gradients(
+    base: BaseModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Gradients are added all at once, after the backward: a failure on the way
+    (here: the backward itself) leaves what earlier calls accumulated untouched,
+    on the one-call path (the engine) and on the batched one."""
+    rng = np.random.default_rng(1)
+    m0, m1 = _model(base, 0), _model(base, 1)
+    op = ForwardBackwardOp((_datum(rng, 9),), "cross_entropy", {})
+    trainer.forward_backward(m0, op)
+    trainer.forward_backward(m1, op)
+    before = _snapshot_grads([m0, m1])
+    assert all(before)
+
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("out of memory (injected)")
+
+    monkeypatch.setattr(torch.autograd, "grad", broken)
+    engine = Engine(EngineConfig(base_models={"tiny": base.path}))
+    engine.models["m0"] = m0
+    engine.scheduler.add_model("m0", "t0", 1)
+    fut: Any = engine.submit("m0", 1, op, "d")
+    engine._drain_inbox()
+    engine._execute_units(engine.scheduler.schedule(0.0).units)
+    with pytest.raises(engine_mod.InternalError):
+        fut.result(0)
+    batch = [BatchCall(m0, op), BatchCall(m1, op)]
+    run_batch(batch, lambda _: None)
+    assert all(isinstance(c.outcome, engine_mod.InternalError) for c in batch)
+    monkeypatch.undo()
+    _assert_grads(_snapshot_grads([m0, m1]), before)
+    trainer.forward_backward(m0, op)  # and accumulation goes on from there
+    assert all(torch.allclose(v.grad, 2 * before[0][k]) for k, v in m0.trainable.items())
