@@ -40,6 +40,7 @@ from treadle.v1 import (
     training_pb2,
     training_pb2_grpc,
 )
+from treadle.workers import engine_flags
 from treadle.workers.engine import Engine, EngineConfig
 
 log = logging.getLogger("treadle.server")
@@ -53,20 +54,7 @@ SERVICE_NAMES = (
 
 
 def engine_config(config: ServerConfig) -> EngineConfig:
-    return EngineConfig(
-        base_models=dict(config.models),
-        default_dtype=config.default_dtype,
-        threads=config.threads,
-        sampler_thread=config.sampler_thread,
-        sampler_threads=config.sampler_threads,
-        gap_timeout_s=config.gap_timeout_s,
-        keep_versions=config.keep_versions,
-        sampler_slots=config.sampler_slots,
-        sampler_max_len=config.sampler_max_len,
-        max_tokens_per_call=config.max_tokens_per_call,
-        auto_checkpoint_steps=config.auto_checkpoint_steps,
-        auto_checkpoint_root=config.checkpoint_root,
-    )
+    return engine_flags.engine_config(config, config.models, config.checkpoint_root)
 
 
 async def restore_models(ctx: ServerContext) -> int:

@@ -13,8 +13,12 @@ from typing import Any
 from treadle._rpc import MAX_MESSAGE_BYTES
 from treadle.errors import InvalidArgumentError
 from treadle.server.quotas import QuotaLimits
+from treadle.workers.engine_flags import (
+    add_engine_flags,
+    check_engine_settings,
+    engine_settings,
+)
 
-DTYPES = ("float32", "float64", "bfloat16")
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1", "[::1]")
 
 
@@ -67,17 +71,9 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
             raise InvalidArgumentError(f"port: {self.port} is not a TCP port")
-        if self.default_dtype not in DTYPES:
-            raise InvalidArgumentError(f"dtype: {self.default_dtype!r}; choose from {DTYPES}")
+        check_engine_settings(self)
         for name, positive in (
-            ("gap_timeout_s", self.gap_timeout_s > 0),
-            ("keep_versions", self.keep_versions >= 1),
-            ("sampler_slots", self.sampler_slots >= 1),
-            ("sampler_max_len", self.sampler_max_len >= 2),
             ("max_message_bytes", self.max_message_bytes >= 4 * 1024 * 1024),
-            ("auto_checkpoint_steps", self.auto_checkpoint_steps >= 0),
-            ("threads", self.threads >= 0),
-            ("sampler_threads", self.sampler_threads >= 0),
             ("model_ttl_s", self.model_ttl_s >= 0),
             ("ttl_sweep_s", self.ttl_sweep_s >= 0),
             ("heartbeat_interval_s", self.heartbeat_interval_s > 0),
@@ -189,33 +185,7 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
         default=env("TREADLE_DATABASE_URL", ""),
         help="default: SQLite in the data dir; PostgreSQL: postgresql+psycopg://...",
     )
-    parser.add_argument("--dtype", default=env("TREADLE_DTYPE", "float32"), choices=DTYPES)
-    parser.add_argument("--threads", type=int, default=int(env("TREADLE_THREADS", "0")))
-    parser.add_argument(
-        "--sampler-thread",
-        action="store_true",
-        default=env("TREADLE_SAMPLER_THREAD", "") not in ("", "0"),
-        help="step the sampler on a thread of its own (with --sampler-threads torch threads, default --threads), so sampling overlaps training",
-    )
-    parser.add_argument(
-        "--sampler-threads", type=int, default=int(env("TREADLE_SAMPLER_THREADS", "0"))
-    )
-    parser.add_argument(
-        "--gap-timeout",
-        type=float,
-        default=float(env("TREADLE_GAP_TIMEOUT_S", "60")),
-        help="seconds a call waits for a missing earlier seq_id before ABORTED",
-    )
-    parser.add_argument("--keep-versions", type=int, default=int(env("TREADLE_KEEP_VERSIONS", "4")))
-    parser.add_argument(
-        "--auto-checkpoint-steps", type=int, default=int(env("TREADLE_AUTO_CHECKPOINT_STEPS", "0"))
-    )
-    parser.add_argument(
-        "--sampler-slots", type=int, default=int(env("TREADLE_SAMPLER_SLOTS", "64"))
-    )
-    parser.add_argument(
-        "--sampler-max-len", type=int, default=int(env("TREADLE_SAMPLER_MAX_LEN", "1024"))
-    )
+    add_engine_flags(parser)
     parser.add_argument(
         "--tls-cert",
         default=env("TREADLE_TLS_CERT", ""),
@@ -322,15 +292,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         host=args.host,
         port=args.port,
         database_url=args.database_url,
-        default_dtype=args.dtype,
-        threads=args.threads,
-        sampler_thread=args.sampler_thread,
-        sampler_threads=args.sampler_threads,
-        gap_timeout_s=args.gap_timeout,
-        keep_versions=args.keep_versions,
-        auto_checkpoint_steps=args.auto_checkpoint_steps,
-        sampler_slots=args.sampler_slots,
-        sampler_max_len=args.sampler_max_len,
+        **engine_settings(args),
         tls_cert=Path(args.tls_cert) if args.tls_cert else None,
         tls_key=Path(args.tls_key) if args.tls_key else None,
         model_ttl_s=args.model_ttl_s,

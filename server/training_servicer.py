@@ -18,7 +18,6 @@ from treadle.errors import (
     TreadleError,
 )
 from treadle.server import convert
-from treadle.server.config import DTYPES
 from treadle.server.context import ServerContext
 from treadle.server.db import models as db
 from treadle.server.db import queries, tenancy
@@ -46,6 +45,7 @@ from treadle.workers.domain import (
     SyncResult,
     SyncWeightsOp,
 )
+from treadle.workers.engine_flags import DTYPES
 
 log = logging.getLogger("treadle.server")
 MAX_LORA_RANK = 1024

@@ -45,7 +45,8 @@ from treadle.workers.celery_app import (
     make_celery,
     worker_queue,
 )
-from treadle.workers.engine import Engine, EngineConfig
+from treadle.workers.engine import Engine
+from treadle.workers.engine_flags import engine_config
 from treadle.workers.staging import StagedEngine
 from treadle.workers.worker_config import WorkerConfig
 
@@ -122,22 +123,7 @@ class Worker:
             endpoint_url=config.s3_endpoint_url,
             staging=config.data_dir / "staging",
         )
-        self.engine = Engine(
-            EngineConfig(
-                base_models=dict(config.models),
-                default_dtype=config.default_dtype,
-                threads=config.threads,
-                sampler_thread=config.sampler_thread,
-                sampler_threads=config.sampler_threads,
-                gap_timeout_s=config.gap_timeout_s,
-                keep_versions=config.keep_versions,
-                sampler_slots=config.sampler_slots,
-                sampler_max_len=config.sampler_max_len,
-                max_tokens_per_call=config.max_tokens_per_call,
-                auto_checkpoint_steps=config.auto_checkpoint_steps,
-                auto_checkpoint_root=self.store.local_root,
-            )
-        )
+        self.engine = Engine(engine_config(config, config.models, self.store.local_root))
         self.staged = StagedEngine(self.engine, self.store)
         self.db = make_engine(config.database_url)
         self.sessions = make_session_factory(self.db)

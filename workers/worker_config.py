@@ -10,8 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from treadle.errors import InvalidArgumentError
-
-DTYPES = ("float32", "float64", "bfloat16")
+from treadle.workers.engine_flags import add_engine_flags, check_engine_settings, engine_settings
 
 
 @dataclass(frozen=True)
@@ -55,18 +54,10 @@ class WorkerConfig:
                 "database_url: required; the server's database (postgresql+psycopg://...)"
             )
         parse_database_url(self.database_url)
-        if self.default_dtype not in DTYPES:
-            raise InvalidArgumentError(f"dtype: {self.default_dtype!r}; choose from {DTYPES}")
+        check_engine_settings(self)
         for name, ok in (
             ("capacity", self.capacity >= 1),
             ("heartbeat_s", self.heartbeat_s > 0),
-            ("threads", self.threads >= 0),
-            ("sampler_threads", self.sampler_threads >= 0),
-            ("gap_timeout_s", self.gap_timeout_s > 0),
-            ("keep_versions", self.keep_versions >= 1),
-            ("sampler_slots", self.sampler_slots >= 1),
-            ("sampler_max_len", self.sampler_max_len >= 2),
-            ("auto_checkpoint_steps", self.auto_checkpoint_steps >= 0),
         ):
             if not ok:
                 raise InvalidArgumentError(f"{name}: out of range ({getattr(self, name)})")
@@ -99,30 +90,7 @@ def add_worker_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--worker-id", default=env("TREADLE_WORKER_ID", ""))
     parser.add_argument("--capacity", type=int, default=int(env("TREADLE_CAPACITY", "64")))
     parser.add_argument("--heartbeat", type=float, default=float(env("TREADLE_HEARTBEAT_S", "2")))
-    parser.add_argument("--threads", type=int, default=int(env("TREADLE_THREADS", "0")))
-    parser.add_argument(
-        "--sampler-thread",
-        action="store_true",
-        default=env("TREADLE_SAMPLER_THREAD", "") not in ("", "0"),
-        help="step the sampler on a thread of its own (with --sampler-threads torch threads, default --threads), so sampling overlaps training",
-    )
-    parser.add_argument(
-        "--sampler-threads", type=int, default=int(env("TREADLE_SAMPLER_THREADS", "0"))
-    )
-    parser.add_argument("--dtype", default=env("TREADLE_DTYPE", "float32"), choices=DTYPES)
-    parser.add_argument(
-        "--gap-timeout", type=float, default=float(env("TREADLE_GAP_TIMEOUT_S", "60"))
-    )
-    parser.add_argument("--keep-versions", type=int, default=int(env("TREADLE_KEEP_VERSIONS", "4")))
-    parser.add_argument(
-        "--sampler-slots", type=int, default=int(env("TREADLE_SAMPLER_SLOTS", "64"))
-    )
-    parser.add_argument(
-        "--sampler-max-len", type=int, default=int(env("TREADLE_SAMPLER_MAX_LEN", "1024"))
-    )
-    parser.add_argument(
-        "--auto-checkpoint-steps", type=int, default=int(env("TREADLE_AUTO_CHECKPOINT_STEPS", "0"))
-    )
+    add_engine_flags(parser)
 
 
 def worker_config_from_args(args: argparse.Namespace) -> WorkerConfig:
@@ -141,13 +109,5 @@ def worker_config_from_args(args: argparse.Namespace) -> WorkerConfig:
         worker_id=args.worker_id,
         capacity=args.capacity,
         heartbeat_s=args.heartbeat,
-        threads=args.threads,
-        sampler_thread=args.sampler_thread,
-        sampler_threads=args.sampler_threads,
-        default_dtype=args.dtype,
-        gap_timeout_s=args.gap_timeout,
-        keep_versions=args.keep_versions,
-        sampler_slots=args.sampler_slots,
-        sampler_max_len=args.sampler_max_len,
-        auto_checkpoint_steps=args.auto_checkpoint_steps,
+        **engine_settings(args),
     )

@@ -1,0 +1,116 @@
+"""The engine settings that ``treadle serve`` (embedded engine) and ``treadle
+worker`` (Celery worker) share, in one place: their flags and ``TREADLE_*``
+variables, their ranges, and the ``EngineConfig`` they become.
+
+``ServerConfig`` and ``WorkerConfig`` both carry these as plain fields (named
+as in ``ENGINE_FIELDS``); each reads them with ``engine_settings(args)``, checks
+them with ``check_engine_settings`` and builds its engine with
+``engine_config``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from treadle.errors import InvalidArgumentError
+
+if TYPE_CHECKING:
+    from treadle.workers.engine import EngineConfig
+
+DTYPES = ("float32", "float64", "bfloat16")
+
+#: the fields both configs carry (the same names as ``EngineConfig``'s)
+ENGINE_FIELDS = (
+    "default_dtype",
+    "threads",
+    "sampler_thread",
+    "sampler_threads",
+    "gap_timeout_s",
+    "keep_versions",
+    "sampler_slots",
+    "sampler_max_len",
+    "max_tokens_per_call",
+    "auto_checkpoint_steps",
+)
+
+
+def add_engine_flags(parser: argparse.ArgumentParser) -> None:
+    env = os.environ.get
+    parser.add_argument("--dtype", default=env("TREADLE_DTYPE", "float32"), choices=DTYPES)
+    parser.add_argument("--threads", type=int, default=int(env("TREADLE_THREADS", "0")))
+    parser.add_argument(
+        "--sampler-thread",
+        action="store_true",
+        default=env("TREADLE_SAMPLER_THREAD", "") not in ("", "0"),
+        help="step the sampler on a thread of its own (with --sampler-threads torch "
+        "threads, default --threads), so sampling overlaps training",
+    )
+    parser.add_argument(
+        "--sampler-threads", type=int, default=int(env("TREADLE_SAMPLER_THREADS", "0"))
+    )
+    parser.add_argument(
+        "--gap-timeout",
+        type=float,
+        default=float(env("TREADLE_GAP_TIMEOUT_S", "60")),
+        help="seconds a call waits for a missing earlier seq_id before ABORTED",
+    )
+    parser.add_argument("--keep-versions", type=int, default=int(env("TREADLE_KEEP_VERSIONS", "4")))
+    parser.add_argument(
+        "--auto-checkpoint-steps", type=int, default=int(env("TREADLE_AUTO_CHECKPOINT_STEPS", "0"))
+    )
+    parser.add_argument(
+        "--sampler-slots", type=int, default=int(env("TREADLE_SAMPLER_SLOTS", "64"))
+    )
+    parser.add_argument(
+        "--sampler-max-len", type=int, default=int(env("TREADLE_SAMPLER_MAX_LEN", "1024"))
+    )
+
+
+def engine_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The config fields of ``add_engine_flags``."""
+    return {
+        "default_dtype": args.dtype,
+        "threads": args.threads,
+        "sampler_thread": args.sampler_thread,
+        "sampler_threads": args.sampler_threads,
+        "gap_timeout_s": args.gap_timeout,
+        "keep_versions": args.keep_versions,
+        "auto_checkpoint_steps": args.auto_checkpoint_steps,
+        "sampler_slots": args.sampler_slots,
+        "sampler_max_len": args.sampler_max_len,
+    }
+
+
+def check_engine_settings(config: Any) -> None:
+    """INVALID_ARGUMENT naming the first engine field of ``config`` out of range."""
+    if config.default_dtype not in DTYPES:
+        raise InvalidArgumentError(f"dtype: {config.default_dtype!r}; choose from {DTYPES}")
+    for name, ok in (
+        ("threads", config.threads >= 0),
+        ("sampler_threads", config.sampler_threads >= 0),
+        ("gap_timeout_s", config.gap_timeout_s > 0),
+        ("keep_versions", config.keep_versions >= 1),
+        ("sampler_slots", config.sampler_slots >= 1),
+        ("sampler_max_len", config.sampler_max_len >= 2),
+        ("max_tokens_per_call", config.max_tokens_per_call >= 1),
+        ("auto_checkpoint_steps", config.auto_checkpoint_steps >= 0),
+    ):
+        if not ok:
+            raise InvalidArgumentError(f"{name}: out of range ({getattr(config, name)})")
+
+
+def engine_config(
+    config: Any, models: Mapping[str, Path], auto_checkpoint_root: str | Path | None
+) -> EngineConfig:
+    """The ``EngineConfig`` of a server's or worker's config."""
+    from treadle.workers.engine import EngineConfig  # torch: only where an engine is made
+
+    return EngineConfig(
+        base_models=dict(models),
+        auto_checkpoint_root=auto_checkpoint_root,
+        **{name: getattr(config, name) for name in ENGINE_FIELDS},
+    )
