@@ -9,6 +9,7 @@ twice. A repeat of a recorded ``seq_id`` is not admitted against the quota again
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Any
 
 from treadle.errors import ResourceExhaustedError
@@ -17,6 +18,9 @@ from treadle.server.quotas import Quotas, Ticket
 from treadle.server.usage import UsageMeter
 from treadle.workers.domain import OrderedOp, RejectedOp, SampleOp, SampleResult, SamplerTarget
 from treadle.workers.engine import token_cost
+
+#: sample calls remembered as counted (a retry comes within seconds of its call)
+MAX_COUNTED_SAMPLES = 65536
 
 
 def sample_reservation(op: SampleOp) -> int:
@@ -30,6 +34,10 @@ class CallMeter:
         self.usage = usage
         #: model_id -> seq_ids admitted and not yet finished
         self._in_flight: dict[str, set[int]] = {}
+        #: (sampler_id, seq_id, payload digest) of samples already counted: a
+        #: client's retry gets the first call's result (the engine shares it) and
+        #: is not counted again (remembered per server process, the latest ones)
+        self._counted_samples: OrderedDict[tuple[str, int, str], None] = OrderedDict()
 
     # ---- ordered calls --------------------------------------------------------------
 
@@ -94,8 +102,20 @@ class CallMeter:
         op: SampleOp,
         ticket: Ticket,
         result: SampleResult | None,
+        key: tuple[str, int, str] | None = None,
     ) -> None:
-        """Settle the reservation with what was generated; count a sample that ran."""
+        """Settle the reservation with what was generated; count a sample that ran.
+
+        ``key`` (sampler_id, seq_id, digest) marks a call a client may repeat: a
+        repeat of a counted key generated nothing new and is neither charged to
+        the quota nor counted again."""
+        if result is not None and key is not None:
+            if key in self._counted_samples:
+                self.quotas.end(ticket, used_tokens=0)
+                return
+            self._counted_samples[key] = None
+            while len(self._counted_samples) > MAX_COUNTED_SAMPLES:
+                self._counted_samples.popitem(last=False)
         generated = sum(int(s.tokens.size) for s in result.sequences) if result else 0
         resumed = int(getattr(result, "resumed_tokens", 0))  # prefilled again, not sampled
         generated -= resumed

@@ -103,7 +103,7 @@ class SamplingServicer(sampling_pb2_grpc.SamplingServiceServicer):
             result = await self.ctx.dispatcher.sample(replace(target, tenant_id=tenant), op, key)
             return result
         finally:
-            self.meter.end_sample(tenant, target, op, ticket, result)
+            self.meter.end_sample(tenant, target, op, ticket, result, key)
 
     async def Sample(
         self, request: sampling_pb2.SampleRequest, context: grpc.aio.ServicerContext

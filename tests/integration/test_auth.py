@@ -20,13 +20,14 @@ from sqlalchemy.exc import OperationalError
 
 import treadle
 from tests.integration.rpc_walk import all_methods, call_raw, request_class
+from treadle import _convert
 from treadle.errors import InvalidArgumentError, UnauthenticatedError
 from treadle.server import cli
 from treadle.server.auth import Authenticator, generate_key, hash_key
 from treadle.server.config import ServerConfig
 from treadle.server.db import make_engine, make_session_factory, queries, upgrade_to_head
 from treadle.server.embedded import EmbeddedServer
-from treadle.v1 import server_pb2
+from treadle.v1 import sampling_pb2, server_pb2
 
 PG_ADMIN_URL = os.environ.get(
     "TREADLE_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test"
@@ -295,3 +296,37 @@ def test_admin_cli_tenants_keys_usage(
 def test_admin_cli_bad_database_url(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["admin", "--database-url", "postgres://x@y/z", "usage"]) == 2
     assert "postgresql+psycopg://" in capsys.readouterr().err
+
+
+def test_a_retried_sample_is_counted_once(
+    tmp_path: Path, tiny_model_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A client that sends the same Sample again (same sampler, seq_id and payload:
+    a retry) gets the first call's sequences, and usage counts them once."""
+    db = ["--data-dir", str(tmp_path / "data")]
+    key = admin([*db, "create-tenant", "rita"], capsys).strip()
+    srv = _server(tmp_path / "data", tiny_model_dir, usage_flush_s=0.2)
+    try:
+        with treadle.ServiceClient(srv.address, api_key=key) as client:
+            sampler = client.create_sampling_client(base_model="tiny")
+            params = treadle.SamplingParams(max_tokens=5, seed=4)
+            request = sampling_pb2.SampleRequest(
+                sampler_id=sampler.sampler_id,
+                seq_id=1,
+                num_samples=3,
+                params=_convert.sampling_params_to_wire(params),
+            )
+            _convert.prompt_to_wire(treadle.ModelInput.from_ints([1, 2, 3]), request.prompt)
+            md = (("authorization", f"Bearer {key}"),)
+            first = client._sampling.Sample(request, metadata=md)
+            again = client._sampling.Sample(request, metadata=md)
+            assert again == first
+            response = _convert.sample_response_from_wire(first)
+            generated = sum(len(s.tokens) for s in response.sequences)
+            assert generated > 0
+    finally:
+        srv.stop()
+    lines = admin([*db, "usage", "rita", "--json"], capsys)
+    rows = {r["model_id"]: r for r in map(json.loads, lines.splitlines())}
+    assert rows[""]["tokens_sampled"] == generated
+    assert rows[""]["calls"] == 1
