@@ -38,7 +38,7 @@ import time
 import uuid
 import zlib
 from collections import Counter
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -53,7 +53,6 @@ from treadle.errors import (
     ResourceExhaustedError,
     TreadleError,
     UnavailableError,
-    UnimplementedError,
 )
 from treadle.server import convert
 from treadle.server.db import models as db
@@ -94,6 +93,7 @@ class _Pending:
     loop: asyncio.AbstractEventLoop
     worker_id: str
     model_id: str | None
+    on_item: Callable[[Any], None] | None = None  # a streamed call's items (on the loop)
 
 
 @dataclass(frozen=True)
@@ -244,13 +244,39 @@ class CeleryDispatcher:
     async def sample_stream(
         self, target: SamplerTarget, op: SampleOp
     ) -> AsyncIterator[StreamedSequence]:
-        """Not offered here: a Celery reply carries one whole result, so a
-        worker cannot send sequences as they finish."""
-        raise UnimplementedError(
-            "SampleStream is not available with Celery workers (a task answers once); "
-            "use Sample, or run the server with the in-process engine"
+        """The worker replies once per sample as it finishes (``more`` replies, in
+        order on this server's reply queue), then once at the end. Closing the
+        iterator early stops listening; the worker finishes the samples anyway
+        (there is no cancel message)."""
+        worker_id = self._worker_for_target(target, None)
+        items: asyncio.Queue[StreamedSequence] = asyncio.Queue()
+        call = asyncio.ensure_future(
+            self._call(worker_id, "sample_stream", (target, op), None, on_item=items.put_nowait)
         )
-        yield  # an async generator, like the in-process one
+        get: asyncio.Future[StreamedSequence] | None = None
+        try:
+            sent = 0
+            while sent < op.num_samples:
+                get = asyncio.ensure_future(items.get())
+                await asyncio.wait({get, call}, return_when=asyncio.FIRST_COMPLETED)
+                if get.done():
+                    sent += 1
+                    yield get.result()
+                    continue
+                get.cancel()
+                call.result()  # raises the stream's error
+                while not items.empty():  # ended: its items came first
+                    sent += 1
+                    yield items.get_nowait()
+                if sent < op.num_samples:
+                    raise UnavailableError(
+                        f"the worker ended the stream after {sent} of {op.num_samples} samples"
+                    )
+        finally:
+            if get is not None and not get.done():
+                get.cancel()
+            if not call.done():
+                call.cancel()
 
     async def resume(
         self,
@@ -410,7 +436,13 @@ class CeleryDispatcher:
     # ---- calls and replies ---------------------------------------------------------------------
 
     async def _call(
-        self, worker_id: str, kind: str, args: tuple[Any, ...], model_id: str | None
+        self,
+        worker_id: str,
+        kind: str,
+        args: tuple[Any, ...],
+        model_id: str | None,
+        *,
+        on_item: Callable[[Any], None] | None = None,
     ) -> Any:
         loop = asyncio.get_running_loop()
         cid = uuid.uuid4().hex
@@ -418,7 +450,7 @@ class CeleryDispatcher:
         with self._lock:
             if worker_id in self._gone:
                 raise UnavailableError(f"worker {worker_id} is gone")
-            self._pending[cid] = _Pending(fut, loop, worker_id, model_id)
+            self._pending[cid] = _Pending(fut, loop, worker_id, model_id, on_item)
         try:
             try:
                 self.app.send_task(
@@ -463,6 +495,13 @@ class CeleryDispatcher:
             cid, ok, value, status = reply["cid"], reply["ok"], reply["value"], reply["status"]
         except Exception:
             log.exception("dropped a malformed reply")
+            return
+        if reply.get("more"):  # an item of a streamed call: it stays pending
+            with self._lock:
+                streaming = self._pending.get(cid)
+            if streaming is not None and streaming.on_item is not None:
+                with contextlib.suppress(RuntimeError):  # the loop has closed
+                    streaming.loop.call_soon_threadsafe(streaming.on_item, value)
             return
         with self._lock:
             pending = self._pending.pop(cid, None)

@@ -85,7 +85,8 @@ def reply_queue(server_id: str) -> Queue:
     return Queue(name, routing_key=name, durable=False, auto_delete=True)
 
 
-def encode_reply(cid: str, outcome: Any, status: Any = None) -> bytes:
-    """``outcome``: a result, or an exception (sent as its treadle error)."""
+def encode_reply(cid: str, outcome: Any, status: Any = None, *, more: bool = False) -> bytes:
+    """``outcome``: a result, or an exception (sent as its treadle error). ``more``:
+    one item of a streamed call (``sample_stream``), whose last reply comes later."""
     ok = not isinstance(outcome, BaseException)
-    return codec.encode({"cid": cid, "ok": ok, "value": outcome, "status": status})
+    return codec.encode({"cid": cid, "ok": ok, "value": outcome, "status": status, "more": more})

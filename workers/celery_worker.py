@@ -36,6 +36,7 @@ from treadle.errors import (
     InvalidArgumentError,
     ResourceExhaustedError,
     TreadleError,
+    UnavailableError,
 )
 from treadle.workers import codec
 from treadle.workers.celery_app import (
@@ -44,6 +45,13 @@ from treadle.workers.celery_app import (
     encode_reply,
     make_celery,
     worker_queue,
+)
+from treadle.workers.domain import (
+    SampleOp,
+    SampleResult,
+    SamplerTarget,
+    SequenceResult,
+    StreamedSequence,
 )
 from treadle.workers.engine import Engine
 from treadle.workers.engine_flags import engine_config
@@ -59,7 +67,7 @@ class Replier:
     def __init__(self, broker: str, engine: Engine) -> None:
         self.broker = broker
         self.engine = engine
-        self._queue: queue.SimpleQueue[tuple[str, str, Any, str | None] | None] = (
+        self._queue: queue.SimpleQueue[tuple[str, str, Any, str | None, bool] | None] = (
             queue.SimpleQueue()
         )
         self._thread = threading.Thread(target=self._run, name="treadle-replies", daemon=True)
@@ -71,9 +79,12 @@ class Replier:
         self._queue.put(None)
         self._thread.join(5)
 
-    def put(self, reply_to: str, cid: str, outcome: Any, model_id: str | None) -> None:
-        """``outcome``: a resolved future, a result or an exception."""
-        self._queue.put((reply_to, cid, outcome, model_id))
+    def put(
+        self, reply_to: str, cid: str, outcome: Any, model_id: str | None, *, more: bool = False
+    ) -> None:
+        """``outcome``: a resolved future, a result or an exception; ``more``: an item
+        of a streamed call (sent before its final reply, in order)."""
+        self._queue.put((reply_to, cid, outcome, model_id, more))
 
     def _run(self) -> None:
         with Connection(self.broker) as conn:
@@ -82,9 +93,9 @@ class Replier:
                 item = self._queue.get()
                 if item is None:
                     return
-                reply_to, cid, outcome, model_id = item
+                reply_to, cid, outcome, model_id, more = item
                 try:
-                    body = self._encode(cid, outcome, model_id)
+                    body = self._encode(cid, outcome, model_id, more)
                     producer.publish(
                         body,
                         exchange="",  # the default exchange: straight to the queue named
@@ -97,7 +108,7 @@ class Replier:
                 except Exception:
                     log.exception("could not publish the reply of call %s", cid)
 
-    def _encode(self, cid: str, outcome: Any, model_id: str | None) -> bytes:
+    def _encode(self, cid: str, outcome: Any, model_id: str | None, more: bool) -> bytes:
         if isinstance(outcome, Future):
             err = outcome.exception()
             outcome = err if err is not None else outcome.result()
@@ -105,7 +116,7 @@ class Replier:
         if model_id is not None and self.engine.has_model(model_id):
             status = self.engine.model_status(model_id)
         try:
-            return encode_reply(cid, outcome, status)
+            return encode_reply(cid, outcome, status, more=more)
         except codec.CodecError as err:
             return encode_reply(cid, err, status)
 
@@ -142,11 +153,30 @@ class Worker:
         model_id: str | None = None
         try:
             args = codec.decode(payload)
+            if kind == "sample_stream":
+                self._stream(cid, reply_to, *args)
+                return
             model_id, fut = self._start(kind, args)
         except Exception as err:
             self.replies.put(reply_to, cid, err, model_id)
             return
         fut.add_done_callback(lambda f: self.replies.put(reply_to, cid, f, model_id))
+
+    def _stream(self, cid: str, reply_to: str, target: SamplerTarget, op: SampleOp) -> None:
+        """A streamed sample: one reply per sample as it finishes (``more``), in the
+        order they finish, then a last reply: the number of samples, or the error."""
+
+        def item(index: int, seq: SequenceResult, compute_s: float) -> None:
+            self.replies.put(
+                reply_to, cid, StreamedSequence(index, seq, compute_s), None, more=True
+            )
+
+        def done(f: Future[SampleResult]) -> None:
+            err = None if not f.cancelled() else UnavailableError("the sample was cancelled")
+            err = err or f.exception()
+            self.replies.put(reply_to, cid, err or len(f.result().sequences), None)
+
+        self.engine.sample(target, op, on_sequence=item).add_done_callback(done)
 
     def _start(self, kind: str, args: Any) -> tuple[str | None, Future[Any]]:
         staged = self.staged

@@ -311,6 +311,17 @@ def test_three_tenants_two_workers(cluster: Cluster, tmp_path: Path) -> None:
     exported = copy.export_weights(tmp_path / "peft")
     assert (exported / "adapter_model.safetensors").is_file()
     assert (exported / "adapter_config.json").is_file()
+    # streamed rollouts through a worker: each sample once, as sampled without a stream
+    sampler = copy.sync_weights()
+    params = treadle.SamplingParams(max_tokens=6, seed=11)
+    prompt = tok.encode("4+4=")
+    with sampler.sample_stream_sync(prompt, 3, params) as stream:
+        streamed = {s.index: s.sequence for s in stream}
+    whole = sampler.sample(prompt, 3, params).result().sequences
+    assert sorted(streamed) == [0, 1, 2]
+    for i, seq in enumerate(whole):
+        np.testing.assert_array_equal(streamed[i].tokens, seq.tokens)
+        np.testing.assert_allclose(streamed[i].logprobs, seq.logprobs, atol=1e-6)
     print(f"\n{c.name}: 3 tenants x 2 RL steps on 2 workers in {loop_s:.1f} s")
 
 
