@@ -10,13 +10,14 @@ vLLM's: ``schedule()`` -> execute -> ``complete()``, then one sampler step.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
 import time
 import traceback
 from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -90,6 +91,10 @@ class EngineConfig:
     #: run the forward calls of LoRA models on one base as one batched pass
     batch_across_models: bool = True
     max_tokens_per_call: int = 262_144
+    #: a forward_backward / forward_logprobs (or a batched pass) whose work, tokens x
+    #: parameters, is below this runs on one torch thread: on a small call, waking a
+    #: second thread for every op costs more than it gives (docs/engine.md); 0 = never
+    one_thread_below: float = 4e9
     #: save the state every N optimizer steps (0 = off) under auto_checkpoint_root/<tenant>/<model>/auto
     auto_checkpoint_steps: int = 0
     auto_checkpoint_root: str | Path | None = None
@@ -440,12 +445,27 @@ class Engine:
         else:  # CONFLICT, EXPIRED
             fut.set_exception(FailedPreconditionError(outcome.message))
 
+    @contextlib.contextmanager
+    def _threads_for(self, tokens: int, model: TrainingModel) -> Iterator[None]:
+        """One torch thread for a call too small to gain from more (``one_thread_below``)."""
+        current = torch.get_num_threads()
+        small = tokens * model.cfg.num_params() < self.config.one_thread_below
+        if current <= 1 or not small or tokens == 0:
+            yield
+            return
+        torch.set_num_threads(1)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(current)
+
     def _execute(self, call: OrderedCall) -> None:
         model = self.models[call.model_id]
         t0 = time.perf_counter()
         outcome: Any
         try:
-            outcome = self._apply(model, call.seq_id, call.payload)
+            with self._threads_for(call.cost, model):
+                outcome = self._apply(model, call.seq_id, call.payload)
         except TreadleError as err:
             outcome = err
         except Exception as err:
@@ -480,7 +500,9 @@ class Engine:
                 continue
             t0 = time.perf_counter()
             batch = [BatchCall(model, call.payload) for call, model in members]
-            run_batch(batch, lambda op: _check_size(op.data, self.config.max_tokens_per_call))
+            tokens = sum(call.cost for call, _ in members)
+            with self._threads_for(tokens, members[0][1]):
+                run_batch(batch, lambda op: _check_size(op.data, self.config.max_tokens_per_call))
             spent = time.perf_counter() - t0
             self.busy_s += spent
             total = sum(call.cost for call, _ in members) or len(members)

@@ -319,3 +319,40 @@ def test_a_call_that_fails_in_its_backward_keeps_the_earlier_gradients(
     _assert_grads(_snapshot_grads([m0, m1]), before)
     trainer.forward_backward(m0, op)  # and accumulation goes on from there
     assert all(torch.allclose(v.grad, 2 * before[0][k]) for k, v in m0.trainable.items())
+
+
+def test_small_calls_run_on_one_thread(base: BaseModel, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Below ``one_thread_below`` (tokens x parameters) a call runs on one torch
+    thread; above it, on the engine's ``threads``; the thread count is restored."""
+    seen: list[int] = []
+    real = trainer.forward_logprobs
+
+    def spy(model: TrainingModel, op: Any) -> ForwardResult:
+        seen.append(torch.get_num_threads())
+        return real(model, op)
+
+    monkeypatch.setattr(trainer, "forward_logprobs", spy)
+    rng = np.random.default_rng(2)
+    small = ForwardLogprobsOp((_datum(rng, 8),))
+    params = base.cfg.num_params()
+    engine = Engine(
+        EngineConfig(base_models={"tiny": base.path}, threads=2, one_thread_below=20 * params)
+    )
+    engine.models["m0"] = _model(base, 0)
+    engine.scheduler.add_model("m0", "t0", 1)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        futures = [
+            engine.submit("m0", 1, small, "a"),  # 8 tokens: small
+            engine.submit("m0", 2, ForwardLogprobsOp((_datum(rng, 40),)), "b"),  # 40: not
+        ]
+        engine._drain_inbox()
+        for _ in range(2):
+            engine._execute_units(engine.scheduler.schedule(0.0).units)
+        for fut in futures:
+            fut.result(0)
+        assert seen == [1, 2]
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
