@@ -41,7 +41,6 @@ import weakref
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -55,15 +54,30 @@ from treadle.errors import (
     TreadleError,
 )
 from treadle.workers.base_models import BaseModel
-from treadle.workers.domain import SampleOp, SampleResult, SequenceResult, version_spans
+from treadle.workers.domain import SampleOp, SampleResult, SequenceResult
 from treadle.workers.model import prepack
 from treadle.workers.model.kv_cache import KVCache
 from treadle.workers.model.llama import LlamaParams, forward_hidden, lm_logits
-from treadle.workers.model.lora import LoraAdapter, LoraRows
+from treadle.workers.sampler_state import (
+    Partial,
+    Request,
+    Row,
+    SamplerLimits,
+    SamplerStats,
+    Staged,
+    charge,
+    common_prefix,
+    lora_for,
+    prefill_batches,
+    sequence_of,
+    start_tag,
+)
 from treadle.workers.sampling import row_keys, row_uniforms, sample_tokens
 from treadle.workers.versions import WeightSnapshot
 
 log = logging.getLogger("treadle.sampler")
+
+__all__ = ["SamplerLimits", "SamplerStats", "TorchSampler"]
 
 MAX_STOP_STRING_CHARS = 256
 #: A queued request waits for one being prefilled when it could then reuse this
@@ -73,125 +87,6 @@ MIN_PREFIX_WAIT = 16
 MAX_PARTIALS = 65536
 #: weight versions kept prepacked per sampler (each is a second copy of the weights)
 MAX_PACKED = 2
-
-
-@dataclass(frozen=True)
-class SamplerLimits:
-    """Sizes of one sampler (one per base model and dtype).
-
-    ``num_slots`` rows decode together at most (the batch); ``max_len`` is the
-    context; ``prefill_slots`` prompts prefill at once and stay cached for
-    prefix reuse; ``max_prefill_tokens`` caps prompt tokens computed per step
-    (so a decode step is never delayed by more than that much prefill);
-    ``max_queued`` requests wait at most, beyond that RESOURCE_EXHAUSTED.
-    """
-
-    num_slots: int = 64
-    max_len: int = 1024
-    prefill_slots: int = 8
-    max_prefill_tokens: int = 512
-    max_queued: int = 4096
-    log_every_s: float = 30.0
-    #: decode with weights prepacked for ``num_slots`` rows (fp32 on CPU; a second
-    #: copy of the weights of each of the last ``MAX_PACKED`` versions decoded)
-    prepack: bool = True
-
-
-@dataclass
-class _Request:
-    op: SampleOp
-    snapshot: WeightSnapshot
-    future: Future[SampleResult]
-    stop_ids: frozenset[int]
-    seed: int
-    prompt: np.ndarray  # int64 [P]
-    rows: list[_Row] = field(default_factory=list)
-    stage_slot: int = -1
-    prefilled: int = 0  # prompt tokens whose K/V are in the staging slot
-    reused: int = 0  # of which copied from the prefix cache
-    compute_s: float = 0.0  # its share of the forward passes it was in (usage accounting)
-    tenant: str = ""
-    tag: float = 0.0  # fair-queueing start tag: the queue is kept in tag order
-    #: the model whose latest weights this request follows (in-flight updates reach it)
-    latest_of: str | None = None
-    #: weights published in flight while the prompt was prefilling: the rows take
-    #: them after their first token (drawn from the prompt's logits, old weights)
-    swap_to: WeightSnapshot | None = None
-    #: called (on the engine thread) as each row finishes with (index, sequence,
-    #: engine seconds charged to the request since the previous call)
-    on_sequence: Callable[[int, SequenceResult, float], None] | None = None
-    reported_s: float = 0.0  # compute_s already handed to on_sequence
-    #: who may resume its partial rows: (tenant, model id or "base:<name>")
-    owner: tuple[str, str] = ("", "")
-    #: a resumed partial rollout (one row): what its earlier calls sampled
-    prefix: _Partial | None = None
-
-    @property
-    def cancelled(self) -> bool:
-        return self.future.cancelled()
-
-
-@dataclass
-class _Row:
-    request: _Request
-    index: int
-    slot: int
-    key: int  # the row's random stream: hash of (seed, index)
-    snapshot: WeightSnapshot  # the weights decoding this row now
-    position: int = 0  # tokens whose K/V are in the cache
-    next_input: int = 0  # the last sampled token, fed at the next decode step
-    tokens: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)  # the weight version of each token
-    stop_reason: str | None = None
-    handle: str = ""  # its resume handle once it stopped "partial"
-
-
-@dataclass
-class _Partial:
-    """A partial rollout kept for resumption: the prompt and everything sampled so far."""
-
-    owner: tuple[str, str]
-    prompt: np.ndarray
-    tokens: list[int]
-    logprobs: list[float]
-    versions: list[int]
-
-
-@dataclass
-class _Staged:
-    """What one staging slot holds: a prompt prefix and the weights that computed it."""
-
-    tokens: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
-    params: weakref.ref[LlamaParams] | None = None
-    adapter: weakref.ref[LoraAdapter] | None = None
-    owner: _Request | None = None  # the request prefilling into it now
-    last_used: int = 0
-
-    def computed_by(self, snap: WeightSnapshot) -> bool:
-        if self.params is None or self.params() is not snap.params:
-            return False
-        if snap.adapter is None:
-            return self.adapter is None
-        return self.adapter is not None and self.adapter() is snap.adapter
-
-
-@dataclass(frozen=True)
-class SamplerStats:
-    running_rows: int
-    queued_requests: int
-    prefilling_requests: int
-    free_slots: int
-    num_slots: int
-    tokens_generated: int
-    prompt_tokens: int
-    prefix_reused_tokens: int
-    decode_steps: int
-    tokens_per_s: float  # generated tokens per second over the recent window
-    occupancy: float  # mean fraction of slots decoding per step, recent window
-    base_model: str = ""
-    dtype: str = ""
-    last_step_at: float = 0.0  # time.monotonic() of the last decode step (0: none yet)
 
 
 class TorchSampler:
@@ -218,14 +113,14 @@ class TorchSampler:
                 f"sampler: cannot allocate the KV cache ({lim.num_slots} slots x "
                 f"{self.max_len} tokens): {err}"
             ) from None
-        self.staged = [_Staged() for _ in range(self.stage.num_slots)]
-        self.queue: deque[_Request] = deque()  # in start-tag order (fair across tenants)
+        self.staged = [Staged() for _ in range(self.stage.num_slots)]
+        self.queue: deque[Request] = deque()  # in start-tag order (fair across tenants)
         self._vtime = 0.0  # start tag of the request admitted last
         self._finish_tags: dict[str, float] = {}  # tenant -> finish tag of its last request
-        self.prefilling: list[_Request] = []
-        self.running: list[_Row] = []  # running[i].slot == i
+        self.prefilling: list[Request] = []
+        self.running: list[Row] = []  # running[i].slot == i
         self.reserved = 0  # main slots promised to prefilling requests
-        self.partials: OrderedDict[str, _Partial] = OrderedDict()  # resume handle -> rollout
+        self.partials: OrderedDict[str, Partial] = OrderedDict()  # resume handle -> rollout
         self._packed: OrderedDict[int, weakref.ref[LlamaParams]] = OrderedDict()  # prepacked
         tok_path = base.path / "tokenizer.json"
         self.tokenizer = Tokenizer.from_file(str(tok_path)) if tok_path.exists() else None
@@ -300,7 +195,7 @@ class TorchSampler:
         latest_of: str | None = None,
         on_sequence: Callable[[int, SequenceResult, float], None] | None = None,
         owner: tuple[str, str] = ("", ""),
-        prefix: _Partial | None = None,
+        prefix: Partial | None = None,
     ) -> None:
         """Queue a request (validated first); RESOURCE_EXHAUSTED when the queue is full.
 
@@ -330,7 +225,7 @@ class TorchSampler:
         if seed is None:
             seed = int.from_bytes(os.urandom(8), "little") >> 1
         prompt = np.ascontiguousarray(op.prompt, dtype=np.int64)
-        request = _Request(
+        request = Request(
             op,
             snapshot,
             future,
@@ -345,7 +240,7 @@ class TorchSampler:
         )
         if op.params.max_tokens == 0:
             request.rows = [
-                _Row(request, i, -1, 0, snapshot, stop_reason="length")
+                Row(request, i, -1, 0, snapshot, stop_reason="length")
                 for i in range(op.num_samples)
             ]
             self._report(request.rows)
@@ -353,16 +248,16 @@ class TorchSampler:
             return
         self._enqueue(request)
 
-    def _enqueue(self, request: _Request) -> None:
+    def _enqueue(self, request: Request) -> None:
         cost = request.prompt.size + request.op.num_samples * request.op.params.max_tokens
         start = max(self._vtime, self._finish_tags.get(request.tenant, 0.0))
         self._finish_tags[request.tenant] = start + cost
         if len(self._finish_tags) > 1024:  # forget tenants with nothing queued ahead
             self._finish_tags = {t: f for t, f in self._finish_tags.items() if f > self._vtime}
         request.tag = start
-        self.queue.insert(bisect.bisect_right(self.queue, start, key=_tag), request)
+        self.queue.insert(bisect.bisect_right(self.queue, start, key=start_tag), request)
 
-    def take_partials(self, owner: tuple[str, str], handles: Sequence[str]) -> list[_Partial]:
+    def take_partials(self, owner: tuple[str, str], handles: Sequence[str]) -> list[Partial]:
         """The partial rollouts of ``handles``, removed (each resumes once).
 
         All or nothing: a handle that never existed, was consumed (or forgotten,
@@ -379,14 +274,14 @@ class TorchSampler:
                 raise NotFoundError(f"resume handle {h[:48]!r} not found")
         return [self.partials.pop(h) for h in handles]
 
-    def give_back_partials(self, handles: Sequence[str], partials: Sequence[_Partial]) -> None:
+    def give_back_partials(self, handles: Sequence[str], partials: Sequence[Partial]) -> None:
         """Undo ``take_partials`` (the resume was refused before it started)."""
         for h, kept in zip(handles, partials, strict=True):
             self.partials[h] = kept
 
-    def _keep_partial(self, row: _Row) -> str:
+    def _keep_partial(self, row: Row) -> str:
         prefix = row.request.prefix
-        kept = _Partial(
+        kept = Partial(
             owner=row.request.owner,
             prompt=row.request.prompt if prefix is None else prefix.prompt,
             tokens=(prefix.tokens if prefix else []) + row.tokens,
@@ -459,7 +354,7 @@ class TorchSampler:
                 req.future.set_exception(error)
         self.running.clear()
         for req in self.prefilling:
-            self.staged[req.stage_slot] = _Staged()
+            self.staged[req.stage_slot] = Staged()
         self.prefilling.clear()
         self.queue.clear()
         self.reserved = 0
@@ -511,7 +406,7 @@ class TorchSampler:
             self.reserved += need
             self.prefilling.append(request)
 
-    def _stage_slot_for(self, request: _Request) -> int:
+    def _stage_slot_for(self, request: Request) -> int:
         """A free staging slot for ``request``, seeded with the longest cached prefix."""
         free = [i for i, s in enumerate(self.staged) if s.owner is None]
         if not free:
@@ -522,7 +417,7 @@ class TorchSampler:
             n = min(staged.tokens.size, prompt.size)
             if n <= best_len or not staged.computed_by(request.snapshot):
                 continue
-            common = _common_prefix(staged.tokens[:n], prompt[:n])
+            common = common_prefix(staged.tokens[:n], prompt[:n])
             if common > best_len:
                 best, best_len = i, common
         for staged in self.staged:
@@ -531,7 +426,7 @@ class TorchSampler:
             owner = staged.owner
             if owner is not None and staged.computed_by(request.snapshot):
                 n = min(owner.prompt.size, prompt.size)
-                if _common_prefix(owner.prompt[:n], prompt[:n]) >= best_len + MIN_PREFIX_WAIT:
+                if common_prefix(owner.prompt[:n], prompt[:n]) >= best_len + MIN_PREFIX_WAIT:
                     return -1
         if best >= 0 and self.staged[best].owner is None:
             slot = best
@@ -542,7 +437,7 @@ class TorchSampler:
         # The last prompt token is always computed: its logits choose the first token.
         reuse = min(best_len, prompt.size - 1)
         snap = request.snapshot
-        self.staged[slot] = _Staged(
+        self.staged[slot] = Staged(
             tokens=prompt[:reuse].copy(),
             params=weakref.ref(snap.params),
             adapter=None if snap.adapter is None else weakref.ref(snap.adapter),
@@ -553,7 +448,7 @@ class TorchSampler:
         self.prefix_reused_tokens += reuse
         return slot
 
-    def _release_stage(self, request: _Request) -> None:
+    def _release_stage(self, request: Request) -> None:
         staged = self.staged[request.stage_slot]
         staged.owner = None
         staged.tokens = request.prompt[: request.prefilled].copy()
@@ -562,21 +457,21 @@ class TorchSampler:
 
     def _prefill(self, budget: int) -> int:
         """One chunk of prompt tokens for the prefilling requests; the tokens used."""
-        chunks: list[tuple[_Request, int]] = []
+        chunks: list[tuple[Request, int]] = []
         for req in self.prefilling:
             if budget <= 0:
                 break
             n = min(req.prompt.size - req.prefilled, budget)
             chunks.append((req, n))
             budget -= n
-        for batch in _prefill_batches(chunks):
+        for batch in prefill_batches(chunks):
             self._prefill_forward(batch)
         done = [r for r in self.prefilling if r.prefilled == r.prompt.size]
         for req in done:
             self.prefilling.remove(req)
         return sum(n for _, n in chunks)
 
-    def _prefill_forward(self, batch: list[tuple[_Request, int]]) -> None:
+    def _prefill_forward(self, batch: list[tuple[Request, int]]) -> None:
         B, T = len(batch), max(n for _, n in batch)
         tokens_B_T = torch.zeros(B, T, dtype=torch.long)
         positions_B_T = torch.full((B, T), self.max_len - 1, dtype=torch.long)
@@ -591,12 +486,12 @@ class TorchSampler:
             snaps[0].params,
             tokens_B_T,
             positions_B_T,
-            lora=_lora_for([s.adapter for s in snaps]),
+            lora=lora_for([s.adapter for s in snaps]),
             cache=self.stage,
             slots_B=torch.tensor([req.stage_slot for req, _ in batch]),
         )
-        _charge(batch, time.perf_counter() - t0)
-        finished: list[tuple[_Request, Tensor]] = []
+        charge(batch, time.perf_counter() - t0)
+        finished: list[tuple[Request, Tensor]] = []
         for b, (req, n) in enumerate(batch):
             req.prefilled += n
             self.prompt_tokens += n
@@ -611,7 +506,7 @@ class TorchSampler:
             for (req, _), logits_V in zip(finished, logits_F_V, strict=True):
                 self._start_rows(req, logits_V)
 
-    def _start_rows(self, request: _Request, logits_V: Tensor) -> None:
+    def _start_rows(self, request: Request, logits_V: Tensor) -> None:
         """The prompt is in: copy its KV to G consecutive main slots and draw first tokens."""
         G, P = request.op.num_samples, request.prompt.size
         first = len(self.running)
@@ -620,7 +515,7 @@ class TorchSampler:
         self.reserved -= G
         keys = row_keys(request.seed, G)
         snap = request.snapshot
-        rows = [_Row(request, i, first + i, keys[i], snap, position=P) for i in range(G)]
+        rows = [Row(request, i, first + i, keys[i], snap, position=P) for i in range(G)]
         request.rows = rows
         self.running.extend(rows)
         self._emit(rows, logits_V.expand(G, -1))
@@ -634,7 +529,7 @@ class TorchSampler:
     # ---- decode ------------------------------------------------------------------------
 
     def _decode(self) -> None:
-        groups: dict[int, list[_Row]] = {}
+        groups: dict[int, list[Row]] = {}
         for row in self.running:
             groups.setdefault(id(row.snapshot.params), []).append(row)
         for rows in groups.values():
@@ -658,14 +553,14 @@ class TorchSampler:
                 params,
                 torch.tensor(tokens)[:, None],
                 torch.tensor(positions)[:, None],
-                lora=_lora_for(adapters),
+                lora=lora_for(adapters),
                 cache=self.cache,
                 slots_B=torch.tensor(slots),
             )
             for r in rows:
                 r.position += 1
             logits_B_V = lm_logits(self.cfg, params, hidden_B_1_H[:, -1])[: len(rows)]
-            _charge([(r.request, 1) for r in rows], time.perf_counter() - t0)
+            charge([(r.request, 1) for r in rows], time.perf_counter() - t0)
             self._emit(rows, logits_B_V)
         self.decode_steps += 1
         self._window.append((time.monotonic(), self.tokens_generated, len(self.running)))
@@ -700,7 +595,7 @@ class TorchSampler:
 
     # ---- choosing tokens -----------------------------------------------------------------
 
-    def _emit(self, rows: Sequence[_Row], logits_B_V: Tensor) -> None:
+    def _emit(self, rows: Sequence[Row], logits_B_V: Tensor) -> None:
         """Choose one token per row, record it, and mark rows that stop."""
         params = [r.request.op.params for r in rows]
         uniforms_B = row_uniforms(
@@ -730,7 +625,7 @@ class TorchSampler:
                 row.handle = self._keep_partial(row)
         self.tokens_generated += len(rows)
 
-    def _hit_stop_string(self, row: _Row) -> bool:
+    def _hit_stop_string(self, row: Row) -> bool:
         stops = row.request.op.params.stop_strings
         if self.tokenizer is None:
             return False
@@ -763,7 +658,7 @@ class TorchSampler:
             if all(r.stop_reason is not None for r in req.rows):
                 self._finish_request(req)
 
-    def _report(self, rows: Sequence[_Row]) -> None:
+    def _report(self, rows: Sequence[Row]) -> None:
         """Hand finished rows to their request's ``on_sequence`` (streamed rollouts)."""
         for row in rows:
             req = row.request
@@ -771,14 +666,14 @@ class TorchSampler:
                 continue
             spent, req.reported_s = req.compute_s - req.reported_s, req.compute_s
             try:
-                req.on_sequence(row.index, _sequence(row), spent)
+                req.on_sequence(row.index, sequence_of(row), spent)
             except Exception:  # a consumer's bug must not stop the sampler
                 log.exception("sampler: on_sequence callback failed")
 
-    def _finish_request(self, request: _Request) -> None:
+    def _finish_request(self, request: Request) -> None:
         if request.future.done():
             return
-        sequences = tuple(_sequence(r) for r in request.rows)
+        sequences = tuple(sequence_of(r) for r in request.rows)
         request.future.set_result(SampleResult(sequences, compute_s=request.compute_s))
 
     def _maybe_log(self) -> None:
@@ -800,77 +695,3 @@ class TorchSampler:
             s.tokens_generated,
             s.prefix_reused_tokens,
         )
-
-
-def _sequence(row: _Row) -> SequenceResult:
-    """The row's sequence; a resumed partial rollout's includes its earlier parts."""
-    prefix = row.request.prefix
-    tokens, logprobs, versions = row.tokens, row.logprobs, row.versions
-    if prefix is not None:
-        tokens, logprobs = prefix.tokens + tokens, prefix.logprobs + logprobs
-        versions = prefix.versions + versions
-    return SequenceResult(
-        tokens=np.asarray(tokens, dtype=np.int64),
-        logprobs=np.asarray(logprobs, dtype=np.float32),
-        stop_reason=row.stop_reason or "length",
-        versions=version_spans(versions),
-        resume_handle=row.handle,
-    )
-
-
-def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
-    """Length of the common prefix of two equally long token arrays."""
-    diff = np.flatnonzero(a != b)
-    return int(diff[0]) if diff.size else a.size
-
-
-def _tag(request: _Request) -> float:
-    return request.tag
-
-
-def _charge(items: Sequence[tuple[_Request, int]], seconds: float) -> None:
-    """Split a forward pass's time among its requests by the tokens each had in it."""
-    total = sum(n for _, n in items) or 1
-    for request, n in items:
-        request.compute_s += seconds * n / total
-
-
-def _prefill_batches(chunks: list[tuple[_Request, int]]) -> list[list[tuple[_Request, int]]]:
-    """Group prefill chunks into forwards: same base weights, and lengths close
-    enough that padding to the longest wastes under a third of the batch."""
-    by_params: dict[int, list[tuple[_Request, int]]] = {}
-    for req, n in chunks:
-        by_params.setdefault(id(req.snapshot.params), []).append((req, n))
-    batches: list[list[tuple[_Request, int]]] = []
-    for group in by_params.values():
-        group.sort(key=lambda c: -c[1])
-        current: list[tuple[_Request, int]] = []
-        real = 0
-        for req, n in group:
-            if current and (len(current) + 1) * current[0][1] > 1.5 * (real + n):
-                batches.append(current)
-                current, real = [], 0
-            current.append((req, n))
-            real += n
-        if current:
-            batches.append(current)
-    return batches
-
-
-def _lora_for(adapters: Sequence[LoraAdapter | None]) -> LoraAdapter | LoraRows | None:
-    unique: list[LoraAdapter] = []
-    index: dict[int, int] = {}
-    row_ids = []
-    for a in adapters:
-        if a is None:
-            row_ids.append(-1)
-            continue
-        if id(a) not in index:
-            index[id(a)] = len(unique)
-            unique.append(a)
-        row_ids.append(index[id(a)])
-    if not unique:
-        return None
-    if len(unique) == 1 and -1 not in row_ids:
-        return unique[0]
-    return LoraRows(unique, torch.tensor(row_ids))
