@@ -233,15 +233,17 @@ class TrainingServicer(training_pb2_grpc.TrainingServiceServicer):
             op = RejectedOp(err, kind=kind)
         digest = convert.digest(request)
         ticket = None
-        with self.ctx.connection() as conn:
-            if not queries.op_recorded(conn, request.model_id, request.seq_id):
-                # A repeat of a recorded call is not admitted (or counted) again.
-                ticket, op = self.meter.admit_ordered(tenant, request.model_id, request.seq_id, op)
-                try:
-                    queries.insert_op(conn, request.model_id, request.seq_id, kind, digest)
-                except Exception:
-                    self.meter.release_ordered(request.model_id, request.seq_id, ticket)
-                    raise
+        try:
+            with self.ctx.connection() as conn:
+                # A repeat of a recorded call is not admitted (or counted) again; a
+                # call over quota raises here and its row is rolled back.
+                if queries.insert_op_if_new(conn, request.model_id, request.seq_id, kind, digest):
+                    ticket, op = self.meter.admit_ordered(
+                        tenant, request.model_id, request.seq_id, op
+                    )
+        except Exception:
+            self.meter.release_ordered(request.model_id, request.seq_id, ticket)
+            raise
         try:
             result = await self.ctx.dispatcher.submit(request.model_id, request.seq_id, op, digest)
         except TreadleError as err:

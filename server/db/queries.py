@@ -11,6 +11,8 @@ from collections.abc import Sequence
 from typing import TypeVar
 
 from sqlalchemy import Connection, bindparam, insert, select, update
+from sqlalchemy.dialects.postgresql import insert as postgresql_insert
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session
 
 from treadle.errors import AlreadyExistsError, NotFoundError
@@ -302,6 +304,26 @@ def op_recorded(conn: Connection, model_id: str, seq_id: int) -> bool:
 def insert_op(conn: Connection, model_id: str, seq_id: int, kind: str, digest: str) -> None:
     row = {"model_id": model_id, "seq_id": seq_id, "kind": kind, "payload_digest": digest}
     conn.execute(_OP_INSERT, {**row, "status": "pending", "created_at": utcnow()})
+
+
+_OP_INSERT_NEW = {
+    name: dialect_insert(Op).on_conflict_do_nothing(index_elements=["model_id", "seq_id"])
+    for name, dialect_insert in (("sqlite", sqlite_insert), ("postgresql", postgresql_insert))
+}
+
+
+def insert_op_if_new(conn: Connection, model_id: str, seq_id: int, kind: str, digest: str) -> bool:
+    """Record a pending op in one statement; False (and nothing written) when
+    ``(model_id, seq_id)`` is recorded already (a repeat of a call)."""
+    row = {"model_id": model_id, "seq_id": seq_id, "kind": kind, "payload_digest": digest}
+    statement = _OP_INSERT_NEW.get(conn.dialect.name)
+    if statement is None:  # another database: check, then insert
+        if op_recorded(conn, model_id, seq_id):
+            return False
+        insert_op(conn, model_id, seq_id, kind, digest)
+        return True
+    result = conn.execute(statement, {**row, "status": "pending", "created_at": utcnow()})
+    return getattr(result, "rowcount", 0) == 1
 
 
 def finish_pending_op(
