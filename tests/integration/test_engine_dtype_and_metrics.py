@@ -100,9 +100,7 @@ def test_server_info_reports_sampler_metrics(
     # The first request prefills the prompt; the two sent after it has finished
     # reuse its cached prefix (sent together, all three could prefill at once).
     base.sample(prompt, 4, treadle.SamplingParams(max_tokens=8, seed=0)).result()
-    futures = [
-        base.sample(prompt, 4, treadle.SamplingParams(max_tokens=8, seed=s)) for s in (1, 2)
-    ]
+    futures = [base.sample(prompt, 4, treadle.SamplingParams(max_tokens=8, seed=s)) for s in (1, 2)]
     for f in futures:
         f.result()
     metrics = {m.base_model: m for m in service.get_server_info().sampler_metrics}
