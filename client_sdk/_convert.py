@@ -93,6 +93,7 @@ def sampling_params_to_wire(params: SamplingParams) -> sampling_pb2.SamplingPara
     if params.seed is not None:
         msg.seed = params.seed
     msg.token_budget = params.token_budget
+    msg.ignore_eos = params.ignore_eos
     return msg
 
 

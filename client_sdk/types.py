@@ -106,6 +106,9 @@ class SamplingParams:
     #: call (0 = no budget); a sequence reaching it first comes back with
     #: stop_reason "partial" and a ``resume_handle`` for ``SamplingClient.resume``
     token_budget: int = 0
+    #: EOS does not stop a sequence: it runs to ``max_tokens`` (or a ``stop``);
+    #: for benchmarks and length-controlled rollouts (vLLM's ``ignore_eos``)
+    ignore_eos: bool = False
 
 
 @dataclass(frozen=True)

@@ -128,6 +128,7 @@ def sampling_config(p: sampling_pb2.SamplingParams) -> SamplingConfig:
         stop_token_ids=tuple(int(t) for t in p.stop_token_ids),
         seed=p.seed if p.HasField("seed") else None,
         token_budget=p.token_budget,
+        ignore_eos=p.ignore_eos,
     )
 
 

@@ -137,6 +137,23 @@ def test_sample_logprobs_num_samples_and_seeds(
     assert len({tuple(s.tokens) for s in a.sequences}) > 1
 
 
+def test_ignore_eos_runs_every_sequence_to_max_tokens(
+    service: treadle.ServiceClient, tok: treadle.Tokenizer
+) -> None:
+    sampler = service.create_sampling_client(base_model=BASE)
+    prompt = tok.encode("12+3=")
+    plain = treadle.SamplingParams(max_tokens=40, temperature=1.5, seed=3)
+    stopped = sampler.sample(prompt, 16, plain).result(timeout=60).sequences
+    # the precondition that makes this test mean something: EOS does stop some
+    assert any(s.stop_reason == "stop" for s in stopped)
+    forced = treadle.SamplingParams(max_tokens=40, temperature=1.5, seed=3, ignore_eos=True)
+    full = sampler.sample(prompt, 16, forced).result(timeout=60).sequences
+    assert all(s.stop_reason == "length" and len(s.tokens) == 40 for s in full)
+    for a, b in zip(stopped, full, strict=True):  # the same draws up to the first EOS
+        n = len(a.tokens) - (a.stop_reason == "stop")
+        assert list(b.tokens[:n]) == list(a.tokens[:n])
+
+
 # ---- training --------------------------------------------------------------------------------
 
 
