@@ -4,10 +4,10 @@ The demo's GRPO task (single-digit addition, "demo" preset, full fine-tune,
 SFT warm-up) with the seed's long tail: in every ``groups_per_step`` prompts,
 one group's answers run to ``16 L`` tokens and the others to ``L``. Lengths
 are forced identically for every variant: each prompt of the (seeded) prompt
-stream carries its own ``max_tokens`` and EOS does not stop a sequence (the
-engine's ``ignore_eos``, switched on for every request of this benchmark's
-embedded server), and the reward is scored on the answer prefix (the answer
-digits then EOS).
+stream carries its own ``max_tokens`` and ``ignore_eos`` (EOS does not stop a
+sequence; the SFT warm-up's probes stop at EOS as usual), and the reward is
+scored on the answer prefix (the answer digits then EOS). ``--server-process``
+runs the server as a ``treadle serve`` process of its own.
 
 Variants, each from the same warmed-up state, the same prompt stream, the same
 number of train steps and the same thread budget (one torch thread for the
@@ -43,12 +43,14 @@ import inspect
 import itertools
 import os
 import random
+import socket
+import subprocess
 import sys
 import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import replace
+from contextlib import contextmanager
 from pathlib import Path
 
 #: torch threads of the trainer (the engine thread) and of the sampler (its own thread,
@@ -61,7 +63,6 @@ import numpy as np  # noqa: E402
 
 import treadle  # noqa: E402
 from treadle import rl  # noqa: E402
-from treadle.server import convert  # noqa: E402
 from treadle.server.config import ServerConfig  # noqa: E402
 from treadle.server.demo import PROBLEMS, Plan, Problem, prompt_tokens, warm_up  # noqa: E402
 from treadle.server.embedded import EmbeddedServer  # noqa: E402
@@ -71,23 +72,51 @@ L = 4  # short answers: two digits, EOS, one spare
 LONG = 16 * L
 
 
-FORCE = threading.Event()  # off during the SFT warm-up (its probe needs EOS to stop)
-
-
-def force_lengths() -> None:
-    """While FORCE is set, every request of this process's server runs to its max_tokens."""
-    if getattr(convert.sample_op, "_forced", False):
+@contextmanager
+def serve(config: ServerConfig, own_process: bool) -> Iterator[tuple[str, str]]:
+    """(address, API key) of the benchmark's server: embedded in this process, or,
+    with ``own_process``, a ``treadle serve`` process of its own (as a researcher's
+    laptop talks to a server elsewhere: the two do not share a GIL)."""
+    if not own_process:
+        with EmbeddedServer(config) as server:
+            yield server.address, str(server.api_key)
         return
-    real = convert.sample_op
-
-    def sample_op(req):  # type: ignore[no-untyped-def]
-        op = real(req)
-        if not FORCE.is_set():
-            return op
-        return replace(op, params=replace(op.params, ignore_eos=True))
-
-    sample_op._forced = True  # type: ignore[attr-defined]
-    convert.sample_op = sample_op
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    cmd = [sys.executable, "-m", "treadle.server.cli", "serve", "--port", str(port)]
+    cmd += ["--data-dir", str(config.data_dir), "--threads", str(config.threads)]
+    cmd += ["--sampler-slots", str(config.sampler_slots)]
+    cmd += ["--sampler-max-len", str(config.sampler_max_len)]
+    cmd += [f"--model={name}={path}" for name, path in config.models.items()]
+    if config.sampler_thread:
+        cmd += ["--sampler-thread", "--sampler-threads", str(config.sampler_threads)]
+    env = dict(os.environ, TREADLE_API_KEY="")  # the server's own default key
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    key_file = Path(config.data_dir) / "api_key"
+    try:
+        deadline = time.monotonic() + 120
+        while not key_file.exists():
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"treadle serve did not start: {proc.stderr.read()!r}")  # type: ignore[union-attr]
+            time.sleep(0.2)
+        address = f"127.0.0.1:{port}"
+        with treadle.ServiceClient(address, api_key=key_file.read_text().strip()) as probe_client:
+            while True:  # the key is written before the port listens
+                try:
+                    probe_client.get_server_info()
+                    break
+                except treadle.TreadleError:
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.2)
+        yield address, key_file.read_text().strip()
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
 
 
 class Task:
@@ -100,7 +129,9 @@ class Task:
         for i in itertools.count():
             p = rng.choice(PROBLEMS)
             n = LONG if i % groups_per_step == groups_per_step - 1 else L
-            params = treadle.SamplingParams(max_tokens=n, temperature=1.0, seed=rng.getrandbits(31))
+            params = treadle.SamplingParams(
+                max_tokens=n, temperature=1.0, seed=rng.getrandbits(31), ignore_eos=True
+            )
             yield rl.Prompt(prompt_tokens(self.tok, p), p, params)
 
     def reward(self, p: Problem, seq: treadle.SampledSequence) -> float:
@@ -109,7 +140,10 @@ class Task:
         return float(list(seq.tokens[: len(want)]) == want)
 
     def evaluate(self, sampler: treadle.SamplingClient, samples: int = 4) -> float:
-        params = [treadle.SamplingParams(max_tokens=L, temperature=1.0, seed=i) for i in range(100)]
+        params = [
+            treadle.SamplingParams(max_tokens=L, temperature=1.0, seed=i, ignore_eos=True)
+            for i in range(100)
+        ]
         futs = [
             sampler.sample(prompt_tokens(self.tok, p), samples, params[i])
             for i, p in enumerate(PROBLEMS)
@@ -197,10 +231,15 @@ def main() -> int:
         help="sampler and trainer share the engine thread (default: the sampler steps on a "
         "thread of its own, so sampling overlaps training)",
     )
+    ap.add_argument(
+        "--server-process",
+        action="store_true",
+        help="run the server as a `treadle serve` process of its own (default: embedded in "
+        "this process, sharing its GIL with the loops)",
+    )
     ap.add_argument("--variants", nargs="+", default=None)
     args = ap.parse_args()
     args.buffer_groups = args.buffer_groups or args.groups_per_step + 1
-    force_lengths()
     inflight_ok = "inflight" in inspect.signature(treadle.TrainingClient.sync_weights).parameters
 
     data = Path(tempfile.mkdtemp(prefix="treadle-async-bench-"))
@@ -228,17 +267,15 @@ def main() -> int:
     results: dict[str, list[tuple[float, float]]] = {}
     t_all = time.perf_counter()
     with (
-        EmbeddedServer(config) as server,
-        treadle.ServiceClient(server.address, api_key=server.api_key) as service,
+        serve(config, args.server_process) as (address, api_key),
+        treadle.ServiceClient(address, api_key=api_key) as service,
     ):
         task = Task(service.get_tokenizer("demo"))
         for seed in args.seeds:
             # one warm-up per seed, every variant starts from its saved state
             trainer = service.create_training_client("demo", seed=seed)
             t0 = time.perf_counter()
-            FORCE.clear()
             warm_up(trainer, task.tok, Plan(), random.Random(seed), _NoBar())
-            FORCE.set()
             start = trainer.save_state(f"warm-{seed}").result(300).path
             before = task.evaluate(trainer.sync_weights())
             print(
