@@ -65,34 +65,10 @@ class SamplingClient:
         num_samples: int = 1,
         sampling_params: SamplingParams | None = None,
     ) -> APIFuture[SampleResponse]:
-        if not isinstance(prompt, ModelInput):
-            prompt = ModelInput.from_ints(prompt)
-        params = sampling_params or SamplingParams()
-        if num_samples < 1:
-            raise InvalidArgumentError("num_samples: must be at least 1")
+        request = self._sample_request(prompt, num_samples, sampling_params)
         with self._lock:
-            seq_id = next(self._seq)
-        request = sampling_pb2.SampleRequest(
-            seq_id=seq_id, num_samples=num_samples, params=_convert.sampling_params_to_wire(params)
-        )
-        _convert.prompt_to_wire(prompt, request.prompt)
-        out: Future[SampleResponse] = Future()
-
-        def send(info: Future[sampling_pb2.SamplerInfo]) -> None:
-            if out.done():
-                return
-            exc = info.exception()
-            if exc is not None:
-                out.set_exception(exc)
-                return
-            request.sampler_id = info.result().sampler_id
-            inner = self._service._caller.call(
-                self._service._sampling.Sample, request, _convert.sample_response_from_wire
-            )
-            _chain(inner, out)
-
-        self._info.add_done_callback(send)
-        return APIFuture(out)
+            request.seq_id = next(self._seq)
+        return self._send(self._service._sampling.Sample, request, retry=True)
 
     async def sample_async(
         self,
@@ -123,6 +99,10 @@ class SamplingClient:
         request = sampling_pb2.ResumeRequest(
             resume_handles=handles, params=_convert.sampling_params_to_wire(params)
         )
+        return self._send(self._service._sampling.Resume, request, retry=False)
+
+    def _send(self, method: Any, request: Any, *, retry: bool) -> APIFuture[SampleResponse]:
+        """Send ``request`` once the sampler exists (with its id); its response."""
         out: Future[SampleResponse] = Future()
 
         def send(info: Future[sampling_pb2.SamplerInfo]) -> None:
@@ -134,10 +114,7 @@ class SamplingClient:
                 return
             request.sampler_id = info.result().sampler_id
             inner = self._service._caller.call(
-                self._service._sampling.Resume,
-                request,
-                _convert.sample_response_from_wire,
-                retry=False,
+                method, request, _convert.sample_response_from_wire, retry=retry
             )
             _chain(inner, out)
 
@@ -157,7 +134,7 @@ class SamplingClient:
         every index arrives once. ``close()`` (or leaving a ``with`` block)
         cancels the samples still generating. Not retried: a stream that fails
         raises its error while iterating."""
-        request = self._stream_request(prompt, num_samples, sampling_params)
+        request = self._sample_request(prompt, num_samples, sampling_params)
         request.sampler_id = self._info.result().sampler_id
         caller = self._service._caller
         call = self._service._sampling.SampleStream(
@@ -174,7 +151,7 @@ class SamplingClient:
         """``sample_stream_sync`` as an async iterator (``async for s in ...``); the
         stream is read on a helper thread, so the event loop never blocks.
         ``aclose()`` (or leaving the loop) cancels the samples still generating."""
-        request = self._stream_request(prompt, num_samples, sampling_params)
+        request = self._sample_request(prompt, num_samples, sampling_params)
         request.sampler_id = (await asyncio.wrap_future(self._info)).sampler_id
         caller = self._service._caller
         call = self._service._sampling.SampleStream(
@@ -209,7 +186,7 @@ class SamplingClient:
         finally:
             call.cancel()
 
-    def _stream_request(
+    def _sample_request(
         self,
         prompt: ModelInput | Sequence[int],
         num_samples: int,
