@@ -57,6 +57,7 @@ from treadle.errors import (
 from treadle.server import convert
 from treadle.server.db import models as db
 from treadle.server.db import workers as wq
+from treadle.server.dispatch import stream_items
 from treadle.server.store import Store, storage_path_str
 from treadle.workers import codec
 from treadle.workers.base_models import BaseModelRegistry
@@ -253,28 +254,11 @@ class CeleryDispatcher:
         call = asyncio.ensure_future(
             self._call(worker_id, "sample_stream", (target, op), None, on_item=items.put_nowait)
         )
-        get: asyncio.Future[StreamedSequence] | None = None
         try:
-            sent = 0
-            while sent < op.num_samples:
-                get = asyncio.ensure_future(items.get())
-                await asyncio.wait({get, call}, return_when=asyncio.FIRST_COMPLETED)
-                if get.done():
-                    sent += 1
-                    yield get.result()
-                    continue
-                get.cancel()
-                call.result()  # raises the stream's error
-                while not items.empty():  # ended: its items came first
-                    sent += 1
-                    yield items.get_nowait()
-                if sent < op.num_samples:
-                    raise UnavailableError(
-                        f"the worker ended the stream after {sent} of {op.num_samples} samples"
-                    )
+            async with contextlib.aclosing(stream_items(items, call, op.num_samples)) as stream:
+                async for item in stream:
+                    yield item
         finally:
-            if get is not None and not get.done():
-                get.cancel()
             if not call.done():
                 call.cancel()
 

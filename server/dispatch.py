@@ -8,11 +8,13 @@ servicers never know where the engine runs.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import contextlib
+from collections.abc import AsyncGenerator, AsyncIterator
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
+from treadle.errors import UnavailableError
 from treadle.server.store import Store, storage_path_str
 from treadle.workers.domain import (
     ModelSpec,
@@ -84,6 +86,35 @@ class Dispatcher(Protocol):
     def close(self) -> None: ...
 
 
+async def stream_items(
+    items: asyncio.Queue[T], done: asyncio.Future[Any], expected: int
+) -> AsyncGenerator[T, None]:
+    """Yield ``expected`` items from ``items`` as they come. ``done`` resolves when
+    the producer has ended, after its last item was put: its error is raised, and
+    a producer that ended short is UNAVAILABLE."""
+    sent = 0
+    get: asyncio.Future[T] | None = None
+    try:
+        while sent < expected:
+            get = asyncio.ensure_future(items.get())
+            waits: set[asyncio.Future[Any]] = {get, done}
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            if get.done():
+                sent += 1
+                yield get.result()
+                continue
+            get.cancel()  # a cancelled get leaves its item in the queue
+            done.result()  # raises the producer's error
+            while not items.empty() and sent < expected:
+                sent += 1
+                yield items.get_nowait()
+            if sent < expected:
+                raise UnavailableError(f"the stream ended after {sent} of {expected} items")
+    finally:
+        if get is not None and not get.done():
+            get.cancel()
+
+
 async def _await(fut: Future[T]) -> T:
     """Await an engine future; cancelling the awaiting task cancels the work
     where the engine can still drop it (queued samples, running samples)."""
@@ -142,24 +173,13 @@ class InProcessDispatcher:
             loop.call_soon_threadsafe(items.put_nowait, item)
 
         fut = self.engine.sample(target, op, on_sequence=on_sequence)
-        done = asyncio.wrap_future(fut)
-        sent = 0
-        get: asyncio.Future[StreamedSequence] | None = None
+        # Items and the result reach the loop in the order the engine sent them.
+        done: asyncio.Future[Any] = asyncio.wrap_future(fut)
         try:
-            while sent < op.num_samples:
-                get = asyncio.ensure_future(items.get())
-                await asyncio.wait({get, done}, return_when=asyncio.FIRST_COMPLETED)
-                if not get.done():
-                    get.cancel()
-                    error = done.exception()
-                    if error is not None:
-                        raise error
-                    continue  # the result is in; its last items are still on the loop
-                sent += 1
-                yield get.result()
+            async with contextlib.aclosing(stream_items(items, done, op.num_samples)) as stream:
+                async for item in stream:
+                    yield item
         finally:
-            if get is not None and not get.done():
-                get.cancel()
             if not fut.done():
                 fut.cancel()  # the engine frees the remaining rows at its next step
 
