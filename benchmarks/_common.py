@@ -74,3 +74,26 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
     for r in cells:
         lines.append("| " + " | ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) + " |")
     return "\n".join(lines)
+
+
+def hf_generate(
+    model: torch.nn.Module, ids: torch.Tensor, new_tokens: int, eos: int, n: int = 1
+) -> None:
+    """The HF baseline every sampler benchmark runs: ``generate`` sampling at
+    temperature 1 (no top-k/top-p), ``n`` sequences per prompt, each exactly
+    ``new_tokens`` long (EOS suppressed)."""
+    with torch.no_grad():
+        out = model.generate(  # type: ignore[operator]
+            ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=True,
+            temperature=1.0,
+            top_k=0,
+            top_p=1.0,
+            num_return_sequences=n,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            suppress_tokens=[eos],
+            pad_token_id=0,
+        )
+    assert out.shape == (ids.shape[0] * n, ids.shape[1] + new_tokens)

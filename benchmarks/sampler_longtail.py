@@ -74,21 +74,7 @@ def run_hf(model: torch.nn.Module, prompts: np.ndarray, lengths: list[int], eos:
     for start in range(0, PROMPTS, per_batch):
         ids = torch.from_numpy(prompts[start : start + per_batch])
         longest = max(lengths[start * G : (start + per_batch) * G])
-        with torch.no_grad():
-            out = model.generate(  # type: ignore[operator]
-                ids,
-                attention_mask=torch.ones_like(ids),
-                do_sample=True,
-                temperature=1.0,
-                top_k=0,
-                top_p=1.0,
-                num_return_sequences=G,
-                max_new_tokens=longest,
-                min_new_tokens=longest,
-                suppress_tokens=[eos],
-                pad_token_id=0,
-            )
-        assert out.shape == (BATCH, ids.shape[1] + longest)
+        _common.hf_generate(model, ids, longest, eos, n=G)
     return time.perf_counter() - t0
 
 

@@ -55,21 +55,8 @@ def run_treadle(
 def run_hf(model: torch.nn.Module, prompts: np.ndarray, new_tokens: int, eos: int) -> float:
     ids = torch.from_numpy(prompts)
     t0 = time.perf_counter()
-    with torch.no_grad():
-        out = model.generate(  # type: ignore[operator]
-            ids,
-            attention_mask=torch.ones_like(ids),
-            do_sample=True,
-            temperature=1.0,
-            top_k=0,
-            top_p=1.0,
-            max_new_tokens=new_tokens,
-            min_new_tokens=new_tokens,
-            suppress_tokens=[eos],
-            pad_token_id=0,
-        )
+    _common.hf_generate(model, ids, new_tokens, eos)
     seconds = time.perf_counter() - t0
-    assert out.shape == (ids.shape[0], ids.shape[1] + new_tokens)
     return seconds
 
 
