@@ -572,26 +572,29 @@ class TorchSampler:
         """Filler rows to add to a decode batch of ``rows`` rows on ``params``: up to
         the slot count when the weights can be prepacked for it, the batch is at
         most 1/8 short of it (filler rows cost every other op of the step, the
-        packed matmuls save ~20-30% of theirs), and the free slots can hold
-        them; else 0."""
+        packed matmuls save ~20-30% of theirs) and is every running row (so the
+        free slots are the filler's); else 0."""
         width = self.cache.num_slots
-        if not self.limits.prepack or rows < width - width // 8 or not prepack.available(params):
+        if not self.limits.prepack or rows < width - width // 8 or rows != len(self.running):
             return 0
-        if width - len(self.running) < width - rows:
-            return 0  # other weight versions hold the slots the filler would need
+        if not prepack.available(params):
+            return 0
+        self._ensure_packed(params, width)
+        return width - rows
+
+    def _ensure_packed(self, params: LlamaParams, width: int) -> None:
+        """``params`` packed for ``width`` rows; the last ``MAX_PACKED`` weights
+        decoded stay packed, older ones are unpacked."""
         key = id(params)
-        known = self._packed.get(key)
-        if known is None or known() is not params or prepack.packed_rows(params) != width:
-            self._packed.pop(key, None)
+        known = self._packed.pop(key, None)
+        if known is None or known() is not params:
             while len(self._packed) >= MAX_PACKED:
                 oldest = self._packed.popitem(last=False)[1]()
                 if oldest is not None:
                     prepack.unpack(oldest)
-            if prepack.packed_rows(params) != width:
-                prepack.prepack(params, width)
-            self._packed[key] = weakref.ref(params)
-        self._packed.move_to_end(key)
-        return width - rows
+        if prepack.packed_rows(params) != width:
+            prepack.prepack(params, width)
+        self._packed[key] = weakref.ref(params)  # the newest
 
     # ---- choosing tokens -----------------------------------------------------------------
 
