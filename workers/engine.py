@@ -114,7 +114,6 @@ class Engine:
         self._thread = threading.Thread(target=self._run, name="treadle-engine", daemon=True)
         self._status: dict[str, ModelStatus] = {}
         self._status_lock = threading.Lock()
-        self.busy_s = 0.0
         self._sample_calls: OrderedDict[tuple[str, int], tuple[str, Future[SampleResult]]] = (
             OrderedDict()
         )
@@ -299,9 +298,7 @@ class Engine:
                 )
             self._execute_units(out.units)
             if not self.sampler_loop.threaded:
-                t0 = time.perf_counter()
                 self._step_samplers()
-                self.busy_s += time.perf_counter() - t0
         self._shutdown()
 
     def _step_samplers(self) -> None:
@@ -449,8 +446,7 @@ class Engine:
     def _threads_for(self, tokens: int, model: TrainingModel) -> Iterator[None]:
         """One torch thread for a call too small to gain from more (``one_thread_below``)."""
         current = torch.get_num_threads()
-        small = tokens * model.cfg.num_params() < self.config.one_thread_below
-        if current <= 1 or not small or tokens == 0:
+        if current <= 1 or not 0 < tokens * model.cfg.num_params() < self.config.one_thread_below:
             yield
             return
         torch.set_num_threads(1)
@@ -472,7 +468,6 @@ class Engine:
             log.error("engine: %s failed: %s\n%s", call.kind, err, traceback.format_exc())
             outcome = InternalError(f"{call.kind} failed: {type(err).__name__}: {err}")
         spent = time.perf_counter() - t0
-        self.busy_s += spent
         self._resolve(call, _with_compute(outcome, spent), record=True)
 
     def _execute_units(self, units: Sequence[WorkUnit]) -> None:
@@ -504,8 +499,7 @@ class Engine:
             with self._threads_for(tokens, members[0][1]):
                 run_batch(batch, lambda op: _check_size(op.data, self.config.max_tokens_per_call))
             spent = time.perf_counter() - t0
-            self.busy_s += spent
-            total = sum(call.cost for call, _ in members) or len(members)
+            total = tokens or len(members)
             for (call, _), item in zip(members, batch, strict=True):
                 share = spent * (call.cost or 1) / total  # the pass's time, by tokens
                 self._resolve(call, _with_compute(item.outcome, share), record=True)

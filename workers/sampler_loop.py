@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections import deque
 from collections.abc import Callable
 
@@ -48,7 +47,6 @@ class SamplerLoop:
         self._posted: deque[Callable[[], None]] = deque()
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="treadle-sampler", daemon=True)
-        self.busy_s = 0.0  # seconds the sampler thread spent stepping
 
     @property
     def running(self) -> bool:
@@ -93,9 +91,7 @@ class SamplerLoop:
                     log.exception("sampler loop: posted work failed")
             if stopping:
                 return
-            t0 = time.perf_counter()
             try:
                 self._step_all()
             except Exception:  # step_all handles a sampler's own failure; this is a bug
                 log.exception("sampler loop: a step failed")
-            self.busy_s += time.perf_counter() - t0
