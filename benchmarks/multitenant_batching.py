@@ -15,9 +15,12 @@ Two sizes: small calls (1 sequence x 32 tokens), where per-call overhead
 dominates and batching should pay >= 2x; medium calls (4 x 64 tokens), where
 on 2 CPU cores the matmuls already fill the machine and batching must simply
 not be slower (>= 1.0x). On a GPU the medium case is where batching pays.
+One after another is also run with every call on all threads
+(``one_thread_below=0``), the engine's behaviour before small calls ran on one
+thread, so that change is measured against its baseline in the same run.
 
 usage: .venv/bin/python benchmarks/multitenant_batching.py [--rounds 2] [--model-dir DIR]
-Thread budget: 2 (fixed). Runs in about 1 minute on 2 cores.
+Thread budget: 2 (fixed). Runs in about 1.5 minutes on 2 cores.
 """
 
 from __future__ import annotations
@@ -63,11 +66,17 @@ def make_calls(rounds: int, seqs: int, tokens: int, vocab: int) -> list[list[For
     ]
 
 
-def run(path: str, batched: bool, calls: list[list[ForwardBackwardOp]]) -> tuple[float, Any]:
+def run(
+    path: str, batched: bool, calls: list[list[ForwardBackwardOp]], one_thread_below: float = 4e9
+) -> tuple[float, Any]:
     """Wall seconds for all rounds, plus every result and final gradient (to compare)."""
-    engine = Engine(
-        EngineConfig({"m": path}, threads=_common.THREADS, batch_across_models=batched)
-    ).start()
+    config = EngineConfig(
+        {"m": path},
+        threads=_common.THREADS,
+        batch_across_models=batched,
+        one_thread_below=one_thread_below,
+    )
+    engine = Engine(config).start()
     try:
         ids = [f"model-{t}" for t in range(TENANTS)]
         for t, mid in enumerate(ids):
@@ -126,10 +135,13 @@ def main() -> None:
     for name, seqs, tokens, n_calls in cases:
         calls = make_calls(n_calls, seqs, tokens, cfg.vocab_size)
         total = n_calls * TENANTS * seqs * tokens
-        seq_runs, bat_runs, lp_diff, grad_diff = [], [], 0.0, 0.0
+        seq_runs, bat_runs, all_runs, lp_diff, grad_diff = [], [], [], 0.0, 0.0
         for _ in range(args.rounds):
+            # the engine's default, and (for the record) every call on all threads
+            a_time, _ = run(path, False, calls, one_thread_below=0)
             s_time, s_out = run(path, False, calls)
             b_time, b_out = run(path, True, calls)
+            all_runs.append(total / a_time)
             seq_runs.append(total / s_time)
             bat_runs.append(total / b_time)
             lp, grad = max_diff(s_out, b_out)
@@ -139,6 +151,7 @@ def main() -> None:
         rows.append(
             [
                 f"{name} ({seqs} x {tokens} tokens)",
+                max(all_runs),
                 seq_best,
                 bat_best,
                 bat_best / seq_best,
@@ -157,6 +170,7 @@ def main() -> None:
         _common.table(
             [
                 "calls",
+                "one after another, all threads tok/s",
                 "one after another tok/s",
                 "batched tok/s",
                 "speedup",
