@@ -33,6 +33,7 @@ class ServerConfig:
     threads: int = 0  # torch threads of the engine; 0 = torch's default
     sampler_thread: bool = False  # the sampler steps on its own thread (overlaps training)
     sampler_threads: int = 0  # torch threads of that thread; 0 = threads
+    training_threads: str = "measure"  # forward passes: "measure" | "all" | "one"
     gap_timeout_s: float = 60.0
     keep_versions: int = 4
     auto_checkpoint_steps: int = 0  # 0 = off; else checkpoint every N optimizer steps

@@ -64,6 +64,7 @@ from treadle.workers.domain import (
 from treadle.workers.sampler import SamplerLimits, SamplerStats, TorchSampler
 from treadle.workers.sampler_loop import SamplerLoop
 from treadle.workers.scheduler import Admission, OrderedCall, Scheduler, WorkUnit
+from treadle.workers.thread_choice import ThreadChoice
 from treadle.workers.trainer import TrainingModel
 from treadle.workers.versions import VersionStore, WeightSnapshot
 
@@ -91,10 +92,10 @@ class EngineConfig:
     #: run the forward calls of LoRA models on one base as one batched pass
     batch_across_models: bool = True
     max_tokens_per_call: int = 262_144
-    #: a forward_backward / forward_logprobs (or a batched pass) whose work, tokens x
-    #: parameters, is below this runs on one torch thread: on a small call, waking a
-    #: second thread for every op costs more than it gives (docs/engine.md); 0 = never
-    one_thread_below: float = 4e9
+    #: torch threads of a forward_backward / forward_logprobs (or a batched pass):
+    #: "measure" (one or all, whichever this machine runs faster for calls of that
+    #: kind and size; ``workers.thread_choice``), "all" or "one"
+    training_threads: str = "measure"
     #: save the state every N optimizer steps (0 = off) under auto_checkpoint_root/<tenant>/<model>/auto
     auto_checkpoint_steps: int = 0
     auto_checkpoint_root: str | Path | None = None
@@ -107,6 +108,7 @@ class Engine:
         self.bases = BaseModelRegistry(config.base_models)
         self.scheduler = Scheduler(gap_timeout_s=config.gap_timeout_s)
         self.versions = VersionStore(config.keep_versions)
+        self.threads = ThreadChoice(config.training_threads)
         self.models: dict[str, TrainingModel] = {}
         self.samplers: dict[tuple[str, torch.dtype], TorchSampler] = {}
         self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
@@ -443,24 +445,28 @@ class Engine:
             fut.set_exception(FailedPreconditionError(outcome.message))
 
     @contextlib.contextmanager
-    def _threads_for(self, tokens: int, model: TrainingModel) -> Iterator[None]:
-        """One torch thread for a call too small to gain from more (``one_thread_below``)."""
-        current = torch.get_num_threads()
-        if current <= 1 or not 0 < tokens * model.cfg.num_params() < self.config.one_thread_below:
-            yield
-            return
-        torch.set_num_threads(1)
+    def _threads_for(self, kind: str, tokens: int, model: TrainingModel) -> Iterator[None]:
+        """Run a training pass on the thread count ``self.threads`` picks for its kind
+        and size, and report its time (only when it ends without raising)."""
+        available = torch.get_num_threads()
+        work = float(tokens * model.cfg.num_params())
+        threads = self.threads.threads(kind, work, available)
+        if threads != available:
+            torch.set_num_threads(threads)
+        t0 = time.perf_counter()
         try:
             yield
+            self.threads.record(kind, work, available, threads, time.perf_counter() - t0)
         finally:
-            torch.set_num_threads(current)
+            if threads != available:
+                torch.set_num_threads(available)
 
     def _execute(self, call: OrderedCall) -> None:
         model = self.models[call.model_id]
         t0 = time.perf_counter()
         outcome: Any
         try:
-            with self._threads_for(call.cost, model):
+            with self._threads_for(call.kind, call.cost, model):
                 outcome = self._apply(model, call.seq_id, call.payload)
         except TreadleError as err:
             outcome = err
@@ -496,7 +502,7 @@ class Engine:
             t0 = time.perf_counter()
             batch = [BatchCall(model, call.payload) for call, model in members]
             tokens = sum(call.cost for call, _ in members)
-            with self._threads_for(tokens, members[0][1]):
+            with self._threads_for("batch", tokens, members[0][1]):
                 run_batch(batch, lambda op: _check_size(op.data, self.config.max_tokens_per_call))
             spent = time.perf_counter() - t0
             total = tokens or len(members)

@@ -17,11 +17,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from treadle.errors import InvalidArgumentError
+from treadle.workers.thread_choice import POLICIES
 
 if TYPE_CHECKING:
     from treadle.workers.engine import EngineConfig
 
 DTYPES = ("float32", "float64", "bfloat16")
+TRAINING_THREADS = POLICIES  # how training passes pick their torch threads
 
 #: the fields both configs carry (the same names as ``EngineConfig``'s)
 ENGINE_FIELDS = (
@@ -29,6 +31,7 @@ ENGINE_FIELDS = (
     "threads",
     "sampler_thread",
     "sampler_threads",
+    "training_threads",
     "gap_timeout_s",
     "keep_versions",
     "sampler_slots",
@@ -51,6 +54,13 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--sampler-threads", type=int, default=int(env("TREADLE_SAMPLER_THREADS", "0"))
+    )
+    parser.add_argument(
+        "--training-threads",
+        default=env("TREADLE_TRAINING_THREADS", "measure"),
+        choices=TRAINING_THREADS,
+        help="torch threads of forward_backward / forward_logprobs: 'measure' (one or all "
+        "--threads, whichever runs faster for calls of that kind and size), 'all' or 'one'",
     )
     parser.add_argument(
         "--gap-timeout",
@@ -77,6 +87,7 @@ def engine_settings(args: argparse.Namespace) -> dict[str, Any]:
         "threads": args.threads,
         "sampler_thread": args.sampler_thread,
         "sampler_threads": args.sampler_threads,
+        "training_threads": args.training_threads,
         "gap_timeout_s": args.gap_timeout,
         "keep_versions": args.keep_versions,
         "auto_checkpoint_steps": args.auto_checkpoint_steps,
@@ -89,6 +100,10 @@ def check_engine_settings(config: Any) -> None:
     """INVALID_ARGUMENT naming the first engine field of ``config`` out of range."""
     if config.default_dtype not in DTYPES:
         raise InvalidArgumentError(f"dtype: {config.default_dtype!r}; choose from {DTYPES}")
+    if config.training_threads not in TRAINING_THREADS:
+        raise InvalidArgumentError(
+            f"training_threads: {config.training_threads!r}; choose from {TRAINING_THREADS}"
+        )
     for name, ok in (
         ("threads", config.threads >= 0),
         ("sampler_threads", config.sampler_threads >= 0),

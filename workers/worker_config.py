@@ -27,6 +27,7 @@ class WorkerConfig:
     threads: int = 0  # torch threads of the engine; 0 = torch's default
     sampler_thread: bool = False  # the sampler steps on its own thread (overlaps training)
     sampler_threads: int = 0  # torch threads of that thread; 0 = threads
+    training_threads: str = "measure"  # forward passes: "measure" | "all" | "one"
     default_dtype: str = "float32"
     gap_timeout_s: float = 60.0
     keep_versions: int = 4

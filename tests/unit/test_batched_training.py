@@ -321,9 +321,13 @@ def test_a_call_that_fails_in_its_backward_keeps_the_earlier_gradients(
     assert all(torch.allclose(v.grad, 2 * before[0][k]) for k, v in m0.trainable.items())
 
 
-def test_small_calls_run_on_one_thread(base: BaseModel, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Below ``one_thread_below`` (tokens x parameters) a call runs on one torch
-    thread; above it, on the engine's ``threads``; the thread count is restored."""
+def test_training_threads_are_chosen_per_call_and_restored(
+    base: BaseModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With ``training_threads="measure"`` the engine tries a call size on one
+    thread, then on all, and so on (``workers.thread_choice``); ``"one"`` always
+    takes one. The engine's thread count is restored after each call, and only
+    calls that succeeded are timed."""
     seen: list[int] = []
     real = trainer.forward_logprobs
 
@@ -333,26 +337,28 @@ def test_small_calls_run_on_one_thread(base: BaseModel, monkeypatch: pytest.Monk
 
     monkeypatch.setattr(trainer, "forward_logprobs", spy)
     rng = np.random.default_rng(2)
-    small = ForwardLogprobsOp((_datum(rng, 8),))
-    params = base.cfg.num_params()
-    engine = Engine(
-        EngineConfig(base_models={"tiny": base.path}, threads=2, one_thread_below=20 * params)
-    )
-    engine.models["m0"] = _model(base, 0)
-    engine.scheduler.add_model("m0", "t0", 1)
+    op = ForwardLogprobsOp((_datum(rng, 8),))
+    bad = ForwardLogprobsOp((_datum(rng, 8),), temperature=-1.0)  # fails validation
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        futures = [
-            engine.submit("m0", 1, small, "a"),  # 8 tokens: small
-            engine.submit("m0", 2, ForwardLogprobsOp((_datum(rng, 40),)), "b"),  # 40: not
-        ]
-        engine._drain_inbox()
-        for _ in range(2):
-            engine._execute_units(engine.scheduler.schedule(0.0).units)
-        for fut in futures:
-            fut.result(0)
-        assert seen == [1, 2]
-        assert torch.get_num_threads() == 2
+        for policy, expected in [("measure", [1, 2, 1, 2]), ("one", [1, 1, 1, 1])]:
+            seen.clear()
+            engine = Engine(
+                EngineConfig(base_models={"tiny": base.path}, threads=2, training_threads=policy)
+            )
+            engine.models["m0"] = _model(base, 0)
+            engine.scheduler.add_model("m0", "t0", 1)
+            futures = [engine.submit("m0", 1, bad, "bad")]
+            futures += [engine.submit("m0", i, op, str(i)) for i in range(2, 6)]
+            engine._drain_inbox()
+            while engine.scheduler.has_ready_work():
+                engine._execute_units(engine.scheduler.schedule(0.0).units)
+            with pytest.raises(InvalidArgumentError):
+                futures[0].result(0)
+            for fut in futures[1:]:
+                fut.result(0)
+            assert seen[1:] == expected  # seen[0]: the bad call, never timed
+            assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
