@@ -122,6 +122,7 @@ class TorchSampler:
         self.reserved = 0  # main slots promised to prefilling requests
         self.partials: OrderedDict[str, Partial] = OrderedDict()  # resume handle -> rollout
         self._packed: OrderedDict[int, weakref.ref[LlamaParams]] = OrderedDict()  # prepacked
+        self._pack_method: str | None = None  # prepack.method_for the decode width
         tok_path = base.path / "tokenizer.json"
         self.tokenizer = Tokenizer.from_file(str(tok_path)) if tok_path.exists() else None
         self.eos_ids = frozenset(self.cfg.eos_token_ids)
@@ -569,15 +570,22 @@ class TorchSampler:
         self._compact()
 
     def _pad_rows(self, params: LlamaParams, rows: int) -> int:
-        """Filler rows to add to a decode batch of ``rows`` rows on ``params``: up to
-        the slot count when the weights can be prepacked for it, the batch is at
-        most 1/8 short of it (filler rows cost every other op of the step, the
-        packed matmuls save ~20-30% of theirs) and is every running row (so the
-        free slots are the filler's); else 0."""
+        """Prepack ``params`` for a decode batch of ``rows`` rows when it pays, and
+        return the filler rows to add (``workers.model.prepack``). oneDNN's packed
+        weights serve any batch up to the slot count: no filler. MKL's serve only
+        the slot count: filler up to it when the batch is at most 1/8 short
+        (filler rows cost every other op of the step, the packed matmuls save
+        ~20-30% of theirs) and is every running row (so the free slots are the
+        filler's); else the plain product, no filler."""
         width = self.cache.num_slots
-        if not self.limits.prepack or rows < width - width // 8 or rows != len(self.running):
+        if not self.limits.prepack or not prepack.available(params):
             return 0
-        if not prepack.available(params):
+        if self._pack_method is None:  # one base model: the same shapes every time
+            self._pack_method = prepack.method_for(params, width)
+        if self._pack_method == "onednn":
+            self._ensure_packed(params, width)
+            return 0
+        if rows < width - width // 8 or rows != len(self.running):
             return 0
         self._ensure_packed(params, width)
         return width - rows

@@ -19,9 +19,8 @@ from treadle.workers.model import prepack
 from treadle.workers.sampler import SamplerLimits, TorchSampler
 from treadle.workers.versions import WeightSnapshot
 
-pytestmark = pytest.mark.skipif(
-    not torch.backends.mkl.is_available(), reason="this torch has no MKL"
-)
+METHODS = prepack.methods()
+pytestmark = pytest.mark.skipif(not METHODS, reason="this torch has neither MKL nor oneDNN")
 
 
 @pytest.fixture(scope="module")
@@ -30,13 +29,14 @@ def base(tiny_model_dir: Path) -> BaseModel:
 
 
 def _entry(w: torch.Tensor) -> object:
-    return getattr(w, "_treadle_mkl_packed", None)
+    return getattr(w, "_treadle_packed", None)
 
 
-def test_packed_linear_matches_and_falls_back(base: BaseModel) -> None:
+@pytest.mark.parametrize("method", METHODS)
+def test_packed_linear_matches_and_falls_back(base: BaseModel, method: str) -> None:
     params = base.params.clone()
     assert prepack.available(params)
-    prepack.prepack(params, 8)
+    assert prepack.prepack(params, 8, method) == method
     assert prepack.packed_rows(params) == 8
     w = params.layers[0].gate_proj
     x = torch.randn(8, 1, w.shape[1])
@@ -44,8 +44,26 @@ def test_packed_linear_matches_and_falls_back(base: BaseModel) -> None:
         packed = prepack.linear(x, w)
         assert packed.shape == (8, 1, w.shape[0])
         torch.testing.assert_close(packed, F.linear(x, w), rtol=1e-5, atol=1e-5)
-        other = torch.randn(3, w.shape[1])  # another row count: the plain product
-        torch.testing.assert_close(prepack.linear(other, w), F.linear(other, w), rtol=0, atol=0)
+        b = torch.randn(w.shape[0])
+        torch.testing.assert_close(prepack.linear(x, w, b), F.linear(x, w, b))
+        # fewer rows: oneDNN's copy serves them, MKL's falls back to the plain product
+        fewer = torch.randn(3, w.shape[1])
+        more = torch.randn(9, w.shape[1])  # more rows (a prefill): the plain product
+        packed_calls: list[int] = []
+        real = prepack._packed_product
+
+        def spy(*args: object) -> torch.Tensor:
+            packed_calls.append(1)
+            return real(*args)  # type: ignore[arg-type]
+
+        prepack._packed_product = spy  # type: ignore[assignment]
+        try:
+            torch.testing.assert_close(prepack.linear(fewer, w), F.linear(fewer, w))
+            assert len(packed_calls) == (method == "onednn")
+            torch.testing.assert_close(prepack.linear(more, w), F.linear(more, w), rtol=0, atol=0)
+            assert len(packed_calls) == (method == "onednn")
+        finally:
+            prepack._packed_product = real  # type: ignore[assignment]
     # recording gradients: the plain op, so gradients flow
     xg = x.clone().requires_grad_(True)
     prepack.linear(xg, w).sum().backward()
@@ -76,11 +94,34 @@ def _sample(base: BaseModel, snap: WeightSnapshot, *, on: bool) -> list[SampleRe
     return [f.result() for f in futures]
 
 
-def test_sampler_with_prepacked_weights_samples_the_same(base: BaseModel) -> None:
+@pytest.mark.parametrize("method", METHODS)
+def test_sampler_with_prepacked_weights_samples_the_same(
+    base: BaseModel, method: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(prepack, "method_for", lambda params, rows: method)
     snap = WeightSnapshot(None, 0, base.params.clone(), None)
     plain = _sample(base, snap, on=False)
     packed = _sample(base, snap, on=True)
+    assert {_entry(snap.params.lm_head_weight)[2]} == {method}  # type: ignore[index]
     for a, b in zip(plain, packed, strict=True):
         for x, y in zip(a.sequences, b.sequences, strict=True):
             np.testing.assert_array_equal(x.tokens, y.tokens)
             np.testing.assert_allclose(x.logprobs, y.logprobs, atol=1e-5)
+
+
+def test_the_method_is_measured_once_per_shapes_and_rows(
+    base: BaseModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    timed: list[str] = []
+    real = prepack._time_method
+
+    def spy(method: str, weights: list[torch.Tensor], rows: int, repeat: int = 3) -> float:
+        timed.append(method)
+        return real(method, weights, rows, repeat)
+
+    monkeypatch.setattr(prepack, "_time_method", spy)
+    monkeypatch.setattr(prepack, "_chosen", {})
+    first = prepack.method_for(base.params, 5)
+    assert first in METHODS
+    assert prepack.method_for(base.params.clone(), 5) == first  # same shapes: remembered
+    assert timed == (METHODS if len(METHODS) > 1 else [])
