@@ -377,6 +377,7 @@ def async_loop(
     max_staleness: int,
     sync_every: int = 1,
     inflight: bool = False,
+    on_stale: str = "drop",
     sampling_params: SamplingParams | None = None,
     train_step: TrainStep | None = None,
     timeout: float = 300.0,
@@ -394,8 +395,19 @@ def async_loop(
     ``inflight=True`` syncs with ``sync_weights(inflight=True)`` (PipelineRL):
     sequences still generating continue under the new weights, so a long
     answer's later tokens are fresh (its staleness is still its oldest token's).
+
+    ``on_stale="wait"`` keeps the bound without dropping: before a step, the
+    trainer waits for every group still generating that this step would make
+    staler than ``max_staleness`` (counted from the version it was sent
+    under, which its first token cannot predate) and trains on it in this
+    step, oldest first, up to ``groups_per_step``. A long answer then costs
+    the trainer a wait instead of costing the sampler all the tokens it
+    generated; with a long tail that is most of them. The default, "drop",
+    never waits.
     """
     _check_common(groups_per_step, group_size, steps, timeout)
+    if on_stale not in ("drop", "wait"):
+        raise InvalidArgumentError(f"on_stale: 'drop' or 'wait', got {on_stale!r}")
     if isinstance(max_staleness, bool) or not isinstance(max_staleness, int) or max_staleness < 0:
         raise InvalidArgumentError(f"max_staleness: must be an integer >= 0, got {max_staleness!r}")
     if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
@@ -413,9 +425,14 @@ def async_loop(
     finished: queue.Queue[tuple[Prompt, APIFuture]] = queue.Queue()
     stop = threading.Event()
     in_flight: set[APIFuture] = set()
+    #: sent and not yet taken by the trainer (in flight or finished): -> version when sent
+    untaken: dict[APIFuture, tuple[Prompt, int]] = {}
+    taken_early: set[APIFuture] = set()  # taken out of order ("wait"): skip when queued
     lock = threading.Lock()
     sampler_wait = [0.0]  # producer time blocked on back-pressure, since the last step
     errors: list[BaseException] = []
+    version = trainer.get_info().version
+    synced = [version]  # the weights a request sent now samples with, at least
 
     def produce() -> None:
         try:
@@ -428,9 +445,12 @@ def async_loop(
                 with lock:
                     sampler_wait[0] += time.perf_counter() - t
                 prompt = next(source)
+                with lock:
+                    sent_at = synced[0]
                 fut = _submit(sampler, prompt, group_size, sampling_params)
                 with lock:
                     in_flight.add(fut)
+                    untaken[fut] = (prompt, sent_at)
 
                 def done(f: APIFuture, prompt: Prompt = prompt) -> None:
                     with lock:
@@ -443,12 +463,36 @@ def async_loop(
 
     producer = threading.Thread(target=produce, name="treadle-rollouts", daemon=True)
     producer.start()
-    version = trainer.get_info().version
     dropped = 0
+    advance = 1  # optimizer steps a train step takes (minibatches), as last seen
+
+    def take(prompt: Prompt, fut: APIFuture, groups: list[Group]) -> None:
+        nonlocal dropped
+        with lock:
+            untaken.pop(fut, None)
+        slots.release()  # taken from the buffer: the producer may send another
+        group = _group(prompt, fut, reward_fn, timeout)
+        if max(rollout_staleness(r, version) for r in group.rollouts) > max_staleness:
+            dropped += len(group.rollouts)
+        else:
+            groups.append(group)
+
     try:
         for step in range(1, steps + 1):
             t0 = time.perf_counter()
             groups: list[Group] = []
+            if on_stale == "wait":
+                # groups (in flight or finished) this step would push past
+                # max_staleness: take them now, waiting for those still generating
+                with lock:
+                    at_risk = sorted(
+                        (sent, id(f), f, p)
+                        for f, (p, sent) in untaken.items()
+                        if version + advance - sent > max_staleness
+                    )[:groups_per_step]
+                for _, _, fut, prompt in at_risk:
+                    taken_early.add(fut)
+                    take(prompt, fut, groups)
             while len(groups) < groups_per_step:
                 try:
                     prompt, fut = finished.get(timeout=timeout)
@@ -457,18 +501,19 @@ def async_loop(
                         f"no rollout finished within {timeout} s"
                         + (f" (the producer failed: {errors[0]!r})" if errors else "")
                     ) from None
-                slots.release()  # taken from the buffer: the producer may send another
-                group = _group(prompt, fut, reward_fn, timeout)
-                if max(rollout_staleness(r, version) for r in group.rollouts) > max_staleness:
-                    dropped += len(group.rollouts)
-                else:
-                    groups.append(group)
+                if fut in taken_early:
+                    taken_early.discard(fut)
+                    continue
+                take(prompt, fut, groups)
             wait_data = time.perf_counter() - t0
             occupancy = _occupancy(trainer)  # while this step trains
             metrics = train_step(trainer, groups)
             new_version = _version(trainer, metrics)
+            advance = max(1, new_version - version)
             if step % sync_every == 0:
                 _sync(trainer, timeout, inflight)
+                with lock:
+                    synced[0] = new_version
             with lock:
                 s_wait, sampler_wait[0] = sampler_wait[0], 0.0
             yield _stats(

@@ -11,11 +11,13 @@ import inspect
 import itertools
 import threading
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from typing import Any
 
 import pytest
 
 import treadle
+from treadle.futures import APIFuture
 from treadle.rl import (
     Group,
     Prompt,
@@ -185,6 +187,8 @@ def test_bad_input(service: treadle.ServiceClient, trainer: treadle.TrainingClie
         next(async_loop(trainer, sampler, prompts(), reward, max_staleness=-1, **kw))
     with pytest.raises(treadle.InvalidArgumentError, match="sync_every"):
         next(async_loop(trainer, sampler, prompts(), reward, max_staleness=1, sync_every=0, **kw))
+    with pytest.raises(treadle.InvalidArgumentError, match="on_stale"):
+        next(async_loop(trainer, sampler, prompts(), reward, max_staleness=1, on_stale="x", **kw))
     with pytest.raises(treadle.InvalidArgumentError, match="buffer_groups"):
         kw0 = {**kw, "buffer_groups": 0}
         next(async_loop(trainer, sampler, prompts(), reward, max_staleness=1, **kw0))
@@ -233,3 +237,72 @@ def test_async_loop_with_inflight_updates(
         )
     )  # fmt: skip
     assert [s.step for s in stats] == [1, 2, 3]
+
+
+@pytest.mark.parametrize("on_stale", ["drop", "wait"])
+def test_async_loop_waits_for_a_slow_group_instead_of_dropping_it(
+    service: treadle.ServiceClient,
+    trainer: treadle.TrainingClient,
+    monkeypatch: pytest.MonkeyPatch,
+    on_stale: str,
+) -> None:
+    """The first group is held back (a long answer) while the trainer steps on,
+    one optimizer step a train step, max_staleness 2 (the buffer holds it and one
+    more group, so it is the only one that can go stale). "drop" trains without
+    it and drops it once it comes back too stale; "wait" stops before the step
+    that would make it too stale (the third), waits for it and trains on it."""
+    release = threading.Event()
+    held: list[Prompt] = []
+    asked_after_steps: list[int] = []  # train steps done when the loop asked for it
+    trained: list[list[Prompt]] = []
+    real_submit = loops_mod._submit
+
+    class Held(APIFuture[Any]):
+        def result(self, timeout: float | None = None) -> Any:
+            asked_after_steps.append(len(trained))
+            release.set()  # the loop waits for it: let it finish
+            return super().result(timeout)
+
+    def submit(sampler: Any, prompt: Prompt, group_size: int, params: Any) -> APIFuture:
+        fut = real_submit(sampler, prompt, group_size, params)
+        if held:
+            return fut
+        held.append(prompt)
+        slow: Future[Any] = Future()
+
+        def finish_when_released() -> None:
+            release.wait(30)
+            slow.set_result(fut.result(30))
+
+        threading.Thread(target=finish_when_released, daemon=True).start()
+        return Held(slow)
+
+    monkeypatch.setattr(loops_mod, "_submit", submit)
+
+    def train_step(tr: treadle.TrainingClient, groups: list[Group]) -> dict[str, float]:
+        trained.append([g.prompt for g in groups])
+        if len(trained) == 4:
+            release.set()  # "drop": the held group comes back after step 4, 4 versions old
+        step = tr.optim_step(treadle.AdamParams(learning_rate=1e-9)).result(30).step
+        return {"version": float(step)}
+
+    stats = run_with_deadline(
+        lambda: list(
+            async_loop(
+                trainer, latest(service, trainer), prompts(), reward, steps=7,
+                groups_per_step=1, group_size=2, buffer_groups=2, max_staleness=2,
+                on_stale=on_stale, sampling_params=PARAMS, train_step=train_step,
+                timeout=30.0,
+            )
+        )
+    )  # fmt: skip
+    steps_with_it = [i + 1 for i, ps in enumerate(trained) if held[0] in ps]
+    if on_stale == "wait":
+        assert steps_with_it == [3]
+        assert asked_after_steps == [2]  # waited for before step 3, not found finished
+        assert sum(s.dropped_stale for s in stats) == 0
+        assert all(max(s.staleness) <= 2 for s in stats)
+    else:
+        assert steps_with_it == []
+        assert asked_after_steps and asked_after_steps[0] >= 4  # taken after it finished
+        assert sum(s.dropped_stale for s in stats) == 2  # its two rollouts
