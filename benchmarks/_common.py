@@ -11,11 +11,12 @@ from pathlib import Path
 
 THREADS = 2  # every benchmark runs on the same fixed budget (CI's 2-core runner)
 os.environ.setdefault("OMP_NUM_THREADS", str(THREADS))
-# Waiting OpenMP threads sleep instead of spinning. On a shared 2-core machine a
-# spinning thread steals the core its partner needs and a parallel region can
-# take 5-10x longer; both sides of every comparison run in this one process,
-# under the same policy.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# OpenMP's wait policy is left as `treadle serve` leaves it (the runtime's
+# default). Set OMP_WAIT_POLICY=PASSIVE from outside to make waiting threads
+# sleep (it helped a heavily shared machine, and made two-thread small calls
+# 3x slower on a quiet one); both sides of every comparison run in this one
+# process, under the same policy.
+OMP_WAIT_POLICY = os.environ.get("OMP_WAIT_POLICY", "default")
 
 import torch  # noqa: E402
 
