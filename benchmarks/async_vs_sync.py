@@ -20,7 +20,10 @@ trainer, one for the sampler on a thread of its own, ``EngineConfig.sampler_thre
 * rung 3 ``async_loop`` with ``max_staleness`` 2 and 4 (``buffer_groups``
   requests kept in flight on a ``latest`` sampler);
 * rung 3 with in-flight updates, when ``TrainingClient.sync_weights`` takes
-  ``inflight``.
+  ``inflight``;
+* rung 3 with ``on_stale="wait"`` (the trainer waits for a group the next step
+  would make too stale instead of dropping it): ``max_staleness`` 4 alone, and
+  2 and 4 with in-flight updates.
 
 The train step trains on the scored prefix of each answer (the forced tail
 stands for reasoning the reward does not read; ``--train-full`` trains on
@@ -294,13 +297,15 @@ def main() -> int:
                     train_step=train_step,
                 )
 
-            def rung3(ms: int, inflight: bool = False) -> Callable:
+            def rung3(ms: int, inflight: bool = False, wait: bool = False) -> Callable:
                 def run(model: treadle.TrainingClient) -> Iterator[rl.StepStats]:
                     model.sync_weights().sampler_id  # noqa: B018 - a version for `latest`
                     latest = service.create_sampling_client(
                         weights=f"treadle://{model.model_id}/latest"
                     )
-                    kw = {"inflight": True} if inflight else {}
+                    kw: dict[str, object] = {"inflight": True} if inflight else {}
+                    if wait:
+                        kw["on_stale"] = "wait"
                     return rl.async_loop(
                         model,
                         latest,
@@ -321,6 +326,14 @@ def main() -> int:
             }
             if inflight_ok and "inflight" in inspect.signature(rl.async_loop).parameters:
                 variants["rung 3 ms 4 + in-flight"] = rung3(4, inflight=True)
+            if "on_stale" in inspect.signature(rl.async_loop).parameters:
+                variants["rung 3 ms 4, wait"] = rung3(4, wait=True)
+                variants["rung 3 ms 2 + in-flight, wait"] = rung3(
+                    2, inflight=inflight_ok, wait=True
+                )
+                variants["rung 3 ms 4 + in-flight, wait"] = rung3(
+                    4, inflight=inflight_ok, wait=True
+                )
             for name, make in variants.items():
                 if args.variants and not any(v in name for v in args.variants):
                     continue

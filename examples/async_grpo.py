@@ -28,6 +28,9 @@ GROUPS_PER_STEP = 8  # prompts per step
 GROUP_SIZE = 8  # completions per prompt (GRPO's G)
 BUFFER_GROUPS = 16  # requests in flight or finished-and-waiting: the back-pressure bound
 MAX_STALENESS = 4  # drop groups older than this many optimizer steps
+# "wait": instead of dropping a group the next step would make too stale, the
+# trainer waits for it and trains on it (worth it when answers have a long tail)
+ON_STALE = "drop"
 SYNC_EVERY = 1  # publish new weights every this many steps
 
 
@@ -125,6 +128,7 @@ def main() -> None:
             group_size=GROUP_SIZE,
             buffer_groups=BUFFER_GROUPS,
             max_staleness=MAX_STALENESS,
+            on_stale=ON_STALE,
             sync_every=SYNC_EVERY,
             train_step=train_step,
         ):
