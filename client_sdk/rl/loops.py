@@ -23,7 +23,8 @@ The rungs (seed "generation-training-loop", "Overlapping generation and training
 * :func:`async_loop` (rung 3): requests run continuously on a ``latest``
   sampler into a bounded buffer (back-pressure: at most ``buffer_groups``
   groups are in flight or waiting); the trainer takes finished groups in
-  completion order, drops those older than ``max_staleness`` versions and
+  completion order, drops those older than ``max_staleness`` versions (or,
+  with ``on_stale="wait"``, waits for them before they get that old) and
   syncs every ``sync_every`` steps.
 
 Staleness is in optimizer steps (DESIGN.md "Versions count optimizer steps"):
