@@ -549,18 +549,19 @@ class TorchSampler:
                 slots += range(free, free + pad)
                 adapters += [adapters[0]] * pad
             t0 = time.perf_counter()
-            hidden_B_1_H = forward_hidden(
-                self.cfg,
-                params,
-                torch.tensor(tokens)[:, None],
-                torch.tensor(positions)[:, None],
-                lora=lora_for(adapters),
-                cache=self.cache,
-                slots_B=torch.tensor(slots),
-            )
+            with prepack.decoding():
+                hidden_B_1_H = forward_hidden(
+                    self.cfg,
+                    params,
+                    torch.tensor(tokens)[:, None],
+                    torch.tensor(positions)[:, None],
+                    lora=lora_for(adapters),
+                    cache=self.cache,
+                    slots_B=torch.tensor(slots),
+                )
+                logits_B_V = lm_logits(self.cfg, params, hidden_B_1_H[:, -1])[: len(rows)]
             for r in rows:
                 r.position += 1
-            logits_B_V = lm_logits(self.cfg, params, hidden_B_1_H[:, -1])[: len(rows)]
             charge([(r.request, 1) for r in rows], time.perf_counter() - t0)
             self._emit(rows, logits_B_V)
         self.decode_steps += 1

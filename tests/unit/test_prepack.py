@@ -40,38 +40,44 @@ def test_packed_linear_matches_and_falls_back(base: BaseModel, method: str) -> N
     assert prepack.packed_rows(params) == 8
     w = params.layers[0].gate_proj
     x = torch.randn(8, 1, w.shape[1])
-    with torch.no_grad():
-        packed = prepack.linear(x, w)
-        assert packed.shape == (8, 1, w.shape[0])
-        torch.testing.assert_close(packed, F.linear(x, w), rtol=1e-5, atol=1e-5)
-        b = torch.randn(w.shape[0])
-        torch.testing.assert_close(prepack.linear(x, w, b), F.linear(x, w, b))
-        # fewer rows: oneDNN's copy serves them, MKL's falls back to the plain product
-        fewer = torch.randn(3, w.shape[1])
-        more = torch.randn(9, w.shape[1])  # more rows (a prefill): the plain product
-        packed_calls: list[int] = []
-        real = prepack._packed_product
+    fewer = torch.randn(3, w.shape[1])  # oneDNN's copy serves them, MKL's does not
+    more = torch.randn(9, w.shape[1])  # more rows (a prefill): the plain product
+    packed_calls: list[int] = []
+    real = prepack._packed_product
 
-        def spy(*args: object) -> torch.Tensor:
-            packed_calls.append(1)
-            return real(*args)  # type: ignore[arg-type]
+    def spy(*args: object) -> torch.Tensor:
+        packed_calls.append(1)
+        return real(*args)  # type: ignore[arg-type]
 
-        prepack._packed_product = spy  # type: ignore[assignment]
-        try:
-            torch.testing.assert_close(prepack.linear(fewer, w), F.linear(fewer, w))
-            assert len(packed_calls) == (method == "onednn")
-            torch.testing.assert_close(prepack.linear(more, w), F.linear(more, w), rtol=0, atol=0)
-            assert len(packed_calls) == (method == "onednn")
-        finally:
-            prepack._packed_product = real  # type: ignore[assignment]
-    # recording gradients: the plain op, so gradients flow
-    xg = x.clone().requires_grad_(True)
-    prepack.linear(xg, w).sum().backward()
-    assert xg.grad is not None
-    # a weight changed in place is never multiplied with its stale packed copy
-    with torch.no_grad():
-        w.add_(1.0)
-        torch.testing.assert_close(prepack.linear(x, w), F.linear(x, w), rtol=0, atol=0)
+    prepack._packed_product = spy  # type: ignore[assignment]
+    try:
+        with torch.no_grad():
+            # outside decoding() (the trainer's forward_logprobs): always the plain product
+            for rows in (x, fewer, more):
+                assert torch.equal(prepack.linear(rows, w), F.linear(rows, w))
+            assert packed_calls == []
+            with prepack.decoding():
+                packed = prepack.linear(x, w)
+                assert packed.shape == (8, 1, w.shape[0]) and len(packed_calls) == 1
+                torch.testing.assert_close(packed, F.linear(x, w), rtol=1e-5, atol=1e-5)
+                b = torch.randn(w.shape[0])
+                torch.testing.assert_close(prepack.linear(x, w, b), F.linear(x, w, b))
+                packed_calls.clear()
+                torch.testing.assert_close(prepack.linear(fewer, w), F.linear(fewer, w))
+                assert len(packed_calls) == (method == "onednn")
+                assert torch.equal(prepack.linear(more, w), F.linear(more, w))
+                assert len(packed_calls) == (method == "onednn")
+        with prepack.decoding():
+            # recording gradients: the plain op, so gradients flow
+            xg = x.clone().requires_grad_(True)
+            prepack.linear(xg, w).sum().backward()
+            assert xg.grad is not None
+            # a weight changed in place is never multiplied with its stale packed copy
+            with torch.no_grad():
+                w.add_(1.0)
+                assert torch.equal(prepack.linear(x, w), F.linear(x, w))
+    finally:
+        prepack._packed_product = real  # type: ignore[assignment]
     assert prepack.packed_rows(params) == 8  # the head is unchanged
     prepack.unpack(params)
     assert _entry(w) is None and prepack.packed_rows(params) is None

@@ -24,14 +24,19 @@ shapes and row count (``method_for``): each method multiplies every distinct
 weight shape a few times at that row count, and the faster in total wins.
 
 The packed copy is attached to each weight tensor and freed with it (or by
-``unpack``). It is used only under no-grad and only while the weight is
+``unpack``). It is used only inside ``decoding()`` (the sampler's decode
+steps, on that thread), under no-grad, and only while the weight is
 unchanged since packing (its version counter), so a tensor updated in place
-never multiplies with stale packed values. Training never takes this path.
+never multiplies with stale packed values. The trainer shares the base
+weights but never takes this path: its ``forward_logprobs`` and
+``forward_backward`` give bit-identical logprobs whatever the sampler packed.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import threading
 import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
@@ -49,6 +54,18 @@ log = logging.getLogger("treadle.sampler")
 _ATTR = "_treadle_packed"
 #: the measured choice, per (distinct weight shapes, rows)
 _chosen: dict[tuple[tuple[tuple[int, ...], ...], int], str] = {}
+_local = threading.local()  # .decoding: inside ``decoding()`` on this thread
+
+
+@contextlib.contextmanager
+def decoding() -> Iterator[None]:
+    """Inside, on this thread, ``linear`` may multiply with packed copies."""
+    before = getattr(_local, "decoding", False)
+    _local.decoding = True
+    try:
+        yield
+    finally:
+        _local.decoding = before
 
 
 def methods() -> list[str]:
@@ -149,9 +166,14 @@ def packed_rows(params: LlamaParams) -> int | None:
 
 def linear(x: Tensor, w: Tensor, b: Tensor | None = None) -> Tensor:
     """``F.linear(x, w, b)``, through ``w``'s packed copy when it has a valid one for
-    this many rows and no gradient is being recorded."""
+    this many rows, inside ``decoding()``, with no gradient being recorded."""
     entry = getattr(w, _ATTR, None)
-    if entry is None or torch.is_grad_enabled() or entry[0] != w._version:
+    if (
+        entry is None
+        or not getattr(_local, "decoding", False)
+        or torch.is_grad_enabled()
+        or entry[0] != w._version
+    ):
         return F.linear(x, w, b)
     _, rows, method, packed = entry
     x_N_I = x.reshape(-1, x.shape[-1])
