@@ -583,6 +583,8 @@ class TorchSampler:
             return 0
         if self._pack_method is None:  # one base model: the same shapes every time
             self._pack_method = prepack.method_for(params, width)
+        if self._pack_method == "plain":  # measured: no packed copy is faster here
+            return 0
         if self._pack_method == "onednn":
             self._ensure_packed(params, width)
             return 0

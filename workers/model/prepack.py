@@ -15,13 +15,16 @@ multiply. Two ways to pay it once, per weight, are kept as a second copy:
   count (the decode batches), with no padding; larger inputs (prefill) run
   plain.
 
-Which is faster depends on the CPU. On one 2-core AVX-512 machine MKL's
+Which is faster, if either beats the plain product, depends on the CPU and
+the shapes. On one 2-core AVX-512 machine MKL's
 packed copy made decoding 1.19x faster than plain weights; on a 2-core AMD
 EPYC it gave 1.04x, while oneDNN ran the 110M model's products 1.3-2x faster
 than ``F.linear`` at 8-64 rows (its 32k-vocabulary head at 32 rows: 13 against
 24 ms). So the method is measured, once per process for each set of weight
-shapes and row count (``method_for``): each method multiplies every distinct
-weight shape a few times at that row count, and the faster in total wins.
+shapes and row count (``method_for``): each method, and the plain product,
+multiplies every distinct weight shape a few times at that row count, and the
+fastest in total wins ("plain": no packed copy; the demo model's 128-wide
+weights on that EPYC: plain 0.39 ms, MKL's 0.40, oneDNN's 0.48 at 128 rows).
 
 The packed copy is attached to each weight tensor and freed with it (or by
 ``unpack``). It is used only inside ``decoding()`` (the sampler's decode
@@ -92,12 +95,16 @@ def _weights(params: LlamaParams) -> Iterator[Tensor]:
 
 
 def _pack(method: str, w: Tensor, rows: int) -> Tensor:
+    if method == "plain":
+        return w
     if method == "onednn":
         return torch.ops.mkldnn._reorder_linear_weight(w)
     return torch.ops.mkl._mkl_reorder_linear_weight(w, rows)
 
 
 def _packed_product(method: str, x_N_I: Tensor, packed: Tensor, w: Tensor, rows: int) -> Tensor:
+    if method == "plain":
+        return F.linear(x_N_I, w)
     if method == "onednn":
         return torch.ops.mkldnn._linear_pointwise(x_N_I, packed, None, "none", [], "")
     return torch.ops.mkl._mkl_linear(x_N_I, packed, w, None, rows)
@@ -109,22 +116,19 @@ def method_for(params: LlamaParams, rows: int) -> str:
     by_shape = {tuple(w.shape): w.detach() for w in _weights(params)}
     key = (tuple(sorted(by_shape)), rows)
     if key not in _chosen:
-        candidates = methods()
-        if len(candidates) == 1:
-            _chosen[key] = candidates[0]
-        else:
-            seconds = {m: _time_method(m, list(by_shape.values()), rows) for m in candidates}
-            _chosen[key] = min(candidates, key=lambda m: seconds[m])
-            log.info(
-                "prepacked weights for %d-row decode batches: %s (%s)",
-                rows,
-                _chosen[key],
-                ", ".join(f"{m} {s * 1e3:.2f} ms" for m, s in seconds.items()),
-            )
+        candidates = ["plain", *methods()]  # "plain": no packed copy beats both
+        seconds = {m: _time_method(m, list(by_shape.values()), rows) for m in candidates}
+        _chosen[key] = min(candidates, key=lambda m: seconds[m])
+        log.info(
+            "prepacked weights for %d-row decode batches: %s (%s)",
+            rows,
+            _chosen[key],
+            ", ".join(f"{m} {s * 1e3:.2f} ms" for m, s in seconds.items()),
+        )
     return _chosen[key]
 
 
-def _time_method(method: str, weights: list[Tensor], rows: int, repeat: int = 3) -> float:
+def _time_method(method: str, weights: list[Tensor], rows: int, repeat: int = 5) -> float:
     """Seconds for one ``rows``-row product with each of ``weights`` (best of ``repeat``)."""
     total = 0.0
     with torch.no_grad():
@@ -142,8 +146,12 @@ def _time_method(method: str, weights: list[Tensor], rows: int, repeat: int = 3)
 
 def prepack(params: LlamaParams, rows: int, method: str | None = None) -> str:
     """Attach to every linear weight of ``params`` its copy packed for decode batches
-    of ``rows`` rows (``method``: default ``method_for``); returns the method."""
+    of ``rows`` rows (``method``: default ``method_for``); returns the method.
+    "plain" attaches nothing (and drops what an earlier call attached)."""
     method = method or method_for(params, rows)
+    if method == "plain":
+        unpack(params)
+        return method
     with torch.no_grad():
         for w in _weights(params):
             setattr(w, _ATTR, (w._version, rows, method, _pack(method, w.detach(), rows)))
