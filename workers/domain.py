@@ -200,6 +200,11 @@ class SamplerTarget:
     def follows_latest(self) -> bool:
         return self.model_id is not None and self.version is None
 
+    @property
+    def latest_of(self) -> str | None:
+        """The model whose in-flight updates a request of this target takes, if any."""
+        return self.model_id if self.follows_latest else None
+
 
 @dataclass(frozen=True)
 class SampleOp:

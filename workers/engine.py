@@ -614,7 +614,7 @@ class Engine:
                 snapshot,
                 fut,
                 tenant=target.tenant_id,
-                latest_of=target.model_id if target.follows_latest else None,
+                latest_of=target.latest_of,
                 on_sequence=on_sequence,
                 owner=_owner(target),
             )
@@ -685,7 +685,7 @@ class Engine:
                 snapshot,
                 sub,
                 tenant=target.tenant_id,
-                latest_of=target.model_id if target.follows_latest else None,
+                latest_of=target.latest_of,
                 owner=owner,
                 prefix=part,
             )
