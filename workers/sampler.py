@@ -579,11 +579,10 @@ class TorchSampler:
         ~20-30% of theirs) and is every running row (so the free slots are the
         filler's); else the plain product, no filler."""
         width = self.cache.num_slots
-        if not self.limits.prepack or not prepack.available(params):
-            return 0
-        if self._pack_method is None:  # one base model: the same shapes every time
-            self._pack_method = prepack.method_for(params, width)
-        if self._pack_method == "plain":  # measured: no packed copy is faster here
+        if self._pack_method is None:  # one base model and dtype: decided once
+            on = self.limits.prepack and prepack.available(params)
+            self._pack_method = prepack.method_for(params, width) if on else "plain"
+        if self._pack_method == "plain":  # off, or measured: no packed copy is faster
             return 0
         if self._pack_method == "onednn":
             self._ensure_packed(params, width)
