@@ -5,7 +5,7 @@ Four LoRA models (rank 8, four tenants) on the 5M-parameter "5m" preset, built
 locally. Each round every tenant submits one ``forward_backward`` call (PPO
 loss); the engine's scheduler hands them out together and the engine either
 runs them as one batched pass (``EngineConfig.batch_across_models=True``:
-shared base matmuls, each row's adapter via ``LoraSegments``, one backward) or
+shared base matmuls, each row's adapter via ``LoraRows``, one backward) or
 one after another (``False``). Both sides go through the same ``Engine`` (its
 thread, scheduler and futures), and must agree: every call's logprobs and
 every adapter's accumulated gradient within 1e-5 (after one warm-up optimizer

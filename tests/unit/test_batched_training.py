@@ -155,20 +155,27 @@ def test_an_invalid_call_fails_alone(base: BaseModel) -> None:
     assert all(p.grad is None for p in m2.trainable.values())
 
 
-@pytest.mark.parametrize("dense", [True, False])
-def test_lora_rows_equal_each_adapter_on_its_rows(base: BaseModel, dense: bool) -> None:
-    """Mixed ranks and scales, a base-only row, rows of one adapter apart: the
-    dense path (two matmuls for all adapters) and the gather/scatter path both
-    equal each adapter applied to its own rows, and gradients reach each."""
+@pytest.mark.parametrize("path", ["dense", "gather", "segments"])
+def test_lora_rows_equal_each_adapter_on_its_rows(base: BaseModel, path: str) -> None:
+    """Every path of ``LoraRows`` equals each adapter applied to its own rows,
+    and gradients reach each adapter. Dense and gather: mixed ranks and scales,
+    a base-only row, rows of one adapter apart. Segments (equal contiguous runs,
+    one rank): different scales."""
     a, b, c = _model(base, 7).adapter, _model(base, 8, rank=8).adapter, _model(base, 9).adapter
     assert a is not None and b is not None and c is not None
     b.scale *= 3.0
     ids = [0, 0, -1, 1, 1, 1, 2, 0]
+    if path == "segments":
+        b = _model(base, 8).adapter
+        assert b is not None
+        b.scale *= 3.0
+        ids = [2, 2, 0, 0, 1, 1]
     rows = LoraRows([a, b, c], torch.tensor(ids))
-    if not dense:
+    assert (rows.segments is not None) == (path == "segments")
+    if path == "gather":
         rows.DENSE_MAX_RANK = 0
-    x = torch.randn(8, 4, base.cfg.hidden_size)
-    y = torch.randn(8, 4, base.cfg.intermediate_size)
+    x = torch.randn(len(ids), 4, base.cfg.hidden_size)
+    y = torch.randn(len(ids), 4, base.cfg.intermediate_size)
     got = rows.apply(0, "up_proj", x, y.clone())
     want = torch.cat(
         [
@@ -181,6 +188,16 @@ def test_lora_rows_equal_each_adapter_on_its_rows(base: BaseModel, dense: bool) 
     torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
     got.sum().backward()
     assert all(ad.a[0]["up_proj"].grad is not None for ad in (a, b, c))
+
+
+@pytest.mark.parametrize(
+    "ids",
+    [[0, 0, 1], [0, 1, 0, 1], [0, 0, -1, -1], [0, 0, 0, 0]],
+    ids=["unequal", "interleaved", "base-only", "one-adapter"],
+)
+def test_lora_rows_take_segments_only_for_equal_runs(base: BaseModel, ids: list[int]) -> None:
+    adapters = [_model(base, 7).adapter, _model(base, 8).adapter]
+    assert LoraRows(adapters, torch.tensor(ids)).segments is None  # type: ignore[arg-type]
 
 
 def test_calls_of_one_shape_batch_like_alone(base: BaseModel) -> None:

@@ -257,6 +257,13 @@ class LoraRows:
     save: each adapter then gathers its rows, applies its update, and adds it
     back with ``index_add_``. One adapter for every row is the single-adapter
     fast path.
+
+    Training batches are usually tidier: each call's rows are contiguous, and
+    calls of one shape give every adapter the same number of rows. Then the
+    rows split into equal segments, one per adapter, and ``torch.bmm`` applies
+    each adapter to its own segment (``segments``): no zero columns, so the
+    low-rank work is exactly each adapter's own (the dense form multiplies
+    every row by every adapter), in three ops.
     """
 
     DENSE_MAX_RANK = 256
@@ -281,6 +288,24 @@ class LoraRows:
                 idx = torch.tensor(rows, dtype=torch.long, device=row_adapter_B.device)
                 self.groups.append((self.adapters[adapter_id], idx))
         self._masks: dict[tuple[int, ...], Tensor] = {}
+        self.segments = self._equal_segments(ids)
+
+    def _equal_segments(self, ids: list[int]) -> list[int] | None:
+        """Adapter ids of equal, contiguous row segments covering every row, if
+        the rows split so (every adapter of one rank, no base-only row)."""
+        runs: list[int] = []
+        for b, i in enumerate(ids):
+            if b == 0 or i != ids[b - 1]:
+                runs.append(i)
+        n = len(runs)
+        if n < 2 or -1 in runs or len(ids) % n or len(set(runs)) != n:
+            return None
+        size = len(ids) // n
+        if any(ids[k * size] != runs[k] for k in range(n)):
+            return None  # runs of unequal length
+        if len({self.adapters[i].rank for i in runs}) != 1:
+            return None
+        return runs
 
     def apply(self, layer: int, target: str, x_B_T_I: Tensor, y_B_T_O: Tensor) -> Tensor:
         if len(self.groups) == 1 and self.groups[0][1] is None:
@@ -288,6 +313,8 @@ class LoraRows:
         present = tuple(i for i in self.used if target in self.adapters[i].a[layer])
         if not present:
             return y_B_T_O
+        if self.segments is not None and len(present) == len(self.segments):
+            return self._apply_segments(layer, target, x_B_T_I, y_B_T_O)
         if sum(self.adapters[i].rank for i in present) <= self.DENSE_MAX_RANK:
             return self._apply_dense(present, layer, target, x_B_T_I, y_B_T_O)
         for adapter, rows_G in self.groups:
@@ -298,6 +325,28 @@ class LoraRows:
             if delta_G_T_O is not None:
                 y_B_T_O = y_B_T_O.index_add_(0, rows_G, delta_G_T_O)
         return y_B_T_O
+
+    def _apply_segments(self, layer: int, target: str, x_B_T_I: Tensor, y_B_T_O: Tensor) -> Tensor:
+        """Segment k (rows ``k*B/n`` onward) gets adapter ``segments[k]``: two bmm."""
+        assert self.segments is not None
+        adapters = [self.adapters[i] for i in self.segments]
+        n, out_dim = len(adapters), y_B_T_O.shape[-1]
+        a_N_R_I = torch.stack([a.a[layer][target] for a in adapters])
+        b_N_O_R = torch.stack([a.b[layer][target] for a in adapters])
+        h_N_S_R = torch.bmm(x_B_T_I.reshape(n, -1, x_B_T_I.shape[-1]), a_N_R_I.transpose(1, 2))
+        scales = [a.scale for a in adapters]
+        if len(set(scales)) == 1:
+            out = torch.baddbmm(
+                y_B_T_O.reshape(n, -1, out_dim), h_N_S_R, b_N_O_R.transpose(1, 2), alpha=scales[0]
+            )
+        else:
+            scale_N_1_1 = torch.tensor(scales, dtype=h_N_S_R.dtype, device=h_N_S_R.device)
+            out = torch.baddbmm(
+                y_B_T_O.reshape(n, -1, out_dim),
+                h_N_S_R * scale_N_1_1.view(n, 1, 1),
+                b_N_O_R.transpose(1, 2),
+            )
+        return out.view(y_B_T_O.shape)
 
     def _apply_dense(
         self, present: tuple[int, ...], layer: int, target: str, x_B_T_I: Tensor, y_B_T_O: Tensor
