@@ -23,7 +23,6 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
-import numpy as np
 import torch
 
 from treadle.errors import (
@@ -32,7 +31,6 @@ from treadle.errors import (
     InternalError,
     InvalidArgumentError,
     NotFoundError,
-    ResourceExhaustedError,
     TreadleError,
     UnavailableError,
 )
@@ -653,42 +651,15 @@ class Engine:
     ) -> None:
         """``resume``'s admission, where the samplers live (``SamplerLoop.post``)."""
         sampler = self._sampler_for(target.base_model, snapshot.params.dtype)
-        owner = _owner(target)
-        kept = sampler.take_partials(owner, handles)
-        ops: list[SampleOp] = []
-        try:
-            for handle, part in zip(handles, kept, strict=True):
-                done = len(part.tokens)
-                if params.max_tokens <= done:
-                    raise InvalidArgumentError(
-                        f"max_tokens: counts the whole sequence, and resume handle "
-                        f"{handle[:48]!r} has {done} tokens already; give more than "
-                        f"{done} (got {params.max_tokens})"
-                    )
-                prompt = np.concatenate([part.prompt, np.asarray(part.tokens, np.int64)])
-                op = SampleOp(prompt, 1, replace(params, max_tokens=params.max_tokens - done))
-                sampler.validate(op)
-                ops.append(op)
-            if len(sampler.queue) + len(ops) > sampler.limits.max_queued:
-                raise ResourceExhaustedError(
-                    f"sampler: too many requests queued for {target.base_model}; retry later",
-                    retry_after_s=1.0,
-                )
-        except TreadleError:
-            sampler.give_back_partials(handles, kept)  # refused: nothing consumed
-            raise
-        parts: list[Future[SampleResult]] = [Future() for _ in ops]
-        _gather(parts, fut, resumed=sum(len(p.tokens) for p in kept))
-        for op, part, sub in zip(ops, kept, parts, strict=True):
-            sampler.submit(
-                op,
-                snapshot,
-                sub,
-                tenant=target.tenant_id,
-                latest_of=target.latest_of,
-                owner=owner,
-                prefix=part,
-            )
+        sampler.resume(
+            handles,
+            params,
+            snapshot,
+            fut,
+            tenant=target.tenant_id,
+            latest_of=target.latest_of,
+            owner=_owner(target),
+        )
 
 
 def _reporting(fn: Callable[[], None], fut: Future[Any], what: str) -> None:
@@ -705,34 +676,6 @@ def _reporting(fn: Callable[[], None], fut: Future[Any], what: str) -> None:
 def _owner(target: SamplerTarget) -> tuple[str, str]:
     """Who may resume a partial rollout: the tenant, on the same model (or base)."""
     return (target.tenant_id, target.model_id or f"base:{target.base_model}")
-
-
-def _gather(parts: list[Future[SampleResult]], out: Future[SampleResult], resumed: int) -> None:
-    """Resolve ``out`` with the one sequence of each part, in order; cancelling
-    ``out`` cancels the parts."""
-
-    def done(_: Future[SampleResult]) -> None:
-        if out.done():
-            return
-        for part in parts:
-            if part.done() and not part.cancelled() and part.exception() is not None:
-                for other in parts:
-                    other.cancel()
-                out.set_exception(part.exception())  # type: ignore[arg-type]
-                return
-        if all(p.done() and not p.cancelled() for p in parts):
-            results = [p.result() for p in parts]
-            out.set_result(
-                SampleResult(
-                    tuple(r.sequences[0] for r in results),
-                    compute_s=sum(r.compute_s for r in results),
-                    resumed_tokens=resumed,
-                )
-            )
-
-    for part in parts:
-        part.add_done_callback(done)
-    out.add_done_callback(lambda f: [p.cancel() for p in parts] if f.cancelled() else None)
 
 
 def _settle(fut: Future[Any], outcome: Any) -> None:

@@ -41,6 +41,7 @@ import weakref
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -54,7 +55,7 @@ from treadle.errors import (
     TreadleError,
 )
 from treadle.workers.base_models import BaseModel
-from treadle.workers.domain import SampleOp, SampleResult, SequenceResult
+from treadle.workers.domain import SampleOp, SampleResult, SamplingConfig, SequenceResult
 from treadle.workers.model import prepack
 from treadle.workers.model.kv_cache import KVCache
 from treadle.workers.model.llama import LlamaParams, forward_hidden, lm_logits
@@ -279,6 +280,51 @@ class TorchSampler:
         """Undo ``take_partials`` (the resume was refused before it started)."""
         for h, kept in zip(handles, partials, strict=True):
             self.partials[h] = kept
+
+    def resume(
+        self,
+        handles: Sequence[str],
+        params: SamplingConfig,
+        snapshot: WeightSnapshot,
+        future: Future[SampleResult],
+        *,
+        tenant: str = "",
+        latest_of: str | None = None,
+        owner: tuple[str, str] = ("", ""),
+    ) -> None:
+        """Continue partial rollouts (``handles``, consumed) under ``snapshot``: each
+        is re-prefilled from its prompt and tokens so far, then sampled on with
+        ``params`` (``max_tokens`` counts the whole sequence). ``future`` gets the
+        sequences whole, earlier parts first. Refused as a whole (nothing
+        consumed) when a handle is unknown or another owner's (NOT_FOUND), a
+        ``max_tokens`` leaves no room, or the queue is full."""
+        kept = self.take_partials(owner, handles)
+        ops: list[SampleOp] = []
+        try:
+            for handle, part in zip(handles, kept, strict=True):
+                done = len(part.tokens)
+                if params.max_tokens <= done:
+                    raise InvalidArgumentError(
+                        f"max_tokens: counts the whole sequence, and resume handle "
+                        f"{handle[:48]!r} has {done} tokens already; give more than "
+                        f"{done} (got {params.max_tokens})"
+                    )
+                prompt = np.concatenate([part.prompt, np.asarray(part.tokens, np.int64)])
+                op = SampleOp(prompt, 1, replace(params, max_tokens=params.max_tokens - done))
+                self.validate(op)
+                ops.append(op)
+            if len(self.queue) + len(ops) > self.limits.max_queued:
+                raise ResourceExhaustedError(
+                    f"sampler: too many requests queued for {self.base.name}; retry later",
+                    retry_after_s=1.0,
+                )
+        except TreadleError:
+            self.give_back_partials(handles, kept)  # refused: nothing consumed
+            raise
+        parts: list[Future[SampleResult]] = [Future() for _ in ops]
+        _gather(parts, future, resumed=sum(len(p.tokens) for p in kept))
+        for op, part, sub in zip(ops, kept, parts, strict=True):
+            self.submit(op, snapshot, sub, tenant, latest_of=latest_of, owner=owner, prefix=part)
 
     def _keep_partial(self, row: Row) -> str:
         prefix = row.request.prefix
@@ -708,3 +754,31 @@ class TorchSampler:
             s.tokens_generated,
             s.prefix_reused_tokens,
         )
+
+
+def _gather(parts: list[Future[SampleResult]], out: Future[SampleResult], resumed: int) -> None:
+    """Resolve ``out`` with the one sequence of each part, in order; cancelling
+    ``out`` cancels the parts."""
+
+    def done(_: Future[SampleResult]) -> None:
+        if out.done():
+            return
+        for part in parts:
+            if part.done() and not part.cancelled() and part.exception() is not None:
+                for other in parts:
+                    other.cancel()
+                out.set_exception(part.exception())  # type: ignore[arg-type]
+                return
+        if all(p.done() and not p.cancelled() for p in parts):
+            results = [p.result() for p in parts]
+            out.set_result(
+                SampleResult(
+                    tuple(r.sequences[0] for r in results),
+                    compute_s=sum(r.compute_s for r in results),
+                    resumed_tokens=resumed,
+                )
+            )
+
+    for part in parts:
+        part.add_done_callback(done)
+    out.add_done_callback(lambda f: [p.cancel() for p in parts] if f.cancelled() else None)
