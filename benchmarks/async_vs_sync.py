@@ -94,6 +94,8 @@ def serve(config: ServerConfig, own_process: bool) -> Iterator[tuple[str, str]]:
     cmd += [f"--model={name}={path}" for name, path in config.models.items()]
     if config.sampler_thread:
         cmd += ["--sampler-thread", "--sampler-threads", str(config.sampler_threads)]
+    if config.sampler_process:
+        cmd += ["--sampler-process", "--sampler-threads", str(config.sampler_threads)]
     env = dict(os.environ, TREADLE_API_KEY="")  # the server's own default key
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     key_file = Path(config.data_dir) / "api_key"
@@ -235,6 +237,12 @@ def main() -> int:
         "thread of its own, so sampling overlaps training)",
     )
     ap.add_argument(
+        "--sampler-process",
+        action="store_true",
+        help="the sampler steps in a process of its own (`--sampler-process`: no GIL shared "
+        "with training) instead of on a thread of its own",
+    )
+    ap.add_argument(
         "--server-process",
         action="store_true",
         help="run the server as a `treadle serve` process of its own (default: embedded in "
@@ -253,7 +261,8 @@ def main() -> int:
         threads=THREADS,
         sampler_slots=args.groups_per_step * args.group_size * 2,
         sampler_max_len=LONG + 16,
-        sampler_thread=not args.one_thread,
+        sampler_thread=not args.one_thread and not args.sampler_process,
+        sampler_process=args.sampler_process,
         sampler_threads=THREADS,
     )
     G, P = args.group_size, args.groups_per_step

@@ -61,6 +61,7 @@ from treadle.workers.domain import (
 )
 from treadle.workers.sampler import SamplerLimits, SamplerStats, TorchSampler
 from treadle.workers.sampler_loop import SamplerLoop
+from treadle.workers.sampler_process import SamplerProcess
 from treadle.workers.scheduler import Admission, OrderedCall, Scheduler, WorkUnit
 from treadle.workers.thread_choice import ThreadChoice
 from treadle.workers.trainer import TrainingModel
@@ -79,6 +80,9 @@ class EngineConfig:
     #: (``workers.sampler_loop``); off: between ordered calls on the engine thread
     sampler_thread: bool = False
     sampler_threads: int = 0  # torch threads of that sampler thread; 0: ``threads``
+    #: step the samplers in a process of their own (``workers.sampler_process``):
+    #: like ``sampler_thread``, without sharing the interpreter lock with training
+    sampler_process: bool = False
     gap_timeout_s: float = 60.0
     keep_versions: int = 4
     sampler_slots: int = 64
@@ -124,13 +128,22 @@ class Engine:
         self.sampler_loop = SamplerLoop(
             self._step_samplers,
             lambda: any(s.has_work() for s in self.samplers.values()),
-            threaded=config.sampler_thread,
+            threaded=config.sampler_thread and not config.sampler_process,
             torch_threads=config.sampler_threads or config.threads,
         )
+        self.sampler_process: SamplerProcess | None = None
+        if config.sampler_process:
+            self.sampler_process = SamplerProcess(
+                self._sampler_limits(),
+                torch_threads=config.sampler_threads or config.threads,
+                on_stats=self._on_process_stats,
+            )
 
     # ---- lifecycle ---------------------------------------------------------------------
 
     def start(self) -> Engine:
+        if self.sampler_process is not None:
+            self.sampler_process.start()
         self._thread.start()
         self.sampler_loop.start()
         return self
@@ -141,6 +154,8 @@ class Engine:
         if self._thread.is_alive():
             self._thread.join(timeout)
         self.sampler_loop.stop(timeout)
+        if self.sampler_process is not None:
+            self.sampler_process.stop(UnavailableError("the engine is shutting down"), timeout)
 
     # ---- thread-safe API ---------------------------------------------------------------
 
@@ -230,7 +245,9 @@ class Engine:
     def sampler_metrics(self) -> list[SamplerStats]:
         """The latest stats of every sampler (thread-safe; refreshed as they step, and
         with a sampler thread, refreshed now: it answers between two steps)."""
-        if self.sampler_loop.running:
+        if self.sampler_process is not None:
+            self.sampler_process.refresh_stats(1.0)
+        elif self.sampler_loop.running:
             fresh = threading.Event()
 
             def publish() -> None:
@@ -354,6 +371,10 @@ class Engine:
         stats = sampler.stats()
         with self._stats_lock:
             self._sampler_stats[key] = stats
+
+    def _on_process_stats(self, key: tuple[str, str], stats: SamplerStats) -> None:
+        with self._stats_lock:
+            self._sampler_stats[(key[0], parse_dtype(key[1]))] = stats
 
     def _fail_sampler(self, sampler: TorchSampler, err: Exception) -> None:
         error = err if isinstance(err, TreadleError) else InternalError(str(err))
@@ -533,7 +554,9 @@ class Engine:
         if isinstance(op, SyncWeightsOp):
             snapshot = model.snapshot()
             self.versions.publish(snapshot)
-            if op.inflight:  # PipelineRL: running latest rows continue under it
+            if op.inflight and self.sampler_process is not None:
+                self.sampler_process.swap_weights(model.base, snapshot)
+            elif op.inflight:  # PipelineRL: running latest rows continue under it
                 self.sampler_loop.post(lambda: self._swap_weights(snapshot))
             return SyncResult(version=model.version)
         if isinstance(op, SaveStateOp):
@@ -574,17 +597,19 @@ class Engine:
         key = (base_model, dtype)
         if key not in self.samplers:
             base = self.bases.get(base_model, dtype)
-            c = self.config
-            limits = SamplerLimits(
-                num_slots=c.sampler_slots,
-                max_len=c.sampler_max_len,
-                prefill_slots=c.sampler_prefill_slots,
-                max_prefill_tokens=c.sampler_max_prefill_tokens,
-                max_queued=c.sampler_max_queued,
-                log_every_s=c.metrics_log_every_s,
-            )
-            self.samplers[key] = TorchSampler(base, limits=limits)
+            self.samplers[key] = TorchSampler(base, limits=self._sampler_limits())
         return self.samplers[key]
+
+    def _sampler_limits(self) -> SamplerLimits:
+        c = self.config
+        return SamplerLimits(
+            num_slots=c.sampler_slots,
+            max_len=c.sampler_max_len,
+            prefill_slots=c.sampler_prefill_slots,
+            max_prefill_tokens=c.sampler_max_prefill_tokens,
+            max_queued=c.sampler_max_queued,
+            log_every_s=c.metrics_log_every_s,
+        )
 
     def _swap_weights(self, snapshot: WeightSnapshot) -> None:
         for sampler in self.samplers.values():
@@ -603,6 +628,18 @@ class Engine:
             snapshot = self._snapshot(target)
         except TreadleError as err:
             fut.set_exception(err)
+            return
+        if self.sampler_process is not None:
+            self.sampler_process.submit(
+                self.bases.get(target.base_model, snapshot.params.dtype),
+                op,
+                snapshot,
+                fut,
+                tenant=target.tenant_id,
+                latest_of=target.latest_of,
+                on_sequence=on_sequence,
+                owner=_owner(target),
+            )
             return
 
         def submit() -> None:
@@ -632,6 +669,18 @@ class Engine:
             snapshot = self._snapshot(target)
         except TreadleError as err:
             fut.set_exception(err)
+            return
+        if self.sampler_process is not None:
+            self.sampler_process.resume(
+                self.bases.get(target.base_model, snapshot.params.dtype),
+                handles,
+                params,
+                snapshot,
+                fut,
+                tenant=target.tenant_id,
+                latest_of=target.latest_of,
+                owner=_owner(target),
+            )
             return
         self.sampler_loop.post(
             lambda: _reporting(

@@ -30,6 +30,7 @@ ENGINE_FIELDS = (
     "default_dtype",
     "threads",
     "sampler_thread",
+    "sampler_process",
     "sampler_threads",
     "training_threads",
     "gap_timeout_s",
@@ -53,7 +54,17 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
         "threads, default --threads), so sampling overlaps training",
     )
     parser.add_argument(
-        "--sampler-threads", type=int, default=int(env("TREADLE_SAMPLER_THREADS", "0"))
+        "--sampler-process",
+        action="store_true",
+        default=env("TREADLE_SAMPLER_PROCESS", "") not in ("", "0"),
+        help="step the sampler in a process of its own (weights in shared memory): like "
+        "--sampler-thread, without sharing the interpreter lock with training",
+    )
+    parser.add_argument(
+        "--sampler-threads",
+        type=int,
+        default=int(env("TREADLE_SAMPLER_THREADS", "0")),
+        help="torch threads of the sampler's thread or process (default --threads)",
     )
     parser.add_argument(
         "--training-threads",
@@ -86,6 +97,7 @@ def engine_settings(args: argparse.Namespace) -> dict[str, Any]:
         "default_dtype": args.dtype,
         "threads": args.threads,
         "sampler_thread": args.sampler_thread,
+        "sampler_process": args.sampler_process,
         "sampler_threads": args.sampler_threads,
         "training_threads": args.training_threads,
         "gap_timeout_s": args.gap_timeout,

@@ -26,6 +26,7 @@ class WorkerConfig:
     heartbeat_s: float = 2.0
     threads: int = 0  # torch threads of the engine; 0 = torch's default
     sampler_thread: bool = False  # the sampler steps on its own thread (overlaps training)
+    sampler_process: bool = False  # ... or in a process of its own (no shared GIL)
     sampler_threads: int = 0  # torch threads of that thread; 0 = threads
     training_threads: str = "measure"  # forward passes: "measure" | "all" | "one"
     default_dtype: str = "float32"

@@ -1,0 +1,526 @@
+"""The engine's samplers in a process of their own (``EngineConfig.sampler_process``).
+
+With a sampler thread (``workers.sampler_loop``) sampling overlaps training,
+but both threads share one interpreter lock: a small model's decode step and
+training step are mostly Python dispatch, so each waits for the other's
+(``benchmarks/sampler_contention.py`` measured the trainer 1.45x slower beside
+a sampler thread and 1.22x beside a sampler process). Here the samplers live
+in a child process (``spawn``ed: the parent runs gRPC threads, which must not
+be forked), and the engine talks to them in messages:
+
+* weights travel once, by reference: a base model's tensors and every weight
+  snapshot the samplers read are moved into shared memory when first sent
+  (``torch.multiprocessing``), so the child maps the same pages the trainer
+  published, and a LoRA snapshot's base weights are the child's copy of the
+  base (one forward for every adapter and version, as in one process);
+* requests, resumes and in-flight updates (``swap_weights``) are sent in the
+  order the engine makes them, so an update lands between two decode steps and
+  before any request sent after it, as on a sampler thread;
+* the child answers with each finished sequence (streams), each request's
+  result or error, and the samplers' stats (at most four times a second while
+  busy, and on request).
+
+The parent sends from one thread (a queue: a future's cancel callback may run
+anywhere, and must never block on the pipe) and receives on another, which
+settles the futures and calls stream callbacks. If the child dies, every
+request in flight fails with UNAVAILABLE and later ones are refused.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import os
+import queue
+import threading
+import time
+import traceback
+import weakref
+from collections import OrderedDict
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+from torch import Tensor
+
+from treadle.errors import InternalError, TreadleError, UnavailableError
+from treadle.workers.base_models import BaseModel
+from treadle.workers.domain import SampleOp, SampleResult, SamplingConfig, SequenceResult
+from treadle.workers.model.llama import LlamaParams
+from treadle.workers.model.lora import LoraAdapter
+from treadle.workers.sampler import TorchSampler
+from treadle.workers.sampler_state import SamplerLimits, SamplerStats
+from treadle.workers.versions import WeightSnapshot
+
+log = logging.getLogger("treadle.engine")
+
+BaseKey = tuple[str, str]  # (base model name, dtype name)
+OnSequence = Callable[[int, SequenceResult, float], None]
+#: snapshots the child keeps mapped for new requests (rows keep their own alive)
+KEEP_SNAPSHOTS = 16
+STATS_EVERY_S = 0.25
+
+
+Flat = tuple[Tensor, list[tuple[str, tuple[int, ...], int]]]
+
+
+def _flat(named: dict[str, Tensor]) -> Flat | dict[str, Tensor]:
+    """One shared-memory buffer holding every tensor (one file descriptor to pass,
+    not one per tensor), with each tensor's (name, shape, offset); tensors of
+    mixed dtypes travel as they are."""
+    tensors = list(named.values())
+    if len({t.dtype for t in tensors}) != 1:
+        return named
+    total = sum(t.numel() for t in tensors)
+    buf = torch.empty(total, dtype=tensors[0].dtype).share_memory_()
+    layout, offset = [], 0
+    for name, t in named.items():
+        n = t.numel()
+        buf[offset : offset + n].copy_(t.detach().reshape(-1))
+        layout.append((name, tuple(t.shape), offset))
+        offset += n
+    return buf, layout
+
+
+def _unflat(flat: Flat | dict[str, Tensor]) -> dict[str, Tensor]:
+    if isinstance(flat, dict):
+        return flat
+    buf, layout = flat
+    out = {}
+    for name, shape, offset in layout:
+        n = math.prod(shape)
+        out[name] = buf[offset : offset + n].view(shape)
+    return out
+
+
+def _base_key(base: BaseModel) -> BaseKey:
+    return base.name, str(base.dtype).removeprefix("torch.")
+
+
+@dataclass
+class _Pending:
+    future: Future[SampleResult]
+    on_sequence: OnSequence | None
+
+
+class SamplerProcess:
+    """The parent's side: the same operations the engine performs on its samplers."""
+
+    def __init__(
+        self,
+        limits: SamplerLimits,
+        *,
+        torch_threads: int,
+        on_stats: Callable[[BaseKey, SamplerStats], None],
+        start_timeout_s: float = 120.0,
+    ) -> None:
+        self.limits = limits
+        self.torch_threads = torch_threads
+        self._on_stats = on_stats
+        self._start_timeout_s = start_timeout_s
+        self._ids = itertools.count(1)
+        self._pending: dict[int, _Pending] = {}
+        self._lock = threading.Lock()
+        self._outbox: queue.SimpleQueue[tuple[Any, ...] | None] = queue.SimpleQueue()
+        self._bases: set[BaseKey] = set()
+        # snapshots the child holds: parent id -> (key, the snapshot, weakly)
+        self._snaps: OrderedDict[int, tuple[int, weakref.ref[WeightSnapshot]]] = OrderedDict()
+        self._stats_seen = threading.Condition()
+        self._stats_count = 0
+        self._dead: str | None = None
+        self._stopping = False
+        self._proc: Any = None
+        self._threads: list[threading.Thread] = []
+
+    # ---- lifecycle -----------------------------------------------------------------
+
+    def start(self) -> None:
+        ctx = mp.get_context("spawn")
+        to_child_r, to_child_w = ctx.Pipe(duplex=False)
+        from_child_r, from_child_w = ctx.Pipe(duplex=False)
+        self._proc = ctx.Process(
+            target=_child_main,
+            args=(
+                to_child_r,
+                from_child_w,
+                self.limits,
+                self.torch_threads,
+                log.getEffectiveLevel(),
+            ),
+            name="treadle-sampler",
+            daemon=True,
+        )
+        self._proc.start()
+        to_child_r.close()
+        from_child_w.close()
+        self._send_conn, self._recv_conn = to_child_w, from_child_r
+        if not self._recv_conn.poll(self._start_timeout_s):
+            raise UnavailableError("sampler process: did not start")
+        hello = self._recv_conn.recv()
+        if hello != ("ready", os.getpid()):
+            raise InternalError(f"sampler process: unexpected greeting {hello!r}")
+        self._threads = [
+            threading.Thread(target=self._send_loop, name="treadle-sampler-send", daemon=True),
+            threading.Thread(target=self._recv_loop, name="treadle-sampler-recv", daemon=True),
+        ]
+        for t in self._threads:
+            t.start()
+        log.info(
+            "sampler process %d started (%d torch threads)", self._proc.pid, self.torch_threads
+        )
+
+    def stop(self, error: TreadleError, timeout: float = 10.0) -> None:
+        """Fail what is still running with ``error``, then end the child."""
+        if self._proc is None:
+            return
+        self._stopping = True
+        self._outbox.put(("fail_all", error))
+        self._outbox.put(("stop",))
+        self._outbox.put(None)
+        self._proc.join(timeout)
+        if self._proc.is_alive():
+            self._proc.kill()
+            self._proc.join(timeout)
+        for t in self._threads:
+            t.join(timeout)
+        self._fail_pending(error)
+
+    @property
+    def pid(self) -> int | None:
+        return None if self._proc is None else int(self._proc.pid)
+
+    # ---- the samplers' operations ---------------------------------------------------
+
+    def submit(
+        self,
+        base: BaseModel,
+        op: SampleOp,
+        snapshot: WeightSnapshot,
+        future: Future[SampleResult],
+        *,
+        tenant: str,
+        latest_of: str | None,
+        on_sequence: OnSequence | None,
+        owner: tuple[str, str],
+    ) -> None:
+        rid = self._track(future, on_sequence)
+        if rid is None:
+            return
+        skey = self._ship(base, snapshot)
+        self._outbox.put(
+            (
+                "submit",
+                rid,
+                _base_key(base),
+                op,
+                skey,
+                tenant,
+                latest_of,
+                on_sequence is not None,
+                owner,
+            )
+        )
+
+    def resume(
+        self,
+        base: BaseModel,
+        handles: tuple[str, ...],
+        params: SamplingConfig,
+        snapshot: WeightSnapshot,
+        future: Future[SampleResult],
+        *,
+        tenant: str,
+        latest_of: str | None,
+        owner: tuple[str, str],
+    ) -> None:
+        rid = self._track(future, None)
+        if rid is None:
+            return
+        skey = self._ship(base, snapshot)
+        self._outbox.put(
+            ("resume", rid, _base_key(base), handles, params, skey, tenant, latest_of, owner)
+        )
+
+    def swap_weights(self, base: BaseModel, snapshot: WeightSnapshot) -> None:
+        if self._dead is None:
+            self._outbox.put(("swap", self._ship(base, snapshot)))
+
+    def refresh_stats(self, timeout: float = 1.0) -> None:
+        """Ask the child for its samplers' stats now; wait for them (up to ``timeout``)."""
+        if self._dead is not None:
+            return
+        with self._stats_seen:
+            seen = self._stats_count
+            self._outbox.put(("stats",))
+            self._stats_seen.wait_for(lambda: self._stats_count > seen, timeout)
+
+    # ---- parent internals ------------------------------------------------------------
+
+    def _track(self, future: Future[SampleResult], on_sequence: OnSequence | None) -> int | None:
+        if self._dead is not None:
+            future.set_exception(UnavailableError(f"sampler process: {self._dead}"))
+            return None
+        rid = next(self._ids)
+        with self._lock:
+            self._pending[rid] = _Pending(future, on_sequence)
+
+        def cancelled(f: Future[SampleResult]) -> None:
+            if f.cancelled():
+                self._outbox.put(("cancel", rid))
+
+        future.add_done_callback(cancelled)
+        return rid
+
+    def _ship(self, base: BaseModel, snapshot: WeightSnapshot) -> int:
+        """The child's key of ``snapshot``, sending it (and its base) the first time.
+
+        Tensors move into shared memory as they are pickled; a snapshot whose
+        params are the base's (LoRA, or the base itself) sends none of them.
+        Runs on the engine thread only (every caller does), so the order of
+        ``_outbox`` is the order of the engine's decisions."""
+        bkey = _base_key(base)
+        if bkey not in self._bases:
+            self._outbox.put(("base", bkey, base))
+            self._bases.add(bkey)
+        held = self._snaps.get(id(snapshot))
+        if held is not None and held[1]() is snapshot:
+            self._snaps.move_to_end(id(snapshot))
+            return held[0]
+        skey = next(self._ids)
+        params = None if snapshot.params is base.params else _flat(snapshot.params.state_dict())
+        adapter = None
+        if snapshot.adapter is not None:
+            adapter = (_flat(dict(snapshot.adapter.named_tensors())), snapshot.adapter.alpha)
+        wire = (snapshot.model_id, snapshot.version, params, adapter)
+        self._snaps[id(snapshot)] = (skey, weakref.ref(snapshot))
+        evict = []
+        while len(self._snaps) > KEEP_SNAPSHOTS:
+            evict.append(self._snaps.popitem(last=False)[1][0])
+        self._outbox.put(("snapshot", skey, bkey, wire, evict))
+        return skey
+
+    def _send_loop(self) -> None:
+        while True:
+            msg = self._outbox.get()
+            if msg is None:
+                return
+            try:
+                self._send_conn.send(msg)
+            except (OSError, ValueError) as err:  # the child is gone
+                self._died(f"sending failed ({err})")
+                return
+            except Exception as err:  # e.g. something that does not pickle: a bug
+                log.error("sampler process: cannot send %s: %s", msg[0], err)
+                if msg[0] in ("submit", "resume"):
+                    self._settle(msg[1], InternalError(f"sampler process: {err}"))
+
+    def _recv_loop(self) -> None:
+        while True:
+            try:
+                msg = self._recv_conn.recv()
+            except (EOFError, OSError):
+                self._died("the sampler process exited")
+                return
+            kind = msg[0]
+            try:
+                if kind == "seq":
+                    _, rid, index, seq, seconds = msg
+                    with self._lock:
+                        pending = self._pending.get(rid)
+                    if pending is not None and pending.on_sequence is not None:
+                        pending.on_sequence(index, seq, seconds)
+                elif kind == "done":
+                    self._settle(msg[1], msg[2])
+                elif kind == "stats":
+                    for key, stats in msg[1]:
+                        self._on_stats(key, stats)
+                    with self._stats_seen:
+                        self._stats_count += 1
+                        self._stats_seen.notify_all()
+            except Exception:  # a callback's bug: keep receiving
+                log.error("sampler process: handling %s failed\n%s", kind, traceback.format_exc())
+
+    def _settle(self, rid: int, outcome: Any) -> None:
+        with self._lock:
+            pending = self._pending.pop(rid, None)
+        if pending is None or pending.future.done():
+            return
+        if isinstance(outcome, BaseException):
+            pending.future.set_exception(outcome)
+        else:
+            pending.future.set_result(outcome)
+
+    def _died(self, why: str) -> None:
+        if self._dead is None:
+            self._dead = why
+            if not self._stopping:
+                log.error("sampler process: %s", why)
+        self._fail_pending(UnavailableError(f"sampler process: {why}"))
+        with self._stats_seen:
+            self._stats_seen.notify_all()
+
+    def _fail_pending(self, error: TreadleError) -> None:
+        with self._lock:
+            pending = list(self._pending.values())
+            self._pending.clear()
+        for p in pending:
+            if not p.future.done():
+                p.future.set_exception(error)
+
+
+# ---- the child ------------------------------------------------------------------------
+
+
+def _child_main(
+    inbox: Connection, outbox: Connection, limits: SamplerLimits, threads: int, level: int
+) -> None:
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if threads > 0:
+        torch.set_num_threads(threads)
+    outbox.send(("ready", os.getppid()))
+    _Child(inbox, outbox, limits).run()
+
+
+class _Child:
+    def __init__(self, inbox: Connection, outbox: Connection, limits: SamplerLimits) -> None:
+        self.inbox, self.outbox, self.limits = inbox, outbox, limits
+        self.bases: dict[BaseKey, BaseModel] = {}
+        self.samplers: dict[BaseKey, TorchSampler] = {}
+        self.snapshots: dict[int, tuple[BaseKey, WeightSnapshot]] = {}
+        self.futures: dict[int, Future[SampleResult]] = {}
+        self.stopping = False
+        self._stats_at = 0.0
+
+    def run(self) -> None:
+        while not self.stopping:
+            busy = any(s.has_work() for s in self.samplers.values())
+            # Idle: sleep until a message comes. Busy: take what has come, then step.
+            while self.inbox.poll(0 if busy else STATS_EVERY_S):
+                try:
+                    msg = self.inbox.recv()
+                except EOFError:  # the parent is gone
+                    return
+                self._handle(msg)
+                if self.stopping:
+                    return
+                busy = True  # take every message already here before the step
+            for sampler in self.samplers.values():
+                if not sampler.has_work():
+                    continue
+                try:
+                    sampler.step()
+                except Exception as err:
+                    log.error("sampler step failed: %s\n%s", err, traceback.format_exc())
+                    sampler.fail_all(
+                        InternalError(f"sampler step failed: {type(err).__name__}: {err}")
+                    )
+                if not sampler.has_work():
+                    self._send_stats()  # once more as it goes idle
+            if time.monotonic() - self._stats_at >= STATS_EVERY_S and busy:
+                self._send_stats()
+
+    def _handle(self, msg: tuple[Any, ...]) -> None:
+        kind = msg[0]
+        if kind == "base":
+            _, bkey, base = msg
+            self.bases[bkey] = base
+        elif kind == "snapshot":
+            _, skey, bkey, (model_id, version, params, adapter), evict = msg
+            for old in evict:
+                self.snapshots.pop(old, None)
+            base = self.bases[bkey]
+            lora = None
+            if adapter is not None:
+                tensors, alpha = adapter
+                lora = LoraAdapter.from_named_tensors(base.cfg, _unflat(tensors), alpha=alpha)
+            weights = base.params
+            if params is not None:
+                weights = LlamaParams.from_state_dict(base.cfg, _unflat(params))
+            self.snapshots[skey] = (bkey, WeightSnapshot(model_id, version, weights, lora))
+        elif kind == "submit":
+            _, rid, bkey, op, skey, tenant, latest_of, stream, owner = msg
+            fut = self._future(rid)
+            on_seq = (
+                (lambda i, seq, s: self.outbox.send(("seq", rid, i, seq, s))) if stream else None
+            )
+            self._guard(
+                fut,
+                lambda: self._sampler(bkey).submit(
+                    op,
+                    self.snapshots[skey][1],
+                    fut,
+                    tenant,
+                    latest_of=latest_of,
+                    on_sequence=on_seq,
+                    owner=owner,
+                ),
+            )
+        elif kind == "resume":
+            _, rid, bkey, handles, params, skey, tenant, latest_of, owner = msg
+            fut = self._future(rid)
+            self._guard(
+                fut,
+                lambda: self._sampler(bkey).resume(
+                    handles,
+                    params,
+                    self.snapshots[skey][1],
+                    fut,
+                    tenant=tenant,
+                    latest_of=latest_of,
+                    owner=owner,
+                ),
+            )
+        elif kind == "swap":
+            snapshot = self.snapshots[msg[1]][1]
+            for sampler in self.samplers.values():
+                sampler.swap_weights(snapshot)
+        elif kind == "cancel":
+            gone = self.futures.pop(msg[1], None)
+            if gone is not None:
+                gone.cancel()
+        elif kind == "stats":
+            self._send_stats()
+        elif kind == "fail_all":
+            for sampler in self.samplers.values():
+                sampler.fail_all(msg[1])
+        elif kind == "stop":
+            self.stopping = True
+
+    def _sampler(self, bkey: BaseKey) -> TorchSampler:
+        if bkey not in self.samplers:
+            self.samplers[bkey] = TorchSampler(self.bases[bkey], limits=self.limits)
+        return self.samplers[bkey]
+
+    def _future(self, rid: int) -> Future[SampleResult]:
+        fut: Future[SampleResult] = Future()
+        self.futures[rid] = fut
+
+        def done(f: Future[SampleResult]) -> None:
+            self.futures.pop(rid, None)
+            if f.cancelled():
+                return  # the parent cancelled it
+            err = f.exception()
+            self.outbox.send(("done", rid, err if err is not None else f.result()))
+
+        fut.add_done_callback(done)
+        return fut
+
+    def _guard(self, fut: Future[SampleResult], fn: Callable[[], None]) -> None:
+        try:
+            fn()
+        except TreadleError as err:
+            if not fut.done():
+                fut.set_exception(err)
+        except Exception as err:
+            log.error("sampler process: admission failed: %s\n%s", err, traceback.format_exc())
+            if not fut.done():
+                fut.set_exception(InternalError(f"{type(err).__name__}: {err}"))
+
+    def _send_stats(self) -> None:
+        self._stats_at = time.monotonic()
+        self.outbox.send(("stats", [(k, s.stats()) for k, s in self.samplers.items()]))
