@@ -32,6 +32,7 @@ tokens whatever else shares the batch and whenever it is scheduled.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import logging
 import math
 import os
@@ -124,6 +125,7 @@ class TorchSampler:
         self.partials: OrderedDict[str, Partial] = OrderedDict()  # resume handle -> rollout
         self._packed: OrderedDict[int, weakref.ref[LlamaParams]] = OrderedDict()  # prepacked
         self._pack_method: str | None = None  # prepack.method_for the decode width
+        self._pack_min_rows = 0  # prepack.min_rows: smaller decode batches run plain
         tok_path = base.path / "tokenizer.json"
         self.tokenizer = Tokenizer.from_file(str(tok_path)) if tok_path.exists() else None
         self.eos_ids = frozenset(self.cfg.eos_token_ids)
@@ -595,7 +597,8 @@ class TorchSampler:
                 slots += range(free, free + pad)
                 adapters += [adapters[0]] * pad
             t0 = time.perf_counter()
-            with prepack.decoding():
+            packed = prepack.decoding() if self._packs_for(len(rows)) else contextlib.nullcontext()
+            with packed:
                 hidden_B_1_H = forward_hidden(
                     self.cfg,
                     params,
@@ -628,15 +631,22 @@ class TorchSampler:
         if self._pack_method is None:  # one base model and dtype: decided once
             on = self.limits.prepack and prepack.available(params)
             self._pack_method = prepack.method_for(params, width) if on else "plain"
+            self._pack_min_rows = prepack.min_rows(params, width) if on else width
         if self._pack_method == "plain":  # off, or measured: no packed copy is faster
             return 0
         if self._pack_method == "onednn":
-            self._ensure_packed(params, width)
+            if rows >= self._pack_min_rows:
+                self._ensure_packed(params, width)
             return 0
         if rows < width - width // 8 or rows != len(self.running):
             return 0
         self._ensure_packed(params, width)
         return width - rows
+
+    def _packs_for(self, rows: int) -> bool:
+        """Whether a decode batch of ``rows`` real rows multiplies with packed copies
+        (below oneDNN's measured crossover the plain product is faster)."""
+        return self._pack_method != "onednn" or rows >= self._pack_min_rows
 
     def _ensure_packed(self, params: LlamaParams, width: int) -> None:
         """``params`` packed for ``width`` rows; the last ``MAX_PACKED`` weights

@@ -107,6 +107,7 @@ def test_sampler_with_prepacked_weights_samples_the_same(
     base: BaseModel, method: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(prepack, "method_for", lambda params, rows: method)
+    monkeypatch.setattr(prepack, "min_rows", lambda params, rows: 1)
     snap = WeightSnapshot(None, 0, base.params.clone(), None)
     plain = _sample(base, snap, on=False)
     packed = _sample(base, snap, on=True, packs=method != "plain")
@@ -131,6 +132,30 @@ def test_the_method_is_measured_once_per_shapes_and_rows(
     monkeypatch.setattr(prepack, "_time_method", spy)
     monkeypatch.setattr(prepack, "_chosen", {})
     first = prepack.method_for(base.params, 5)
+    fewest = prepack.min_rows(base.params, 5)
+    n = len(timed)
     assert prepack.method_for(base.params.clone(), 5) == first  # same shapes: remembered
-    assert timed == ["plain", *METHODS]
+    assert prepack.min_rows(base.params.clone(), 5) == fewest
+    assert len(timed) == n
+    assert timed[:3] == ["plain", *METHODS]
     assert first in ("plain", *METHODS)
+    # oneDNN's crossover: (oneDNN, plain) at 2 rows, then at 1 while oneDNN wins
+    assert timed[3:] in ([], ["onednn", "plain"], ["onednn", "plain"] * 2)
+    assert fewest == 5 if first != "onednn" else fewest in (5, 2, 1)
+
+
+@pytest.mark.skipif("onednn" not in METHODS, reason="this torch build has no oneDNN")
+def test_onednn_batches_below_the_crossover_run_plain(
+    base: BaseModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Below ``min_rows`` the sampler neither packs nor multiplies with packed copies."""
+    monkeypatch.setattr(prepack, "method_for", lambda params, rows: "onednn")
+    monkeypatch.setattr(prepack, "min_rows", lambda params, rows: 10**6)
+    snap = WeightSnapshot(None, 0, base.params.clone(), None)
+    plain = _sample(base, snap, on=False)
+    below = _sample(base, snap, on=True, packs=False)
+    assert _entry(snap.params.lm_head_weight) is None
+    for a, b in zip(plain, below, strict=True):
+        for x, y in zip(a.sequences, b.sequences, strict=True):
+            np.testing.assert_array_equal(x.tokens, y.tokens)
+            np.testing.assert_array_equal(x.logprobs, y.logprobs)
