@@ -1,0 +1,392 @@
+"""The engine with its samplers in a process of their own (``sampler_process``):
+the same samples as on one thread while training runs beside them, an in-flight
+weight update that reaches a running request in the child, streamed sequences,
+cancellation, partial rollouts and their resumption, bad input, shutdown, and a
+child that dies. Driven through the engine's thread-safe API, against a real
+spawned child (nothing mocked)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from treadle.errors import InvalidArgumentError, NotFoundError, UnavailableError
+from treadle.workers.domain import (
+    AdamConfig,
+    DatumData,
+    ForwardBackwardOp,
+    ModelSpec,
+    OptimStepOp,
+    SampleOp,
+    SampleResult,
+    SamplerTarget,
+    SamplingConfig,
+    SequenceResult,
+    SyncWeightsOp,
+)
+from treadle.workers.engine import Engine, EngineConfig
+from treadle.workers.sampler_process import SamplerProcess
+
+torch.set_num_threads(1)
+pytestmark = pytest.mark.timeout(120)
+
+#: the tiny model's context as the samplers see it: min(sampler_max_len 1024,
+#: max_position_embeddings 2048); checked in ``test_the_long_requests_fit``
+CONTEXT = 1024
+PROMPT = np.arange(5, 17)  # 12 tokens
+#: a long request: ~1 ms a decode step here, so about a second of decoding
+LONG = CONTEXT - PROMPT.size
+
+
+def _config(model_dir: Path, **overrides: Any) -> EngineConfig:
+    return EngineConfig(base_models={"tiny": model_dir}, sampler_slots=8, threads=1, **overrides)
+
+
+def _start(model_dir: Path, **overrides: Any) -> Engine:
+    return Engine(_config(model_dir, sampler_process=True, **overrides)).start()
+
+
+def _child(engine: Engine) -> SamplerProcess:
+    assert engine.sampler_process is not None
+    return engine.sampler_process
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir: Path) -> Iterator[Engine]:
+    """One engine with a sampler process, shared by the tests that leave it serving.
+    Each test that trains creates a model of its own on it."""
+    eng = _start(tiny_model_dir)
+    yield eng
+    eng.stop()
+
+
+def _model(engine: Engine, model_id: str, rank: int = 4) -> None:
+    engine.create_model(ModelSpec(model_id, "t", "tiny", rank, 8.0, 3, "float32")).result(30)
+
+
+def _train(engine: Engine, model_id: str, seq_id: int) -> int:
+    """forward_backward + optim_step through the ordered API; the next seq_id."""
+    toks = np.arange(3, 27)
+    datum = DatumData(toks[:-1], {"target_tokens": toks[1:], "weights": np.ones(23, np.float32)})
+    engine.submit(model_id, seq_id, ForwardBackwardOp((datum,), "cross_entropy", {}), f"fb{seq_id}")
+    engine.submit(model_id, seq_id + 1, OptimStepOp(AdamConfig(learning_rate=5e-2)), f"o{seq_id}")
+    return seq_id + 2
+
+
+def _running_rows(engine: Engine) -> int:
+    return sum(s.running_rows for s in engine.sampler_metrics())
+
+
+def _tokens_generated(engine: Engine) -> int:
+    return sum(s.tokens_generated for s in engine.sampler_metrics())
+
+
+def _wait_for(cond: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.002)
+
+
+def _wait_running(engine: Engine, futures: list[Future[SampleResult]]) -> None:
+    """Until the child reports rows decoding (each has sampled its first token)."""
+
+    def running() -> bool:
+        for f in futures:  # finished already: the test's request was too short
+            assert not f.done(), f.exception() if f.exception() else "finished too soon"
+        return _running_rows(engine) > 0
+
+    _wait_for(running, 30, "rows decoding in the sampler process")
+
+
+def _long_op(num_samples: int = 2, seed: int = 7) -> SampleOp:
+    return SampleOp(
+        PROMPT, num_samples, SamplingConfig(max_tokens=LONG, seed=seed, ignore_eos=True)
+    )
+
+
+def test_the_long_requests_fit(engine: Engine) -> None:
+    """The long requests below use the whole context: it is what they assume."""
+    base = engine.bases.get("tiny", torch.float32)
+    assert min(engine.config.sampler_max_len, base.cfg.max_position_embeddings) == CONTEXT
+    seqs = engine.sample(SamplerTarget("tiny"), _long_op(1)).result(60).sequences
+    assert len(seqs[0].tokens) == LONG and seqs[0].stop_reason == "length"
+    too_long = SampleOp(PROMPT, 1, SamplingConfig(max_tokens=LONG + 1))
+    with pytest.raises(InvalidArgumentError, match="max_tokens"):
+        engine.sample(SamplerTarget("tiny"), too_long).result(30)
+
+
+# ---- the same samples as on one thread ---------------------------------------------------
+
+
+def _ops() -> list[SampleOp]:
+    rng = np.random.default_rng(0)
+    return [
+        SampleOp(
+            rng.integers(3, 90, size=int(rng.integers(3, 12))),
+            int(rng.integers(1, 3)),
+            SamplingConfig(max_tokens=int(rng.integers(4, 20)), seed=i, temperature=0.8),
+        )
+        for i in range(6)
+    ]
+
+
+def _run(engine: Engine, model_id: str) -> list[SampleResult]:
+    """Samples of the base and of a pinned version while the model trains."""
+    seq = _train(engine, model_id, 1)
+    engine.submit(model_id, seq, SyncWeightsOp(), "sync").result(30)  # version 1
+    targets = [SamplerTarget("tiny"), SamplerTarget("tiny", model_id, version=1)]
+    futures = [engine.sample(targets[i % 2], op) for i, op in enumerate(_ops())]
+    seq += 1
+    for _ in range(3):  # training goes on beside the sampling
+        seq = _train(engine, model_id, seq)
+    engine.submit(model_id, seq, SyncWeightsOp(), "sync2").result(30)  # version 4
+    # sampling the latest (version 4: weights trained further, shipped again)
+    futures.append(engine.sample(SamplerTarget("tiny", model_id), _ops()[0]))
+    return [f.result(60) for f in futures]
+
+
+@pytest.mark.parametrize("rank", [4, 0], ids=["lora", "full"])
+def test_process_samples_what_one_thread_samples(
+    engine: Engine, tiny_model_dir: Path, rank: int
+) -> None:
+    model_id = f"same-{rank}"
+    one_thread = Engine(_config(tiny_model_dir)).start()
+    try:
+        _model(one_thread, model_id, rank)
+        want = _run(one_thread, model_id)
+    finally:
+        one_thread.stop()
+    _model(engine, model_id, rank)
+    got = _run(engine, model_id)
+    assert len(got) == len(want)
+    for a, b in zip(want, got, strict=True):
+        assert len(a.sequences) == len(b.sequences)
+        for x, y in zip(a.sequences, b.sequences, strict=True):
+            np.testing.assert_array_equal(x.tokens, y.tokens)
+            np.testing.assert_allclose(x.logprobs, y.logprobs, atol=1e-5)
+            assert x.versions == y.versions
+            assert x.stop_reason == y.stop_reason
+    # the pinned version is version 1, the latest version 4: each sampled as asked
+    assert {s.versions[0][2] for r in got[1:6:2] for s in r.sequences} == {1}
+    assert {s.versions[0][2] for s in got[-1].sequences} == {4}
+
+
+# ---- an in-flight update ------------------------------------------------------------------
+
+
+def test_inflight_update_reaches_a_running_latest_request(engine: Engine) -> None:
+    _model(engine, "infl")
+    seq = _train(engine, "infl", 1)  # version 1, trained but not published yet
+    latest = engine.sample(SamplerTarget("tiny", "infl"), _long_op(2, seed=7))
+    pinned = engine.sample(SamplerTarget("tiny", "infl", version=0), _long_op(1, seed=8))
+    base = engine.sample(SamplerTarget("tiny"), _long_op(1, seed=9))
+    _wait_running(engine, [latest, pinned, base])
+    engine.submit("infl", seq, SyncWeightsOp(inflight=True), "sync").result(30)
+    for s in latest.result(60).sequences:
+        (start, n0, v0), (cut, n1, v1) = s.versions  # (first token, count, version)
+        assert (start, v0, cut, v1) == (0, 0, n0, 1)
+        assert n0 >= 1 and n1 >= 1 and n0 + n1 == LONG
+        assert len(s.tokens) == LONG
+    # neither a pinned version nor the base follows the model's updates
+    assert pinned.result(60).sequences[0].versions == ((0, LONG, 0),)
+    assert base.result(60).sequences[0].versions == ((0, LONG, 0),)
+    # a request admitted after the update samples the new version from its start
+    after = engine.sample(SamplerTarget("tiny", "infl"), SampleOp(PROMPT, 1, SamplingConfig()))
+    assert after.result(60).sequences[0].versions[0][2] == 1
+
+
+# ---- streaming -----------------------------------------------------------------------------
+
+
+def test_streamed_sequences_are_the_result(engine: Engine) -> None:
+    seen: list[tuple[int, SequenceResult, float]] = []
+    lock = threading.Lock()
+
+    def on_sequence(index: int, seq: SequenceResult, seconds: float) -> None:
+        with lock:
+            seen.append((index, seq, seconds))
+
+    op = SampleOp(PROMPT, 4, SamplingConfig(max_tokens=24, seed=3, temperature=0.9))
+    result = engine.sample(SamplerTarget("tiny"), op, on_sequence=on_sequence).result(60)
+    with lock:
+        calls = list(seen)
+    assert sorted(i for i, _, _ in calls) == [0, 1, 2, 3]  # once per sample index
+    for index, seq, seconds in calls:
+        whole = result.sequences[index]
+        np.testing.assert_array_equal(seq.tokens, whole.tokens)
+        np.testing.assert_array_equal(seq.logprobs, whole.logprobs)
+        assert (seq.versions, seq.stop_reason) == (whole.versions, whole.stop_reason)
+        assert seconds >= 0.0
+    # the same sequences as unstreamed
+    plain = engine.sample(SamplerTarget("tiny"), op).result(60)
+    for x, y in zip(plain.sequences, result.sequences, strict=True):
+        np.testing.assert_array_equal(x.tokens, y.tokens)
+
+
+# ---- cancellation --------------------------------------------------------------------------
+
+
+def test_cancelling_frees_the_rows_in_the_child(engine: Engine) -> None:
+    _wait_for(lambda: _running_rows(engine) == 0, 30, "an idle sampler")
+    futures = [engine.sample(SamplerTarget("tiny"), _long_op(2, seed=s)) for s in (1, 2, 3)]
+    _wait_running(engine, futures)
+    before = _tokens_generated(engine)
+    assert all(f.cancel() for f in futures)
+    t0 = time.monotonic()
+    _wait_for(lambda: _running_rows(engine) == 0, 5, "the cancelled rows to be freed")
+    assert time.monotonic() - t0 < 5
+    # Freed long before they would have finished on their own (6 rows x ~1000 tokens).
+    assert _tokens_generated(engine) - before < 6 * LONG // 4
+    stats = engine.sampler_metrics()
+    assert sum(s.queued_requests + s.prefilling_requests for s in stats) == 0
+    assert all(s.free_slots == s.num_slots for s in stats)
+    # the engine keeps serving
+    op = SampleOp(PROMPT, 2, SamplingConfig(max_tokens=10, seed=4, ignore_eos=True))
+    seqs = engine.sample(SamplerTarget("tiny"), op).result(60).sequences
+    assert [len(s.tokens) for s in seqs] == [10, 10]
+    # The parent forgets the cancelled requests too: no entry kept per cancel (a
+    # server whose clients cancel would otherwise grow without bound).
+    kept = [rid for rid, p in _child(engine)._pending.items() if p.future in futures]
+    assert kept == [], f"cancelled requests {kept} still pending in the parent"
+
+
+# ---- partial rollouts ----------------------------------------------------------------------
+
+
+def _partials(engine: Engine, model_id: str) -> dict[str, Any]:
+    """Sample partial rollouts, train, resume them, and try handles that must not
+    resume; what happened, comparable across engines."""
+    _model(engine, model_id)
+    mine = SamplerTarget("tiny", model_id, tenant_id="t")
+    budget = SamplingConfig(max_tokens=30, seed=4, token_budget=5, ignore_eos=True)
+    first = engine.sample(mine, SampleOp(PROMPT, 3, budget)).result(60).sequences
+    for s in first:
+        assert s.stop_reason == "partial" and len(s.tokens) == 5
+        assert s.resume_handle.startswith("rh-") and s.versions == ((0, 5, 0),)
+    handles = [s.resume_handle for s in first]
+    assert len(set(handles)) == 3
+    seq = _train(engine, model_id, 1)
+    engine.submit(model_id, seq, SyncWeightsOp(), "sync").result(30)  # version 1
+    rest = SamplingConfig(max_tokens=12, seed=5, ignore_eos=True)
+    errors: list[str] = []
+
+    def not_found(target: SamplerTarget, hs: list[str], hidden: str) -> None:
+        with pytest.raises(NotFoundError) as err:
+            engine.resume(target, hs, rest).result(30)
+        errors.append(str(err.value).replace(hidden[:48], "H"))
+
+    # another tenant, another model, the base: NOT_FOUND, and nothing consumed
+    not_found(SamplerTarget("tiny", model_id, tenant_id="u"), handles[:1], handles[0])
+    not_found(SamplerTarget("tiny", tenant_id="t"), handles[:1], handles[0])
+    not_found(mine, [handles[0], "rh-never-existed"], "rh-never-existed")  # all or nothing
+    resumed = engine.resume(mine, handles, rest).result(60)
+    assert resumed.resumed_tokens == 15
+    for part, whole in zip(first, resumed.sequences, strict=True):
+        np.testing.assert_array_equal(whole.tokens[:5], part.tokens)
+        np.testing.assert_array_equal(whole.logprobs[:5], part.logprobs)
+        assert len(whole.tokens) == 12 and whole.stop_reason == "length"
+        assert whole.versions == ((0, 5, 0), (5, 7, 1)) and whole.resume_handle == ""
+    # consumed now: NOT_FOUND exactly as a handle that never existed
+    not_found(mine, handles[1:2], handles[1])
+    not_found(mine, ["rh-never-existed"], "rh-never-existed")
+    assert errors[-1] == errors[-2]
+    with pytest.raises(InvalidArgumentError, match="resume_handles"):
+        engine.resume(mine, [], rest).result(30)
+    return {"first": first, "resumed": resumed.sequences, "errors": errors}
+
+
+def test_partial_rollouts_resume_as_on_a_sampler_thread(
+    engine: Engine, tiny_model_dir: Path
+) -> None:
+    threaded = Engine(_config(tiny_model_dir, sampler_thread=True)).start()
+    try:
+        want = _partials(threaded, "part")
+    finally:
+        threaded.stop()
+    got = _partials(engine, "part")
+    assert got["errors"] == want["errors"]
+    for key in ("first", "resumed"):
+        for x, y in zip(want[key], got[key], strict=True):
+            np.testing.assert_array_equal(x.tokens, y.tokens)
+            np.testing.assert_allclose(x.logprobs, y.logprobs, atol=1e-5)
+            assert (x.versions, x.stop_reason) == (y.versions, y.stop_reason)
+
+
+# ---- bad input -----------------------------------------------------------------------------
+
+
+def test_bad_input_is_reported_through_the_process(engine: Engine) -> None:
+    base = SamplerTarget("tiny")
+    with pytest.raises(InvalidArgumentError, match="top_p"):
+        engine.sample(base, SampleOp(PROMPT, 1, SamplingConfig(top_p=0.0))).result(30)
+    with pytest.raises(InvalidArgumentError, match="vocabulary"):
+        engine.sample(base, SampleOp(np.array([3, 10**6]), 1, SamplingConfig())).result(30)
+    with pytest.raises(InvalidArgumentError, match="num_samples"):
+        engine.sample(base, SampleOp(PROMPT, 9, SamplingConfig())).result(30)
+    with pytest.raises(InvalidArgumentError, match="token_budget"):
+        engine.sample(base, SampleOp(PROMPT, 1, SamplingConfig(token_budget=-1))).result(30)
+    with pytest.raises(NotFoundError, match="resume handle"):
+        engine.resume(base, ["rh-nope"], SamplingConfig()).result(30)
+    # and the child keeps serving
+    seqs = engine.sample(base, SampleOp(PROMPT, 1, SamplingConfig(max_tokens=3))).result(30)
+    assert len(seqs.sequences[0].tokens) <= 3
+
+
+# ---- shutdown and a dead child -----------------------------------------------------------------
+
+
+def test_stopping_fails_what_is_still_sampling(tiny_model_dir: Path) -> None:
+    engine = _start(tiny_model_dir)
+    child = _child(engine)
+    pid = child.pid
+    assert pid is not None and child._proc.is_alive()
+    try:
+        fut = engine.sample(SamplerTarget("tiny"), _long_op(2))
+        _wait_running(engine, [fut])
+    finally:
+        t0 = time.monotonic()
+        engine.stop()
+        stopped_in = time.monotonic() - t0
+    with pytest.raises(UnavailableError, match="shutting down"):
+        fut.result(10)
+    assert stopped_in < 5  # the child stopped when told, not killed after a timeout
+    assert not child._proc.is_alive() and child._proc.exitcode == 0
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+
+
+def test_a_dead_child_fails_pending_and_later_samples(tiny_model_dir: Path) -> None:
+    engine = _start(tiny_model_dir)
+    try:
+        child = _child(engine)
+        assert child.pid is not None
+        fut = engine.sample(SamplerTarget("tiny"), _long_op(2))
+        _wait_running(engine, [fut])
+        os.kill(child.pid, signal.SIGKILL)
+        with pytest.raises(UnavailableError):
+            fut.result(10)
+        op = SampleOp(PROMPT, 1, SamplingConfig(max_tokens=4))
+        with pytest.raises(UnavailableError):
+            engine.sample(SamplerTarget("tiny"), op).result(10)
+        with pytest.raises(UnavailableError):
+            engine.resume(SamplerTarget("tiny"), ["rh-x"], SamplingConfig()).result(10)
+        t0 = time.monotonic()
+        engine.sampler_metrics()  # answers, without waiting on the dead child
+        assert time.monotonic() - t0 < 2
+        # the engine itself still answers
+        assert engine.check_sampler_target(SamplerTarget("tiny")).result(10) == 0
+    finally:
+        t0 = time.monotonic()
+        engine.stop()
+    assert time.monotonic() - t0 < 15
