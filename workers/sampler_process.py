@@ -159,9 +159,15 @@ class SamplerProcess:
         to_child_r.close()
         from_child_w.close()
         self._send_conn, self._recv_conn = to_child_w, from_child_r
-        if not self._recv_conn.poll(self._start_timeout_s):
-            raise UnavailableError("sampler process: did not start")
-        hello = self._recv_conn.recv()
+        try:
+            if not self._recv_conn.poll(self._start_timeout_s):
+                raise UnavailableError("sampler process: did not start")
+            hello = self._recv_conn.recv()
+        except (EOFError, OSError):
+            raise UnavailableError(
+                f"sampler process: exited at start (code {self._proc.exitcode}); a script "
+                "that starts it needs `if __name__ == '__main__':` (it is spawned)"
+            ) from None
         if hello != ("ready", os.getpid()):
             raise InternalError(f"sampler process: unexpected greeting {hello!r}")
         self._threads = [
@@ -262,15 +268,19 @@ class SamplerProcess:
     # ---- parent internals ------------------------------------------------------------
 
     def _track(self, future: Future[SampleResult], on_sequence: OnSequence | None) -> int | None:
-        if self._dead is not None:
-            future.set_exception(UnavailableError(f"sampler process: {self._dead}"))
-            return None
         rid = next(self._ids)
-        with self._lock:
-            self._pending[rid] = _Pending(future, on_sequence)
+        with self._lock:  # _died marks the child dead under this lock too
+            dead = self._dead
+            if dead is None:
+                self._pending[rid] = _Pending(future, on_sequence)
+        if dead is not None:
+            future.set_exception(UnavailableError(f"sampler process: {dead}"))
+            return None
 
         def cancelled(f: Future[SampleResult]) -> None:
-            if f.cancelled():
+            if f.cancelled():  # the child frees its rows and sends nothing back
+                with self._lock:
+                    self._pending.pop(rid, None)
                 self._outbox.put(("cancel", rid))
 
         future.add_done_callback(cancelled)
@@ -356,10 +366,12 @@ class SamplerProcess:
             pending.future.set_result(outcome)
 
     def _died(self, why: str) -> None:
-        if self._dead is None:
-            self._dead = why
-            if not self._stopping:
-                log.error("sampler process: %s", why)
+        with self._lock:
+            first = self._dead is None
+            if first:
+                self._dead = why
+        if first and not self._stopping:
+            log.error("sampler process: %s", why)
         self._fail_pending(UnavailableError(f"sampler process: {why}"))
         with self._stats_seen:
             self._stats_seen.notify_all()
