@@ -126,6 +126,8 @@ class TorchSampler:
         self._packed: OrderedDict[int, weakref.ref[LlamaParams]] = OrderedDict()  # prepacked
         self._pack_method: str | None = None  # prepack.method_for the decode width
         self._pack_min_rows = 0  # prepack.min_rows: smaller decode batches run plain
+        self._pack_after = 0  # prepack.pack_after: decode steps before weights are packed
+        self._decoded: dict[int, tuple[weakref.ref[LlamaParams], int]] = {}
         tok_path = base.path / "tokenizer.json"
         self.tokenizer = Tokenizer.from_file(str(tok_path)) if tok_path.exists() else None
         self.eos_ids = frozenset(self.cfg.eos_token_ids)
@@ -632,8 +634,11 @@ class TorchSampler:
             on = self.limits.prepack and prepack.available(params)
             self._pack_method = prepack.method_for(params, width) if on else "plain"
             self._pack_min_rows = prepack.min_rows(params, width) if on else width
+            self._pack_after = prepack.pack_after(params, width) if on else 0
         if self._pack_method == "plain":  # off, or measured: no packed copy is faster
             return 0
+        if self._steps_with(params) < self._pack_after and prepack.packed_rows(params) is None:
+            return 0  # not (yet) worth packing: these weights may not last
         if self._pack_method == "onednn":
             if rows >= self._pack_min_rows:
                 self._ensure_packed(params, width)
@@ -642,6 +647,16 @@ class TorchSampler:
             return 0
         self._ensure_packed(params, width)
         return width - rows
+
+    def _steps_with(self, params: LlamaParams) -> int:
+        """Decode steps taken with ``params`` so far, this one included."""
+        key = id(params)
+        known = self._decoded.get(key)
+        steps = 1 if known is None or known[0]() is not params else known[1] + 1
+        self._decoded[key] = (weakref.ref(params), steps)
+        if len(self._decoded) > 64:  # forget weights that are gone
+            self._decoded = {k: v for k, v in self._decoded.items() if v[0]() is not None}
+        return steps
 
     def _packs_for(self, rows: int) -> bool:
         """Whether a decode batch of ``rows`` real rows multiplies with packed copies

@@ -108,6 +108,7 @@ def test_sampler_with_prepacked_weights_samples_the_same(
 ) -> None:
     monkeypatch.setattr(prepack, "method_for", lambda params, rows: method)
     monkeypatch.setattr(prepack, "min_rows", lambda params, rows: 1)
+    monkeypatch.setattr(prepack, "pack_after", lambda params, rows: 0)
     snap = WeightSnapshot(None, 0, base.params.clone(), None)
     plain = _sample(base, snap, on=False)
     packed = _sample(base, snap, on=True, packs=method != "plain")
@@ -125,9 +126,11 @@ def test_the_method_is_measured_once_per_shapes_and_rows(
     timed: list[str] = []
     real = prepack._time_method
 
-    def spy(method: str, weights: list[torch.Tensor], rows: int, repeat: int = 3) -> float:
+    def spy(
+        method: str, weights: list[torch.Tensor], rows: int, counts: list[int] | None = None
+    ) -> float:
         timed.append(method)
-        return real(method, weights, rows, repeat)
+        return real(method, weights, rows, counts, repeat=3)
 
     monkeypatch.setattr(prepack, "_time_method", spy)
     monkeypatch.setattr(prepack, "_chosen", {})
@@ -151,6 +154,7 @@ def test_onednn_batches_below_the_crossover_run_plain(
     """Below ``min_rows`` the sampler neither packs nor multiplies with packed copies."""
     monkeypatch.setattr(prepack, "method_for", lambda params, rows: "onednn")
     monkeypatch.setattr(prepack, "min_rows", lambda params, rows: 10**6)
+    monkeypatch.setattr(prepack, "pack_after", lambda params, rows: 0)
     snap = WeightSnapshot(None, 0, base.params.clone(), None)
     plain = _sample(base, snap, on=False)
     below = _sample(base, snap, on=True, packs=False)
@@ -159,3 +163,29 @@ def test_onednn_batches_below_the_crossover_run_plain(
         for x, y in zip(a.sequences, b.sequences, strict=True):
             np.testing.assert_array_equal(x.tokens, y.tokens)
             np.testing.assert_array_equal(x.logprobs, y.logprobs)
+
+
+@pytest.mark.parametrize("after", [3, 10**6])
+def test_weights_are_packed_once_they_have_lasted_pack_after_steps(
+    base: BaseModel, after: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ski rental: weights are packed on their ``pack_after``-th decode step, not
+    before (short-lived weights never pay for packing)."""
+    monkeypatch.setattr(prepack, "method_for", lambda params, rows: METHODS[0])
+    monkeypatch.setattr(prepack, "min_rows", lambda params, rows: 1)
+    monkeypatch.setattr(prepack, "pack_after", lambda params, rows: after)
+    snap = WeightSnapshot(None, 0, base.params.clone(), None)
+    sampler = TorchSampler(base, limits=SamplerLimits(num_slots=2, max_len=64))
+    op = SampleOp(np.arange(3, 9), 2, SamplingConfig(max_tokens=12, seed=1, ignore_eos=True))
+    fut: Future[SampleResult] = Future()
+    sampler.submit(op, snap, fut)
+    packed_at = []
+    while sampler.has_work():
+        sampler.step()
+        packed_at.append(_entry(snap.params.lm_head_weight) is not None)
+    fut.result()
+    if after > 100:
+        assert not any(packed_at)
+    else:  # the first step prefills and decodes once; decode step k is step k
+        assert packed_at.index(True) == after - 1
+        assert all(packed_at[after - 1 :])

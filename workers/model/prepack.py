@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import threading
 import time
 from collections.abc import Iterator
@@ -55,8 +56,9 @@ log = logging.getLogger("treadle.sampler")
 
 #: on a weight tensor: (its version when packed, rows, method, the packed copy)
 _ATTR = "_treadle_packed"
-#: the measured choice, per (distinct weight shapes, rows): (method, fewest rows it pays at)
-_chosen: dict[tuple[tuple[tuple[int, ...], ...], int], tuple[str, int]] = {}
+#: the measured choice, per (weight shapes, rows): (method, fewest rows it pays at,
+#: decode steps it takes to earn back the packing)
+_chosen: dict[tuple[tuple[tuple[int, ...], ...], int], tuple[str, int, int]] = {}
 _local = threading.local()  # .decoding: inside ``decoding()`` on this thread
 
 
@@ -124,14 +126,32 @@ def min_rows(params: LlamaParams, rows: int) -> int:
     return _plan(params, rows)[1]
 
 
-def _plan(params: LlamaParams, rows: int) -> tuple[str, int]:
-    by_shape = {tuple(w.shape): w.detach() for w in _weights(params)}
+def pack_after(params: LlamaParams, rows: int) -> int:
+    """Decode steps with one set of weights after which packing them has paid for
+    itself (packing time / time saved per ``rows``-row step): pack weights once
+    they have been decoded with that long, and short-lived weights (a full
+    fine-tune's in-flight versions, one per optimizer step) never cost more
+    than twice the best choice made knowing their lifetime in advance."""
+    return _plan(params, rows)[2]
+
+
+def _plan(params: LlamaParams, rows: int) -> tuple[str, int, int]:
+    all_weights = [w.detach() for w in _weights(params)]
+    by_shape = {tuple(w.shape): w for w in all_weights}
     weights = list(by_shape.values())
+    counts = [sum(tuple(w.shape) == shape for w in all_weights) for shape in by_shape]
     key = (tuple(sorted(by_shape)), rows)
     if key not in _chosen:
         candidates = ["plain", *methods()]  # "plain": no packed copy beats both
-        seconds = {m: _time_method(m, weights, rows) for m in candidates}
+        seconds = {m: _time_method(m, weights, rows, counts) for m in candidates}
         method = min(candidates, key=lambda m: seconds[m])
+        after = 0
+        if method != "plain":
+            t0 = time.perf_counter()
+            for w in all_weights:
+                _pack(method, w, rows)
+            packing = time.perf_counter() - t0
+            after = math.ceil(packing / max(seconds["plain"] - seconds[method], 1e-9))
         fewest = rows
         if method == "onednn":  # MKL's copy serves exactly ``rows`` rows anyway
             smaller = rows // 2
@@ -139,22 +159,30 @@ def _plan(params: LlamaParams, rows: int) -> tuple[str, int]:
                 "plain", weights, smaller
             ):
                 fewest, smaller = smaller, smaller // 2
-        _chosen[key] = (method, fewest)
+        _chosen[key] = (method, fewest, after)
         log.info(
-            "prepacked weights for %d-row decode batches: %s from %d rows (%s)",
+            "prepacked weights for %d-row decode batches: %s from %d rows, after %d steps (%s)",
             rows,
             method,
             fewest,
+            after,
             ", ".join(f"{m} {s * 1e3:.2f} ms" for m, s in seconds.items()),
         )
     return _chosen[key]
 
 
-def _time_method(method: str, weights: list[Tensor], rows: int, repeat: int = 5) -> float:
-    """Seconds for one ``rows``-row product with each of ``weights`` (best of ``repeat``)."""
+def _time_method(
+    method: str,
+    weights: list[Tensor],
+    rows: int,
+    counts: list[int] | None = None,
+    repeat: int = 5,
+) -> float:
+    """Seconds for one ``rows``-row product with each of ``weights`` (best of
+    ``repeat``), each counted ``counts`` times (the weights of that shape)."""
     total = 0.0
     with torch.no_grad():
-        for w in weights:
+        for i, w in enumerate(weights):
             x_N_I, packed = torch.randn(rows, w.shape[1]), _pack(method, w, rows)
             _packed_product(method, x_N_I, packed, w, rows)  # warm-up
             best = float("inf")
@@ -162,7 +190,7 @@ def _time_method(method: str, weights: list[Tensor], rows: int, repeat: int = 5)
                 t0 = time.perf_counter()
                 _packed_product(method, x_N_I, packed, w, rows)
                 best = min(best, time.perf_counter() - t0)
-            total += best
+            total += best * (counts[i] if counts else 1)
     return total
 
 
