@@ -1,6 +1,7 @@
 """The worker engine: owns the base models, every training model, the sampler
 and the scheduler, and runs them on one thread (or two: ``sampler_thread``
-steps the samplers on their own, ``workers.sampler_loop``).
+steps the samplers on their own, ``workers.sampler_loop``; or in a process of
+their own: ``sampler_process``, ``workers.sampler_process``).
 
 Callers (the in-process dispatcher, or a Celery task) hand work over through
 thread-safe methods that return ``concurrent.futures.Future`` at once; nothing

@@ -116,6 +116,10 @@ def check_engine_settings(config: Any) -> None:
         raise InvalidArgumentError(
             f"training_threads: {config.training_threads!r}; choose from {TRAINING_THREADS}"
         )
+    if config.sampler_thread and config.sampler_process:
+        raise InvalidArgumentError(
+            "sampler_process: give one of --sampler-thread and --sampler-process"
+        )
     for name, ok in (
         ("threads", config.threads >= 0),
         ("sampler_threads", config.sampler_threads >= 0),

@@ -390,3 +390,19 @@ def test_a_dead_child_fails_pending_and_later_samples(tiny_model_dir: Path) -> N
         t0 = time.monotonic()
         engine.stop()
     assert time.monotonic() - t0 < 15
+
+
+def test_the_flag_reaches_the_engine_config(tmp_path: Path) -> None:
+    import argparse
+
+    from treadle.server.config import ServerConfig
+    from treadle.workers.engine_flags import add_engine_flags, engine_config, engine_settings
+
+    parser = argparse.ArgumentParser()
+    add_engine_flags(parser)
+    settings = engine_settings(parser.parse_args(["--sampler-process", "--sampler-threads", "1"]))
+    made = engine_config(ServerConfig(data_dir=tmp_path, **settings), {}, None)
+    assert (made.sampler_process, made.sampler_thread, made.sampler_threads) == (True, False, 1)
+    assert engine_settings(parser.parse_args([]))["sampler_process"] is False
+    with pytest.raises(InvalidArgumentError, match="sampler_process: give one of"):
+        ServerConfig(data_dir=tmp_path, sampler_thread=True, sampler_process=True)
