@@ -75,6 +75,16 @@ L = 4  # short answers: two digits, EOS, one spare
 LONG = 16 * L
 
 
+def _die_with_parent() -> None:
+    """In the server's child process: end when this benchmark ends, however it ends
+    (a benchmark killed with a signal would otherwise leave the server running)."""
+    if sys.platform == "linux":
+        import ctypes
+        import signal
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
 @contextmanager
 def serve(config: ServerConfig, own_process: bool) -> Iterator[tuple[str, str]]:
     """(address, API key) of the benchmark's server: embedded in this process, or,
@@ -97,7 +107,13 @@ def serve(config: ServerConfig, own_process: bool) -> Iterator[tuple[str, str]]:
     if config.sampler_process:
         cmd += ["--sampler-process", "--sampler-threads", str(config.sampler_threads)]
     env = dict(os.environ, TREADLE_API_KEY="")  # the server's own default key
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        cmd,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        preexec_fn=_die_with_parent,
+    )
     key_file = Path(config.data_dir) / "api_key"
     try:
         deadline = time.monotonic() + 120

@@ -22,8 +22,11 @@ be forked), and the engine talks to them in messages:
 
 The parent sends from one thread (a queue: a future's cancel callback may run
 anywhere, and must never block on the pipe) and receives on another, which
-settles the futures and calls stream callbacks. If the child dies, every
-request in flight fails with UNAVAILABLE and later ones are refused.
+settles the futures and calls stream callbacks. If the child dies (a crash
+in a native kernel, the OOM killer), every request in flight fails with
+UNAVAILABLE, its partial rollouts are gone (their handles are NOT_FOUND), and
+the next request starts a new child (at most one start every
+``RESTART_EVERY_S``; sooner, requests are UNAVAILABLE).
 """
 
 from __future__ import annotations
@@ -64,6 +67,7 @@ OnSequence = Callable[[int, SequenceResult, float], None]
 #: snapshots the child keeps mapped for new requests (rows keep their own alive)
 KEEP_SNAPSHOTS = 16
 STATS_EVERY_S = 0.25
+RESTART_EVERY_S = 10.0  # a child that keeps dying is not restarted in a loop
 
 
 Flat = tuple[Tensor, list[tuple[str, tuple[int, ...], int]]]
@@ -136,10 +140,13 @@ class SamplerProcess:
         self._stopping = False
         self._proc: Any = None
         self._threads: list[threading.Thread] = []
+        self._started_at = 0.0
+        self.restarts = 0
 
     # ---- lifecycle -----------------------------------------------------------------
 
     def start(self) -> None:
+        self._started_at = time.monotonic()
         ctx = mp.get_context("spawn")
         to_child_r, to_child_w = ctx.Pipe(duplex=False)
         from_child_r, from_child_w = ctx.Pipe(duplex=False)
@@ -253,6 +260,7 @@ class SamplerProcess:
         )
 
     def swap_weights(self, base: BaseModel, snapshot: WeightSnapshot) -> None:
+        self._restart_if_dead()
         if self._dead is None:
             self._outbox.put(("swap", self._ship(base, snapshot)))
 
@@ -267,7 +275,34 @@ class SamplerProcess:
 
     # ---- parent internals ------------------------------------------------------------
 
+    def _restart_if_dead(self) -> None:
+        """Start a new child in place of a dead one (on the engine thread, which
+        makes every call that sends work), unless the last start was too recent."""
+        if self._dead is None or self._stopping:
+            return
+        if time.monotonic() - self._started_at < RESTART_EVERY_S:
+            return  # requests stay UNAVAILABLE until then
+        log.warning("sampler process: restarting (%s)", self._dead)
+        self._outbox.put(None)  # ends the old send loop
+        for t in self._threads:
+            t.join(5.0)
+        if self._proc is not None and self._proc.is_alive():
+            self._proc.kill()
+            self._proc.join(5.0)
+        self._outbox = queue.SimpleQueue()
+        self._bases.clear()
+        self._snaps.clear()
+        try:
+            self.start()
+        except TreadleError as err:
+            log.error("sampler process: restart failed: %s", err)
+            return
+        with self._lock:
+            self._dead = None
+        self.restarts += 1
+
     def _track(self, future: Future[SampleResult], on_sequence: OnSequence | None) -> int | None:
+        self._restart_if_dead()
         rid = next(self._ids)
         with self._lock:  # _died marks the child dead under this lock too
             dead = self._dead

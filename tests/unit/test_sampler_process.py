@@ -366,7 +366,49 @@ def test_stopping_fails_what_is_still_sampling(tiny_model_dir: Path) -> None:
         os.kill(pid, 0)
 
 
+def test_a_dead_child_is_restarted_for_the_next_request(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Past ``RESTART_EVERY_S`` the next request starts a new child: it samples
+    (weights shipped again, a LoRA model's latest included) and the dead child's
+    partial rollouts are NOT_FOUND."""
+    from treadle.workers import sampler_process
+
+    monkeypatch.setattr(sampler_process, "RESTART_EVERY_S", 0.0)
+    engine = _start(tiny_model_dir)
+    try:
+        _model(engine, "r")
+        seq = _train(engine, "r", 1)
+        engine.submit("r", seq, SyncWeightsOp(), "sync").result(30)  # version 1
+        cut = SampleOp(PROMPT, 1, SamplingConfig(max_tokens=20, token_budget=5, seed=3))
+        (part,) = engine.sample(SamplerTarget("tiny", "r", tenant_id="t"), cut).result(30).sequences
+        assert part.stop_reason == "partial" and part.resume_handle
+        child = _child(engine)
+        old_pid = child.pid
+        assert old_pid is not None
+        fut = engine.sample(SamplerTarget("tiny"), _long_op(2))
+        _wait_running(engine, [fut])
+        os.kill(old_pid, signal.SIGKILL)
+        with pytest.raises(UnavailableError):
+            fut.result(10)
+        op = SampleOp(PROMPT, 2, SamplingConfig(max_tokens=6, seed=5))
+        want = engine.sample(SamplerTarget("tiny", "r", version=1), op)
+        got = want.result(60)
+        assert child.pid not in (None, old_pid) and child.restarts == 1
+        assert [s.versions for s in got.sequences] == [((0, 6, 1),)] * 2
+        latest = engine.sample(SamplerTarget("tiny", "r"), op).result(30)
+        assert [s.tokens.tolist() for s in latest.sequences] == [
+            s.tokens.tolist() for s in got.sequences
+        ]
+        with pytest.raises(NotFoundError):
+            target = SamplerTarget("tiny", "r", tenant_id="t")
+            engine.resume(target, [part.resume_handle], SamplingConfig(max_tokens=20)).result(30)
+    finally:
+        engine.stop()
+
+
 def test_a_dead_child_fails_pending_and_later_samples(tiny_model_dir: Path) -> None:
+    """Within ``RESTART_EVERY_S`` of its start, a dead child is not replaced."""
     engine = _start(tiny_model_dir)
     try:
         child = _child(engine)
