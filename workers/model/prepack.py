@@ -25,6 +25,12 @@ shapes and row count (``method_for``): each method, and the plain product,
 multiplies every distinct weight shape a few times at that row count, and the
 fastest in total wins ("plain": no packed copy; the demo model's 128-wide
 weights on that EPYC: plain 0.39 ms, MKL's 0.40, oneDNN's 0.48 at 128 rows).
+Two more things are measured with it: the fewest rows at which oneDNN's copy
+still beats the plain product (``min_rows``: smaller decode batches multiply
+plain), and how many decode steps packing takes to pay for itself
+(``pack_after``: the sampler packs a set of weights only once it has decoded
+with it that long, so a full fine-tune's versions, replaced every optimizer
+step, are not packed only to be thrown away).
 
 The packed copy is attached to each weight tensor and freed with it (or by
 ``unpack``). It is used only inside ``decoding()`` (the sampler's decode
