@@ -636,10 +636,8 @@ class Engine:
                 op,
                 snapshot,
                 fut,
-                tenant=target.tenant_id,
-                latest_of=target.latest_of,
                 on_sequence=on_sequence,
-                owner=_owner(target),
+                **_who(target),
             )
             return
 
@@ -649,10 +647,8 @@ class Engine:
                 op,
                 snapshot,
                 fut,
-                tenant=target.tenant_id,
-                latest_of=target.latest_of,
                 on_sequence=on_sequence,
-                owner=_owner(target),
+                **_who(target),
             )
 
         self.sampler_loop.post(lambda: _reporting(submit, fut, "sample admission"))
@@ -678,9 +674,7 @@ class Engine:
                 params,
                 snapshot,
                 fut,
-                tenant=target.tenant_id,
-                latest_of=target.latest_of,
-                owner=_owner(target),
+                **_who(target),
             )
             return
         self.sampler_loop.post(
@@ -706,9 +700,7 @@ class Engine:
             params,
             snapshot,
             fut,
-            tenant=target.tenant_id,
-            latest_of=target.latest_of,
-            owner=_owner(target),
+            **_who(target),
         )
 
 
@@ -723,9 +715,12 @@ def _reporting(fn: Callable[[], None], fut: Future[Any], what: str) -> None:
         fut.set_exception(InternalError(str(err)))
 
 
-def _owner(target: SamplerTarget) -> tuple[str, str]:
-    """Who may resume a partial rollout: the tenant, on the same model (or base)."""
-    return (target.tenant_id, target.model_id or f"base:{target.base_model}")
+def _who(target: SamplerTarget) -> dict[str, Any]:
+    """A request's tenant (fair queueing), the model whose in-flight updates it
+    takes (``latest_of``), and who may resume its partial rollouts (``owner``:
+    the tenant, on the same model or base)."""
+    owner = (target.tenant_id, target.model_id or f"base:{target.base_model}")
+    return {"tenant": target.tenant_id, "latest_of": target.latest_of, "owner": owner}
 
 
 def _settle(fut: Future[Any], outcome: Any) -> None:
