@@ -637,7 +637,7 @@ class TorchSampler:
             self._pack_after = prepack.pack_after(params, width) if on else 0
         if self._pack_method == "plain":  # off, or measured: no packed copy is faster
             return 0
-        if self._steps_with(params) < self._pack_after and prepack.packed_rows(params) is None:
+        if prepack.packed_rows(params) is None and self._steps_with(params) < self._pack_after:
             return 0  # not (yet) worth packing: these weights may not last
         if self._pack_method == "onednn":
             if rows >= self._pack_min_rows:

@@ -43,6 +43,7 @@ weights but never takes this path: its ``forward_logprobs`` and
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import math
@@ -144,10 +145,11 @@ def pack_after(params: LlamaParams, rows: int) -> int:
 def _plan(params: LlamaParams, rows: int) -> tuple[str, int, int]:
     all_weights = [w.detach() for w in _weights(params)]
     by_shape = {tuple(w.shape): w for w in all_weights}
-    weights = list(by_shape.values())
-    counts = [sum(tuple(w.shape) == shape for w in all_weights) for shape in by_shape]
     key = (tuple(sorted(by_shape)), rows)
     if key not in _chosen:
+        weights = list(by_shape.values())
+        per_shape = collections.Counter(tuple(w.shape) for w in all_weights)
+        counts = [per_shape[shape] for shape in by_shape]
         candidates = ["plain", *methods()]  # "plain": no packed copy beats both
         seconds = {m: _time_method(m, weights, rows, counts) for m in candidates}
         method = min(candidates, key=lambda m: seconds[m])
