@@ -62,7 +62,7 @@ from treadle.workers.domain import (
 )
 from treadle.workers.sampler import SamplerLimits, SamplerStats, TorchSampler
 from treadle.workers.sampler_loop import SamplerLoop
-from treadle.workers.sampler_process import SamplerProcess
+from treadle.workers.sampler_process import SamplerProcess, shared_copy
 from treadle.workers.scheduler import Admission, OrderedCall, Scheduler, WorkUnit
 from treadle.workers.thread_choice import ThreadChoice
 from treadle.workers.trainer import TrainingModel
@@ -395,7 +395,7 @@ class Engine:
             model.last_checkpoint_seq_id = next_seq_id - 1
         self.models[spec.model_id] = model
         self.scheduler.add_model(spec.model_id, spec.tenant_id, next_seq_id)
-        self.versions.publish(model.snapshot())
+        self.versions.publish(self._snapshot_of(model))
         return self._update_status(spec.model_id)
 
     def _delete_model(self, model_id: str) -> None:
@@ -553,7 +553,7 @@ class Engine:
         if isinstance(op, OptimStepOp):
             return self._auto_checkpoint(model, seq_id, model.optim_step(op.adam))
         if isinstance(op, SyncWeightsOp):
-            snapshot = model.snapshot()
+            snapshot = self._snapshot_of(model)
             self.versions.publish(snapshot)
             if op.inflight and self.sampler_process is not None:
                 self.sampler_process.swap_weights(model.base, snapshot)
@@ -567,6 +567,11 @@ class Engine:
         if isinstance(op, LoadStateOp):
             return checkpoint.load_state(model, op.directory)
         raise InternalError(f"unknown op {type(op).__name__}")
+
+    def _snapshot_of(self, model: TrainingModel) -> WeightSnapshot:
+        """The model's weights as a version; in shared memory when a sampler process
+        will read them (one copy, not a clone and then a shared one)."""
+        return model.snapshot(shared_copy if self.sampler_process is not None else None)
 
     def _auto_checkpoint(
         self, model: TrainingModel, seq_id: int, result: OptimStepResult

@@ -76,10 +76,14 @@ Flat = tuple[Tensor, list[tuple[str, tuple[int, ...], int]]]
 def _flat(named: dict[str, Tensor]) -> Flat | dict[str, Tensor]:
     """One shared-memory buffer holding every tensor (one file descriptor to pass,
     not one per tensor), with each tensor's (name, shape, offset); tensors of
-    mixed dtypes travel as they are."""
+    mixed dtypes travel as they are. Tensors that already are one such buffer
+    (``shared_copy``) are passed as they are, without a copy."""
     tensors = list(named.values())
     if len({t.dtype for t in tensors}) != 1:
         return named
+    already = _as_flat(named)
+    if already is not None:
+        return already
     total = sum(t.numel() for t in tensors)
     buf = torch.empty(total, dtype=tensors[0].dtype).share_memory_()
     layout, offset = [], 0
@@ -89,6 +93,35 @@ def _flat(named: dict[str, Tensor]) -> Flat | dict[str, Tensor]:
         layout.append((name, tuple(t.shape), offset))
         offset += n
     return buf, layout
+
+
+def _as_flat(named: dict[str, Tensor]) -> Flat | None:
+    """``named`` as (buffer, layout) if the tensors fill one shared storage back to
+    back, in order (what ``shared_copy`` makes); else None."""
+    first = next(iter(named.values()))
+    storage = first.untyped_storage()
+    if not storage.is_shared():
+        return None
+    layout, offset = [], 0
+    for name, t in named.items():
+        same = t.untyped_storage().data_ptr() == storage.data_ptr()
+        if not same or not t.is_contiguous() or t.storage_offset() != offset:
+            return None
+        layout.append((name, tuple(t.shape), offset))
+        offset += t.numel()
+    if offset * first.element_size() != storage.nbytes():
+        return None
+    return torch.empty(0, dtype=first.dtype).set_(storage, 0, (offset,), (1,)), layout
+
+
+def shared_copy(named: dict[str, Tensor]) -> dict[str, Tensor]:
+    """Detached copies of ``named``, in one shared-memory buffer when they share a
+    dtype: a full fine-tune's snapshot made so goes to the sampler process without
+    a second copy (and parent and child then hold one copy of it, not two)."""
+    flat = _flat({k: t.detach() for k, t in named.items()})
+    if isinstance(flat, dict):
+        return {k: t.clone() for k, t in flat.items()}
+    return _unflat(flat)
 
 
 def _unflat(flat: Flat | dict[str, Tensor]) -> dict[str, Tensor]:

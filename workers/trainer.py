@@ -7,7 +7,7 @@ accumulated gradients and optimizer state exactly as they were.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -26,10 +26,13 @@ from treadle.workers.domain import (
     ModelSpec,
     OptimStepResult,
 )
-from treadle.workers.model.llama import forward_hidden, lm_logits, target_logprobs
+from treadle.workers.model.llama import LlamaParams, forward_hidden, lm_logits, target_logprobs
 from treadle.workers.model.lora import LoraAdapter
 from treadle.workers.optimizer import AdamW
 from treadle.workers.versions import WeightSnapshot
+
+#: makes detached copies of named tensors, all at once (``TrainingModel.snapshot``)
+TensorsCopy = Callable[[dict[str, Tensor]], dict[str, Tensor]]
 
 
 class TrainingModel:
@@ -64,13 +67,20 @@ class TrainingModel:
     def trainable(self) -> dict[str, Tensor]:
         return self.optimizer.params
 
-    def snapshot(self) -> WeightSnapshot:
-        """A detached copy of the current weights, to publish as a version."""
+    def snapshot(self, copy: TensorsCopy | None = None) -> WeightSnapshot:
+        """A detached copy of the current weights, to publish as a version.
+
+        ``copy`` makes a full fine-tune's copies (all tensors at once, by name;
+        default: a clone of each), e.g. into one shared-memory buffer for a
+        sampler process (``sampler_process.shared_copy``)."""
         if self.adapter is not None:
             return WeightSnapshot(
                 self.spec.model_id, self.version, self.params, self.adapter.clone()
             )
-        params = self.params.map(lambda t: t.detach().clone())
+        if copy is None:
+            params = self.params.map(lambda t: t.detach().clone())
+        else:
+            params = LlamaParams.from_state_dict(self.cfg, copy(self.params.state_dict()))
         return WeightSnapshot(self.spec.model_id, self.version, params, None)
 
     def optim_step(self, cfg: AdamConfig) -> OptimStepResult:

@@ -35,7 +35,7 @@ from treadle.workers.domain import (
     SyncWeightsOp,
 )
 from treadle.workers.engine import Engine, EngineConfig
-from treadle.workers.sampler_process import SamplerProcess
+from treadle.workers.sampler_process import SamplerProcess, _flat, shared_copy
 
 torch.set_num_threads(1)
 pytestmark = pytest.mark.timeout(120)
@@ -180,6 +180,50 @@ def test_process_samples_what_one_thread_samples(
     # the pinned version is version 1, the latest version 4: each sampled as asked
     assert {s.versions[0][2] for r in got[1:6:2] for s in r.sequences} == {1}
     assert {s.versions[0][2] for s in got[-1].sequences} == {4}
+
+
+def test_shared_copy_is_shipped_without_a_second_copy() -> None:
+    """``shared_copy`` puts detached copies in one shared buffer, which ``_flat``
+    then passes as it is; other tensors are copied into a new one."""
+    src = {"a": torch.randn(3, 4, requires_grad=True), "b": torch.randn(5)}
+    shared = shared_copy(src)
+    for k, t in src.items():
+        assert torch.equal(shared[k], t) and not shared[k].requires_grad
+    storage = shared["a"].untyped_storage()
+    assert storage.is_shared() and shared["b"].untyped_storage().data_ptr() == storage.data_ptr()
+    with torch.no_grad():
+        src["a"].add_(1.0)  # the live weights move on; the copy does not
+    assert not torch.equal(shared["a"], src["a"])
+    buf, layout = _flat(shared)  # type: ignore[misc]
+    assert buf.untyped_storage().data_ptr() == storage.data_ptr()  # no copy
+    assert layout == [("a", (3, 4), 0), ("b", (5,), 12)]
+    # not one shared buffer (separate tensors, or out of order): copied
+    for named in ({k: t.detach() for k, t in src.items()}, {"b": shared["b"], "a": shared["a"]}):
+        buf2, _ = _flat(named)  # type: ignore[misc]
+        assert buf2.untyped_storage().data_ptr() != storage.data_ptr()
+        assert torch.equal(buf2[:5], named[next(iter(named))].reshape(-1)[:5])
+    mixed = shared_copy({"a": torch.ones(2), "i": torch.arange(3)})  # two dtypes: clones
+    assert torch.equal(mixed["i"], torch.arange(3)) and not mixed["a"].is_shared()
+
+
+def test_a_full_fine_tunes_versions_live_in_shared_memory(engine: Engine) -> None:
+    """With a sampler process, a full fine-tune's published version is made once,
+    in shared memory, and shipped to the child from there."""
+    _model(engine, "shm-full", rank=0)
+    seq = _train(engine, "shm-full", 1)
+    engine.submit("shm-full", seq, SyncWeightsOp(), "sync").result(30)
+    snap = engine.versions.get("shm-full", 1)
+    named = snap.params.state_dict()
+    live = engine.models["shm-full"].params.state_dict()
+    for k, t in named.items():
+        assert torch.equal(t, live[k]) and t.data_ptr() != live[k].data_ptr()
+    buf, _ = _flat(named)  # type: ignore[misc]
+    assert buf.untyped_storage().is_shared()
+    assert (
+        buf.untyped_storage().data_ptr() == next(iter(named.values())).untyped_storage().data_ptr()
+    )
+    seqs = engine.sample(SamplerTarget("tiny", "shm-full", version=1), _ops()[0]).result(60)
+    assert {s.versions[0][2] for s in seqs.sequences} == {1}
 
 
 # ---- an in-flight update ------------------------------------------------------------------
