@@ -62,7 +62,7 @@ from treadle.workers.domain import (
 )
 from treadle.workers.sampler import SamplerLimits, SamplerStats, TorchSampler
 from treadle.workers.sampler_loop import SamplerLoop
-from treadle.workers.sampler_process import SamplerProcess, shared_copy
+from treadle.workers.sampler_process import SamplerProcess
 from treadle.workers.scheduler import Admission, OrderedCall, Scheduler, WorkUnit
 from treadle.workers.thread_choice import ThreadChoice
 from treadle.workers.trainer import TrainingModel
@@ -571,7 +571,8 @@ class Engine:
     def _snapshot_of(self, model: TrainingModel) -> WeightSnapshot:
         """The model's weights as a version; in shared memory when a sampler process
         will read them (one copy, not a clone and then a shared one)."""
-        return model.snapshot(shared_copy if self.sampler_process is not None else None)
+        sp = self.sampler_process
+        return model.snapshot(None if sp is None else sp.shared_copy)
 
     def _auto_checkpoint(
         self, model: TrainingModel, seq_id: int, result: OptimStepResult

@@ -226,6 +226,52 @@ def test_a_full_fine_tunes_versions_live_in_shared_memory(engine: Engine) -> Non
     assert {s.versions[0][2] for s in seqs.sequences} == {1}
 
 
+def test_version_buffers_are_reused_and_samples_stay_right(
+    engine: Engine, tiny_model_dir: Path
+) -> None:
+    """A full fine-tune publishing more versions than the parent and the child keep:
+    once both let a version go, its shared buffer takes a later version. Each
+    version is sampled pinned right after its sync and again three versions
+    later, while a latest request takes the new weights in flight and a long
+    request decodes version 2 after the parent has let it go; every pinned
+    sample equals a one-thread engine's, so no buffer was written while
+    something could still read it."""
+    op = SampleOp(PROMPT, 2, SamplingConfig(max_tokens=32, seed=3, temperature=0.9))
+
+    def run(eng: Engine, mid: str) -> list[SampleResult]:
+        _model(eng, mid, rank=0)
+        seq, pinned, latest = 1, [], []
+        for v in range(1, 31):  # well past KEEP_SNAPSHOTS (16) and keep_versions (4)
+            seq = _train(eng, mid, seq)
+            eng.submit(mid, seq, SyncWeightsOp(inflight=v > 1), f"s{v}").result(30)
+            seq += 1
+            if v == 2:  # still decoding version 2 long after the parent let it go
+                old = eng.sample(SamplerTarget("tiny", mid, version=2), _long_op(1, seed=11))
+            for pin in (v, max(1, v - 3)):
+                pinned.append(eng.sample(SamplerTarget("tiny", mid, version=pin), op))
+                pinned[-1].result(60)  # done before the next version is written
+            if v % 10 == 1:  # running on the latest weights: the syncs swap them in
+                latest.append(eng.sample(SamplerTarget("tiny", mid), _long_op(1, seed=v)))
+        for f in latest:
+            f.result(60)
+        return [f.result(60) for f in [*pinned, old]]
+
+    one_thread = Engine(_config(tiny_model_dir)).start()
+    try:
+        want = run(one_thread, "reuse")
+    finally:
+        one_thread.stop()
+    reused_before = _child(engine).pool.reused
+    got = run(engine, "reuse")
+    for a, b in zip(want, got, strict=True):
+        for x, y in zip(a.sequences, b.sequences, strict=True):
+            np.testing.assert_array_equal(x.tokens, y.tokens)
+            # batches of other widths than the one thread's: float rounding, <= 1e-4
+            np.testing.assert_allclose(x.logprobs, y.logprobs, atol=1e-4)
+            assert x.versions == y.versions
+    assert _child(engine).pool.reused > reused_before
+
+
 # ---- an in-flight update ------------------------------------------------------------------
 
 
