@@ -600,6 +600,17 @@ class Engine:
             raise NotFoundError(f"model {target.model_id} not found")
         return self.versions.get(target.model_id, target.version)
 
+    def _snapshot_for(self, target: SamplerTarget, fut: Future[Any]) -> WeightSnapshot | None:
+        """The weights a request admitted now samples with; None (its future failed
+        or already cancelled) when there is nothing to admit."""
+        if fut.cancelled():
+            return None
+        try:
+            return self._snapshot(target)
+        except TreadleError as err:
+            fut.set_exception(err)
+            return None
+
     def _sampler_for(self, base_model: str, dtype: torch.dtype) -> TorchSampler:
         key = (base_model, dtype)
         if key not in self.samplers:
@@ -629,12 +640,8 @@ class Engine:
         fut: Future[SampleResult],
         on_sequence: Callable[[int, SequenceResult, float], None] | None = None,
     ) -> None:
-        if fut.cancelled():
-            return
-        try:
-            snapshot = self._snapshot(target)
-        except TreadleError as err:
-            fut.set_exception(err)
+        snapshot = self._snapshot_for(target, fut)
+        if snapshot is None:
             return
         if self.sampler_process is not None:
             self.sampler_process.submit(
@@ -666,12 +673,8 @@ class Engine:
         params: SamplingConfig,
         fut: Future[SampleResult],
     ) -> None:
-        if fut.cancelled():
-            return
-        try:
-            snapshot = self._snapshot(target)
-        except TreadleError as err:
-            fut.set_exception(err)
+        snapshot = self._snapshot_for(target, fut)
+        if snapshot is None:
             return
         if self.sampler_process is not None:
             self.sampler_process.resume(
