@@ -223,8 +223,11 @@ class ShmPool:
             self._lent.clear()
 
 
-def _flat_buffers(flat: Flat | dict[str, Tensor] | None) -> list[Tensor]:
-    return [flat[0]] if isinstance(flat, tuple) else []
+def _shipped_buffers(params: Any, adapter: Any) -> list[Tensor]:
+    """The shared buffers a snapshot message carries: its params' and its adapter's
+    (each a ``Flat``, or tensors sent one by one, or None)."""
+    flats = [params, None if adapter is None else adapter[0]]
+    return [f[0] for f in flats if isinstance(f, tuple)]
 
 
 def _base_key(base: BaseModel) -> BaseKey:
@@ -476,7 +479,7 @@ class SamplerProcess:
         adapter = None
         if snapshot.adapter is not None:
             adapter = (_flat(dict(snapshot.adapter.named_tensors()), take), snapshot.adapter.alpha)
-        lent = _flat_buffers(params) + _flat_buffers(None if adapter is None else adapter[0])
+        lent = _shipped_buffers(params, adapter)
         self.pool.lend(skey, lent)
         wire = (snapshot.model_id, snapshot.version, params, adapter)
         self._snaps[id(snapshot)] = (skey, weakref.ref(snapshot))
@@ -631,7 +634,7 @@ class _Child:
             if params is not None:
                 weights = LlamaParams.from_state_dict(base.cfg, _unflat(params))
             self.snapshots[skey] = (bkey, WeightSnapshot(model_id, version, weights, lora))
-            held = _flat_buffers(params) + _flat_buffers(None if adapter is None else adapter[0])
+            held = _shipped_buffers(params, adapter)
             if held:
                 self.held[skey] = held
             self._release_unused()
