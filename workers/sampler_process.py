@@ -194,6 +194,8 @@ class ShmPool:
         self.reused = 0
 
     def take(self, numel: int, dtype: torch.dtype) -> Tensor:
+        if _SOLE is None:  # no way to tell when a buffer is free: never keep one
+            return _new_shared(numel, dtype)
         with self._lock:
             lent = {p for ptrs in self._lent.values() for p in ptrs}
             free = [p for p, b in self._bufs.items() if p not in lent and _sole_holder(b)]
@@ -201,12 +203,13 @@ class ShmPool:
                 b = self._bufs[p]
                 if b.numel() == numel and b.dtype == dtype:
                     self.reused += 1
-                    return b
+                    return b[:]
             for p in free[: max(0, len(free) - self.keep)]:
                 del self._bufs[p]  # unmapped as the last tensor on it goes
             buf = _new_shared(numel, dtype)
             self._bufs[buf.data_ptr()] = buf
-            return buf
+            # a view, never the pool's own tensor: whoever holds it counts as a reader
+            return buf[:]
 
     def lend(self, skey: int, bufs: list[Tensor]) -> None:
         with self._lock:

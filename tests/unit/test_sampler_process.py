@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from treadle.errors import InvalidArgumentError, NotFoundError, UnavailableError
+from treadle.workers import sampler_process
 from treadle.workers.domain import (
     AdamConfig,
     DatumData,
@@ -204,6 +205,27 @@ def test_shared_copy_is_shipped_without_a_second_copy() -> None:
         assert torch.equal(buf2[:5], named[next(iter(named))].reshape(-1)[:5])
     mixed = shared_copy({"a": torch.ones(2), "i": torch.arange(3)})  # two dtypes: clones
     assert torch.equal(mixed["i"], torch.arange(3)) and not mixed["a"].is_shared()
+
+
+def test_the_pool_reuses_only_free_buffers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A buffer comes back only when the child returned it and nothing views it;
+    where torch does not count references, the pool keeps nothing at all."""
+    pool = sampler_process.ShmPool()
+    buf = pool.take(6, torch.float32)
+    ptr, view = buf.data_ptr(), buf[:3]
+    pool.lend(7, [buf])
+    del buf  # shipped: from here on only `view` reads it on this side
+    others = [pool.take(6, torch.float32)]  # held: never free while this test runs
+    assert others[0].data_ptr() != ptr  # lent: not reused
+    pool.returned([7])
+    others.append(pool.take(6, torch.float32))
+    assert others[1].data_ptr() != ptr  # returned, but still viewed
+    del view
+    assert pool.take(6, torch.float32).data_ptr() == ptr and pool.reused == 1
+    monkeypatch.setattr(sampler_process, "_SOLE", None)
+    kept = len(pool._bufs)
+    pool.take(6, torch.float32)
+    assert len(pool._bufs) == kept  # not remembered: it could never be freed
 
 
 def test_a_full_fine_tunes_versions_live_in_shared_memory(engine: Engine) -> None:
