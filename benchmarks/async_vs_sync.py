@@ -24,7 +24,8 @@ a process of its own, ``EngineConfig.sampler_process``):
   ``inflight``;
 * rung 3 with ``on_stale="wait"`` (the trainer waits for a group the next step
   would make too stale instead of dropping it): ``max_staleness`` 4 alone, and
-  2 and 4 with in-flight updates.
+  2, 4 and 8 with in-flight updates (the bound's price: a tighter one makes the
+  trainer wait for more long answers; "max staleness" shows what each allowed).
 
 The train step trains on the scored prefix of each answer (the forced tail
 stands for reasoning the reward does not read; ``--train-full`` trains on
@@ -368,6 +369,9 @@ def main() -> int:
                 variants["rung 3 ms 4 + in-flight, wait"] = rung3(
                     4, inflight=inflight_ok, wait=True
                 )
+                variants["rung 3 ms 8 + in-flight, wait"] = rung3(
+                    8, inflight=inflight_ok, wait=True
+                )
             for name, make in variants.items():
                 if args.variants and not any(v in name for v in args.variants):
                     continue
@@ -379,6 +383,7 @@ def main() -> int:
                 final = task.evaluate(tr.sync_weights())
                 tokens = sum(s.trained_tokens for s in stats)
                 stale = float(np.mean([rl_counter(s.staleness) for s in stats]))
+                worst = max((max(s.staleness, default=0) for s in stats), default=0)
                 results.setdefault(name, []).append((tokens / wall, final))
                 rows.append(
                     [
@@ -393,6 +398,7 @@ def main() -> int:
                         f"{sum(s.sampler_wait_s for s in stats):.1f}",
                         sum(s.dropped_stale for s in stats),
                         f"{stale:.2f}",
+                        worst,
                         f"{before:.3f}",
                         f"{final:.3f}",
                     ]
@@ -412,6 +418,7 @@ def main() -> int:
         "sampler wait s",
         "dropped",
         "mean staleness",
+        "max staleness",
         "reward before",
         "final reward",
     ]
