@@ -27,6 +27,7 @@ from torch import Tensor
 from treadle.errors import InvalidArgumentError
 from treadle.workers.model.config import ModelConfig
 from treadle.workers.model.llama import LlamaParams
+from treadle.workers.model.low_rank import low_rank_add
 
 #: Every projection LoRA can target, in the order adapters are initialised.
 TARGETS: tuple[str, ...] = (
@@ -236,7 +237,11 @@ class LoraAdapter:
         return F.linear(F.linear(x, a), self.b[layer][target]) * self.scale
 
     def apply(self, layer: int, target: str, x: Tensor, y: Tensor) -> Tensor:
-        """``y + scale * B A x`` for every row: the single-adapter fast path."""
+        """``y + scale * B A x`` for every row: the single-adapter fast path.
+
+        Two plain ``F.linear``: on one adapter's rows ``low_rank_add`` (whose
+        backward runs in Python) measured no faster in a whole model's
+        ``forward_backward``, so the adapter keeps the simpler form."""
         a = self.a[layer].get(target)
         if a is None:
             return y
@@ -260,10 +265,10 @@ class LoraRows:
 
     Training batches are usually tidier: each call's rows are contiguous, and
     calls of one shape give every adapter the same number of rows. Then the
-    rows split into equal segments, one per adapter, and ``torch.bmm`` applies
-    each adapter to its own segment (``segments``): no zero columns, so the
-    low-rank work is exactly each adapter's own (the dense form multiplies
-    every row by every adapter), in three ops.
+    rows split into equal segments, one per adapter, and batched products apply
+    each adapter to its own segment (``segments``, ``low_rank.low_rank_add``):
+    no zero columns, so the low-rank work is exactly each adapter's own (the
+    dense form multiplies every row by every adapter).
     """
 
     DENSE_MAX_RANK = 256
@@ -327,25 +332,23 @@ class LoraRows:
         return y_B_T_O
 
     def _apply_segments(self, layer: int, target: str, x_B_T_I: Tensor, y_B_T_O: Tensor) -> Tensor:
-        """Segment k (rows ``k*B/n`` onward) gets adapter ``segments[k]``: two bmm."""
+        """Segment k (rows ``k*B/n`` onward) gets adapter ``segments[k]``: ``low_rank_add``."""
         assert self.segments is not None
         adapters = [self.adapters[i] for i in self.segments]
         n, out_dim = len(adapters), y_B_T_O.shape[-1]
         a_N_R_I = torch.stack([a.a[layer][target] for a in adapters])
         b_N_O_R = torch.stack([a.b[layer][target] for a in adapters])
-        h_N_S_R = torch.bmm(x_B_T_I.reshape(n, -1, x_B_T_I.shape[-1]), a_N_R_I.transpose(1, 2))
         scales = [a.scale for a in adapters]
-        if len(set(scales)) == 1:
-            out = torch.baddbmm(
-                y_B_T_O.reshape(n, -1, out_dim), h_N_S_R, b_N_O_R.transpose(1, 2), alpha=scales[0]
-            )
-        else:
-            scale_N_1_1 = torch.tensor(scales, dtype=h_N_S_R.dtype, device=h_N_S_R.device)
-            out = torch.baddbmm(
-                y_B_T_O.reshape(n, -1, out_dim),
-                h_N_S_R * scale_N_1_1.view(n, 1, 1),
-                b_N_O_R.transpose(1, 2),
-            )
+        scale: float | Tensor = scales[0]
+        if len(set(scales)) > 1:
+            scale = torch.tensor(scales, dtype=y_B_T_O.dtype, device=y_B_T_O.device).view(n, 1, 1)
+        out = low_rank_add(
+            y_B_T_O.reshape(n, -1, out_dim),
+            x_B_T_I.reshape(n, -1, x_B_T_I.shape[-1]),
+            a_N_R_I,
+            b_N_O_R,
+            scale,
+        )
         return out.view(y_B_T_O.shape)
 
     def _apply_dense(
