@@ -27,6 +27,7 @@ from treadle.workers.model import (
     save_params,
     target_logprobs,
 )
+from treadle.workers.model.llama import rms_norm
 from treadle.workers.model.tiny import build_tiny_model
 
 torch.set_num_threads(2)
@@ -376,3 +377,22 @@ def test_config_reads_the_legacy_layout() -> None:
 def test_config_errors_are_invalid_argument(changes: dict, match: str) -> None:
     with pytest.raises(InvalidArgumentError, match=match):
         ModelConfig.from_hf_dict(_hf_dict(**changes))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_rms_norm_fast_path_is_the_hf_formula_bit_for_bit(dtype: torch.dtype) -> None:
+    """``rms_norm`` takes ``F.rms_norm`` for float32/float64: the same values and
+    gradients, bit for bit, as HF's formula written out."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 7, 64, generator=gen, dtype=dtype).requires_grad_()
+    w = (1 + 0.1 * torch.randn(64, generator=gen, dtype=dtype)).requires_grad_()
+    g = torch.randn(5, 7, 64, generator=gen, dtype=dtype)
+    fast = rms_norm(x, w, 1e-5)
+    written_out = w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5))
+    assert torch.equal(fast, written_out)
+    for ours, theirs in zip(
+        torch.autograd.grad(fast, (x, w), g),
+        torch.autograd.grad(written_out, (x, w), g),
+        strict=True,
+    ):
+        assert torch.equal(ours, theirs)

