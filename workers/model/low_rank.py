@@ -7,8 +7,8 @@ times slower than the same product transposed (``[r, M]``, ``[r, out]``):
 on a 2-core AMD EPYC, one thread, ``[4, 32, 256] @ [4, 256, 8]`` took 39 µs
 and its transpose ``[4, 8, 256] @ [4, 256, 32]`` 12 µs; the gradient of
 ``B`` (``go.T @ h``, ``[256, 32] @ [32, 8]`` per segment) 44 µs against 11 µs
-for ``h.T @ go``. Autograd's own backward of ``F.linear`` takes the slow
-orientations. So the update is one autograd function whose forward keeps
+for ``h.T @ go``. Autograd's own backward of these products (``bmm``,
+``F.linear``) takes the slow orientations. So the update is one autograd function whose forward keeps
 ``h`` transposed (``hT = A @ x.T``, ``[r, M]``) and whose backward computes
 every product with ``r`` as its row count:
 
