@@ -35,7 +35,8 @@ class SamplerLimits:
     max_prefill_tokens: int = 512
     max_queued: int = 4096
     log_every_s: float = 30.0
-    #: decode with weights prepacked for ``num_slots`` rows (fp32 on CPU; a second
+    #: decode with weights prepacked for ``num_slots`` rows (fp32, or bf16 where the CPU
+    #: multiplies it natively; a second
     #: copy of the weights of each of the last ``sampler.MAX_PACKED`` versions decoded)
     prepack: bool = True
 

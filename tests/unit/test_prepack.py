@@ -189,3 +189,39 @@ def test_weights_are_packed_once_they_have_lasted_pack_after_steps(
     else:  # the first step prefills and decodes once; decode step k is step k
         assert packed_at.index(True) == after - 1
         assert all(packed_at[after - 1 :])
+
+
+@pytest.mark.skipif(
+    "onednn" not in prepack.methods(torch.bfloat16),
+    reason="no oneDNN bf16 kernels for this CPU (AVX512-BF16 or AMX)",
+)
+def test_bf16_weights_pack_with_onednn_and_sample_the_same(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """bf16 weights have oneDNN's copy only (MKL's packed sgemm is fp32), and a
+    sampler decoding through it samples what the plain bf16 product samples."""
+    bf16 = BaseModelRegistry({"tiny": tiny_model_dir}).get("tiny", torch.bfloat16)
+    assert prepack.available(bf16.params)
+    assert prepack.methods(torch.bfloat16) == ["onednn"]
+    assert prepack.method_for(bf16.params, 8) in ("plain", "onednn")  # measured in bf16
+    w = bf16.params.layers[0].up_proj
+    params = bf16.params.clone()
+    assert prepack.prepack(params, 8, "onednn") == "onednn"
+    x = torch.randn(5, w.shape[1]).to(torch.bfloat16)
+    with torch.no_grad(), prepack.decoding():
+        packed = prepack.linear(x, params.layers[0].up_proj)
+    assert packed.dtype == torch.bfloat16
+    torch.testing.assert_close(packed, F.linear(x, w), rtol=1e-2, atol=1e-2)
+
+    monkeypatch.setattr(prepack, "method_for", lambda params, rows: "onednn")
+    monkeypatch.setattr(prepack, "min_rows", lambda params, rows: 1)
+    monkeypatch.setattr(prepack, "pack_after", lambda params, rows: 0)
+    snap = WeightSnapshot(None, 0, bf16.params.clone(), None)
+    plain = _sample(bf16, snap, on=False)
+    on = _sample(bf16, snap, on=True, packs=True)
+    entry = _entry(snap.params.lm_head_weight)
+    assert entry is not None and entry[2] == "onednn"  # type: ignore[index]
+    for a, b in zip(plain, on, strict=True):
+        for s, t in zip(a.sequences, b.sequences, strict=True):
+            np.testing.assert_array_equal(s.tokens, t.tokens)
+            np.testing.assert_allclose(s.logprobs, t.logprobs, atol=1e-3)

@@ -1,4 +1,4 @@
-"""Weights prepacked for the CPU's matmul library: the sampler's fp32 fast path.
+"""Weights prepacked for the CPU's matmul library: the sampler's fast path.
 
 A plain ``F.linear`` on CPU runs MKL's sgemm, which repacks the weight matrix
 into its blocked layout on every call. For the skinny products of decoding (a
@@ -14,6 +14,11 @@ multiply. Two ways to pay it once, per weight, are kept as a second copy:
   valid for any row count. It is used for inputs of up to the packed row
   count (the decode batches), with no padding; larger inputs (prefill) run
   plain.
+
+bf16 weights have only oneDNN's copy, on a CPU with native bf16 multiplies
+(AVX512-BF16, AMX): on a 2-core Sapphire Rapids Xeon it ran the 110M model's
+bf16 products at 32 rows in 5.8 ms a decode step against 9.8 ms for
+``F.linear``, with equal results (the plain product goes through oneDNN too).
 
 Which is faster, if either beats the plain product, depends on the CPU and
 the shapes. On one 2-core AVX-512 machine MKL's
@@ -63,9 +68,9 @@ log = logging.getLogger("treadle.sampler")
 
 #: on a weight tensor: (its version when packed, rows, method, the packed copy)
 _ATTR = "_treadle_packed"
-#: the measured choice, per (weight shapes, rows): (method, fewest rows it pays at,
-#: decode steps it takes to earn back the packing)
-_chosen: dict[tuple[tuple[tuple[int, ...], ...], int], tuple[str, int, int]] = {}
+#: the measured choice, per (weight shapes, dtype, rows): (method, fewest rows it
+#: pays at, decode steps it takes to earn back the packing)
+_chosen: dict[tuple[tuple[tuple[int, ...], ...], torch.dtype, int], tuple[str, int, int]] = {}
 _local = threading.local()  # .decoding: inside ``decoding()`` on this thread
 
 
@@ -80,20 +85,30 @@ def decoding() -> Iterator[None]:
         _local.decoding = before
 
 
-def methods() -> list[str]:
-    """The prepacking methods this torch build has, in order of preference on a tie."""
+def methods(dtype: torch.dtype = torch.float32) -> list[str]:
+    """The prepacking methods this torch build and CPU have for ``dtype`` weights,
+    in order of preference on a tie. MKL's packed sgemm is fp32 only; oneDNN
+    reorders bf16 weights too, where the CPU multiplies bf16 natively."""
     out = []
-    if torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise"):
+    onednn = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    if onednn and (dtype == torch.float32 or (dtype == torch.bfloat16 and _bf16_native())):
         out.append("onednn")
-    if torch.backends.mkl.is_available():
+    if dtype == torch.float32 and torch.backends.mkl.is_available():
         out.append("mkl")
     return out
 
 
+def _bf16_native() -> bool:
+    """Whether oneDNN has bf16 kernels for this CPU (AVX512-BF16, AMX)."""
+    check = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    return bool(check()) if check is not None else False
+
+
 def available(params: LlamaParams) -> bool:
-    """Whether ``params`` can be prepacked here: fp32 weights on CPU, and a method."""
+    """Whether ``params`` can be prepacked here: fp32 or bf16 weights on CPU, and a
+    method for their dtype."""
     w = params.embed_tokens
-    return w.device.type == "cpu" and w.dtype == torch.float32 and bool(methods())
+    return w.device.type == "cpu" and bool(methods(w.dtype))
 
 
 def _weights(params: LlamaParams) -> Iterator[Tensor]:
@@ -145,12 +160,13 @@ def pack_after(params: LlamaParams, rows: int) -> int:
 def _plan(params: LlamaParams, rows: int) -> tuple[str, int, int]:
     all_weights = [w.detach() for w in _weights(params)]
     by_shape = {tuple(w.shape): w for w in all_weights}
-    key = (tuple(sorted(by_shape)), rows)
+    key = (tuple(sorted(by_shape)), all_weights[0].dtype, rows)
     if key not in _chosen:
         weights = list(by_shape.values())
         per_shape = collections.Counter(tuple(w.shape) for w in all_weights)
         counts = [per_shape[shape] for shape in by_shape]
-        candidates = ["plain", *methods()]  # "plain": no packed copy beats both
+        dtype = weights[0].dtype
+        candidates = ["plain", *methods(dtype)]  # "plain": no packed copy beats them
         seconds = {m: _time_method(m, weights, rows, counts) for m in candidates}
         method = min(candidates, key=lambda m: seconds[m])
         after = 0
@@ -191,7 +207,8 @@ def _time_method(
     total = 0.0
     with torch.no_grad():
         for i, w in enumerate(weights):
-            x_N_I, packed = torch.randn(rows, w.shape[1]), _pack(method, w, rows)
+            x_N_I = torch.randn(rows, w.shape[1]).to(w.dtype)
+            packed = _pack(method, w, rows)
             _packed_product(method, x_N_I, packed, w, rows)  # warm-up
             best = float("inf")
             for _ in range(repeat):
