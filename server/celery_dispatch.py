@@ -21,6 +21,12 @@ stays at its last applied step (the database has its version and checkpoints);
 later calls on it answer ABORTED naming how to restore it: ``load_state`` of a
 checkpoint places it again, on a live worker, at that checkpoint (or
 ``create_training_client_from_state`` makes a new model from it).
+
+Draining. A worker stopping gracefully turns ``draining``: it gets no new
+model and still serves its own, and ``draining_models()`` names them; the
+server's lifecycle unloads each at its first idle moment (a checkpoint in the
+store), and its next call restores it on a live worker. A model that its
+worker let go of this way before stopping is ``unloaded``, not lost.
 """
 
 from __future__ import annotations
@@ -131,6 +137,7 @@ class CeleryDispatcher:
         self._gone: set[str] = set()
         self._placing: Counter[str] = Counter()  # creations in flight, per worker
         self._live: list[_Live] = []
+        self._draining: set[str] = set()  # model ids on workers stopping gracefully
         self._restored: dict[tuple[str, int], LoadResult] = {}
         self._stopping = threading.Event()
         self._ready = threading.Event()
@@ -298,6 +305,10 @@ class CeleryDispatcher:
         """None here: each worker's samplers run in its process and log their own
         throughput (``treadle.sampler``)."""
         return []
+
+    def draining_models(self) -> set[str]:
+        with self._lock:
+            return set(self._draining)
 
     def close(self) -> None:
         self._stopping.set()
@@ -510,6 +521,13 @@ class CeleryDispatcher:
                 _Live(w.id, tuple(wq.base_models_of(w)))
                 for w in wq.live_workers(s, now - dt.timedelta(seconds=self.worker_timeout_s))
             ]
+            draining = wq.active_models_on(s, wq.draining_workers(s))
+            # Models a draining worker let go of before it stopped were checkpointed
+            # and wait to be restored elsewhere: moved, not lost.
+            with self._lock:
+                leaving = [m for m, w in self._placement.items() if w in gone]
+            moved = wq.unloaded_models(s, leaving)
+            stopped = wq.stopped_cleanly(s, gone)
             s.commit()
         for worker_id in declared:
             log.warning(
@@ -520,21 +538,27 @@ class CeleryDispatcher:
         failed: list[_Pending] = []
         with self._lock:
             self._live = live
+            self._draining = draining
             self._gone |= gone
             for model_id, worker_id in list(self._placement.items()):
                 if worker_id in gone:
                     del self._placement[model_id]
-                    self._lost[model_id] = worker_id
+                    if model_id not in moved:
+                        self._lost[model_id] = worker_id
                     self._status.pop(model_id, None)
             for cid, p in list(self._pending.items()):
                 if p.worker_id in gone:
                     failed.append(self._pending.pop(cid))
         for p in failed:
+            why = (
+                "stopped"
+                if p.worker_id in stopped
+                else f"stopped answering (no heartbeat for {self.worker_timeout_s:g} s)"
+            )
             _resolve_threadsafe(
                 p,
                 UnavailableError(
-                    f"worker {p.worker_id} stopped answering (no heartbeat for "
-                    f"{self.worker_timeout_s:g} s)"
+                    f"worker {p.worker_id} {why}"
                     + (f"; model {p.model_id} stays at its last applied step" if p.model_id else "")
                 ),
             )

@@ -83,6 +83,12 @@ class Dispatcher(Protocol):
         """Live stats of the samplers this dispatcher reaches directly."""
         ...
 
+    def draining_models(self) -> set[str]:
+        """Models on workers that are stopping gracefully: to be moved off, each at
+        its first idle moment (``ModelLifecycle``), to a checkpoint it is restored
+        from elsewhere on its next call."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -209,6 +215,9 @@ class InProcessDispatcher:
 
     def sampler_metrics(self) -> list[SamplerStats]:
         return self.engine.sampler_metrics()
+
+    def draining_models(self) -> set[str]:
+        return set()  # the engine stops with the server
 
     def close(self) -> None:
         if self.staged is not None:

@@ -12,6 +12,13 @@ Every model-bound call runs inside ``using(tenant, model_id)``, which restores
 the model if need be, counts the call in flight, and resets the idle clock.
 Transitions (unload, restore) of one model never overlap: a call that arrives
 during an unload waits for it, then restores.
+
+The same unload moves models off a worker that is stopping gracefully
+(``treadle worker`` on SIGTERM: ``draining``): each is unloaded at its first
+idle moment, whatever its TTL, and its next call restores it on another
+worker at the same ``seq_id``. A model holding gradients of a step not yet
+taken is refused by its engine and tried again later; the draining worker
+serves its calls meanwhile, so the step can finish.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ import asyncio
 import contextlib
 import datetime as dt
 import logging
+import math
 import time
 from collections.abc import AsyncIterator, Coroutine
 from pathlib import Path
@@ -41,6 +49,10 @@ log = logging.getLogger("treadle.server")
 
 #: The checkpoint name an unload writes (shared with the auto-checkpoint policy).
 AUTO_NAME = "auto"
+#: how often models on draining workers are looked at, and how long one whose
+#: engine refused to let go (gradients held, calls waiting) is left before a retry
+DRAIN_POLL_S = 0.2
+DRAIN_RETRY_S = 1.0
 
 
 class ModelLifecycle:
@@ -51,6 +63,8 @@ class ModelLifecycle:
         self.inflight: dict[str, int] = {}
         self._transitions: dict[str, asyncio.Task[bool]] = {}
         self._sweeper: asyncio.Task[None] | None = None
+        self._mover: asyncio.Task[None] | None = None
+        self._refused: dict[str, float] = {}  # model_id -> when its engine last refused
 
     # ---- calls -----------------------------------------------------------------
 
@@ -78,6 +92,7 @@ class ModelLifecycle:
     def forget(self, model_id: str) -> None:
         self.last_used.pop(model_id, None)
         self.inflight.pop(model_id, None)
+        self._refused.pop(model_id, None)
 
     async def wait_idle_transition(self, model_id: str) -> None:
         """Wait for an unload or restore of the model in progress, if any."""
@@ -210,18 +225,56 @@ class ModelLifecycle:
         )
         return True
 
-    # ---- the background sweeper ------------------------------------------------
+    # ---- models on draining workers ---------------------------------------------
+
+    async def move_draining(self, now: float | None = None) -> list[str]:
+        """Unload this server's models on draining workers that are idle now; the
+        ids moved. Each comes back on another worker at its next call."""
+        now = time.time() if now is None else now
+        moved = []
+        for model_id in sorted(self.ctx.dispatcher.draining_models()):
+            if (
+                model_id not in self.ctx.owners
+                or self.inflight.get(model_id)
+                or model_id in self._transitions
+                or now - self._refused.get(model_id, -math.inf) < DRAIN_RETRY_S
+            ):
+                continue
+            if await self._start(model_id, self._unload(model_id)):
+                self._refused.pop(model_id, None)
+                moved.append(model_id)
+            else:
+                self._refused[model_id] = time.time()
+        return moved
+
+    # ---- the background tasks ----------------------------------------------------
 
     def start(self) -> None:
         if self.ctx.config.model_ttl_s and self._sweeper is None:
             self._sweeper = asyncio.ensure_future(self._run())
+        if self._mover is None:
+            self._mover = asyncio.ensure_future(self._move())
 
     async def stop(self) -> None:
-        task, self._sweeper = self._sweeper, None
-        if task is not None:
+        tasks = [t for t in (self._sweeper, self._mover) if t is not None]
+        self._sweeper = self._mover = None
+        for task in tasks:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+
+    async def _move(self) -> None:
+        while True:
+            await asyncio.sleep(DRAIN_POLL_S)
+            if not self.ctx.dispatcher.draining_models():
+                continue
+            try:
+                moved = await self.move_draining()
+            except Exception:
+                log.exception("moving models off draining workers failed")
+                continue
+            if moved:
+                log.info("moved off draining workers: %s", ", ".join(moved))
 
     async def _run(self) -> None:
         interval = self.ctx.config.sweep_interval_s

@@ -14,6 +14,12 @@ Threads, and why:
 - heartbeat: ``workers.heartbeat_at`` every ``heartbeat_s``; a worker the server has
   declared dead stops serving (its models have been marked lost, and may already
   be restored elsewhere).
+- drain (on SIGTERM): the worker turns ``draining`` and keeps serving while the
+  servers checkpoint its models, one at a time at each one's first idle moment,
+  and restore them on other workers at their next calls (``server.lifecycle``).
+  Once it hosts no model and answers no call, or after ``drain_timeout_s``, it
+  stops as Celery's warm shutdown does; models still here then are lost, as
+  with a crash. A second SIGTERM, or SIGINT, stops it at once.
 """
 
 from __future__ import annotations
@@ -141,7 +147,11 @@ class Worker:
         self.replies = Replier(config.broker, self.engine)
         self.hosted: set[str] = set()
         self._hosted_lock = threading.Lock()
+        self._calls = 0  # calls handed to the engine, not answered yet (under _hosted_lock)
         self._stopping = threading.Event()
+        self._draining: threading.Thread | None = None
+        self._drained = False
+        self._celery_term: Any = None  # Celery's own SIGTERM handler (warm shutdown)
         self.app = make_celery(config.broker)
         self.app.conf.task_queues = (worker_queue(self.worker_id),)
         self.app.task(name=TASK)(self.handle)
@@ -160,7 +170,17 @@ class Worker:
         except Exception as err:
             self.replies.put(reply_to, cid, err, model_id)
             return
-        fut.add_done_callback(lambda f: self.replies.put(reply_to, cid, f, model_id))
+        self._count_call(1)
+
+        def reply(f: Future[Any]) -> None:
+            self.replies.put(reply_to, cid, f, model_id)
+            self._count_call(-1)
+
+        fut.add_done_callback(reply)
+
+    def _count_call(self, delta: int) -> None:
+        with self._hosted_lock:
+            self._calls += delta
 
     def _stream(self, cid: str, reply_to: str, target: SamplerTarget, op: SampleOp) -> None:
         """A streamed sample: one reply per sample as it finishes (``more``), in the
@@ -175,8 +195,11 @@ class Worker:
             err = None if not f.cancelled() else UnavailableError("the sample was cancelled")
             err = err or f.exception()
             self.replies.put(reply_to, cid, err or len(f.result().sequences), None)
+            self._count_call(-1)
 
-        self.engine.sample(target, op, on_sequence=item).add_done_callback(done)
+        fut = self.engine.sample(target, op, on_sequence=item)
+        self._count_call(1)
+        fut.add_done_callback(done)
 
     def _start(self, kind: str, args: Any) -> tuple[str | None, Future[Any]]:
         staged = self.staged
@@ -278,7 +301,7 @@ class Worker:
             except Exception as err:
                 log.warning("heartbeat failed: %s", err)
                 continue
-            if status != "live":
+            if status not in wq.SERVING:
                 log.error(
                     "worker %s was declared %s by a server: it stops serving",
                     self.worker_id,
@@ -294,11 +317,77 @@ class Worker:
         self._stopping.set()
         try:
             with self.sessions() as s:
-                if s.scalar(_status_query(self.worker_id)) == "live":
+                if s.scalar(_status_query(self.worker_id)) in wq.SERVING:
                     wq.set_worker_status(s, self.worker_id, "stopped")
                 s.commit()
         except Exception as err:
             log.warning("could not deregister: %s", err)
+
+    # ---- drain -------------------------------------------------------------------------
+
+    def _on_ready(self) -> None:
+        self._register()
+        self._take_sigterm()
+
+    def _take_sigterm(self) -> None:
+        """Put the drain in front of Celery's warm shutdown (run in the main thread,
+        once Celery has installed its own handlers)."""
+        if self.config.drain_timeout_s <= 0:
+            return
+        try:
+            self._celery_term = signal.getsignal(signal.SIGTERM)
+            signal.signal(signal.SIGTERM, self._on_sigterm)
+        except ValueError:  # signal handlers are set from the main thread only
+            log.warning("SIGTERM stops this worker at once (no drain): not the main thread")
+
+    def _on_sigterm(self, signum: int, frame: Any) -> None:
+        if self._draining is None and not self._drained and not self._stopping.is_set():
+            self._draining = threading.Thread(target=self._drain, name="treadle-drain", daemon=True)
+            self._draining.start()
+            return
+        # Drained, a second SIGTERM, or declared dead (heartbeat): Celery's warm shutdown.
+        if callable(self._celery_term):
+            self._celery_term(signum, frame)
+        else:
+            raise SystemExit(0)
+
+    def _drain(self) -> None:
+        from treadle.server.db import workers as wq
+
+        t0 = time.monotonic()
+        try:
+            with self.sessions() as s:
+                if s.scalar(_status_query(self.worker_id)) == "live":
+                    wq.set_worker_status(s, self.worker_id, "draining")
+                s.commit()
+        except Exception as err:
+            log.warning("could not mark this worker draining: %s", err)
+        with self._hosted_lock:
+            left, calls = sorted(self.hosted), self._calls
+        print(
+            f"treadle worker {self.worker_id}: draining {len(left)} model(s), {calls} call(s) "
+            f"(at most {self.config.drain_timeout_s:g} s; SIGTERM again to stop now)",
+            flush=True,
+        )
+        deadline = t0 + self.config.drain_timeout_s
+        while not self._stopping.is_set():  # set if a server declares this worker dead
+            with self._hosted_lock:
+                left, calls = sorted(self.hosted), self._calls
+            if not left and not calls:
+                log.info("drained in %.1f s", time.monotonic() - t0)
+                break
+            if time.monotonic() >= deadline:
+                log.warning(
+                    "drain timed out after %g s with %d call(s) unanswered; models still "
+                    "here are lost: %s",
+                    self.config.drain_timeout_s,
+                    calls,
+                    ", ".join(left) or "none",
+                )
+                break
+            time.sleep(0.1)
+        self._drained = True
+        os.kill(os.getpid(), signal.SIGTERM)  # to the main thread: Celery's warm shutdown
 
     def run(self) -> int:
         from celery.signals import worker_ready, worker_shutting_down
@@ -306,7 +395,7 @@ class Worker:
         self._wait_for_schema()
         self.engine.start()
         self.replies.start()
-        worker_ready.connect(lambda **_: self._register(), weak=False)
+        worker_ready.connect(lambda **_: self._on_ready(), weak=False)
         # A stopping worker stops heart-beating at once: servers fail its calls
         # rather than wait for replies that will not come.
         worker_shutting_down.connect(lambda **_: self._deregister(), weak=False)

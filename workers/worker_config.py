@@ -24,6 +24,9 @@ class WorkerConfig:
     worker_id: str = ""  # "" = w-<host>-<random>
     capacity: int = 64  # training models this worker hosts at most
     heartbeat_s: float = 2.0
+    #: on SIGTERM, serve this long at most while servers move the models off (0: stop
+    #: at once, and the models still here are lost)
+    drain_timeout_s: float = 60.0
     threads: int = 0  # torch threads of the engine; 0 = torch's default
     sampler_thread: bool = False  # the sampler steps on its own thread (overlaps training)
     sampler_process: bool = False  # ... or in a process of its own (no shared GIL)
@@ -60,6 +63,7 @@ class WorkerConfig:
         for name, ok in (
             ("capacity", self.capacity >= 1),
             ("heartbeat_s", self.heartbeat_s > 0),
+            ("drain_timeout_s", self.drain_timeout_s >= 0),
         ):
             if not ok:
                 raise InvalidArgumentError(f"{name}: out of range ({getattr(self, name)})")
@@ -92,6 +96,14 @@ def add_worker_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--worker-id", default=env("TREADLE_WORKER_ID", ""))
     parser.add_argument("--capacity", type=int, default=int(env("TREADLE_CAPACITY", "64")))
     parser.add_argument("--heartbeat", type=float, default=float(env("TREADLE_HEARTBEAT_S", "2")))
+    parser.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=float(env("TREADLE_DRAIN_TIMEOUT_S", "60")),
+        help="on SIGTERM, keep serving up to this many seconds while the servers checkpoint "
+        "this worker's models and move them to other workers (0: stop at once; a second "
+        "SIGTERM, or SIGINT, stops at once too)",
+    )
     add_engine_flags(parser)
 
 
@@ -111,5 +123,6 @@ def worker_config_from_args(args: argparse.Namespace) -> WorkerConfig:
         worker_id=args.worker_id,
         capacity=args.capacity,
         heartbeat_s=args.heartbeat,
+        drain_timeout_s=args.drain_timeout,
         **engine_settings(args),
     )

@@ -41,7 +41,9 @@ MODEL_STATUSES = ("active", "deleted", "lost", "unloaded")
 CHECKPOINT_KINDS = ("state", "auto")
 SAMPLER_MODES = ("base", "version", "latest")
 OP_STATUSES = ("pending", "done", "failed")
-WORKER_STATUSES = ("live", "stopped", "dead")
+#: live: takes new models; draining: stopping gracefully (serves the models it has
+#: while servers move them off, takes no new ones); stopped, dead: gone
+WORKER_STATUSES = ("live", "draining", "stopped", "dead")
 
 
 def utcnow() -> dt.datetime:

@@ -4,6 +4,10 @@ Times are the writer's UTC clock (workers and servers keep NTP time); a worker i
 dead when its heartbeat is older than the server's ``worker_timeout_s``.
 Declaring a worker dead is a conditional UPDATE, so with several servers exactly
 one of them declares it and marks its models lost.
+
+A serving worker is ``live`` (it takes new models) or ``draining`` (stopping
+gracefully: it serves the models it has while servers move them off to
+checkpoints, and takes no new ones). ``stopped`` and ``dead`` workers are gone.
 """
 
 from __future__ import annotations
@@ -16,6 +20,9 @@ from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session
 
 from .models import Model, Worker, utcnow
+
+#: statuses of a worker that still answers its queue
+SERVING = ("live", "draining")
 
 
 def register_worker(
@@ -38,11 +45,11 @@ def register_worker(
 
 
 def heartbeat(s: Session, worker_id: str) -> str | None:
-    """Record a heartbeat of a live worker; the worker's status (None: unknown).
+    """Record a heartbeat of a serving worker; the worker's status (None: unknown).
     A worker declared dead is not revived: it must stop serving."""
     s.execute(
         update(Worker)
-        .where(Worker.id == worker_id, Worker.status == "live")
+        .where(Worker.id == worker_id, Worker.status.in_(SERVING))
         .values(heartbeat_at=utcnow())
     )
     return s.scalar(select(Worker.status).where(Worker.id == worker_id))
@@ -57,6 +64,7 @@ def base_models_of(row: Worker) -> list[str]:
 
 
 def live_workers(s: Session, fresh_after: dt.datetime) -> Sequence[Worker]:
+    """Workers that take new models (not draining), heard from since ``fresh_after``."""
     stmt = (
         select(Worker)
         .where(Worker.status == "live", Worker.heartbeat_at >= fresh_after)
@@ -76,10 +84,10 @@ def worker_loads(s: Session) -> dict[str, int]:
 
 
 def declare_dead(s: Session, stale_before: dt.datetime) -> list[str]:
-    """Live workers whose last heartbeat is older than ``stale_before`` become dead;
+    """Serving workers whose last heartbeat is older than ``stale_before`` become dead;
     the ids this call declared (another server may have declared some first)."""
     candidates = s.scalars(
-        select(Worker.id).where(Worker.status == "live", Worker.heartbeat_at < stale_before)
+        select(Worker.id).where(Worker.status.in_(SERVING), Worker.heartbeat_at < stale_before)
     ).all()
     declared = []
     for worker_id in candidates:
@@ -87,7 +95,7 @@ def declare_dead(s: Session, stale_before: dt.datetime) -> list[str]:
             update(Worker)
             .where(
                 Worker.id == worker_id,
-                Worker.status == "live",
+                Worker.status.in_(SERVING),
                 Worker.heartbeat_at < stale_before,
             )
             .values(status="dead")
@@ -102,8 +110,15 @@ def gone_workers(s: Session, worker_ids: Iterable[str]) -> set[str]:
     ids = set(worker_ids)
     if not ids:
         return set()
-    live = s.scalars(select(Worker.id).where(Worker.id.in_(ids), Worker.status == "live")).all()
-    return ids - set(live)
+    serving = s.scalars(
+        select(Worker.id).where(Worker.id.in_(ids), Worker.status.in_(SERVING))
+    ).all()
+    return ids - set(serving)
+
+
+def draining_workers(s: Session) -> set[str]:
+    """Workers stopping gracefully: their models are to be moved off."""
+    return set(s.scalars(select(Worker.id).where(Worker.status == "draining")).all())
 
 
 def mark_models_lost(s: Session, worker_ids: Iterable[str]) -> list[str]:
@@ -132,12 +147,39 @@ def place_model(s: Session, model_id: str, worker_id: str) -> None:
 
 
 def stopped_workers_with_models(s: Session) -> list[str]:
-    """Dead or stopped workers that still have active models (e.g. a worker that
-    stopped cleanly, or died while no server was watching)."""
+    """Dead or stopped workers that still have active models (a worker that died
+    while no server was watching, or that stopped before its drain moved them all)."""
     stmt = (
         select(Worker.id)
         .join(Model, Model.worker_id == Worker.id)
-        .where(Worker.status != "live", Model.status == "active")
+        .where(Worker.status.not_in(SERVING), Model.status == "active")
         .distinct()
     )
     return list(s.scalars(stmt).all())
+
+
+def active_models_on(s: Session, worker_ids: Iterable[str]) -> set[str]:
+    """Active models placed on these workers."""
+    ids = list(worker_ids)
+    if not ids:
+        return set()
+    stmt = select(Model.id).where(Model.worker_id.in_(ids), Model.status == "active")
+    return set(s.scalars(stmt).all())
+
+
+def unloaded_models(s: Session, model_ids: Iterable[str]) -> set[str]:
+    """Of these models, those checkpointed and freed (``unloaded``)."""
+    ids = list(model_ids)
+    if not ids:
+        return set()
+    stmt = select(Model.id).where(Model.id.in_(ids), Model.status == "unloaded")
+    return set(s.scalars(stmt).all())
+
+
+def stopped_cleanly(s: Session, worker_ids: Iterable[str]) -> set[str]:
+    """Of these workers, those that stopped on their own (not declared dead)."""
+    ids = list(worker_ids)
+    if not ids:
+        return set()
+    stmt = select(Worker.id).where(Worker.id.in_(ids), Worker.status == "stopped")
+    return set(s.scalars(stmt).all())

@@ -10,6 +10,8 @@ dropped afterwards) and an S3 server (moto on loopback).
   UNAVAILABLE, the model is lost at its last applied step, calls on it answer
   ABORTED, other tenants' models carry on, and ``load_state`` restores it from its
   checkpoint on the surviving worker.
+- A worker stopped with SIGTERM drains: its models move to the other workers
+  through checkpoints, at their next calls, with nothing lost and no call failed.
 """
 
 from __future__ import annotations
@@ -66,6 +68,8 @@ class Cluster:
     store: str
     workers: dict[str, subprocess.Popen[bytes]]
     logs: dict[str, Path]
+    model_dir: Path
+    broker: str
     keys: dict[str, str] = field(default_factory=dict)
     clients: list[treadle.ServiceClient] = field(default_factory=list)
 
@@ -104,7 +108,15 @@ def _create_tenant(database_url: str, name: str) -> str:
 
 
 def _start_worker(
-    worker_id: str, model: Path, broker: str, database_url: str, store: str, s3: str, tmp: Path
+    worker_id: str,
+    model: Path,
+    broker: str,
+    database_url: str,
+    store: str,
+    s3: str,
+    tmp: Path,
+    *,
+    drain_timeout_s: float = 0.0,  # the fixture's workers stop at once at teardown
 ) -> tuple[subprocess.Popen[bytes], Path]:
     log = tmp / f"{worker_id}.log"
     cmd = [
@@ -112,6 +124,7 @@ def _start_worker(
         *("--model", f"{BASE}={model}", "--broker", broker, "--database-url", database_url),
         *("--store", store, "--s3-endpoint-url", s3, "--data-dir", str(tmp / worker_id)),
         *("--worker-id", worker_id, "--heartbeat", "0.5", "--threads", "1"),
+        *("--drain-timeout", str(drain_timeout_s)),
     ]
     env = dict(os.environ, **S3_ENV, OMP_NUM_THREADS="1")
     with open(log, "wb") as out:
@@ -153,7 +166,15 @@ def cluster(
         workers: dict[str, subprocess.Popen[bytes]] = {}
         logs: dict[str, Path] = {}
         c = Cluster(
-            name, EmbeddedServer(config).start(), database_url, s3_endpoint, store, workers, logs
+            name,
+            EmbeddedServer(config).start(),
+            database_url,
+            s3_endpoint,
+            store,
+            workers,
+            logs,
+            tiny_model_dir,
+            broker,
         )
         try:
             for i in (1, 2):
@@ -405,3 +426,108 @@ def test_server_restart_adopts_models(cluster: Cluster) -> None:
     np.testing.assert_array_equal(before, after)
     again.forward_backward(data, "cross_entropy").result()
     assert again.optim_step(treadle.AdamParams(learning_rate=1e-2)).result().step == 2
+
+
+def _placed_on(
+    c: Cluster, service: treadle.ServiceClient, worker_id: str, seed: int
+) -> treadle.TrainingClient:
+    """A new model on ``worker_id`` (a worker just started is the least loaded)."""
+    for _ in range(10):
+        tc = service.create_lora_training_client(BASE, rank=4, seed=seed)
+        if c.worker_of(tc.model_id) == worker_id:
+            return tc
+    raise AssertionError(f"no model was placed on {worker_id}")
+
+
+def _wait_status(c: Cluster, worker_id: str, status: str, timeout_s: float = 20) -> None:
+    deadline = time.monotonic() + timeout_s
+    while c.sql("SELECT status FROM workers WHERE id = :w", w=worker_id) != [(status,)]:
+        assert time.monotonic() < deadline, f"{worker_id} never {status}\n{c.log_tail()}"
+        time.sleep(0.1)
+
+
+def test_sigterm_drains_the_worker_onto_the_others(cluster: Cluster, tmp_path: Path) -> None:
+    """SIGTERM: the worker turns draining and keeps serving while the server
+    moves its models off. An idle model is checkpointed at once and comes back
+    on another worker at its next call, at the same step and seq_id with the
+    same weights; a model holding gradients finishes its step on the draining
+    worker first, then moves. Nothing is lost and no call fails."""
+    c = cluster
+    leaving = f"{c.name}-w3-{os.getpid()}"
+    c.workers[leaving], c.logs[leaving] = _start_worker(
+        leaving, c.model_dir, c.broker, c.database_url, c.store, c.s3_endpoint, tmp_path,
+        drain_timeout_s=60.0,
+    )  # fmt: skip
+    wait_for_workers(c.database_url, [leaving], timeout_s=120)
+    alice = c.client("alice", max_retries=0)  # a failed call would show, not be retried
+    tok = alice.get_tokenizer(BASE)
+    data = [_datum(tok.encode("12+3=15")), _datum(tok.encode("7+8=15"))]
+    adam = treadle.AdamParams(learning_rate=1e-2)
+
+    idle, busy = _placed_on(c, alice, leaving, 31), _placed_on(c, alice, leaving, 32)
+    idle.forward_backward(data, "cross_entropy").result()
+    assert idle.optim_step(adam).result().step == 1
+    before = idle.forward_logprobs(data).result().loss_fn_outputs
+    busy.forward_backward(data, "cross_entropy").result()  # gradients held: not idle
+
+    c.workers[leaving].send_signal(signal.SIGTERM)
+    _wait_status(c, leaving, "draining")
+    # the draining worker still serves: the held step is taken there, then it moves
+    assert busy.optim_step(adam).result().step == 1
+    assert c.workers[leaving].wait(60) == 0, c.log_tail()
+    assert c.sql("SELECT status FROM workers WHERE id = :w", w=leaving) == [("stopped",)]
+    for tc in (idle, busy):
+        ((status,),) = c.sql("SELECT status FROM models WHERE id = :m", m=tc.model_id)
+        assert status == "unloaded", (tc.model_id, status, c.log_tail())
+
+    # the next call brings each back on another worker, where it was
+    after = idle.forward_logprobs(data).result().loss_fn_outputs
+    for x, y in zip(before, after, strict=True):
+        np.testing.assert_array_equal(x.logprobs, y.logprobs)
+    assert idle.get_info().status == "active"
+    assert busy.get_info().status == "unloaded"  # info does not load a model; a call does
+    for tc in (idle, busy):
+        tc.forward_backward(data, "cross_entropy").result()
+        assert tc.optim_step(adam).result().step == 2
+        info = tc.get_info()
+        assert info.status == "active" and info.version == 2
+        assert c.worker_of(tc.model_id) not in ("", leaving)
+    failed = c.sql(
+        "SELECT model_id, kind, error_code FROM ops WHERE model_id IN (:a, :b) "
+        "AND status = 'failed'",
+        a=idle.model_id,
+        b=busy.model_id,
+    )
+    assert failed == [], failed
+
+
+def test_a_drain_that_times_out_loses_what_it_still_holds(cluster: Cluster, tmp_path: Path) -> None:
+    """A model that never reaches an idle moment (gradients held, its step never
+    sent) stays on the draining worker until ``--drain-timeout``; then it is lost
+    at its last applied step, said so, never moved with its gradients dropped."""
+    c = cluster
+    leaving = f"{c.name}-w4-{os.getpid()}"
+    c.workers[leaving], c.logs[leaving] = _start_worker(
+        leaving, c.model_dir, c.broker, c.database_url, c.store, c.s3_endpoint, tmp_path,
+        drain_timeout_s=2.0,
+    )  # fmt: skip
+    wait_for_workers(c.database_url, [leaving], timeout_s=120)
+    alice = c.client("alice", max_retries=0)
+    tok = alice.get_tokenizer(BASE)
+    data = [_datum(tok.encode("12+3=15"))]
+    tc = _placed_on(c, alice, leaving, 41)
+    tc.forward_backward(data, "cross_entropy").result()  # gradients held for good
+    t0 = time.monotonic()
+    c.workers[leaving].send_signal(signal.SIGTERM)
+    _wait_status(c, leaving, "draining")
+    assert c.workers[leaving].wait(30) == 0, c.log_tail()
+    assert time.monotonic() - t0 >= 2.0  # it waited out its drain
+    _wait_status(c, leaving, "stopped")
+    deadline = time.monotonic() + 10
+    while alice.get_model_info(tc.model_id).status != "lost":  # the server's next pass
+        assert time.monotonic() < deadline, c.log_tail()
+        time.sleep(0.2)
+    assert alice.get_model_info(tc.model_id).version == 0
+    with pytest.raises(AbortedError, match="load_state"):
+        tc.forward_logprobs(data).result()
+    assert "drain timed out" in c.logs[leaving].read_text(errors="replace")

@@ -186,3 +186,24 @@ def test_bad_url_is_invalid_argument(url: str, hint: str) -> None:
     assert hint in str(info.value)
     with pytest.raises(InvalidArgumentError):
         upgrade_to_head(url)
+
+
+def test_worker_draining_status_and_its_downgrade(engine: Engine) -> None:
+    """0005 admits ``draining``; going back to 0004 calls a draining worker stopped,
+    and the older constraint refuses ``draining`` again."""
+    upgrade_to_head(engine)
+    sessions = make_session_factory(engine)
+    with sessions() as s:
+        wq.register_worker(s, "w-1", hostname="gpu-1", base_models=["b"], capacity=1)
+        wq.set_worker_status(s, "w-1", "draining")
+        s.commit()
+    downgrade(engine, "0004")
+    with engine.connect() as conn:
+        assert conn.execute(text("SELECT status FROM workers")).scalar() == "stopped"
+        with pytest.raises(IntegrityError):
+            conn.execute(text("UPDATE workers SET status = 'draining'"))
+        conn.rollback()
+    upgrade_to_head(engine)
+    with sessions() as s:
+        wq.set_worker_status(s, "w-1", "draining")
+        s.commit()

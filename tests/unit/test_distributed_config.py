@@ -1,5 +1,6 @@
-"""Malformed database, broker or store URLs stop ``treadle serve`` and
-``treadle worker`` at start-up with a message naming the flag, exit status 2."""
+"""Malformed database, broker or store URLs (and out-of-range settings) stop
+``treadle serve`` and ``treadle worker`` at start-up with a message naming the
+flag, exit status 2."""
 
 from __future__ import annotations
 
@@ -56,3 +57,11 @@ def test_worker_refuses_malformed_urls(
 ) -> None:
     assert main(["worker", "--model", f"tiny={model}", *flags]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_worker_refuses_a_negative_drain_timeout(
+    model: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    flags = ["--broker", "redis://localhost:6379/0", "--database-url", "sqlite:///x.db"]
+    assert main(["worker", "--model", f"tiny={model}", *flags, "--drain-timeout", "-1"]) == 2
+    assert "drain_timeout_s: out of range" in capsys.readouterr().err

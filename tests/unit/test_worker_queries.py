@@ -78,3 +78,32 @@ def test_dead_once_models_lost_and_no_revival(session: Session) -> None:
     # ... unless it registers again (a restart), empty
     wq.register_worker(s, "w-1", hostname="h", base_models=["tiny"], capacity=4)
     assert wq.heartbeat(s, "w-1") == "live"
+
+
+def test_a_draining_worker_serves_but_takes_no_new_models(session: Session) -> None:
+    """Draining: still serving (heart-beats, not gone, its models not lost), not
+    placeable; silent too long, it is declared dead like a live one; once it has
+    stopped, the models it still had are lost."""
+    s = session
+    wq.register_worker(s, "w-1", hostname="h", base_models=["tiny"], capacity=4)
+    wq.register_worker(s, "w-2", hostname="h", base_models=["tiny"], capacity=4)
+    tenant = q.ensure_tenant(s, "alice").id
+    moving = _model(s, tenant, "w-1")
+    wq.set_worker_status(s, "w-1", "draining")
+    fresh = utcnow() - dt.timedelta(seconds=5)
+    assert wq.heartbeat(s, "w-1") == "draining"
+    assert [w.id for w in wq.live_workers(s, fresh)] == ["w-2"]
+    assert wq.draining_workers(s) == {"w-1"}
+    assert wq.gone_workers(s, ["w-1", "w-2"]) == set()
+    assert wq.stopped_workers_with_models(s) == []  # draining: its models are not lost
+    assert wq.declare_dead(s, utcnow() - dt.timedelta(seconds=15)) == []
+    wq.set_worker_status(s, "w-1", "stopped")
+    assert wq.draining_workers(s) == set()
+    assert wq.gone_workers(s, ["w-1"]) == {"w-1"}
+    assert wq.stopped_workers_with_models(s) == ["w-1"]
+    assert wq.mark_models_lost(s, ["w-1"]) == [moving]
+    # a draining worker that goes silent dies like a live one
+    wq.set_worker_status(s, "w-2", "draining")
+    s.get(Worker, "w-2").heartbeat_at = utcnow() - dt.timedelta(seconds=60)  # type: ignore[union-attr]
+    s.flush()
+    assert wq.declare_dead(s, utcnow() - dt.timedelta(seconds=15)) == ["w-2"]
