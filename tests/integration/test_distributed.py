@@ -465,9 +465,15 @@ def test_sigterm_drains_the_worker_onto_the_others(cluster: Cluster, tmp_path: P
     adam = treadle.AdamParams(learning_rate=1e-2)
 
     idle, busy = _placed_on(c, alice, leaving, 31), _placed_on(c, alice, leaving, 32)
-    idle.forward_backward(data, "cross_entropy").result()
-    assert idle.optim_step(adam).result().step == 1
+    samplers = []
+    for step in (1, 2):
+        idle.forward_backward(data, "cross_entropy").result()
+        assert idle.optim_step(adam).result().step == step
+        samplers.append(idle.sync_weights())  # pinned to version `step`
+    old, sampler = samplers
     before = idle.forward_logprobs(data).result().loss_fn_outputs
+    prompt, params = tok.encode("4+4="), treadle.SamplingParams(max_tokens=6, seed=5)
+    sampled = sampler.sample(prompt, 2, params).result().sequences
     busy.forward_backward(data, "cross_entropy").result()  # gradients held: not idle
 
     c.workers[leaving].send_signal(signal.SIGTERM)
@@ -484,13 +490,18 @@ def test_sigterm_drains_the_worker_onto_the_others(cluster: Cluster, tmp_path: P
     after = idle.forward_logprobs(data).result().loss_fn_outputs
     for x, y in zip(before, after, strict=True):
         np.testing.assert_array_equal(x.logprobs, y.logprobs)
+    # a sampler of the current version follows it; an older version stayed behind
+    for x, y in zip(sampled, sampler.sample(prompt, 2, params).result().sequences, strict=True):
+        np.testing.assert_array_equal(x.tokens, y.tokens)
+    with pytest.raises(NotFoundError, match="/v/1"):
+        old.sample(prompt, 1, params).result()
     assert idle.get_info().status == "active"
     assert busy.get_info().status == "unloaded"  # info does not load a model; a call does
-    for tc in (idle, busy):
+    for tc, step in ((idle, 3), (busy, 2)):
         tc.forward_backward(data, "cross_entropy").result()
-        assert tc.optim_step(adam).result().step == 2
+        assert tc.optim_step(adam).result().step == step
         info = tc.get_info()
-        assert info.status == "active" and info.version == 2
+        assert info.status == "active" and info.version == step
         assert c.worker_of(tc.model_id) not in ("", leaving)
     failed = c.sql(
         "SELECT model_id, kind, error_code FROM ops WHERE model_id IN (:a, :b) "
