@@ -15,6 +15,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session
@@ -160,26 +161,22 @@ def stopped_workers_with_models(s: Session) -> list[str]:
 
 def active_models_on(s: Session, worker_ids: Iterable[str]) -> set[str]:
     """Active models placed on these workers."""
-    ids = list(worker_ids)
-    if not ids:
-        return set()
-    stmt = select(Model.id).where(Model.worker_id.in_(ids), Model.status == "active")
-    return set(s.scalars(stmt).all())
+    return _ids(s, Model.id, Model.worker_id, worker_ids, Model.status == "active")
 
 
 def unloaded_models(s: Session, model_ids: Iterable[str]) -> set[str]:
     """Of these models, those checkpointed and freed (``unloaded``)."""
-    ids = list(model_ids)
-    if not ids:
-        return set()
-    stmt = select(Model.id).where(Model.id.in_(ids), Model.status == "unloaded")
-    return set(s.scalars(stmt).all())
+    return _ids(s, Model.id, Model.id, model_ids, Model.status == "unloaded")
 
 
 def stopped_cleanly(s: Session, worker_ids: Iterable[str]) -> set[str]:
     """Of these workers, those that stopped on their own (not declared dead)."""
-    ids = list(worker_ids)
-    if not ids:
+    return _ids(s, Worker.id, Worker.id, worker_ids, Worker.status == "stopped")
+
+
+def _ids(s: Session, picked: Any, among_column: Any, among: Iterable[str], *where: Any) -> set[str]:
+    """``picked`` of the rows whose ``among_column`` is one of ``among``, and ``where``."""
+    values = list(among)
+    if not values:
         return set()
-    stmt = select(Worker.id).where(Worker.id.in_(ids), Worker.status == "stopped")
-    return set(s.scalars(stmt).all())
+    return set(s.scalars(select(picked).where(among_column.in_(values), *where)).all())

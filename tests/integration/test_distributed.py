@@ -428,6 +428,17 @@ def test_server_restart_adopts_models(cluster: Cluster) -> None:
     assert again.optim_step(treadle.AdamParams(learning_rate=1e-2)).result().step == 2
 
 
+def _one_more_worker(c: Cluster, name: str, tmp: Path, *, drain_timeout_s: float) -> str:
+    """Start another worker in the cluster, live when this returns; its id."""
+    worker_id = f"{c.name}-{name}-{os.getpid()}"
+    c.workers[worker_id], c.logs[worker_id] = _start_worker(
+        worker_id, c.model_dir, c.broker, c.database_url, c.store, c.s3_endpoint, tmp,
+        drain_timeout_s=drain_timeout_s,
+    )  # fmt: skip
+    wait_for_workers(c.database_url, [worker_id], timeout_s=120)
+    return worker_id
+
+
 def _placed_on(
     c: Cluster, service: treadle.ServiceClient, worker_id: str, seed: int
 ) -> treadle.TrainingClient:
@@ -453,12 +464,7 @@ def test_sigterm_drains_the_worker_onto_the_others(cluster: Cluster, tmp_path: P
     same weights; a model holding gradients finishes its step on the draining
     worker first, then moves. Nothing is lost and no call fails."""
     c = cluster
-    leaving = f"{c.name}-w3-{os.getpid()}"
-    c.workers[leaving], c.logs[leaving] = _start_worker(
-        leaving, c.model_dir, c.broker, c.database_url, c.store, c.s3_endpoint, tmp_path,
-        drain_timeout_s=60.0,
-    )  # fmt: skip
-    wait_for_workers(c.database_url, [leaving], timeout_s=120)
+    leaving = _one_more_worker(c, "w3", tmp_path, drain_timeout_s=60.0)
     alice = c.client("alice", max_retries=0)  # a failed call would show, not be retried
     tok = alice.get_tokenizer(BASE)
     data = [_datum(tok.encode("12+3=15")), _datum(tok.encode("7+8=15"))]
@@ -517,12 +523,7 @@ def test_a_drain_that_times_out_loses_what_it_still_holds(cluster: Cluster, tmp_
     sent) stays on the draining worker until ``--drain-timeout``; then it is lost
     at its last applied step, said so, never moved with its gradients dropped."""
     c = cluster
-    leaving = f"{c.name}-w4-{os.getpid()}"
-    c.workers[leaving], c.logs[leaving] = _start_worker(
-        leaving, c.model_dir, c.broker, c.database_url, c.store, c.s3_endpoint, tmp_path,
-        drain_timeout_s=2.0,
-    )  # fmt: skip
-    wait_for_workers(c.database_url, [leaving], timeout_s=120)
+    leaving = _one_more_worker(c, "w4", tmp_path, drain_timeout_s=2.0)
     alice = c.client("alice", max_retries=0)
     tok = alice.get_tokenizer(BASE)
     data = [_datum(tok.encode("12+3=15"))]
