@@ -160,12 +160,12 @@ def pack_after(params: LlamaParams, rows: int) -> int:
 def _plan(params: LlamaParams, rows: int) -> tuple[str, int, int]:
     all_weights = [w.detach() for w in _weights(params)]
     by_shape = {tuple(w.shape): w for w in all_weights}
-    key = (tuple(sorted(by_shape)), all_weights[0].dtype, rows)
+    dtype = all_weights[0].dtype
+    key = (tuple(sorted(by_shape)), dtype, rows)
     if key not in _chosen:
         weights = list(by_shape.values())
         per_shape = collections.Counter(tuple(w.shape) for w in all_weights)
         counts = [per_shape[shape] for shape in by_shape]
-        dtype = weights[0].dtype
         candidates = ["plain", *methods(dtype)]  # "plain": no packed copy beats them
         seconds = {m: _time_method(m, weights, rows, counts) for m in candidates}
         method = min(candidates, key=lambda m: seconds[m])
