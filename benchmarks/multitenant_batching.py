@@ -12,9 +12,10 @@ every adapter's accumulated gradient within 1e-5 (after one warm-up optimizer
 step, so the adapters are not the zero update of a fresh LoRA).
 
 Two sizes: small calls (1 sequence x 32 tokens), where the issue expects
-per-call overhead to dominate and batching to pay >= 2x; medium calls (4 x 64 tokens), where
-on 2 CPU cores the matmuls already fill the machine and batching must simply
-not be slower (>= 1.0x). On a GPU the medium case is where batching pays.
+per-call overhead to dominate and batching to pay >= 2x; medium calls (4 x 64
+tokens), where on 2 CPU cores the matmuls already fill the machine and
+batching must simply not be slower (>= 1.0x). On a GPU the medium case is
+where batching pays.
 
 One after another runs three ways: every call on one torch thread, every call
 on both, and the engine's default (``training_threads="measure"``: whichever
@@ -93,7 +94,7 @@ def run(
 ) -> tuple[float, Any]:
     """Wall seconds for all rounds, plus every result and final gradient (to compare).
 
-    ``one_adapter``: the bound of any multi-LoRA batch. One model (one tenant,
+    ``one_adapter``: the bound of a multi-LoRA batch of small calls. One model (one tenant,
     one adapter) sends all four calls of each round, and the scheduler hands
     them out together, so the engine's batched pass runs the same rows through
     a single adapter (``LoraAdapter.apply``, two plain matmuls per projection)
