@@ -149,8 +149,7 @@ class Worker:
         self._hosted_lock = threading.Lock()
         self._calls = 0  # calls handed to the engine, not answered yet (under _hosted_lock)
         self._stopping = threading.Event()
-        self._draining: threading.Thread | None = None
-        self._drained = False
+        self._draining: threading.Thread | None = None  # started by the first SIGTERM
         self._celery_term: Any = None  # Celery's own SIGTERM handler (warm shutdown)
         self.app = make_celery(config.broker)
         self.app.conf.task_queues = (worker_queue(self.worker_id),)
@@ -341,11 +340,12 @@ class Worker:
             log.warning("SIGTERM stops this worker at once (no drain): not the main thread")
 
     def _on_sigterm(self, signum: int, frame: Any) -> None:
-        if self._draining is None and not self._drained and not self._stopping.is_set():
+        if self._draining is None and not self._stopping.is_set():
             self._draining = threading.Thread(target=self._drain, name="treadle-drain", daemon=True)
             self._draining.start()
             return
-        # Drained, a second SIGTERM, or declared dead (heartbeat): Celery's warm shutdown.
+        # Drained (its own SIGTERM), a second SIGTERM, or declared dead (heartbeat):
+        # Celery's warm shutdown.
         if callable(self._celery_term):
             self._celery_term(signum, frame)
         else:
@@ -362,8 +362,7 @@ class Worker:
                 s.commit()
         except Exception as err:
             log.warning("could not mark this worker draining: %s", err)
-        with self._hosted_lock:
-            left, calls = sorted(self.hosted), self._calls
+        left, calls = self._outstanding()
         print(
             f"treadle worker {self.worker_id}: draining {len(left)} model(s), {calls} call(s) "
             f"(at most {self.config.drain_timeout_s:g} s; SIGTERM again to stop now)",
@@ -371,8 +370,7 @@ class Worker:
         )
         deadline = t0 + self.config.drain_timeout_s
         while not self._stopping.is_set():  # set if a server declares this worker dead
-            with self._hosted_lock:
-                left, calls = sorted(self.hosted), self._calls
+            left, calls = self._outstanding()
             if not left and not calls:
                 log.info("drained in %.1f s", time.monotonic() - t0)
                 break
@@ -386,8 +384,12 @@ class Worker:
                 )
                 break
             time.sleep(0.1)
-        self._drained = True
         os.kill(os.getpid(), signal.SIGTERM)  # to the main thread: Celery's warm shutdown
+
+    def _outstanding(self) -> tuple[list[str], int]:
+        """The models still hosted here, and the calls not answered yet."""
+        with self._hosted_lock:
+            return sorted(self.hosted), self._calls
 
     def run(self) -> int:
         from celery.signals import worker_ready, worker_shutting_down

@@ -35,9 +35,9 @@ class SamplerLimits:
     max_prefill_tokens: int = 512
     max_queued: int = 4096
     log_every_s: float = 30.0
-    #: decode with weights prepacked for ``num_slots`` rows (fp32, or bf16 where the CPU
-    #: multiplies it natively; a second
-    #: copy of the weights of each of the last ``sampler.MAX_PACKED`` versions decoded)
+    #: decode with weights prepacked for ``num_slots`` rows (fp32, or bf16 where the
+    #: CPU multiplies it natively; a second copy of the weights of each of the last
+    #: ``sampler.MAX_PACKED`` versions decoded)
     prepack: bool = True
 
 
