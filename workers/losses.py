@@ -392,15 +392,64 @@ def _resolve_config(spec: LossSpec, config: Mapping[str, float] | None) -> dict[
         if not rule(number):
             raise InvalidArgumentError(f"{field}: must be {expectation}, got {number}")
         resolved[key] = number
-    if (
-        "clip_low_threshold" in resolved
-        and resolved["clip_low_threshold"] > resolved["clip_high_threshold"]
-    ):
-        raise InvalidArgumentError(
-            f"loss_fn_config.clip_low_threshold: {resolved['clip_low_threshold']} exceeds "
-            f"clip_high_threshold {resolved['clip_high_threshold']} (both are ratio thresholds, e.g. 0.8/1.2)"
-        )
+    _check_ratio_thresholds(resolved)
     return resolved
+
+
+def _g(x: float) -> str:
+    return f"{x:.6g}"
+
+
+def _trl_hint(low: float, high: float) -> str:
+    """What TRL's epsilons would be as treadle's ratio thresholds, for the values given."""
+    if low == high:
+        return (
+            f"TRL's epsilon={_g(low)} is clip_low_threshold={_g(1 - low)}, "
+            f"clip_high_threshold={_g(1 + low)}"
+        )
+    return (
+        f"TRL's epsilon={_g(low)}, epsilon_high={_g(high)} is "
+        f"clip_low_threshold={_g(1 - low)}, clip_high_threshold={_g(1 + high)}"
+    )
+
+
+def _check_ratio_thresholds(resolved: Mapping[str, float]) -> None:
+    """Refuse ratio thresholds no one means: an interval that leaves out ratio 1.
+
+    ``clip_low_threshold``/``clip_high_threshold`` are ratio thresholds (tinker's
+    names), where TRL and the papers write ε: ``clip(r, 1-ε, 1+ε_high)``. Typing
+    TRL's ε as a threshold (``0.2``/``0.2``) clips every token, including the
+    on-policy ones at ratio 1, so nothing learns and nothing fails: refused here,
+    with the translation. A ``ratio_cap`` below 1 likewise caps every on-policy token.
+    """
+    cap = resolved.get("ratio_cap", 0.0)
+    if 0 < cap < 1:
+        raise InvalidArgumentError(
+            f"loss_fn_config.ratio_cap: {_g(cap)} is below ratio 1, so it caps every on-policy "
+            "token; it is a ratio threshold: use 0 (off) or a cap above 1, e.g. 2.0"
+        )
+    if "clip_low_threshold" not in resolved:
+        return
+    low, high = resolved["clip_low_threshold"], resolved["clip_high_threshold"]
+    interval = f"[{_g(low)}, {_g(high)}]"
+    if high < 1:
+        raise InvalidArgumentError(
+            f"loss_fn_config.clip_high_threshold: {_g(high)} is below 1, so the clip interval "
+            f"{interval} (clip_low_threshold, clip_high_threshold) excludes ratio 1 and clips "
+            f"every token. These are ratio thresholds, clip(r, 1-epsilon, 1+epsilon_high), not "
+            f"TRL's epsilons: {_trl_hint(low, high)}"
+        )
+    if low > high:
+        raise InvalidArgumentError(
+            f"loss_fn_config.clip_low_threshold: {_g(low)} exceeds clip_high_threshold "
+            f"{_g(high)}; both are ratio thresholds around 1, e.g. 0.8/1.2 (TRL's epsilon=0.2)"
+        )
+    if low > 1:
+        raise InvalidArgumentError(
+            f"loss_fn_config.clip_low_threshold: {_g(low)} is above 1, so the clip interval "
+            f"{interval} excludes ratio 1 and clips every token; the lower ratio threshold is "
+            f"1 - epsilon, e.g. TRL's epsilon=0.2 is clip_low_threshold=0.8"
+        )
 
 
 def _check_input_names(spec: LossSpec, input_keys: Iterable[str]) -> None:

@@ -60,6 +60,12 @@ BAD_CALLS: list[BadCall] = [
         None,
     ),
     ("loss_fn_config.clip_epsilon", lambda d: d, "ppo", {"clip_epsilon": 0.2}),
+    (  # TRL's epsilon typed as ratio thresholds: would clip every token (issue 21)
+        "loss_fn_config.clip_high_threshold",
+        lambda d: d,
+        "ppo",
+        {"clip_low_threshold": 0.2, "clip_high_threshold": 0.2},
+    ),
     ("loss_fn_config.kl_beta", lambda d: d, "cross_entropy", {"kl_beta": 0.1}),
     (
         "loss_fn_inputs.advantages",  # NaN on a completion token

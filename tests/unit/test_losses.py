@@ -371,6 +371,53 @@ def test_validate_loss_request_names_the_field(name, keys, config, field) -> Non
     assert str(err.value).startswith(f"INVALID_ARGUMENT: {field}:")
 
 
+@pytest.mark.parametrize(
+    ("name", "config", "field", "hint"),
+    [
+        # TRL's epsilon typed as a threshold: [0.2, 0.2] clips every token
+        (
+            "ppo",
+            {"clip_low_threshold": 0.2, "clip_high_threshold": 0.2},
+            "clip_high_threshold",
+            "TRL's epsilon=0.2 is clip_low_threshold=0.8, clip_high_threshold=1.2",
+        ),
+        (
+            "ppo",
+            {"clip_low_threshold": 0.2, "clip_high_threshold": 0.28},
+            "clip_high_threshold",
+            "epsilon_high=0.28 is clip_low_threshold=0.8, clip_high_threshold=1.28",
+        ),
+        ("cispo", {"clip_high_threshold": 0.5}, "clip_high_threshold", "excludes ratio 1"),
+        (
+            "ppo",
+            {"clip_low_threshold": 1.1, "clip_high_threshold": 1.3},
+            "clip_low_threshold",
+            "clip_low_threshold=0.8",
+        ),
+        ("ppo", {"clip_low_threshold": 1.3}, "clip_low_threshold", "exceeds"),
+        ("ppo", {"clip_low_threshold": -0.2}, "clip_low_threshold", ">= 0"),
+        ("cispo", {"clip_high_threshold": float("nan")}, "clip_high_threshold", "finite"),
+        ("importance_sampling", {"ratio_cap": 0.2}, "ratio_cap", "above 1"),
+    ],
+)
+def test_ratio_thresholds_that_exclude_ratio_one_are_refused(name, config, field, hint) -> None:
+    """Issue 21 item 6: thresholds no one means answer INVALID_ARGUMENT naming the key,
+    with TRL's equivalent; the usual ones (PPO 0.8/1.2, DAPO 0.8/1.28, CISPO 0/4,
+    a cap of 2) pass."""
+    with pytest.raises(InvalidArgumentError) as err:
+        validate_loss_request(name, RL_KEYS, config)
+    assert str(err.value).startswith(f"INVALID_ARGUMENT: loss_fn_config.{field}:"), err.value
+    assert hint in str(err.value), err.value
+    for ok_name, ok in [
+        ("ppo", {"clip_low_threshold": 0.8, "clip_high_threshold": 1.28}),
+        ("ppo", {"clip_low_threshold": 1.0, "clip_high_threshold": 1.0}),
+        ("cispo", {"clip_low_threshold": 0.0, "clip_high_threshold": 4.0}),
+        ("importance_sampling", {"ratio_cap": 2.0}),
+        ("importance_sampling", {"ratio_cap": 0.0}),
+    ]:
+        validate_loss_request(ok_name, RL_KEYS, ok)
+
+
 def test_validate_loss_request_resolves_defaults() -> None:
     assert validate_loss_request("ppo", RL_KEYS, {"clip_high_threshold": 1.28}) == {
         "clip_low_threshold": 0.8,
