@@ -389,7 +389,7 @@ class Engine:
         if spec.model_id in self.models:
             raise FailedPreconditionError(f"model {spec.model_id} already exists on this worker")
         base = self.bases.get(spec.base_model, parse_dtype(spec.dtype))
-        model = TrainingModel(spec, base)
+        model = TrainingModel(spec, base, max_context=self._sampler_limits().context_of(base.cfg))
         if from_state is not None:
             checkpoint.load_state(model, from_state)
             model.last_checkpoint_seq_id = next_seq_id - 1

@@ -104,7 +104,7 @@ class TorchSampler:
         self.limits = lim
         self.base = base
         self.cfg = base.cfg
-        self.max_len = min(lim.max_len, self.cfg.max_position_embeddings)
+        self.max_len = lim.context_of(self.cfg)
         try:
             self.cache = KVCache(self.cfg, lim.num_slots, self.max_len, dtype=base.dtype)
             self.stage = KVCache(

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from treadle.workers.domain import SampleOp, SampleResult, SequenceResult, version_spans
+from treadle.workers.model.config import ModelConfig
 from treadle.workers.model.llama import LlamaParams
 from treadle.workers.model.lora import LoraAdapter, LoraRows
 from treadle.workers.versions import WeightSnapshot
@@ -39,6 +40,13 @@ class SamplerLimits:
     #: CPU multiplies it natively; a second copy of the weights of each of the last
     #: ``sampler.MAX_PACKED`` versions decoded)
     prepack: bool = True
+
+    def context_of(self, cfg: ModelConfig) -> int:
+        """The context a request may fill on base ``cfg``: the KV cache's length, at
+        most the model's positions. Training calls are held to the same limit
+        (``TrainingModel.max_context``), so a datum the sampler could never have
+        produced is refused alike."""
+        return min(self.max_len, cfg.max_position_embeddings)
 
 
 @dataclass

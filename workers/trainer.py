@@ -38,10 +38,15 @@ TensorsCopy = Callable[[dict[str, Tensor]], dict[str, Tensor]]
 class TrainingModel:
     """A tenant's model: a LoRA adapter on the shared frozen base, or a full copy."""
 
-    def __init__(self, spec: ModelSpec, base: BaseModel) -> None:
+    def __init__(self, spec: ModelSpec, base: BaseModel, *, max_context: int | None = None) -> None:
         self.spec = spec
         self.base = base
         self.cfg = base.cfg
+        #: the longest datum a training call takes: the sampler's context on this base
+        #: (``SamplerLimits.context_of``), so training and sampling refuse alike
+        self.max_context = min(
+            max_context or self.cfg.max_position_embeddings, self.cfg.max_position_embeddings
+        )
         self.adapter: LoraAdapter | None
         if spec.is_lora:
             self.params = base.params
@@ -118,7 +123,9 @@ def validate_data(
             )
         if tokens.size > max_len:
             raise InvalidArgumentError(
-                f"data[{i}].model_input: {tokens.size} tokens exceed the context of {max_len}"
+                f"data[{i}].model_input: {tokens.size} tokens exceed the context of {max_len} "
+                "tokens (the same limit the sampler applies; GetServerInfo's max_context): "
+                "shorten or split the datum"
             )
         _check_ids(tokens, vocab_size, f"data[{i}].model_input")
         for key, arr in datum.inputs.items():
@@ -245,7 +252,7 @@ class PreparedForwardBackward:
 
 def prepare_forward_logprobs(model: TrainingModel, op: ForwardLogprobsOp) -> _Batch:
     _check_temperature(op.temperature)
-    validate_data(op.data, model.cfg.vocab_size, model.cfg.max_position_embeddings)
+    validate_data(op.data, model.cfg.vocab_size, model.max_context)
     return _make_batch(op.data, model.cfg.pad_token_id or 0, model.params.device)
 
 
@@ -253,7 +260,7 @@ def prepare_forward_backward(
     model: TrainingModel, op: ForwardBackwardOp
 ) -> PreparedForwardBackward:
     _check_temperature(op.temperature)
-    validate_data(op.data, model.cfg.vocab_size, model.cfg.max_position_embeddings)
+    validate_data(op.data, model.cfg.vocab_size, model.max_context)
     keys = _common_input_keys(op.data)
     config = losses.validate_loss_request(op.loss_fn, keys, op.loss_config)
     float_keys = [k for k in keys if k != "target_tokens"]

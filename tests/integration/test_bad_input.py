@@ -216,6 +216,18 @@ BAD_TRAINING_CALLS: dict[str, tuple[Callable, str, type]] = {
         "model_input",
         treadle.InvalidArgumentError,
     ),
+    # issue 21: the sampler refuses a prompt that does not fit its context
+    # (sampler_max_len here, below the model's positions); training calls alike
+    "longer_than_sampler_context_fb": (
+        lambda tc: tc.forward_backward([GOOD1, _datum("ab" * (SAMPLER_MAX_LEN // 2 + 22) + "a")]),
+        f"data[1].model_input: {SAMPLER_MAX_LEN + 44} tokens exceed the context of {SAMPLER_MAX_LEN}",
+        treadle.InvalidArgumentError,
+    ),
+    "longer_than_sampler_context_logprobs": (
+        lambda tc: tc.forward_logprobs([_datum("ab" * (SAMPLER_MAX_LEN // 2 + 22) + "a")]),
+        f"data[0].model_input: {SAMPLER_MAX_LEN + 44} tokens exceed the context of {SAMPLER_MAX_LEN}",
+        treadle.InvalidArgumentError,
+    ),
     "missing_loss_input": (
         lambda tc: tc.forward_backward([GOOD2], "ppo"),
         "advantages",
