@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 
 import numpy as np
 
 from treadle._tensor import from_wire, to_wire
-from treadle.errors import InvalidArgumentError
+from treadle.errors import InvalidArgumentError, NoGradientWarning
 from treadle.types import (
     AdamParams,
     BaseModelInfo,
@@ -17,6 +18,7 @@ from treadle.types import (
     LossFnOutput,
     ModelInfo,
     ModelInput,
+    OptimStepResponse,
     SampledSequence,
     SampleResponse,
     SamplerMetrics,
@@ -76,6 +78,22 @@ def adam_to_wire(params: AdamParams) -> training_pb2.AdamParams:
         weight_decay=params.weight_decay,
         grad_clip_norm=params.grad_clip_norm,
     )
+
+
+def optim_step_from_wire(msg: training_pb2.OptimStepResponse, model_id: str) -> OptimStepResponse:
+    """The step's result; warns when the step had no gradient to learn from (the
+    server's ``no_grad:value`` metric), since it still moved the weights."""
+    metrics = dict(msg.metrics)
+    if metrics.get("no_grad:value", 0.0) > 0:
+        warnings.warn(
+            f"optim_step on model {model_id}: no gradient since the previous optim_step "
+            "(grad_norm 0: no forward_backward in between, or every token had weight or "
+            "advantage 0), yet Adam's momentum moved the weights (see update_norm:value). "
+            "Skip optim_step when a batch has nothing to learn.",
+            NoGradientWarning,
+            stacklevel=2,
+        )
+    return OptimStepResponse(step=msg.step, metrics=metrics)
 
 
 def sampling_params_to_wire(params: SamplingParams) -> sampling_pb2.SamplingParams:

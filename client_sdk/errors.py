@@ -87,6 +87,12 @@ class UnimplementedError(TreadleError):
     code = "UNIMPLEMENTED"
 
 
+class NoGradientWarning(UserWarning):
+    """An ``optim_step`` found no gradient since the previous one, and still moved
+    the weights (Adam's momentum). Not an error: the step is applied as the
+    optimizer's formula says; filter it with ``warnings.filterwarnings``."""
+
+
 ERRORS_BY_CODE: dict[str, type[TreadleError]] = {
     cls.code: cls
     for cls in (

@@ -148,7 +148,7 @@ class TrainingClient:
         return self._call(
             self._service._training.OptimStep,
             request,
-            lambda r: OptimStepResponse(step=r.step, metrics=dict(r.metrics)),
+            lambda r: _convert.optim_step_from_wire(r, self.model_id),
         )
 
     def sync_weights(self, *, inflight: bool = False) -> SamplingClient:

@@ -10,6 +10,11 @@ Per step t (1-based), for each trainable tensor p with gradient g:
 
 Hyper-parameters arrive with every ``OptimStep`` (a schedule lives on the client),
 so the state is only (m, v, t). Kept by name so checkpoints are plain safetensors.
+
+A step with no gradient (no ``ForwardBackward`` since the last step, or only
+zero gradients) still moves the weights: ``m`` carries the earlier gradients.
+That is the formula, kept; the step reports it as ``no_grad:value`` = 1, and
+the SDK warns, so it is never silent.
 """
 
 from __future__ import annotations
@@ -66,6 +71,8 @@ class AdamW:
             "update_norm:value": math.sqrt(update_sq),
             "learning_rate:value": cfg.learning_rate,
             "step:value": float(t),
+            # 1: nothing to learn from (no gradient, or all zero), yet the momentum moved the weights
+            "no_grad:value": 1.0 if pre_clip == 0.0 else 0.0,
         }
 
     def zero_grad(self) -> None:
