@@ -24,16 +24,22 @@ from treadle.types import (
     SamplerMetrics,
     SamplingParams,
     ServerInfo,
+    StoppedBy,
+    StopReason,
     StreamedSample,
     VersionSpan,
 )
 from treadle.v1 import common_pb2, sampling_pb2, server_pb2, training_pb2
 
-_STOP_REASONS = {
-    common_pb2.STOP: "stop",
-    common_pb2.LENGTH: "length",
-    common_pb2.CANCELLED: "cancelled",
-    common_pb2.PARTIAL: "partial",
+#: wire StopReason -> (``stop_reason``, ``stopped_by``): the SDK keeps tinker's coarse
+#: "stop" for the three ways a sequence stops and says which in ``stopped_by``.
+_STOP_REASONS: dict[int, tuple[StopReason, StoppedBy | None]] = {
+    common_pb2.STOP: ("stop", "eos"),
+    common_pb2.STOP_STRING: ("stop", "stop_string"),
+    common_pb2.STOP_TOKEN: ("stop", "stop_token"),
+    common_pb2.LENGTH: ("length", None),
+    common_pb2.CANCELLED: ("cancelled", None),
+    common_pb2.PARTIAL: ("partial", None),
 }
 
 
@@ -97,22 +103,48 @@ def optim_step_from_wire(msg: training_pb2.OptimStepResponse, model_id: str) -> 
 
 
 def sampling_params_to_wire(params: SamplingParams) -> sampling_pb2.SamplingParams:
-    msg = sampling_pb2.SamplingParams(
-        max_tokens=params.max_tokens,
-        temperature=params.temperature,
-        top_p=params.top_p,
-        top_k=params.top_k,
-    )
-    for stop in params.stop or ():
-        if isinstance(stop, str):
-            msg.stop.append(stop)
-        else:
-            msg.stop_token_ids.append(int(stop))
+    msg = sampling_pb2.SamplingParams(max_tokens=params.max_tokens)
+    # None stays unset on the wire (the server's default); 0 is sent as an explicit 0
+    if params.temperature is not None:
+        msg.temperature = params.temperature
+    if params.top_p is not None:
+        msg.top_p = params.top_p
+    if params.top_k is not None:
+        msg.top_k = params.top_k
+    strings, token_ids = stops(params.stop)
+    msg.stop.extend(strings)
+    msg.stop_token_ids.extend(token_ids)
     if params.seed is not None:
         msg.seed = params.seed
     msg.token_budget = params.token_budget
     msg.ignore_eos = params.ignore_eos
     return msg
+
+
+def stops(stop: str | Sequence[str | int] | None) -> tuple[list[str], list[int]]:
+    """``SamplingParams.stop`` as (stop strings, stop token ids). A string is one stop
+    string, never its characters (tinker's and vLLM's reading)."""
+    if stop is None:
+        return [], []
+    if isinstance(stop, str):
+        return [stop], []
+    if isinstance(stop, bytes | bytearray) or not isinstance(stop, Sequence):
+        raise InvalidArgumentError(
+            f"stop: expected a string, or a list of strings and/or token ids, got "
+            f"{type(stop).__name__}"
+        )
+    strings: list[str] = []
+    token_ids: list[int] = []
+    for i, item in enumerate(stop):
+        if isinstance(item, str):
+            strings.append(item)
+        elif isinstance(item, int | np.integer) and not isinstance(item, bool):
+            token_ids.append(int(item))
+        else:
+            raise InvalidArgumentError(
+                f"stop[{i}]: expected a stop string or a token id, got {type(item).__name__}"
+            )
+    return strings, token_ids
 
 
 def prompt_to_wire(prompt: ModelInput, out: common_pb2.Tensor) -> None:
@@ -128,10 +160,13 @@ def sample_response_from_wire(msg: sampling_pb2.SampleResponse) -> SampleRespons
 
 
 def sequence_from_wire(seq: sampling_pb2.SampledSequence, name: str) -> SampledSequence:
+    # a reason newer than this SDK still reads as a stop
+    reason, stopped_by = _STOP_REASONS.get(seq.stop_reason, ("stop", None))
     return SampledSequence(
         tokens=[int(t) for t in from_wire(seq.tokens, f"{name}.tokens")],
         logprobs=[float(x) for x in from_wire(seq.logprobs, f"{name}.logprobs")],
-        stop_reason=_STOP_REASONS.get(seq.stop_reason, "stop"),  # type: ignore[arg-type]
+        stop_reason=reason,
+        stopped_by=stopped_by,
         versions=[VersionSpan(s.start, s.length, s.version) for s in seq.versions],
         resume_handle=seq.resume_handle or None,
     )

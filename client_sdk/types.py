@@ -21,7 +21,11 @@ import numpy as np
 
 from treadle.errors import InvalidArgumentError
 
+#: Why a sequence ended, tinker's coarse value: "stop" for an EOS, a stop string
+#: or a stop token alike (``SampledSequence.stopped_by`` tells which).
 StopReason = Literal["stop", "length", "cancelled", "partial"]
+#: What stopped a sequence whose ``stop_reason`` is "stop".
+StoppedBy = Literal["eos", "stop_string", "stop_token"]
 
 #: loss_fn_inputs keys holding integer tokens; every other key is float.
 INT_INPUT_KEYS = frozenset({"target_tokens"})
@@ -96,11 +100,27 @@ class Datum:
 
 @dataclass(frozen=True)
 class SamplingParams:
+    """How to sample. ``None`` leaves a knob unset (the server's default), which
+    is never the same as an explicit value:
+
+    * ``temperature``: unset = 1. ``0`` is greedy: every sample of a request is
+      the argmax path (identical), and each returned logprob is that token's
+      ``log_softmax`` at temperature 1. Greedy samples cannot train a policy
+      (a group of identical samples has zero advantage): ``treadle.rl`` refuses them.
+    * ``top_p``: unset = 1 (off); an explicit value must lie in (0, 1].
+    * ``top_k``: unset, ``0`` or ``-1`` = off (vLLM's and TRL's 0, tinker's -1);
+      below -1 is refused.
+    * ``stop``: a string is ONE stop string (``stop="</answer>"``); a list holds
+      stop strings and/or stop token ids. Nothing is cut from the output: the
+      token that completes a stop string, or the stop token, is the last one
+      returned (``SampledSequence.stopped_by`` says which stopped it).
+    """
+
     max_tokens: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    stop: Sequence[str] | Sequence[int] | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    stop: str | Sequence[str | int] | None = None
     seed: int | None = None
     #: partial rollouts (Kimi k1.5): at most this many tokens per sequence in this
     #: call (0 = no budget); a sequence reaching it first comes back with
@@ -146,6 +166,9 @@ class SampledSequence:
     versions: list[VersionSpan] = field(default_factory=list)
     #: set when stop_reason is "partial": pass it to ``SamplingClient.resume``
     resume_handle: str | None = None
+    #: set when stop_reason is "stop": the model's EOS, one of the request's stop
+    #: strings (its tokens end ``tokens``) or one of its stop token ids (the last token)
+    stopped_by: StoppedBy | None = None
 
     def token_versions(self) -> list[int]:
         out: list[int] = []

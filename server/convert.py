@@ -34,6 +34,8 @@ _STOP_REASONS = {
     "length": common_pb2.LENGTH,
     "cancelled": common_pb2.CANCELLED,
     "partial": common_pb2.PARTIAL,
+    "stop_string": common_pb2.STOP_STRING,
+    "stop_token": common_pb2.STOP_TOKEN,
 }
 
 
@@ -119,11 +121,14 @@ def sample_op(req: sampling_pb2.SampleRequest) -> SampleOp:
 
 
 def sampling_config(p: sampling_pb2.SamplingParams) -> SamplingConfig:
+    """Unset fields take their defaults (T = 1, no top-p, no top-k); an explicit
+    value is passed on as it is, so ``top_p = 0`` is refused by the sampler's
+    checks rather than read as "off"."""
     return SamplingConfig(
         max_tokens=p.max_tokens,
-        temperature=p.temperature,
-        top_p=p.top_p if p.top_p != 0 else 1.0,
-        top_k=p.top_k if p.top_k != 0 else -1,
+        temperature=p.temperature if p.HasField("temperature") else 1.0,
+        top_p=p.top_p if p.HasField("top_p") else 1.0,
+        top_k=p.top_k if p.HasField("top_k") else -1,
         stop_strings=tuple(p.stop),
         stop_token_ids=tuple(int(t) for t in p.stop_token_ids),
         seed=p.seed if p.HasField("seed") else None,

@@ -175,7 +175,7 @@ class SamplingConfig:
     max_tokens: int = 16
     temperature: float = 1.0
     top_p: float = 1.0
-    top_k: int = -1  # -1 = off
+    top_k: int = -1  # -1 or 0 = off
     stop_strings: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     seed: int | None = None
@@ -217,7 +217,9 @@ class SampleOp:
 class SequenceResult:
     tokens: np.ndarray  # int64 [n]
     logprobs: np.ndarray  # float32 [n]
-    stop_reason: str  # "stop" | "length" | "cancelled" | "partial"
+    #: the wire's StopReason names: "stop" (EOS) | "stop_string" | "stop_token" |
+    #: "length" | "cancelled" | "partial"
+    stop_reason: str
     #: one (start, length, version) span per run of tokens sampled under one version
     versions: tuple[tuple[int, int, int], ...]  # (start, length, version) spans
     resume_handle: str = ""  # set with "partial": continues it (Engine.resume)

@@ -173,11 +173,18 @@ class TorchSampler:
                 f"max_tokens: prompt ({prompt.size}) + max_tokens ({p.max_tokens}) exceeds the context of {self.max_len}"
             )
         if not (math.isfinite(p.temperature) and p.temperature >= 0):
-            raise InvalidArgumentError(f"temperature: must be >= 0, got {p.temperature}")
+            raise InvalidArgumentError(
+                f"temperature: must be >= 0 (0 = greedy; unset = 1), got {p.temperature}"
+            )
         if not (0 < p.top_p <= 1):
-            raise InvalidArgumentError(f"top_p: must be in (0, 1], got {p.top_p}")
+            raise InvalidArgumentError(
+                f"top_p: must be in (0, 1], got {p.top_p}; leave it unset (or 1) for no "
+                "nucleus truncation"
+            )
         if p.top_k < -1:
-            raise InvalidArgumentError(f"top_k: must be -1 (off) or >= 0, got {p.top_k}")
+            raise InvalidArgumentError(
+                f"top_k: must be >= 0 (0 or -1 = off, as unset), got {p.top_k}"
+            )
         for s in p.stop_strings:
             if not s or len(s) > MAX_STOP_STRING_CHARS:
                 raise InvalidArgumentError(
@@ -700,8 +707,10 @@ class TorchSampler:
             row.logprobs.append(lp)
             row.versions.append(row.snapshot.version)
             row.next_input = tok
-            if tok in row.request.stop_ids or (p.stop_strings and self._hit_stop_string(row)):
-                row.stop_reason = "stop"
+            if tok in row.request.stop_ids:  # EOS (unless ignore_eos) or a stop token id
+                row.stop_reason = "stop_token" if tok in p.stop_token_ids else "stop"
+            elif p.stop_strings and self._hit_stop_string(row):
+                row.stop_reason = "stop_string"
             elif len(row.tokens) >= p.max_tokens:
                 row.stop_reason = "length"
             elif p.token_budget and len(row.tokens) >= p.token_budget:

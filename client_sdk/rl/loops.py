@@ -177,9 +177,22 @@ def _check_common(groups_per_step: int, group_size: int, steps: int, timeout: fl
         raise InvalidArgumentError(f"timeout: must be > 0 seconds, got {timeout!r}")
 
 
+def _check_sampling(params: SamplingParams | None, name: str) -> None:
+    """Refuse greedy sampling for training: temperature 0 gives G identical samples
+    per group, hence identical rewards and zero advantage everywhere, so every
+    step would learn nothing while looking like it ran."""
+    if params is not None and params.temperature == 0:
+        raise InvalidArgumentError(
+            f"{name}.temperature: 0 is greedy sampling: the samples of a group are identical, "
+            "so every advantage is 0 and nothing is learned; sample RL rollouts at a "
+            "temperature > 0 (e.g. 1.0, or leave it unset)"
+        )
+
+
 def _submit(
     sampler: SamplingClient, prompt: Prompt, group_size: int, params: SamplingParams | None
 ) -> APIFuture:
+    _check_sampling(prompt.sampling_params, "prompt.sampling_params")
     return sampler.sample(prompt.tokens, group_size, prompt.sampling_params or params)
 
 
@@ -282,6 +295,7 @@ def sync_loop(
 ) -> Iterator[StepStats]:
     """Rung 0: sample a batch from the current weights, train on it, sync, repeat."""
     _check_common(groups_per_step, group_size, steps, timeout)
+    _check_sampling(sampling_params, "sampling_params")
     train_step = train_step or grpo_train_step()
     source = iter(prompts)
     sampler = _sync(trainer, timeout)
@@ -326,6 +340,7 @@ def one_step_stale_loop(
     the sync at the end of each step before the next batch starts.
     """
     _check_common(groups_per_step, group_size, steps, timeout)
+    _check_sampling(sampling_params, "sampling_params")
     train_step = train_step or grpo_train_step()
     source = iter(prompts)
     sampler = _sync(trainer, timeout)
@@ -407,6 +422,7 @@ def async_loop(
     never waits.
     """
     _check_common(groups_per_step, group_size, steps, timeout)
+    _check_sampling(sampling_params, "sampling_params")
     if on_stale not in ("drop", "wait"):
         raise InvalidArgumentError(f"on_stale: 'drop' or 'wait', got {on_stale!r}")
     if isinstance(max_staleness, bool) or not isinstance(max_staleness, int) or max_staleness < 0:

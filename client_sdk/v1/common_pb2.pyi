@@ -33,6 +33,8 @@ class StopReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     LENGTH: _ClassVar[StopReason]
     CANCELLED: _ClassVar[StopReason]
     PARTIAL: _ClassVar[StopReason]
+    STOP_STRING: _ClassVar[StopReason]
+    STOP_TOKEN: _ClassVar[StopReason]
 
 class OpKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -60,6 +62,8 @@ STOP: StopReason
 LENGTH: StopReason
 CANCELLED: StopReason
 PARTIAL: StopReason
+STOP_STRING: StopReason
+STOP_TOKEN: StopReason
 OP_KIND_UNSPECIFIED: OpKind
 FORWARD_BACKWARD: OpKind
 FORWARD_LOGPROBS: OpKind

@@ -179,13 +179,22 @@ def _enum_names(enum: typing.Any, unspecified: str) -> set[str]:
 
 
 def test_stop_reasons_cover_each_other() -> None:
+    """The engine's names are the wire's; the SDK reads every wire value as tinker's
+    coarse ``stop_reason`` plus ``stopped_by`` (which of EOS, stop string, stop token)."""
     wire = _enum_names(common_pb2.StopReason, "STOP_REASON_UNSPECIFIED")
-    assert set(typing.get_args(sdk_types.StopReason)) == wire
-    assert set(sdk_convert._STOP_REASONS.values()) == wire
+    assert {"stop", "stop_string", "stop_token"} <= wire  # an EOS, a string, a token differ
     assert set(server_convert._STOP_REASONS) == wire
+    sdk_values = set(common_pb2.StopReason.values()) - {common_pb2.STOP_REASON_UNSPECIFIED}
+    assert set(sdk_convert._STOP_REASONS) == sdk_values
+    reasons = {reason for reason, _ in sdk_convert._STOP_REASONS.values()}
+    assert reasons == set(typing.get_args(sdk_types.StopReason))
+    stopped_by = {by for _, by in sdk_convert._STOP_REASONS.values()} - {None}
+    assert stopped_by == set(typing.get_args(sdk_types.StoppedBy))
     for name, value in server_convert._STOP_REASONS.items():
         assert common_pb2.StopReason.Name(value).lower() == name
-        assert sdk_convert._STOP_REASONS[value] == name
+        reason, by = sdk_convert._STOP_REASONS[value]
+        assert reason == ("stop" if name.startswith("stop") else name)
+        assert (by is not None) == name.startswith("stop")
 
 
 def test_op_kinds_cover_each_other() -> None:

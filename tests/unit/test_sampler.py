@@ -235,7 +235,7 @@ def test_stop_token_ids(base: BaseModel, base_snap: WeightSnapshot, long_prompt:
     )
     for seq in res.sequences:
         assert seq.tokens.tolist() == g[: i + 1]  # the stop token is returned
-        assert seq.stop_reason == "stop"
+        assert seq.stop_reason == "stop_token"
         assert len(seq.logprobs) == i + 1
 
 
@@ -257,7 +257,7 @@ def test_stop_strings(base: BaseModel, base_snap: WeightSnapshot, long_prompt: s
         base_snap,
     )
     (seq,) = res.sequences
-    assert seq.stop_reason == "stop"
+    assert seq.stop_reason == "stop_string"
     assert seq.tokens.tolist() == g[:expected]  # stops on the token that completes it
 
 
