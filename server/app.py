@@ -87,10 +87,11 @@ async def restore_models(ctx: ServerContext) -> int:
             ctx.owners[spec.model_id] = spec.tenant_id  # still its tenant's: load_state restores it
             continue
         ctx.owners[spec.model_id] = spec.tenant_id
-        version = ctx.dispatcher.model_status(spec.model_id).version
-        ctx.restored[spec.model_id] = RestorePoint(seq, version, uri)
+        status = ctx.dispatcher.model_status(spec.model_id)
+        if status.next_seq_id == seq + 1:  # back at its checkpoint (not adopted live on a worker)
+            ctx.restored[spec.model_id] = RestorePoint(seq, status.version, uri)
         with ctx.session() as s:
-            queries.update_model_progress(s, spec.model_id, version=version)
+            queries.update_model_progress(s, spec.model_id, version=status.version)
         restored += 1
     return restored
 
