@@ -194,12 +194,12 @@ def test_sigterm_checkpoints_every_model_no_step_lost(tmp_path: Path, tiny_model
 
         assert srv.terminate() == 0
         log = srv.log.read_text()
-        assert "checkpointing 1 loaded model(s)" in log and "1 model(s) checkpointed" in log, log
         srv.start()
 
         info = service.get_model_info(tc.model_id)
-        assert (info.version, info.next_seq_id) == (k, next_seq)
+        assert (info.version, info.next_seq_id) == (k, next_seq)  # no step lost
         assert info.last_checkpoint_seq_id == next_seq - 1
+        assert "checkpointing 1 loaded model(s)" in log and "1 model(s) checkpointed" in log, log
         # The same client goes on, with no resync: nothing it was told is lost.
         np.testing.assert_allclose(_logprobs(tc), before, atol=1e-6)
         assert _step(tc) == k + 1
