@@ -154,7 +154,7 @@ def test_kill_9_the_next_call_names_the_restart_at_once(
 def test_auto_resync_replays_the_lost_calls_and_the_loop_goes_on(
     tmp_path: Path, tiny_model_dir: Path
 ) -> None:
-    steps, kill_after = 6, 4
+    steps = 7
     with serve(tmp_path, tiny_model_dir) as srv:
         service = treadle.ServiceClient(srv.address, max_retries=10, auto_resync=True)
         # The same loop without a restart, for the numbers the restarted one must give.
@@ -164,19 +164,26 @@ def test_auto_resync_replays_the_lost_calls_and_the_loop_goes_on(
         expected = _logprobs(reference)
 
         tc = service.create_lora_training_client("tiny", rank=4, seed=1)
-        t_restart = 0.0
         for i in range(steps):
             if i == 2:
                 tc.save_state("two").result(TIMEOUT)
-            if i == kill_after:  # steps 3 and 4 were answered, and die with the server
+            if i == 4:  # steps 3 and 4 were answered, and die with the server
                 srv.kill()
                 srv.start()
-                t_restart = time.monotonic()
-            assert _step(tc) == i + 1
-            if i == kill_after:
-                assert time.monotonic() - t_restart < 30  # replayed, not a gap timeout
+                t0 = time.monotonic()
+                assert _step(tc) == i + 1
+                assert time.monotonic() - t0 < 30  # replayed, not a gap timeout
+            elif i == 6:  # killed with the step's calls in flight
+                fb = tc.forward_backward(DATA, "cross_entropy")
+                opt = tc.optim_step(ADAM)
+                srv.kill()
+                srv.start()
+                fb.result(TIMEOUT)
+                assert opt.result(TIMEOUT).step == i + 1
+            else:
+                assert _step(tc) == i + 1
         info = tc.get_info()
-        assert info.version == steps
+        assert (info.version, info.next_seq_id) == (steps, 2 * steps + 2)
         np.testing.assert_allclose(_logprobs(tc), expected, atol=1e-5)
         service.close()
 
@@ -228,4 +235,29 @@ def test_sigterm_with_gradients_held_checkpoints_what_is_applied(
         assert (caught.value.step, caught.value.seq_id) == (1, 2)
         assert tc.resync() == 3
         assert _step(tc) == 2
+        service.close()
+
+
+def test_a_second_signal_stops_at_once(tmp_path: Path, tiny_model_dir: Path) -> None:
+    with serve(tmp_path, tiny_model_dir, "--drain-timeout", "120") as srv:
+        service = treadle.ServiceClient(srv.address, max_retries=10)
+        tc = service.create_lora_training_client("tiny", rank=4, seed=4)
+        tc.forward_backward(DATA).result(TIMEOUT)  # seq_id 1: gradients held, not idle
+        assert srv.proc is not None
+        srv.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + TIMEOUT
+        while b"checkpointing 1 loaded model(s)" not in srv.log.read_bytes():
+            assert time.monotonic() < deadline, srv.log.read_text()
+            time.sleep(0.1)
+        t0 = time.monotonic()
+        assert srv.terminate() == 1  # the second signal
+        assert time.monotonic() - t0 < 10
+        assert "stopping now, without checkpointing" in srv.log.read_text()
+        srv.start()
+
+        info = service.get_model_info(tc.model_id)
+        assert (info.version, info.next_seq_id) == (0, 1)  # its creation state
+        with pytest.raises(treadle.ServerRestartedError) as caught:
+            tc.optim_step(ADAM).result(GAP_TIMEOUT_S / 3)
+        assert (caught.value.step, caught.value.seq_id, caught.value.checkpoint) == (0, 0, "")
         service.close()
