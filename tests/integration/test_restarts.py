@@ -261,3 +261,42 @@ def test_a_second_signal_stops_at_once(tmp_path: Path, tiny_model_dir: Path) -> 
             tc.optim_step(ADAM).result(GAP_TIMEOUT_S / 3)
         assert (caught.value.step, caught.value.seq_id, caught.value.checkpoint) == (0, 0, "")
         service.close()
+
+
+def test_embedded_server_stop_with_checkpoint_is_the_graceful_stop(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    """``EmbeddedServer.stop(checkpoint=True)`` (demo, benchmarks) stops as
+    ``treadle serve`` does on SIGTERM; plain ``stop()`` stays a crash."""
+    from treadle.server.config import ServerConfig
+    from treadle.server.embedded import EmbeddedServer
+
+    def config(port: int = 0) -> ServerConfig:
+        return ServerConfig(
+            data_dir=tmp_path / "data", models={"tiny": tiny_model_dir}, port=port, threads=1
+        )
+
+    srv = EmbeddedServer(config()).start()
+    port = srv.port
+    service = treadle.ServiceClient(srv.address)
+    try:
+        kept = service.create_lora_training_client("tiny", rank=4, seed=5)
+        assert _step(kept) == 1
+    finally:
+        srv.stop(checkpoint=True)
+    srv = EmbeddedServer(config(port)).start()
+    try:
+        info = service.get_model_info(kept.model_id)
+        assert (info.version, info.next_seq_id) == (1, 3)
+        assert _step(kept) == 2  # no resync: nothing it was told is lost
+        lost = service.create_lora_training_client("tiny", rank=4, seed=5)
+        assert _step(lost) == 1
+    finally:
+        srv.stop()
+    srv = EmbeddedServer(config(port)).start()
+    try:
+        assert service.get_model_info(lost.model_id).version == 0
+        assert service.get_model_info(kept.model_id).version == 1  # its SIGTERM checkpoint
+    finally:
+        service.close()
+        srv.stop()
