@@ -32,7 +32,7 @@ from concurrent.futures import Future
 from functools import partial
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from treadle._rpc import FIRST_PENDING_KEY, INSTANCE_KEY, Caller, _settle
+from treadle._rpc import FIRST_PENDING_KEY, INSTANCE_KEY, Caller, settle_once
 from treadle.errors import AbortedError, ServerRestartedError, TreadleError
 
 if TYPE_CHECKING:
@@ -115,7 +115,7 @@ class OrderedCalls:
             self._log_size = 0
             self._floor = next_seq_id - 1
         for seq, fut in stale:
-            _settle(
+            settle_once(
                 fut,
                 error=AbortedError(
                     f"seq_id {seq} of model {self.model_id} was numbered before resync(); "
@@ -128,7 +128,11 @@ class OrderedCalls:
     def _dispatch(self, method: Any, request: Any, convert: Callable[[Any], Any]) -> Future[Any]:
         seq = request.seq_id
         fut = self._caller.call(
-            method, request, convert, prepare=partial(self._prepare, request), recover=self._recover
+            method,
+            request,
+            convert,
+            extra_metadata=partial(self._metadata, seq),
+            recover=self._recover,
         )
         with self._lock:
             if seq in self._pending:  # not answered already
@@ -136,12 +140,12 @@ class OrderedCalls:
         fut.add_done_callback(partial(self._answered, seq))
         return fut
 
-    def _prepare(self, request: Any) -> tuple[Any, tuple[tuple[str, str], ...]]:
+    def _metadata(self, seq: int) -> tuple[tuple[str, str], ...]:
         with self._lock:
             if not self._instance:
-                return request, ()
-            first = min(self._pending, default=request.seq_id)
-            return request, ((INSTANCE_KEY, self._instance), (FIRST_PENDING_KEY, str(first)))
+                return ()
+            first = min(self._pending, default=seq)
+            return ((INSTANCE_KEY, self._instance), (FIRST_PENDING_KEY, str(first)))
 
     def _answered(self, seq: int, fut: Future[Any]) -> None:
         ok = not fut.cancelled() and fut.exception() is None

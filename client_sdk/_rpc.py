@@ -1,6 +1,8 @@
 """The SDK's gRPC plumbing: channel options, auth metadata, status -> error mapping,
 and retries of calls that are safe to repeat (ordered calls carry their seq_id,
-so a repeat is de-duplicated by the engine)."""
+so a repeat is de-duplicated by the engine). Every answer says which server
+instance gave it (``INSTANCE_KEY``); ``treadle._ordering`` uses that to learn
+of a restart at once."""
 
 from __future__ import annotations
 
@@ -102,11 +104,13 @@ def instance_of(rpc: Any) -> str:
     return ""
 
 
-#: per attempt, the request to send and the metadata to add (ordered calls
-#: renumber nothing, but say which server instance their numbering is from)
-Prepare = Callable[[], tuple[Any, Sequence[tuple[str, str]]]]
+#: per attempt, metadata to add (an ordered call: the server instance its
+#: seq_id was numbered against, and the model's lowest pending seq_id then)
+ExtraMetadata = Callable[[], Sequence[tuple[str, str]]]
 #: called with an error no retry fixes; True: the caller fixed its cause, send again
 Recover = Callable[[TreadleError], bool]
+#: how many times one call is sent again after its ``Recover`` said so
+MAX_RECOVERIES = 3
 
 
 class Caller:
@@ -137,11 +141,11 @@ class Caller:
         convert: Callable[[Any], T],
         *,
         retry: bool = True,
-        prepare: Prepare | None = None,
+        extra_metadata: ExtraMetadata | None = None,
         recover: Recover | None = None,
     ) -> Future[T]:
         out: Future[T] = Future()
-        attempt = _Attempt(method, request, convert, out, retry, prepare, recover)
+        attempt = _Attempt(method, request, convert, out, retry, extra_metadata, recover)
         self._attempt(attempt, attempt=0, waited=0.0)
         return out
 
@@ -149,13 +153,13 @@ class Caller:
         out = call.out
         if out.done():  # cancelled, or failed by its client (a resync superseded it)
             return
-        request, extra = call.prepare() if call.prepare is not None else (call.request, ())
+        extra = call.extra_metadata() if call.extra_metadata is not None else ()
         try:
             rpc = call.method.future(
-                request, timeout=self.timeout_s, metadata=(*self.metadata, *extra)
+                call.request, timeout=self.timeout_s, metadata=(*self.metadata, *extra)
             )
         except grpc.RpcError as err:  # pragma: no cover - synchronous failures are rare
-            _settle(out, error=error_from_rpc(err))
+            settle_once(out, error=error_from_rpc(err))
             return
 
         def done(f: grpc.Future) -> None:
@@ -169,7 +173,13 @@ class Caller:
             except grpc.RpcError as err:
                 error = error_from_rpc(err)
                 delay = self._retry_delay(error, attempt, waited) if call.retry else None
-                if delay is None and call.recover is not None and call.recover(error):
+                if (
+                    delay is None
+                    and call.recover is not None
+                    and call.recoveries < MAX_RECOVERIES
+                    and call.recover(error)
+                ):
+                    call.recoveries += 1
                     self._attempt(call, attempt=attempt, waited=waited)
                     return
                 if delay is not None:
@@ -192,15 +202,15 @@ class Caller:
                     timer.daemon = True
                     timer.start()
                     return
-                _settle(out, error=error)
+                settle_once(out, error=error)
                 return
             except Exception as exc:  # cancelled grpc future, etc.
-                _settle(out, error=UnavailableError(str(exc) or type(exc).__name__))
+                settle_once(out, error=UnavailableError(str(exc) or type(exc).__name__))
                 return
             try:
-                _settle(out, result=call.convert(response))
+                settle_once(out, result=call.convert(response))
             except Exception as exc:
-                _settle(out, error=exc)
+                settle_once(out, error=exc)
 
         rpc.add_done_callback(done)
         out.add_done_callback(lambda f: rpc.cancel() if f.cancelled() else None)
@@ -224,7 +234,16 @@ class Caller:
 class _Attempt(Generic[T]):
     """One call's parts, the same for each of its attempts."""
 
-    __slots__ = ("convert", "method", "out", "prepare", "recover", "request", "retry")
+    __slots__ = (
+        "convert",
+        "extra_metadata",
+        "method",
+        "out",
+        "recover",
+        "recoveries",
+        "request",
+        "retry",
+    )
 
     def __init__(
         self,
@@ -233,14 +252,17 @@ class _Attempt(Generic[T]):
         convert: Callable[[Any], T],
         out: Future[T],
         retry: bool,
-        prepare: Prepare | None,
+        extra_metadata: ExtraMetadata | None,
         recover: Recover | None,
     ) -> None:
         self.method, self.request, self.convert, self.out = method, request, convert, out
-        self.retry, self.prepare, self.recover = retry, prepare, recover
+        self.retry, self.extra_metadata, self.recover = retry, extra_metadata, recover
+        self.recoveries = 0
 
 
-def _settle(out: Future[Any], *, result: Any = None, error: BaseException | None = None) -> None:
+def settle_once(
+    out: Future[Any], *, result: Any = None, error: BaseException | None = None
+) -> None:
     """Resolve ``out`` unless something else (a cancel, a resync) already did."""
     try:
         if error is not None:
