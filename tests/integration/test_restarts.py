@@ -300,3 +300,45 @@ def test_embedded_server_stop_with_checkpoint_is_the_graceful_stop(
     finally:
         service.close()
         srv.stop()
+
+
+def test_sigterm_during_a_running_loop_loses_nothing(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """The loop runs on while the server is stopped (SIGTERM) and started again:
+    every call is answered, none raises, and the model ends where the same loop
+    without a restart ends."""
+    import threading
+
+    steps = 8
+    with serve(tmp_path, tiny_model_dir) as srv:
+        service = treadle.ServiceClient(srv.address, max_retries=10)
+        reference = service.create_lora_training_client("tiny", rank=4, seed=6)
+        for _ in range(steps):
+            _step(reference)
+        expected = _logprobs(reference)
+
+        tc = service.create_lora_training_client("tiny", rank=4, seed=6)
+        done: list[int] = []
+        errors: list[BaseException] = []
+
+        def loop() -> None:
+            try:
+                for _ in range(steps):
+                    done.append(_step(tc))
+                    time.sleep(0.2)  # the client thinks (rewards...): the model goes idle
+            except BaseException as err:
+                errors.append(err)
+
+        runner = threading.Thread(target=loop)
+        runner.start()
+        deadline = time.monotonic() + TIMEOUT
+        while len(done) < 2:
+            assert time.monotonic() < deadline and not errors, errors
+            time.sleep(0.05)
+        assert srv.terminate() == 0
+        assert len(done) < steps  # the loop was still running when the server stopped
+        srv.start()
+        runner.join(TIMEOUT)
+        assert not errors, errors
+        assert done == list(range(1, steps + 1))
+        np.testing.assert_allclose(_logprobs(tc), expected, atol=1e-5)
+        service.close()
