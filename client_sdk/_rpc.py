@@ -1,6 +1,8 @@
 """The SDK's gRPC plumbing: channel options, auth metadata, status -> error mapping,
 and retries of calls that are safe to repeat (ordered calls carry their seq_id,
-so a repeat is de-duplicated by the engine)."""
+so a repeat is de-duplicated by the engine). Every answer says which server
+instance gave it (``INSTANCE_KEY``); ``treadle._ordering`` uses that to learn
+of a restart at once."""
 
 from __future__ import annotations
 
@@ -9,9 +11,9 @@ import os
 import random
 import threading
 import time
-from collections.abc import Callable
-from concurrent.futures import Future
-from typing import Any, TypeVar
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, InvalidStateError
+from typing import Any, Generic, TypeVar
 
 import grpc
 
@@ -22,6 +24,18 @@ log = logging.getLogger("treadle")
 #: gRPC's 4 MB default is far too small for batches, tokenizers and checkpoints.
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 RETRY_AFTER_KEY = "treadle-retry-after-s"
+#: Server -> client on every answer: the id of the server process that answered
+#: (new at each start). Client -> server on ordered calls: the instance the
+#: client's seq_ids were numbered against, so a restarted server can tell at
+#: once a gap that no call will ever fill (``ServerRestartedError``).
+INSTANCE_KEY = "treadle-server-instance"
+#: client -> server on ordered calls: the lowest seq_id of the model the client
+#: still waits an answer for (the calls below it were answered)
+FIRST_PENDING_KEY = "treadle-first-pending-seq-id"
+#: server -> client on errors whose class shares its status code with another
+ERROR_KIND_KEY = "treadle-error-kind"
+#: prefix of the fields such an error carries (``TreadleError.details``)
+ERROR_DETAIL_PREFIX = "treadle-detail-"
 RETRYABLE = {"UNAVAILABLE", "RESOURCE_EXHAUSTED"}
 #: how long, in all, a call waits out quota refusals (RESOURCE_EXHAUSTED with a delay)
 QUOTA_WAIT_S = 600.0
@@ -45,14 +59,58 @@ def make_channel(address: str, root_certificates: bytes | None = None) -> grpc.C
     return grpc.insecure_channel(address, options=channel_options())
 
 
+def error_trailers(err: TreadleError, instance: str = "") -> tuple[tuple[str, str], ...]:
+    """The trailing metadata that carries what a status code cannot: the retry
+    delay, the error's kind and details, the answering server's instance."""
+    md: list[tuple[str, str]] = []
+    if err.retry_after_s is not None:
+        md.append((RETRY_AFTER_KEY, f"{err.retry_after_s:.3f}"))
+    if err.kind:
+        md.append((ERROR_KIND_KEY, err.kind))
+        md.extend((ERROR_DETAIL_PREFIX + k.replace("_", "-"), v) for k, v in err.details.items())
+    if instance:
+        md.append((INSTANCE_KEY, instance))
+    return tuple(md)
+
+
+def trailers_of(rpc: Any) -> Sequence[tuple[str, Any]]:
+    try:
+        return tuple(rpc.trailing_metadata() or ())
+    except Exception:  # not a call object (a channel-level failure)
+        return ()
+
+
 def error_from_rpc(err: grpc.RpcError) -> TreadleError:
     code = err.code().name if hasattr(err, "code") and err.code() is not None else "UNKNOWN"
     details = err.details() if hasattr(err, "details") else str(err)
     retry_after = None
-    for key, value in (err.trailing_metadata() or ()) if hasattr(err, "trailing_metadata") else ():
+    kind = ""
+    fields: dict[str, str] = {}
+    for key, value in trailers_of(err):
         if key == RETRY_AFTER_KEY:
             retry_after = float(value)
-    return error_for_code(code, details or code, retry_after)
+        elif key == ERROR_KIND_KEY:
+            kind = str(value)
+        elif key.startswith(ERROR_DETAIL_PREFIX):
+            fields[key[len(ERROR_DETAIL_PREFIX) :].replace("-", "_")] = str(value)
+    return error_for_code(code, details or code, retry_after, kind=kind, details=fields)
+
+
+def instance_of(rpc: Any) -> str:
+    """The server instance that answered (``""``: none said, e.g. no server reached)."""
+    for key, value in trailers_of(rpc):
+        if key == INSTANCE_KEY:
+            return str(value)
+    return ""
+
+
+#: per attempt, metadata to add (an ordered call: the server instance its
+#: seq_id was numbered against, and the model's lowest pending seq_id then)
+ExtraMetadata = Callable[[], Sequence[tuple[str, str]]]
+#: called with an error no retry fixes; True: the caller fixed its cause, send again
+Recover = Callable[[TreadleError], bool]
+#: how many times one call is sent again after its ``Recover`` said so
+MAX_RECOVERIES = 3
 
 
 class Caller:
@@ -73,6 +131,8 @@ class Caller:
         self.max_retries = max_retries
         self.timeout_s = timeout_s
         self.quota_wait_s = quota_wait_s
+        #: the server instance that answered last (``""``: none yet)
+        self.server_instance = ""
 
     def call(
         self,
@@ -81,38 +141,47 @@ class Caller:
         convert: Callable[[Any], T],
         *,
         retry: bool = True,
+        extra_metadata: ExtraMetadata | None = None,
+        recover: Recover | None = None,
     ) -> Future[T]:
         out: Future[T] = Future()
-        self._attempt(method, request, convert, out, attempt=0, retry=retry, waited=0.0)
+        attempt = _Attempt(method, request, convert, out, retry, extra_metadata, recover)
+        self._attempt(attempt, attempt=0, waited=0.0)
         return out
 
-    def _attempt(
-        self,
-        method: Any,
-        request: Any,
-        convert: Callable[[Any], T],
-        out: Future[T],
-        *,
-        attempt: int,
-        retry: bool,
-        waited: float,
-    ) -> None:
-        if out.cancelled():
+    def _attempt(self, call: _Attempt[Any], *, attempt: int, waited: float) -> None:
+        out = call.out
+        if out.done():  # cancelled, or failed by its client (a resync superseded it)
             return
+        extra = call.extra_metadata() if call.extra_metadata is not None else ()
         try:
-            rpc = method.future(request, timeout=self.timeout_s, metadata=self.metadata)
+            rpc = call.method.future(
+                call.request, timeout=self.timeout_s, metadata=(*self.metadata, *extra)
+            )
         except grpc.RpcError as err:  # pragma: no cover - synchronous failures are rare
-            out.set_exception(error_from_rpc(err))
+            settle_once(out, error=error_from_rpc(err))
             return
 
         def done(f: grpc.Future) -> None:
-            if out.cancelled():
+            if out.done():
                 return
+            instance = instance_of(f)
+            if instance:
+                self.server_instance = instance
             try:
                 response = f.result()
             except grpc.RpcError as err:
                 error = error_from_rpc(err)
-                delay = self._retry_delay(error, attempt, waited) if retry else None
+                delay = self._retry_delay(error, attempt, waited) if call.retry else None
+                if (
+                    delay is None
+                    and call.recover is not None
+                    and call.recoveries < MAX_RECOVERIES
+                    and call.recover(error)
+                ):
+                    call.recoveries += 1
+                    self._attempt(call, attempt=attempt, waited=waited)
+                    return
                 if delay is not None:
                     quota = error.code == "RESOURCE_EXHAUSTED"
                     log.warning(
@@ -124,25 +193,24 @@ class Caller:
                     timer = threading.Timer(
                         delay,
                         self._attempt,
-                        (method, request, convert, out),
+                        (call,),
                         {
                             "attempt": attempt if quota else attempt + 1,
-                            "retry": retry,
                             "waited": waited + delay if quota else waited,
                         },
                     )
                     timer.daemon = True
                     timer.start()
                     return
-                out.set_exception(error)
+                settle_once(out, error=error)
                 return
             except Exception as exc:  # cancelled grpc future, etc.
-                out.set_exception(UnavailableError(str(exc) or type(exc).__name__))
+                settle_once(out, error=UnavailableError(str(exc) or type(exc).__name__))
                 return
             try:
-                out.set_result(convert(response))
+                settle_once(out, result=call.convert(response))
             except Exception as exc:
-                out.set_exception(exc)
+                settle_once(out, error=exc)
 
         rpc.add_done_callback(done)
         out.add_done_callback(lambda f: rpc.cancel() if f.cancelled() else None)
@@ -161,6 +229,48 @@ class Caller:
         if error.code in RETRYABLE and attempt < self.max_retries:
             return min(8.0, 0.2 * 2**attempt) * (0.5 + random.random())
         return None
+
+
+class _Attempt(Generic[T]):
+    """One call's parts, the same for each of its attempts."""
+
+    __slots__ = (
+        "convert",
+        "extra_metadata",
+        "method",
+        "out",
+        "recover",
+        "recoveries",
+        "request",
+        "retry",
+    )
+
+    def __init__(
+        self,
+        method: Any,
+        request: Any,
+        convert: Callable[[Any], T],
+        out: Future[T],
+        retry: bool,
+        extra_metadata: ExtraMetadata | None,
+        recover: Recover | None,
+    ) -> None:
+        self.method, self.request, self.convert, self.out = method, request, convert, out
+        self.retry, self.extra_metadata, self.recover = retry, extra_metadata, recover
+        self.recoveries = 0
+
+
+def settle_once(
+    out: Future[Any], *, result: Any = None, error: BaseException | None = None
+) -> None:
+    """Resolve ``out`` unless something else (a cancel, a resync) already did."""
+    try:
+        if error is not None:
+            out.set_exception(error)
+        else:
+            out.set_result(result)
+    except InvalidStateError:
+        pass
 
 
 def wait(fut: Future[T], timeout: float | None) -> T:

@@ -10,11 +10,17 @@ canonical gRPC status names, and the mapping to ``grpc.StatusCode`` lives in
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 
 class TreadleError(Exception):
     """Base of every error treadle raises on purpose."""
 
     code: str = "UNKNOWN"
+    #: tells apart subclasses that share a status code (sent in trailing metadata)
+    kind: str = ""
+    #: what a kind carries besides its message (sent in trailing metadata)
+    details: dict[str, str] = {}  # noqa: RUF012 (never mutated; instances set their own)
 
     def __init__(self, message: str, *, retry_after_s: float | None = None) -> None:
         super().__init__(message)
@@ -51,6 +57,41 @@ class AbortedError(TreadleError):
     """E.g. a call waited too long for a missing predecessor seq_id."""
 
     code = "ABORTED"
+
+
+class ServerRestartedError(AbortedError):
+    """The server restarted and brought the model back at its last checkpoint,
+    behind the calls this client numbered after it: those calls can never be
+    applied in order, so the call is refused at once instead of waiting out the
+    gap timeout. ``model_id``, ``step`` and ``seq_id`` (the last applied call)
+    say where the model is back, ``checkpoint`` what it came from (``""``: its
+    creation state); ``TrainingClient.resync()`` continues from there, and
+    ``ServiceClient(auto_resync=True)`` replays the lost calls instead.
+
+    On the wire it is ABORTED, told apart by ``treadle-error-kind`` in the
+    trailing metadata, which also carries these fields (``treadle-restart-*``)."""
+
+    kind = "server_restarted"
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        retry_after_s: float | None = None,
+        details: Mapping[str, str] | None = None,
+    ) -> None:
+        super().__init__(message, retry_after_s=retry_after_s)
+        d = dict(details or {})
+        self.details = d
+        self.model_id = d.get("model_id", "")
+        self.step = int(d.get("step", "0") or 0)
+        self.seq_id = int(d.get("seq_id", "0") or 0)
+        self.checkpoint = d.get("checkpoint", "")
+
+    @property
+    def next_seq_id(self) -> int:
+        """The seq_id the server expects next for the model."""
+        return self.seq_id + 1
 
 
 class ResourceExhaustedError(TreadleError):
@@ -112,7 +153,23 @@ ERRORS_BY_CODE: dict[str, type[TreadleError]] = {
 }
 
 
-def error_for_code(code: str, message: str, retry_after_s: float | None = None) -> TreadleError:
+#: the subclasses that share a code with another, by their ``kind``
+ERRORS_BY_KIND: dict[str, type[ServerRestartedError]] = {
+    cls.kind: cls for cls in (ServerRestartedError,)
+}
+
+
+def error_for_code(
+    code: str,
+    message: str,
+    retry_after_s: float | None = None,
+    *,
+    kind: str = "",
+    details: Mapping[str, str] | None = None,
+) -> TreadleError:
+    special = ERRORS_BY_KIND.get(kind)
+    if special is not None and special.code == code:
+        return special(message, retry_after_s=retry_after_s, details=details)
     cls = ERRORS_BY_CODE.get(code, TreadleError)
     err = cls(message, retry_after_s=retry_after_s)
     if cls is TreadleError:

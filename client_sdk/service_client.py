@@ -11,6 +11,7 @@ from typing import Any
 import grpc
 
 from treadle import _convert
+from treadle._ordering import RESYNC_LOG_BYTES
 from treadle._rpc import Caller, error_from_rpc, make_channel
 from treadle.errors import InvalidArgumentError
 from treadle.futures import APIFuture
@@ -43,6 +44,15 @@ class ServiceClient:
     through it stay loaded while it lives, however long the client thinks between
     calls. ``session=False`` opts out (then only calls keep a model loaded; an
     unloaded model comes back on its next call anyway). ``close()`` ends the session.
+
+    When the server restarts and brings a model back at its last checkpoint,
+    behind calls it had answered, the next call on the model raises
+    ``ServerRestartedError`` at once (the model, its step and seq_id, the
+    checkpoint); ``TrainingClient.resync()`` continues from there.
+    ``auto_resync=True`` instead keeps every ordered request since each model's
+    last ``save_state`` (at most ``resync_log_bytes`` per model) and replays
+    the lost ones with their own seq_ids, so the loop goes on where it was.
+    docs/restarts.md.
     """
 
     def __init__(
@@ -55,8 +65,12 @@ class ServiceClient:
         max_retries: int = 5,
         session: bool = True,
         heartbeat_s: float | None = None,
+        auto_resync: bool = False,
+        resync_log_bytes: int = RESYNC_LOG_BYTES,
     ) -> None:
         self.address = address or os.environ.get("TREADLE_ADDRESS", DEFAULT_ADDRESS)
+        self.auto_resync = auto_resync
+        self.resync_log_bytes = resync_log_bytes
         self._channel = make_channel(self.address, root_certificates)
         self._caller = Caller(api_key, max_retries=max_retries, timeout_s=timeout_s)
         self._training = training_pb2_grpc.TrainingServiceStub(self._channel)
@@ -64,6 +78,11 @@ class ServiceClient:
         self._server = server_pb2_grpc.ServerServiceStub(self._channel)
         self._tokenizers: dict[str, Tokenizer] = {}
         self._session = ClientSession(self._channel, self._caller, heartbeat_s) if session else None
+
+    @property
+    def server_instance(self) -> str:
+        """The id of the server process that answered last (new at each restart)."""
+        return self._caller.server_instance
 
     @property
     def session_id(self) -> str | None:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
-import threading
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from pathlib import Path
@@ -18,6 +17,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 import grpc
 
 from treadle import _convert, custom_loss
+from treadle._ordering import OrderedCalls
 from treadle._rpc import error_from_rpc
 from treadle.custom_loss import CustomLossFn
 from treadle.futures import APIFuture
@@ -44,35 +44,41 @@ class TrainingClient:
         self.model_id = info.model_id
         self.base_model = info.base_model
         self._info = info
-        self._lock = threading.Lock()
-        self._next_seq = info.next_seq_id
-        self._last: Future[Any] | None = None  # the latest ordered call sent
+        self._seqs = OrderedCalls(
+            service._caller,
+            info.model_id,
+            info.next_seq_id,
+            auto_resync=service.auto_resync,
+            log_bytes=service.resync_log_bytes,
+        )
 
     # ---- sequence numbers ---------------------------------------------------------
 
     def _take_seq(self) -> int:
-        with self._lock:
-            seq = self._next_seq
-            self._next_seq += 1
-            return seq
+        return self._seqs.take()
 
     def resync(self) -> int:
-        """Continue from the server's next expected seq_id (after a server restart
-        brought the model back to its last checkpoint)."""
+        """Continue from the server's next expected seq_id; returns it.
+
+        After a server restart brought the model back at its last checkpoint
+        (``ServerRestartedError`` names it), the calls numbered after that
+        checkpoint are gone: the next calls are numbered from the model's next
+        expected seq_id, and calls of the old numbering still pending fail
+        (ABORTED) instead of being applied out of place. Redo the steps since the
+        checkpoint (``ServerRestartedError.step``) from there. docs/restarts.md"""
         info = self.get_info()
-        with self._lock:
-            self._next_seq = info.next_seq_id
+        self._seqs.reset(info.next_seq_id)
         return info.next_seq_id
 
-    def _call(self, method: Any, request: Any, convert: Callable[[Any], Any]) -> APIFuture[Any]:
-        fut = self._service._caller.call(method, request, convert)
-        self._last = fut
-        return APIFuture(fut)
+    def _call(
+        self, method: Any, request: Any, convert: Callable[[Any], Any], *, commits: bool = False
+    ) -> APIFuture[Any]:
+        return APIFuture(self._seqs.send(method, request, convert, commits=commits))
 
     def _wait_sent(self) -> None:
         """Wait until every ordered call sent so far has been applied (or failed):
         they apply in seq_id order, so waiting for the latest is enough."""
-        last = self._last
+        last = self._seqs.last
         if last is not None:
             concurrent.futures.wait([last])
 
@@ -165,7 +171,7 @@ class TrainingClient:
         request = training_pb2.SyncWeightsRequest(
             model_id=self.model_id, create_sampler=True, seq_id=self._take_seq(), inflight=inflight
         )
-        info: Future[sampling_pb2.SamplerInfo] = self._service._caller.call(
+        info: Future[sampling_pb2.SamplerInfo] = self._seqs.send(
             self._service._training.SyncWeights,
             request,
             lambda r: sampling_pb2.SamplerInfo(
@@ -175,7 +181,6 @@ class TrainingClient:
                 version=r.version,
             ),
         )
-        self._last = info
         return SamplingClient(self._service, info)
 
     def save_state(self, name: str) -> APIFuture[SaveStateResponse]:
@@ -187,6 +192,7 @@ class TrainingClient:
             self._service._training.SaveState,
             request,
             lambda r: SaveStateResponse(path=r.path, seq_id=r.seq_id, step=r.step),
+            commits=True,
         )
 
     def load_state(self, path: str) -> APIFuture[int]:

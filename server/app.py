@@ -25,6 +25,7 @@ from treadle.server.dispatch import Dispatcher, InProcessDispatcher
 from treadle.server.info_servicer import InfoServicer
 from treadle.server.interceptors import ErrorInterceptor
 from treadle.server.quotas import Quotas
+from treadle.server.restarts import RestorePoint
 from treadle.server.sampling_servicer import SamplingServicer
 from treadle.server.session_servicer import SessionServicer
 from treadle.server.store import make_store
@@ -66,8 +67,15 @@ async def restore_models(ctx: ServerContext) -> int:
         for row in rows:
             ckpt = row.last_checkpoint
             spec = convert.model_spec(row)
-            plans.append((spec, ckpt.storage_path if ckpt else None, (ckpt.seq_id if ckpt else 0)))
-    for spec, path, seq in plans:
+            plans.append(
+                (
+                    spec,
+                    ckpt.storage_path if ckpt else None,
+                    ckpt.seq_id if ckpt else 0,
+                    ckpt.uri if ckpt else "",
+                )
+            )
+    for spec, path, seq, uri in plans:
         try:
             await ctx.dispatcher.create_model(spec, from_state=path, next_seq_id=seq + 1)
         except Exception as err:  # a model we cannot restore is marked lost, not hidden
@@ -79,10 +87,11 @@ async def restore_models(ctx: ServerContext) -> int:
             ctx.owners[spec.model_id] = spec.tenant_id  # still its tenant's: load_state restores it
             continue
         ctx.owners[spec.model_id] = spec.tenant_id
+        status = ctx.dispatcher.model_status(spec.model_id)
+        if status.next_seq_id == seq + 1:  # back at its checkpoint (not adopted live on a worker)
+            ctx.restored[spec.model_id] = RestorePoint(seq, status.version, uri)
         with ctx.session() as s:
-            queries.update_model_progress(
-                s, spec.model_id, version=ctx.dispatcher.model_status(spec.model_id).version
-            )
+            queries.update_model_progress(s, spec.model_id, version=status.version)
         restored += 1
     return restored
 
@@ -152,7 +161,7 @@ async def create_server(
 
     server = grpc.aio.server(
         # ErrorInterceptor first: it answers for whatever the ones after it raise.
-        interceptors=[ErrorInterceptor(), AuthInterceptor(ctx.auth)],
+        interceptors=[ErrorInterceptor(ctx.instance_id), AuthInterceptor(ctx.auth)],
         options=channel_options(config.max_message_bytes),
     )
     training_pb2_grpc.add_TrainingServiceServicer_to_server(TrainingServicer(ctx), server)

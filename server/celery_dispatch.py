@@ -110,6 +110,8 @@ class _Live:
 
 
 class CeleryDispatcher:
+    engine_in_process = False  # the workers keep the models across a server restart
+
     def __init__(
         self,
         broker: str,
@@ -192,8 +194,11 @@ class CeleryDispatcher:
             raise NotFoundError(f"model {model_id} not found")
         await self._call(worker_id, "delete", (model_id,), None)
 
-    async def unload_model(self, model_id: str, directory: str | Path) -> SaveResult:
-        """Checkpoint the idle model to the storage path ``directory`` and free it."""
+    async def unload_model(
+        self, model_id: str, directory: str | Path, *, force: bool = False
+    ) -> SaveResult:
+        """Checkpoint the idle model to the storage path ``directory`` and free it
+        (``force`` is not offered: a worker that stops drains its own models)."""
         worker_id = self._worker_of(model_id)
         path = storage_path_str(directory)
         result = await self._call(worker_id, "unload", (model_id, path), None)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import sys
 from pathlib import Path
@@ -13,6 +14,8 @@ from typing import TYPE_CHECKING
 from treadle.errors import TreadleError
 
 if TYPE_CHECKING:
+    import grpc
+
     from treadle.server.context import ServerContext
 
 
@@ -40,18 +43,44 @@ def _serve(args: argparse.Namespace) -> int:
         _print_key(ctx)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
+
+        def on_signal() -> None:
+            if stop.is_set():  # the second signal: no more waiting
+                print("treadle: stopping now, without checkpointing", flush=True)
+                os._exit(1)
+            stop.set()
+
         for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
+            loop.add_signal_handler(sig, on_signal)
         await stop.wait()
-        print("treadle: shutting down", flush=True)
-        await ctx.lifecycle.stop()
-        await server.stop(grace=5)
-        if ctx.usage is not None:
-            await ctx.usage.close()  # the last usage counters
-        ctx.dispatcher.close()
+        await graceful_stop(server, ctx)
 
     asyncio.run(main())
     return 0
+
+
+async def graceful_stop(server: grpc.aio.Server, ctx: ServerContext) -> None:
+    """Checkpoint every loaded model, then stop: a planned restart loses nothing
+    (``ModelLifecycle.shutdown``, docs/restarts.md)."""
+    loaded, timeout = len(ctx.owners), ctx.config.drain_timeout_s
+    if ctx.dispatcher.engine_in_process:
+        print(
+            f"treadle: stopping; checkpointing {loaded} loaded model(s) first "
+            f"(at most {timeout:g} s; signal again to stop now)",
+            flush=True,
+        )
+    idle, forced = await ctx.lifecycle.shutdown(timeout, lambda: server.stop(grace=2))
+    for model_id in forced:
+        print(
+            f"treadle: model {model_id} was not idle after {timeout:g} s: checkpointed what "
+            "is applied (gradients of a step not taken are dropped)",
+            flush=True,
+        )
+    if ctx.usage is not None:
+        await ctx.usage.close()  # the last usage counters
+    ctx.dispatcher.close()
+    if ctx.dispatcher.engine_in_process:
+        print(f"treadle: stopped; {len(idle) + len(forced)} model(s) checkpointed", flush=True)
 
 
 def _worker(args: argparse.Namespace) -> int:

@@ -50,6 +50,10 @@ class ServerConfig:
     model_ttl_s: float = 3600.0
     #: how often the server looks for idle models (0 = min(ttl / 4, 30 s))
     ttl_sweep_s: float = 0.0
+    #: a graceful stop (SIGTERM/SIGINT) serves on at most this long while it
+    #: checkpoints each model at its first idle moment; then it checkpoints what
+    #: is applied and stops
+    drain_timeout_s: float = 30.0
     #: the heartbeat interval the server asks SDK sessions to keep
     heartbeat_interval_s: float = 10.0
     #: distributed mode: the Celery broker (redis://... or amqp://...); "" = engine in-process
@@ -78,6 +82,7 @@ class ServerConfig:
             ("max_message_bytes", self.max_message_bytes >= 4 * 1024 * 1024),
             ("model_ttl_s", self.model_ttl_s >= 0),
             ("ttl_sweep_s", self.ttl_sweep_s >= 0),
+            ("drain_timeout_s", self.drain_timeout_s >= 0),
             ("heartbeat_interval_s", self.heartbeat_interval_s > 0),
             ("auth_cache_s", self.auth_cache_s >= 0),
             ("quota_max_models", self.quota_max_models >= 0),
@@ -204,6 +209,14 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
         "session heartbeat); it comes back on its next call. 0 = never",
     )
     parser.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=float(env("TREADLE_DRAIN_TIMEOUT_S", "30")),
+        help="on SIGTERM/SIGINT, serve on at most this many seconds while every model is "
+        "checkpointed at its first idle moment, then checkpoint what is applied and stop "
+        "(a second signal stops at once)",
+    )
+    parser.add_argument(
         "--broker",
         default=env("TREADLE_BROKER", ""),
         help="run engines in `treadle worker` processes through Celery: redis://host:6379/0 "
@@ -298,6 +311,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         tls_cert=Path(args.tls_cert) if args.tls_cert else None,
         tls_key=Path(args.tls_key) if args.tls_key else None,
         model_ttl_s=args.model_ttl_s,
+        drain_timeout_s=args.drain_timeout,
         broker=args.broker,
         store=args.store,
         s3_endpoint_url=args.s3_endpoint_url,

@@ -3,6 +3,7 @@ checkpoint store, the authenticator, and the tenant lookups they all need."""
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -24,6 +25,7 @@ from treadle.server.usage import UsageMeter
 
 if TYPE_CHECKING:
     from treadle.server.lifecycle import ModelLifecycle
+    from treadle.server.restarts import RestorePoint
 
 
 @dataclass
@@ -40,6 +42,11 @@ class ServerContext:
     usage: UsageMeter | None = None
     #: the default tenant's key and its file (made on the first start)
     default_key: DefaultKey | None = None
+    #: this server process, new at each start: stamped on every answer
+    #: (``ErrorInterceptor``) so clients learn at once of a restart
+    instance_id: str = field(default_factory=lambda: uuid.uuid4().hex[:16])
+    #: models this instance loaded back from a checkpoint, and where (``server.restarts``)
+    restored: dict[str, RestorePoint] = field(default_factory=dict)
     #: idle clocks, TTL unloading and transparent restore
     lifecycle: ModelLifecycle = field(init=False)
 

@@ -44,10 +44,18 @@ class Dispatcher(Protocol):
         """``from_state``: a checkpoint's storage path (a directory, or s3://...)."""
         ...
 
+    #: the engine runs in this process and stops with it, so a graceful stop of
+    #: the server must checkpoint its models first (workers of a distributed
+    #: server drain their own)
+    engine_in_process: bool
+
     async def delete_model(self, model_id: str) -> None: ...
-    async def unload_model(self, model_id: str, directory: Path) -> SaveResult:
+    async def unload_model(
+        self, model_id: str, directory: Path, *, force: bool = False
+    ) -> SaveResult:
         """Checkpoint an idle model into ``directory`` and free it (FAILED_PRECONDITION
-        when it is not idle)."""
+        when it is not idle; ``force``: checkpoint what is applied anyway, see
+        ``Engine.unload_model``)."""
         ...
 
     async def export_weights(self, model_id: str, directory: Path, *, merged: bool) -> list[str]:
@@ -128,6 +136,8 @@ async def _await(fut: Future[T]) -> T:
 
 
 class InProcessDispatcher:
+    engine_in_process = True
+
     def __init__(self, engine: Engine, store: Store | None = None) -> None:
         self.engine = engine
         #: with a remote store (S3), checkpoints move through local staging off the
@@ -151,11 +161,13 @@ class InProcessDispatcher:
     async def delete_model(self, model_id: str) -> None:
         await _await(self.engine.delete_model(model_id))
 
-    async def unload_model(self, model_id: str, directory: Path) -> SaveResult:
+    async def unload_model(
+        self, model_id: str, directory: Path, *, force: bool = False
+    ) -> SaveResult:
         if self.staged is not None:  # the checkpoint goes to the remote store
             path = storage_path_str(directory)
-            return await _await(self.staged.unload_model(model_id, path))
-        return await _await(self.engine.unload_model(model_id, directory))
+            return await _await(self.staged.unload_model(model_id, path, force=force))
+        return await _await(self.engine.unload_model(model_id, directory, force=force))
 
     async def export_weights(self, model_id: str, directory: Path, *, merged: bool) -> list[str]:
         return await _await(self.engine.export_weights(model_id, directory, merged=merged))

@@ -72,15 +72,24 @@ class EmbeddedServer:
             os.environ["TREADLE_API_KEY"] = self.api_key
         return self
 
-    def stop(self) -> None:
-        if self.ctx is not None:
-            self._run(self.ctx.lifecycle.stop())
-        if self.server is not None:
-            self._run(self.server.stop(grace=1))
-        if self.ctx is not None and self.ctx.usage is not None:
-            self._run(self.ctx.usage.close())
-        if self.ctx is not None:
-            self.ctx.dispatcher.close()
+    def stop(self, *, checkpoint: bool = False) -> None:
+        """Stop the server. By default as a crash would, for the engine's state (the
+        models come back at their last checkpoint); ``checkpoint=True`` stops as
+        ``treadle serve`` does on SIGTERM, checkpointing every model first."""
+        if checkpoint and self.server is not None and self.ctx is not None:
+            from treadle.server.cli import graceful_stop
+
+            server = self.server
+            self._run(graceful_stop(server, self.ctx), timeout=None)
+        else:
+            if self.ctx is not None:
+                self._run(self.ctx.lifecycle.stop())
+            if self.server is not None:
+                self._run(self.server.stop(grace=1))
+            if self.ctx is not None and self.ctx.usage is not None:
+                self._run(self.ctx.usage.close())
+            if self.ctx is not None:
+                self.ctx.dispatcher.close()
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(5)
 

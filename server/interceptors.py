@@ -1,4 +1,6 @@
-"""gRPC interceptors: the one place domain errors become gRPC status codes."""
+"""gRPC interceptors: the one place domain errors become gRPC status codes, and
+the one place every answer is stamped with the server instance that gave it
+(so a client learns at once that the server it talks to restarted)."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ from typing import Any
 
 import grpc
 
-from treadle._rpc import RETRY_AFTER_KEY
+from treadle._rpc import INSTANCE_KEY, error_trailers
 from treadle.errors import TreadleError
 
 log = logging.getLogger("treadle.server")
@@ -22,15 +24,18 @@ def status_code(err: TreadleError) -> grpc.StatusCode:
         return grpc.StatusCode.UNKNOWN
 
 
-async def abort_with(context: grpc.aio.ServicerContext, err: TreadleError) -> None:
-    if err.retry_after_s is not None:
-        context.set_trailing_metadata(((RETRY_AFTER_KEY, f"{err.retry_after_s:.3f}"),))
-    await context.abort(status_code(err), err.message)
+async def abort_with(context: grpc.aio.ServicerContext, err: TreadleError, instance: str) -> None:
+    await context.abort(status_code(err), err.message, error_trailers(err, instance))
 
 
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
     """Maps ``TreadleError`` to its status (with a retry delay in the trailers for
-    RESOURCE_EXHAUSTED); any other exception is a bug: logged, answered INTERNAL."""
+    RESOURCE_EXHAUSTED, and the kind and details of an error that shares its code
+    with another); any other exception is a bug: logged, answered INTERNAL.
+    Every answer, success or error, carries ``instance`` in its trailers."""
+
+    def __init__(self, instance: str = "") -> None:
+        self.instance = instance
 
     async def intercept_service(
         self,
@@ -42,40 +47,53 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             return handler
         method = handler_call_details.method
         if handler.unary_unary is not None:
-            return handler._replace(unary_unary=_wrap_unary(handler.unary_unary, method))
+            return handler._replace(
+                unary_unary=_wrap_unary(handler.unary_unary, method, self.instance)
+            )
         if handler.unary_stream is not None:
-            return handler._replace(unary_stream=_wrap_stream(handler.unary_stream, method))
+            return handler._replace(
+                unary_stream=_wrap_stream(handler.unary_stream, method, self.instance)
+            )
         return handler
 
 
-def _wrap_unary(behavior: Callable[..., Any], method: str) -> Callable[..., Awaitable[Any]]:
+def _wrap_unary(
+    behavior: Callable[..., Any], method: str, instance: str
+) -> Callable[..., Awaitable[Any]]:
+    stamp = ((INSTANCE_KEY, instance),) if instance else ()
+
     async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> Any:
         try:
-            return await behavior(request, context)
+            response = await behavior(request, context)
+            context.set_trailing_metadata(stamp)
+            return response
         except TreadleError as err:
-            await abort_with(context, err)
+            await abort_with(context, err, instance)
         except (asyncio.CancelledError, grpc.aio.AbortError):
             raise
         except Exception as err:
             log.exception("%s failed", method)
-            await context.abort(grpc.StatusCode.INTERNAL, f"{type(err).__name__}: {err}")
+            await context.abort(grpc.StatusCode.INTERNAL, f"{type(err).__name__}: {err}", stamp)
 
     return wrapped
 
 
 def _wrap_stream(
-    behavior: Callable[..., AsyncIterator[Any]], method: str
+    behavior: Callable[..., AsyncIterator[Any]], method: str, instance: str
 ) -> Callable[..., AsyncIterator[Any]]:
+    stamp = ((INSTANCE_KEY, instance),) if instance else ()
+
     async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
         try:
             async for item in behavior(request, context):
                 yield item
+            context.set_trailing_metadata(stamp)
         except TreadleError as err:
-            await abort_with(context, err)
+            await abort_with(context, err, instance)
         except (asyncio.CancelledError, grpc.aio.AbortError):
             raise
         except Exception as err:
             log.exception("%s failed", method)
-            await context.abort(grpc.StatusCode.INTERNAL, f"{type(err).__name__}: {err}")
+            await context.abort(grpc.StatusCode.INTERNAL, f"{type(err).__name__}: {err}", stamp)
 
     return wrapped

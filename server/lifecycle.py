@@ -19,6 +19,14 @@ idle moment, whatever its TTL, and its next call restores it on another
 worker at the same ``seq_id``. A model holding gradients of a step not yet
 taken is refused by its engine and tried again later; the draining worker
 serves its calls meanwhile, so the step can finish.
+
+And the embedded server's own graceful stop (``shutdown``: ``treadle serve`` on
+SIGTERM/SIGINT), whose engine stops with it: it keeps serving while it unloads
+every model at its first idle moment, for at most its drain timeout, then stops
+serving and unloads what is left with ``force``: what is applied is
+checkpointed (a model holding gradients at the seq_id before they started), so
+a planned restart loses nothing a client was told was done, except the
+gradients of a step not taken by then (``docs/restarts.md``).
 """
 
 from __future__ import annotations
@@ -29,17 +37,18 @@ import datetime as dt
 import logging
 import math
 import time
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from treadle.errors import NotFoundError, TreadleError
+from treadle.errors import NotFoundError, TreadleError, UnavailableError
 from treadle.server import convert
 from treadle.server.db import models as db
 from treadle.server.db import queries
+from treadle.server.restarts import RestorePoint
 from treadle.server.store import state_uri
 
 if TYPE_CHECKING:
@@ -65,6 +74,8 @@ class ModelLifecycle:
         self._sweeper: asyncio.Task[None] | None = None
         self._mover: asyncio.Task[None] | None = None
         self._refused: dict[str, float] = {}  # model_id -> when its engine last refused
+        #: the server is stopping (``shutdown``): no model is loaded back any more
+        self.stopping = False
 
     # ---- calls -----------------------------------------------------------------
 
@@ -93,6 +104,7 @@ class ModelLifecycle:
         self.last_used.pop(model_id, None)
         self.inflight.pop(model_id, None)
         self._refused.pop(model_id, None)
+        self.ctx.restored.pop(model_id, None)
 
     async def wait_idle_transition(self, model_id: str) -> None:
         """Wait for an unload or restore of the model in progress, if any."""
@@ -109,6 +121,11 @@ class ModelLifecycle:
                     raise NotFoundError(f"model {model_id!r} not found")
                 return
             task = self._transitions.get(model_id)
+            if task is None and self.stopping:  # it was checkpointed for the restart
+                raise UnavailableError(
+                    f"the server is stopping; model {model_id} is checkpointed and comes "
+                    "back on the restarted server (retry)"
+                )
             if task is None:
                 task = self._start(model_id, self._restore(tenant, model_id))
                 await asyncio.shield(task)  # a restore's errors are the caller's
@@ -134,7 +151,7 @@ class ModelLifecycle:
             if ckpt is None:  # an unload always records its checkpoint; never guess
                 raise NotFoundError(f"model {model_id!r} not found")
             spec = convert.model_spec(row)
-            path, seq_id = ckpt.storage_path, ckpt.seq_id
+            path, seq_id, uri = ckpt.storage_path, ckpt.seq_id, ckpt.uri
         status = await ctx.dispatcher.create_model(spec, from_state=path, next_seq_id=seq_id + 1)
         with ctx.session() as s:
             model = s.get(db.Model, model_id)
@@ -142,6 +159,7 @@ class ModelLifecycle:
                 model.status = "active"
                 model.version = status.version
         ctx.owners[model_id] = tenant
+        ctx.restored[model_id] = RestorePoint(seq_id, status.version, uri)
         self.last_used[model_id] = time.time()
         log.info("restored model %s at seq_id %d", model_id, seq_id)
         return True
@@ -189,13 +207,13 @@ class ModelLifecycle:
                 unloaded.append(model_id)
         return unloaded
 
-    async def _unload(self, model_id: str) -> bool:
+    async def _unload(self, model_id: str, force: bool = False) -> bool:
         ctx = self.ctx
         tenant = ctx.owners.pop(model_id)
         # The dispatcher writes the checkpoint into the store (uploading it if remote).
         storage_path = ctx.store.state_path(tenant, model_id, AUTO_NAME)
         try:
-            saved = await ctx.dispatcher.unload_model(model_id, Path(storage_path))
+            saved = await ctx.dispatcher.unload_model(model_id, Path(storage_path), force=force)
         except TreadleError as err:  # not idle after all (or lost, not in the engine): leave it be
             log.info("model %s not unloaded: %s", model_id, err)
             ctx.owners[model_id] = tenant
@@ -246,6 +264,45 @@ class ModelLifecycle:
             else:
                 self._refused[model_id] = time.time()
         return moved
+
+    # ---- the server's own graceful stop --------------------------------------------
+
+    async def shutdown(
+        self, timeout_s: float, stop_serving: Callable[[], Awaitable[None]]
+    ) -> tuple[list[str], list[str]]:
+        """Checkpoint every loaded model before the server stops; the ids unloaded
+        idle, and those unloaded with ``force`` after ``timeout_s``.
+
+        The server keeps serving meanwhile (a ``forward_backward``'s
+        ``optim_step`` still lands), but loads no model back: a call on one
+        already checkpointed answers UNAVAILABLE, which the SDK retries until
+        the restarted server answers it at the same ``seq_id``.
+        ``stop_serving`` ends the gRPC service before the forced unloads.
+        A distributed server's workers keep their models: nothing to do."""
+        await self.stop()
+        self.stopping = True
+        if not self.ctx.dispatcher.engine_in_process:
+            await stop_serving()
+            return [], []
+        idle: list[str] = []
+        deadline = time.monotonic() + timeout_s
+        while self.ctx.owners and time.monotonic() < deadline:
+            for model_id in sorted(self.ctx.owners):
+                if self.inflight.get(model_id) or model_id in self._transitions:
+                    continue
+                if await self._start(model_id, self._unload(model_id)):
+                    idle.append(model_id)
+            if self.ctx.owners:
+                await asyncio.sleep(DRAIN_POLL_S)
+        await stop_serving()
+        forced = []
+        for model_id in sorted(self.ctx.owners):
+            await self.wait_idle_transition(model_id)
+            if model_id in self.ctx.owners and await self._start(
+                model_id, self._unload(model_id, force=True)
+            ):
+                forced.append(model_id)
+        return idle, forced
 
     # ---- the background tasks ----------------------------------------------------
 

@@ -17,7 +17,7 @@ from treadle.errors import (
     NotFoundError,
     TreadleError,
 )
-from treadle.server import convert
+from treadle.server import convert, restarts
 from treadle.server.context import ServerContext
 from treadle.server.db import models as db
 from treadle.server.db import queries, tenancy
@@ -220,6 +220,15 @@ class TrainingServicer(training_pb2_grpc.TrainingServiceServicer):
         tenant = self.ctx.tenant(context)
         # Restores the model first if it was unloaded for idling (same seq_ids).
         async with self.ctx.lifecycle.using(tenant, request.model_id):
+            # A client numbering from before a restart, past where the model is back: at once.
+            restarts.check_numbering(
+                self.ctx.instance_id,
+                self.ctx.restored,
+                context.invocation_metadata(),
+                request.model_id,
+                request.seq_id,
+                lambda: self.ctx.dispatcher.model_status(request.model_id),
+            )
             return await self._submit(tenant, request, build, kind)
 
     async def _submit(

@@ -119,6 +119,9 @@ class Engine:
         self._thread = threading.Thread(target=self._run, name="treadle-engine", daemon=True)
         self._status: dict[str, ModelStatus] = {}
         self._status_lock = threading.Lock()
+        #: model -> the last seq_id applied before it started holding gradients
+        #: (absent: it holds none), where a forced unload checkpoints it
+        self._clean_seq: dict[str, int] = {}
         self._sample_calls: OrderedDict[tuple[str, int], tuple[str, Future[SampleResult]]] = (
             OrderedDict()
         )
@@ -168,14 +171,22 @@ class Engine:
     def delete_model(self, model_id: str) -> Future[None]:
         return self._on_engine(lambda: self._delete_model(model_id))
 
-    def unload_model(self, model_id: str, directory: str | Path) -> Future[SaveResult]:
+    def unload_model(
+        self, model_id: str, directory: str | Path, *, force: bool = False
+    ) -> Future[SaveResult]:
         """Checkpoint a model at its last applied seq_id into ``directory``, then free it.
 
         Only an idle model unloads: one with a call waiting or running, or with
         gradients accumulated for a step not yet taken (a checkpoint holds no
         gradients), answers FAILED_PRECONDITION and stays as it is.
+
+        ``force`` (a server that stops and cannot wait any longer) checkpoints what
+        is applied whatever the model holds: its waiting calls fail UNAVAILABLE, and
+        a model holding gradients is saved at the seq_id before the first call that
+        accumulated them (weights and optimizer state have not changed since), so
+        those calls are redone after the restart, never half-counted.
         """
-        return self._on_engine(lambda: self._unload_model(model_id, Path(directory)))
+        return self._on_engine(lambda: self._unload_model(model_id, Path(directory), force))
 
     def export_weights(
         self, model_id: str, directory: str | Path, *, merged: bool
@@ -310,7 +321,9 @@ class Engine:
                     call,
                     AbortedError(
                         f"seq_id {call.seq_id} of model {call.model_id} waited {self.config.gap_timeout_s:.0f}s "
-                        f"for seq_id {self.scheduler.next_seq_id(call.model_id)}, which never arrived"
+                        f"for seq_id {self.scheduler.next_seq_id(call.model_id)}, which never arrived; "
+                        "if the calls before it were lost (a failed call, a server restart), call "
+                        "TrainingClient.resync() to continue from the model's next expected seq_id"
                     ),
                     record=False,
                 )
@@ -401,24 +414,29 @@ class Engine:
     def _delete_model(self, model_id: str) -> None:
         if self.models.pop(model_id, None) is None:
             raise NotFoundError(f"model {model_id} not found")
+        self._clean_seq.pop(model_id, None)
         for call in self.scheduler.remove_model(model_id):
             self._resolve(call, NotFoundError(f"model {model_id} was deleted"), record=False)
         self.versions.drop(model_id)
         with self._status_lock:
             self._status.pop(model_id, None)
 
-    def _unload_model(self, model_id: str, directory: Path) -> SaveResult:
+    def _unload_model(self, model_id: str, directory: Path, force: bool = False) -> SaveResult:
         model = self.models.get(model_id)
         if model is None:
             raise NotFoundError(f"model {model_id} not found")
         # Runs between engine steps, so no call is running: only waiting ones count.
-        if any(c.model_id == model_id for c in self.scheduler.waiting_calls()):
+        waiting = [c for c in self.scheduler.waiting_calls() if c.model_id == model_id]
+        if waiting and not force:
             raise FailedPreconditionError(f"model {model_id} has calls in flight")
-        if any(p.grad is not None for p in model.trainable.values()):
+        if _holds_gradients(model) and not force:
             raise FailedPreconditionError(
                 f"model {model_id} holds gradients for an optimizer step not yet taken"
             )
-        seq_id = self.scheduler.next_seq_id(model_id) - 1
+        stopping = UnavailableError("the server is stopping; the call was not applied")
+        for call in waiting:
+            self._resolve(call, stopping, record=False)
+        seq_id = self._clean_seq.get(model_id, self.scheduler.next_seq_id(model_id) - 1)
         directory.parent.mkdir(parents=True, exist_ok=True)
         saved = checkpoint.save_state(model, directory, seq_id)
         self._delete_model(model_id)
@@ -536,8 +554,13 @@ class Engine:
     def _resolve(self, call: OrderedCall, outcome: Any, *, record: bool) -> None:
         if record:
             self.scheduler.complete(call, outcome)
-            if call.model_id in self.models:
+            model = self.models.get(call.model_id)
+            if model is not None:
                 self._update_status(call.model_id)
+                if _holds_gradients(model):  # the state is still that of the last clean call
+                    self._clean_seq.setdefault(call.model_id, call.seq_id - 1)
+                else:
+                    self._clean_seq.pop(call.model_id, None)
         for handle in (call.handle, *call.followers):
             _settle(handle, outcome)
 
@@ -730,6 +753,10 @@ def _who(target: SamplerTarget) -> dict[str, Any]:
     the tenant, on the same model or base)."""
     owner = (target.tenant_id, target.model_id or f"base:{target.base_model}")
     return {"tenant": target.tenant_id, "latest_of": target.latest_of, "owner": owner}
+
+
+def _holds_gradients(model: TrainingModel) -> bool:
+    return any(p.grad is not None for p in model.trainable.values())
 
 
 def _settle(fut: Future[Any], outcome: Any) -> None:

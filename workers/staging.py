@@ -117,13 +117,14 @@ class StagedEngine:
             inner.add_done_callback(lambda f: self._after_step(f, out))
         return out
 
-    def unload_model(self, model_id: str, path: str) -> Future[SaveResult]:
-        """Checkpoint an idle model to the storage path ``path``, then free it."""
+    def unload_model(self, model_id: str, path: str, *, force: bool = False) -> Future[SaveResult]:
+        """Checkpoint an idle model to the storage path ``path``, then free it
+        (``force``: whatever it holds, ``Engine.unload_model``)."""
         if self.store.is_local:
-            return self.engine.unload_model(model_id, path)
+            return self.engine.unload_model(model_id, path, force=force)
         out: Future[SaveResult] = Future()
         staged = self.store.staging_dir(path)
-        inner = self.engine.unload_model(model_id, staged)
+        inner = self.engine.unload_model(model_id, staged, force=force)
         self._chain(inner, out, upload=lambda r: self._upload_save(r, staged, path))
         return out
 

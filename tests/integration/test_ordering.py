@@ -234,6 +234,7 @@ def test_a_gap_times_out_with_aborted(tmp_path: Path, tiny_model_dir: Path) -> N
         waited = time.monotonic() - t0
         assert err.value.code() == grpc.StatusCode.ABORTED
         assert "seq_id" in err.value.details()
+        assert "resync()" in err.value.details()  # what to do about it
         assert 0.9 <= waited < 10
         assert _info(stub, mid).next_seq_id == 1
         # the aborted call was never applied: seq 2 is still free once seq 1 arrives
