@@ -1,7 +1,7 @@
 """Async vs sync RL on a long-tailed batch: the ladder's rungs, measured in one run.
 
 The demo's GRPO task (single-digit addition, "demo" preset, full fine-tune,
-SFT warm-up) with the seed's long tail: in every ``groups_per_step`` prompts,
+SFT warm-up) with a long tail: in every ``groups_per_step`` prompts,
 one group's answers run to ``16 L`` tokens and the others to ``L``. Lengths
 are forced identically for every variant: each prompt of the (seeded) prompt
 stream carries its own ``max_tokens`` and ``ignore_eos`` (EOS does not stop a

@@ -2,7 +2,7 @@
 
 import treadle
 service = treadle.ServiceClient("localhost:50051")
-trainer = service.create_lora_training_client("tiny", rank=8)
+trainer = service.create_lora_training_client("demo", rank=8)  # a base model it serves
 sampler = trainer.sync_weights()
 """
 

@@ -11,6 +11,7 @@ from typing import Any
 import grpc
 
 from treadle import _convert
+from treadle._local_key import local_api_key
 from treadle._ordering import RESYNC_LOG_BYTES
 from treadle._rpc import Caller, error_from_rpc, make_channel
 from treadle.errors import InvalidArgumentError
@@ -36,7 +37,11 @@ class ServiceClient:
     """Connects to a treadle server.
 
     ``address`` defaults to env ``TREADLE_ADDRESS`` or ``localhost:50051``; the API
-    key to env ``TREADLE_API_KEY``. ``root_certificates`` (PEM bytes) turns on TLS.
+    key to env ``TREADLE_API_KEY``, and, for a server on this machine (a loopback
+    address) when neither is given, to the key ``treadle serve`` wrote in its data
+    dir (``$TREADLE_DATA_DIR`` or ``./treadle-data``, file ``api_key``), so a
+    script run beside a local server needs no key. ``root_certificates`` (PEM
+    bytes) turns on TLS.
 
     The client opens a session with the server when it creates its first model
     and heart-beats every ``heartbeat_s`` seconds (default: what the server asks,
@@ -52,7 +57,7 @@ class ServiceClient:
     ``auto_resync=True`` instead keeps every ordered request since each model's
     last ``save_state`` (at most ``resync_log_bytes`` per model) and replays
     the lost ones with their own seq_ids, so the loop goes on where it was.
-    docs/restarts.md.
+    See docs/restarts.md.
     """
 
     def __init__(
@@ -72,6 +77,7 @@ class ServiceClient:
         self.auto_resync = auto_resync
         self.resync_log_bytes = resync_log_bytes
         self._channel = make_channel(self.address, root_certificates)
+        api_key = api_key or os.environ.get("TREADLE_API_KEY") or local_api_key(self.address)
         self._caller = Caller(api_key, max_retries=max_retries, timeout_s=timeout_s)
         self._training = training_pb2_grpc.TrainingServiceStub(self._channel)
         self._sampling = sampling_pb2_grpc.SamplingServiceStub(self._channel)

@@ -28,6 +28,10 @@ class Tokenizer:
 
     @property
     def vocab_size(self) -> int:
+        """The ids this tokenizer knows, special and added tokens included (what
+        transformers calls ``len(tokenizer)``). The model's own ``vocab_size``
+        (``BaseModelInfo.vocab_size``, its embedding rows) may be larger: models
+        pad it, and ids past the tokenizer's decode to nothing."""
         return self._tok.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:

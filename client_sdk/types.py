@@ -242,9 +242,18 @@ class ModelInfo:
 
 @dataclass(frozen=True)
 class BaseModelInfo:
+    """A base model the server serves.
+
+    ``vocab_size`` is the model's: the rows of its embedding and output layers
+    (``config.json``'s ``vocab_size``), the range of token ids it accepts and
+    samples. Models often pad it past their tokenizer's (the ``demo`` preset:
+    104 rows for the tokenizer's 99 ids); ``Tokenizer.vocab_size`` is the
+    tokenizer's. Ids in between are valid but have no text.
+    """
+
     name: str
     arch: str
-    vocab_size: int
+    vocab_size: int  # the model's embedding rows; >= Tokenizer.vocab_size
     max_context: int
     num_params: int
     dtype: str

@@ -5,7 +5,7 @@ whatever groups have finished; rollouts more than ``MAX_STALENESS`` optimizer
 steps old are dropped, and the PPO ratio against the sampler's behaviour
 logprobs corrects the staleness that remains.
 
-    python examples/async_grpo.py                      # embedded server, tiny model
+    python examples/async_grpo.py                      # embedded server, the demo model
     TREADLE_ADDRESS=host:50051 TREADLE_API_KEY=... TREADLE_BASE_MODEL=... \\
         python examples/async_grpo.py                  # a running server
 
@@ -34,7 +34,7 @@ ON_STALE = "drop"
 SYNC_EVERY = 1  # publish new weights every this many steps
 
 
-# ---- 1. a server: a running one, or an embedded one with the demo's tiny model ----------
+# ---- 1. a server: a running one, or an embedded one with the `demo` model ---------------
 
 
 @contextlib.contextmanager

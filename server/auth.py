@@ -120,7 +120,9 @@ class Authenticator:
         if key is None:
             raise UnauthenticatedError(
                 "no API key: send 'authorization: Bearer <key>' "
-                "(ServiceClient(api_key=...) or env TREADLE_API_KEY)"
+                "(ServiceClient(api_key=...) or env TREADLE_API_KEY; `treadle serve` writes "
+                "its default tenant's key to DATA_DIR/api_key, which the Python SDK reads "
+                "by itself for a server on this machine when run from beside treadle-data/)"
             )
         digest = hash_key(key)
         now = self._clock()

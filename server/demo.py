@@ -7,7 +7,7 @@ a user's laptop would run), teaches it single-digit addition, ``"7+5="`` -> ``"1
 * a supervised warm-up (``cross_entropy`` on the answer tokens) that stops while
   the model is right only some of the time, because GRPO learns only from groups
   whose completions disagree;
-* GRPO, each step the five phases of DESIGN.md:
+* GRPO, each step the five phases of an RL step (docs/concepts.md):
   (1) rollout: G completions per prompt from the latest synced weights;
   (2) reward: exact match, scored here on the client;
   (3) experience prep: the trainer's logprobs (``forward_logprobs``) as the ratio
@@ -32,9 +32,10 @@ import json
 import random
 import sys
 import time
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -253,6 +254,24 @@ def rl_step(
 # ---- the command --------------------------------------------------------------------------
 
 
+#: What each column of the GRPO table means, printed above it (docs/rl_loop.md).
+TABLE_LEGEND = (
+    "reward: share of this step's {n} prompts x {G} samples answered exactly right; "
+    "loss: the step's loss:sum; clip: clip_frac:mean;\n"
+    "groups: prompts whose {G} answers disagree (the only ones with a gradient); "
+    "tokens: completion tokens sampled; s: seconds; "
+    "eval: exact match on all 100 problems (fixed seeds)"
+)
+
+
+def progress_bar(iterable: Iterable[int] | None = None, **kwargs: Any) -> tqdm:
+    """A tqdm bar on stderr, drawn only when stderr is a terminal: in a log file or
+    a pipe its redraws would mix into the table printed on stdout."""
+    from tqdm import tqdm
+
+    return tqdm(iterable, file=sys.stderr, disable=not sys.stderr.isatty(), **kwargs)
+
+
 def run_demo(opts: DemoOptions) -> int:
     from tqdm import tqdm
 
@@ -280,15 +299,16 @@ def run_demo(opts: DemoOptions) -> int:
         tok = service.get_tokenizer("demo")
         trainer = service.create_training_client("demo", seed=opts.seed)  # full fine-tune
 
-        with tqdm(total=plan.sft_max_steps, desc="warm-up", file=sys.stderr) as bar:
+        with progress_bar(total=plan.sft_max_steps, desc="warm-up") as bar:
             sft_steps, _ = warm_up(trainer, tok, plan, rng, bar)
         sampler = trainer.sync_weights()
         evals = {0: evaluate(sampler, tok, plan)}
         print(f"warm-up: {sft_steps} supervised steps; exact match {evals[0]:.3f}")
 
+        print(TABLE_LEGEND.format(n=plan.prompts_per_step, G=plan.group_size))
         print(" step  reward      loss    clip  groups  tokens      s    eval")
         history: list[dict[str, float]] = []
-        for step in tqdm(range(1, plan.rl_steps + 1), desc="GRPO", file=sys.stderr):
+        for step in progress_bar(range(1, plan.rl_steps + 1), desc="GRPO"):
             t0 = time.perf_counter()
             sampler, m = rl_step(trainer, sampler, tok, plan, rng)
             m["seconds"] = time.perf_counter() - t0

@@ -15,6 +15,7 @@ from treadle.rl.loops import (
     one_step_stale_loop,
     sync_loop,
 )
+from treadle.rl.metrics import merge_metrics
 from treadle.rl.staleness import (
     Versions,
     drop_stale,
@@ -41,6 +42,7 @@ __all__ = [
     "grpo_train_step",
     "informative_groups",
     "kl_k3",
+    "merge_metrics",
     "one_step_stale_loop",
     "rollout_staleness",
     "staleness_histogram",

@@ -1,7 +1,7 @@
 """From rollouts to training datums: the next-token shift, the mask, and the one denominator.
 
-The server sums (DESIGN.md "Losses are sums"): a ``ForwardBackward`` loss is
-``Σ_t w_t · ℓ_t`` with no hidden mean, and several calls before one
+The server sums (docs/losses.md, "The rules every loss keeps"): a
+``ForwardBackward`` loss is ``Σ_t w_t · ℓ_t`` with no hidden mean, and several calls before one
 ``OptimStep`` just add gradients. Every normalisation therefore lives here, as
 ONE denominator per optimizer step folded into ``weights``. Because each
 datum's weights already carry that denominator, any split of the step's datums

@@ -13,7 +13,7 @@ user supplies three hooks:
   ``loss_config`` / ``proximal`` arguments pick importance sampling, PPO or
   decoupled PPO.
 
-The rungs (seed "generation-training-loop", "Overlapping generation and training"):
+The rungs of overlapping generation and training (docs/async_rl.md):
 
 * :func:`sync_loop` (rung 0): generate a batch, train on it, sync, repeat.
   Strictly on-policy; the sampler idles while the trainer works and the
@@ -27,8 +27,8 @@ The rungs (seed "generation-training-loop", "Overlapping generation and training
   with ``on_stale="wait"``, waits for them before they get that old) and
   syncs every ``sync_every`` steps.
 
-Staleness is in optimizer steps (DESIGN.md "Versions count optimizer steps"):
-a group is as stale as its oldest token. Every wait has a timeout, so a stuck
+Staleness is in optimizer steps (a model's weight version counts the optimizer
+steps applied to it): a group is as stale as its oldest token. Every wait has a timeout, so a stuck
 server fails the loop with ``TimeoutError`` instead of hanging it.
 """
 
@@ -48,6 +48,7 @@ import numpy as np
 from treadle.errors import InvalidArgumentError
 from treadle.rl.advantages import group_advantages
 from treadle.rl.datums import Rollout, build_datums
+from treadle.rl.metrics import merge_metrics
 from treadle.rl.staleness import rollout_staleness
 from treadle.types import AdamParams, Datum, SampledSequence, SamplingParams
 
@@ -85,7 +86,15 @@ TrainStep = Callable[["TrainingClient", list[Group]], dict[str, float]]
 
 @dataclass
 class StepStats:
-    """What one training step saw (the issue's signals)."""
+    """What one training step saw: the signals to watch while a loop runs.
+
+    ``metrics`` are the train step's, under the server's names
+    (:func:`~treadle.rl.merge_metrics` over the step's calls: ``loss:sum``,
+    ``ntokens:sum``, ``clip_frac:mean``, ``ratio:mean``/``:min``/``:max``,
+    ``kl_ref:mean`` with a KL penalty, ``grad_norm:value``, ...), plus
+    ``trained_rollouts`` (rollouts in groups whose rewards disagree: the others
+    have zero advantage and are not sent) and ``version``.
+    """
 
     step: int
     version: int  # trainer version after the step
@@ -136,7 +145,7 @@ def grpo_train_step(
         adv_B = group_advantages([r.reward for r in rollouts], G.pop())
         keep = [i for i, a in enumerate(adv_B) if a != 0.0 and rollouts[i].completion_tokens]
         if not keep:
-            return {"loss": 0.0, "trained_rollouts": 0.0}
+            return {"loss:sum": 0.0, "trained_rollouts": 0.0}
         order = np.random.permutation(keep)
         fbs, opts = [], []
         for mb in np.array_split(order, min(minibatches, len(order))):
@@ -145,12 +154,10 @@ def grpo_train_step(
                 datums = _with_proximal(trainer, datums, temperature)
             fbs.append(trainer.forward_backward(datums, loss, config, temperature=temperature))
             opts.append(trainer.optim_step(adam))
-        metrics = [f.result().metrics for f in fbs]
-        version = [o.result().step for o in opts][-1]
-        out = {"loss": sum(m.get("loss:sum", 0.0) for m in metrics), "version": float(version)}
+        steps = [o.result() for o in opts]
+        out = merge_metrics([f.result().metrics for f in fbs] + [s.metrics for s in steps])
+        out["version"] = float(steps[-1].step)
         out["trained_rollouts"] = float(len(keep))
-        if any("clip_frac:mean" in m for m in metrics):
-            out["clip_frac"] = float(np.mean([m.get("clip_frac:mean", 0.0) for m in metrics]))
         return out
 
     return step

@@ -1,7 +1,7 @@
 """How stale a rollout is, in optimizer steps, and dropping the ones past a bound.
 
-DESIGN.md "Versions count optimizer steps": a model's weight version is the
-number of optimizer steps applied, every sampled token carries the version
+Versions count optimizer steps (docs/concepts.md): a model's weight version is
+the number of optimizer steps applied, every sampled token carries the version
 that wrote it, and a token's staleness is ``current_version - token_version``.
 In async RL the sampler lags the trainer; bounding the lag (dropping rollouts
 older than ``max_staleness`` steps) keeps the importance ratios, and so the

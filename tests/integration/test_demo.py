@@ -8,14 +8,17 @@ quick one, because "it learns" means the exact-match reward rises by at least
 
 from __future__ import annotations
 
+import io
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from treadle.server import demo as demo_module
 from treadle.server.cli import main
-from treadle.server.demo import SUMMARY_FILE
+from treadle.server.demo import SUMMARY_FILE, TABLE_LEGEND, progress_bar
 
 
 @pytest.mark.slow
@@ -42,5 +45,28 @@ def test_demo_reward_rises(
     # Sampler and trainer compute the same logprobs (invariant 4).
     assert summary["max_logprob_diff"] < 1e-4
 
-    out = capsys.readouterr().out
-    assert "before RL" in out and " step  reward" in out
+    captured = capsys.readouterr()
+    assert "before RL" in captured.out and " step  reward" in captured.out
+    assert "it/s" not in captured.err  # no progress bar off a terminal
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_bars_go_to_a_terminal_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """In a log file or a pipe the bar's redraws would mix into the step table."""
+    for stream, drawn in ((io.StringIO(), False), (_Terminal(), True)):
+        monkeypatch.setattr(sys, "stderr", stream)
+        for _ in progress_bar(range(3), desc="GRPO"):
+            pass
+        assert ("GRPO" in stream.getvalue()) is drawn, stream.getvalue()
+
+
+def test_every_column_of_the_table_is_explained() -> None:
+    header = " step  reward      loss    clip  groups  tokens      s    eval"
+    legend = TABLE_LEGEND.format(n=64, G=8)
+    for column in header.split()[1:]:
+        assert f"{column}:" in legend, column
+    assert header in Path(demo_module.__file__).read_text()

@@ -86,6 +86,25 @@ def test_sync_and_one_step_stale_loops_run(trainer: treadle.TrainingClient) -> N
     assert trainer.get_info().version >= v0
 
 
+def test_step_metrics_use_the_servers_names(trainer: treadle.TrainingClient) -> None:
+    """A loop's StepStats.metrics are keyed as forward_backward's and optim_step's
+    (``loss:sum``, ``clip_frac:mean``, ``ratio:*``, ``kl_ref:mean``, ``grad_norm:value``)."""
+    config = {"clip_low_threshold": 0.8, "clip_high_threshold": 1.28, "kl_beta": 0.01}
+    step = grpo_train_step(loss_config=config, minibatches=2)
+    kw = dict(steps=2, groups_per_step=2, group_size=4, sampling_params=PARAMS, timeout=30.0)
+    stats = run_with_deadline(
+        lambda: list(sync_loop(trainer, prompts(), reward, train_step=step, **kw))
+    )
+    trained = [s.metrics for s in stats if s.metrics["trained_rollouts"] > 0]
+    assert trained, "no step had a group whose rewards disagree"
+    for m in trained:
+        for key in ("loss:sum", "ntokens:sum", "clip_frac:mean", "kl_ref:mean", "grad_norm:value"):
+            assert key in m, (key, sorted(m))
+        assert {"ratio:mean", "ratio:min", "ratio:max"} <= set(m)
+        assert m["ratio:min"] <= m["ratio:mean"] <= m["ratio:max"]
+        assert "loss" not in m and "clip_frac" not in m  # one name per quantity
+
+
 @pytest.mark.parametrize("buffer_groups", [1, 3])
 def test_async_loop_tiny_buffers_never_deadlock(
     service: treadle.ServiceClient, trainer: treadle.TrainingClient, buffer_groups: int

@@ -3,6 +3,7 @@ weight sync and its versions, reference logprobs, lifecycle and cancellation."""
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import CancelledError
@@ -107,6 +108,20 @@ def test_tokenizer_round_trips(tok: treadle.Tokenizer) -> None:
     assert len(ids) == len(text)  # character tokenizer
     assert tok.decode(ids) == text
     assert tok.eos_token_id == 2 and tok.bos_token_id == 1 and tok.pad_token_id == 0
+
+
+def test_the_tokenizers_and_the_models_vocab_sizes_are_told_apart(
+    service: treadle.ServiceClient, tok: treadle.Tokenizer, tiny_model_dir: Path
+) -> None:
+    """99 ids in the tokenizer, 104 rows in the model (padded to a multiple of 8):
+    two quantities, each documented as which it is and pointing to the other."""
+    base = service.get_server_info().base_models[0]
+    config = json.loads((tiny_model_dir / "config.json").read_text())
+    assert base.vocab_size == config["vocab_size"] == 104  # the model's embedding rows
+    assert tok.vocab_size == 99  # the tokenizer's ids, specials included
+    assert tok.decode([tok.vocab_size, base.vocab_size - 1]) == ""  # padding has no text
+    assert "BaseModelInfo.vocab_size" in (treadle.Tokenizer.vocab_size.__doc__ or "")
+    assert "Tokenizer.vocab_size" in (treadle.types.BaseModelInfo.__doc__ or "")
 
 
 # ---- sampling ------------------------------------------------------------------------------

@@ -302,3 +302,20 @@ def test_kl_k3_values() -> None:
 def test_rl_does_not_import_torch() -> None:
     code = "import sys, treadle.rl; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_merge_metrics_combines_calls_by_their_reduction() -> None:
+    from treadle.rl import merge_metrics
+
+    calls = [
+        {"loss:sum": 1.0, "ntokens:sum": 1.0, "clip_frac:mean": 0.0, "ratio:max": 1.1},
+        {"loss:sum": 2.0, "ntokens:sum": 3.0, "clip_frac:mean": 0.4, "ratio:max": 1.3},
+        {"grad_norm:value": 0.5},
+        {"grad_norm:value": 0.7, "ratio:min": 0.9},
+    ]
+    m = merge_metrics(calls)
+    assert m["loss:sum"] == 3.0 and m["ntokens:sum"] == 4.0
+    assert m["clip_frac:mean"] == pytest.approx(0.3)  # a token mean over the step: (0*1 + .4*3)/4
+    assert m["ratio:max"] == 1.3 and m["ratio:min"] == 0.9
+    assert m["grad_norm:value"] == 0.7  # the last call's
+    assert merge_metrics([]) == {}
