@@ -164,3 +164,32 @@ def test_bad_and_foreign_references(client: treadle.ServiceClient, srv: Embedded
         tc.forward_logprobs(data, reference="").result()
     # Refused calls took their seq_ids and changed nothing; the model goes on.
     np.testing.assert_array_equal(_lp(tc, data), before)
+
+
+def test_kl_to_the_warm_up_is_zero_right_after_it(client: treadle.ServiceClient) -> None:
+    """docs/losses.md's recipe: the warm-up's state as ``ref_logprobs`` of a KL-penalised loss."""
+    data = _data(client)
+    tc = client.create_lora_training_client("tiny", rank=4, seed=7)
+    _warm_up(tc, data, steps=4)
+    warm = tc.save_state("warm-up").result().path
+    own = tc.forward_logprobs(data).result().loss_fn_outputs
+
+    def kl_ref(reference: bool | str) -> float:
+        ref = tc.forward_logprobs(data, reference=reference).result().loss_fn_outputs
+        datums = [
+            treadle.Datum(
+                model_input=d.model_input,
+                loss_fn_inputs={
+                    "target_tokens": d.loss_fn_inputs["target_tokens"],
+                    "logprobs": o["logprobs"],
+                    "advantages": np.zeros(len(o["logprobs"])),
+                    "ref_logprobs": r["logprobs"],
+                },
+            )
+            for d, o, r in zip(data, own, ref, strict=True)
+        ]
+        out = tc.forward_backward(datums, "ppo", {"kl_beta": 0.05}).result()
+        return out.metrics["kl_ref:mean"]
+
+    assert kl_ref(warm) < 1e-9
+    assert kl_ref(True) > 1e-3  # the base model: the penalty would fight the warm-up
