@@ -174,6 +174,43 @@ def test_peft_export_follows_the_modules_trained(
     assert {k.split(".")[-3] for k in tensors} == {"gate_proj", "up_proj", "down_proj"}
 
 
+def test_merged_export_of_a_tied_model_with_an_adapted_head(
+    tmp_path_factory: pytest.TempPathFactory, tmp_path: Path
+) -> None:
+    """The 110m preset ties its embeddings: the adapted head is written as its own
+    ``lm_head.weight`` and the config untied, and transformers computes the same."""
+    from treadle.workers.model.tiny import build_tiny_model
+
+    tied_dir = build_tiny_model(
+        tmp_path_factory.mktemp("tied"), overrides={"tie_word_embeddings": True}
+    )
+    server = make_server(tmp_path_factory.mktemp("tied-srv"), {"tied": tied_dir})
+    try:
+        with treadle.ServiceClient(server.address, api_key=server.api_key) as c:
+            tok = c.get_tokenizer("tied")
+            data = []
+            for text in TEXTS:
+                ids = tok.encode(text)
+                data.append(
+                    treadle.Datum(
+                        model_input=treadle.ModelInput.from_ints(ids[:-1]),
+                        loss_fn_inputs={"target_tokens": ids[1:], "weights": np.ones(len(ids) - 1)},
+                    )
+                )
+            tc = c.create_lora_training_client("tied", rank=4, seed=2)
+            _train(tc, data, steps=3, lr=2e-2)
+            out = tc.export_weights(tmp_path / "merged", merged=True)
+            trained = [
+                np.asarray(o["logprobs"])
+                for o in tc.forward_logprobs(data).result().loss_fn_outputs
+            ]
+    finally:
+        server.stop()
+    assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is False
+    for got, want in zip(_hf_logprobs(out, data), trained, strict=True):
+        np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+
+
 def test_full_finetune_exports_merged_only(client: treadle.ServiceClient, tmp_path: Path) -> None:
     data = _datums(client)[:2]
     tc = client.create_training_client("tiny", seed=2)

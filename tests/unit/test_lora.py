@@ -255,3 +255,36 @@ def test_targets_follow_tinkers_flags(base: LlamaParams) -> None:
     assert (rows[1] - lm_logits(CFG, base, hidden[1, -1])).abs().max().item() <= TOL
     merged = head_only.merge_into(base)
     assert not torch.equal(merged["lm_head.weight"], base.lm_head_weight)
+
+
+def test_head_adapter_of_a_tied_model_merges_untied(tmp_path) -> None:
+    """The head's update goes into its own ``lm_head.weight``: the embedding (which
+    the input side reads) must stay as it was, so the merged model is untied."""
+    from dataclasses import replace
+
+    from treadle.workers.model.loading import load_checkpoint, save_params
+
+    cfg = replace(CFG, tie_word_embeddings=True)
+    gen = torch.Generator().manual_seed(5)
+    shapes = param_shapes(cfg)
+    assert "lm_head.weight" not in shapes
+    tied = LlamaParams.from_state_dict(
+        cfg, {n: 0.15 * torch.randn(s, generator=gen) for n, s in shapes.items()}
+    )
+    adapter = LoraAdapter(cfg, 4, 8.0, seed=6, requires_grad=False)
+    for layer in adapter.b:
+        for b in layer.values():
+            b.copy_(0.3 * torch.randn(b.shape, generator=gen))
+    merged = adapter.merge_into(tied)
+    assert merged["model.embed_tokens.weight"] is tied.embed_tokens
+    untied = replace(cfg, tie_word_embeddings=False)  # as export_merged writes it
+    save_params(LlamaParams.from_state_dict(untied, merged), untied, tmp_path)
+    cfg_back, params_back = load_checkpoint(tmp_path)
+    assert not cfg_back.tie_word_embeddings
+    tokens_B_T = _tokens(2, 7, seed=10)
+    with torch.no_grad():
+        want = lm_logits(
+            cfg, tied, forward_hidden(cfg, tied, tokens_B_T, lora=adapter), lora=adapter
+        )
+        got = lm_logits(cfg_back, params_back, forward_hidden(cfg_back, params_back, tokens_B_T))
+    assert (got - want).abs().max().item() <= TOL

@@ -104,7 +104,5 @@ def save_params(params: LlamaParams, cfg: ModelConfig, out_dir: str | Path) -> P
     tensors = {name: t.detach().contiguous().cpu() for name, t in params.named_tensors()}
     save_file(tensors, str(out / SINGLE_FILE), metadata={"format": "pt"})
     hf = cfg.to_hf_dict() | {"dtype": str(params.dtype).removeprefix("torch.")}
-    if params.lm_head is not None:
-        hf["tie_word_embeddings"] = False  # e.g. a tied model whose head a LoRA adapted
     (out / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
     return out
