@@ -551,6 +551,7 @@ class Engine:
             _check_size(op.data, self.config.max_tokens_per_call)
             if op.reference_weights is None:
                 return trainer.forward_logprobs(model, op)
+            trainer.prepare_forward_logprobs(model, op)  # bad data fails before any read
             weights = reference.resolve(model, op.reference_weights, self.versions)
             return trainer.forward_logprobs(model, op, weights)
         if isinstance(op, OptimStepOp):
