@@ -28,7 +28,8 @@ TEXTS = ("3+4=7", "9+9=18", "5+0=5", "2+7=9")
 
 @pytest.fixture(scope="module")
 def srv(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Iterator[EmbeddedServer]:
-    server = make_server(tmp_path_factory.mktemp("reference"), {"tiny": tiny_model_dir})
+    models = {"tiny": tiny_model_dir, "other": tiny_model_dir}  # "other": another base name
+    server = make_server(tmp_path_factory.mktemp("reference"), models)
     yield server
     server.stop()
 
@@ -193,3 +194,15 @@ def test_kl_to_the_warm_up_is_zero_right_after_it(client: treadle.ServiceClient)
 
     assert kl_ref(warm) < 1e-9
     assert kl_ref(True) > 1e-3  # the base model: the penalty would fight the warm-up
+
+
+def test_a_reference_of_another_base_is_invalid(client: treadle.ServiceClient) -> None:
+    data = _data(client)
+    tc = client.create_lora_training_client("tiny", rank=4, seed=8)
+    other = client.create_lora_training_client("other", rank=4, seed=8)
+    _warm_up(other, data, steps=1)
+    state = other.save_state("s").result().path
+    version = f"treadle://{other.model_id}/v/{other.sync_weights().version}"
+    for path in (state, version):
+        with pytest.raises(InvalidArgumentError, match="reference_path.*'other'"):
+            tc.forward_logprobs(data, reference=path).result()
