@@ -206,3 +206,37 @@ def test_a_reference_of_another_base_is_invalid(client: treadle.ServiceClient) -
     for path in (state, version):
         with pytest.raises(InvalidArgumentError, match="reference_path.*'other'"):
             tc.forward_logprobs(data, reference=path).result()
+
+
+def test_a_state_in_an_s3_store_is_a_reference(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """With checkpoints in S3 the engine gets the state downloaded (``workers.staging``)."""
+    from tests.integration.services import moto_s3
+
+    with moto_s3("reference") as endpoint:
+        srv = make_server(
+            tmp_path,
+            {"tiny": tiny_model_dir},
+            store="s3://reference/ckpt",
+            s3_endpoint_url=endpoint,
+        )
+        try:
+            with treadle.ServiceClient(srv.address, api_key=srv.api_key) as c:
+                data = _data(c)
+                tc = c.create_lora_training_client("tiny", rank=4, seed=9)
+                _warm_up(tc, data, steps=2)
+                warm = tc.save_state("warm").result().path
+                at_warm = _lp(tc, data)
+                _warm_up(tc, data, steps=1)
+                for _ in range(2):
+                    np.testing.assert_allclose(
+                        _lp(tc, data, reference=warm), at_warm, atol=1e-6, rtol=0
+                    )
+                with pytest.raises(NotFoundError, match="reference_path"):
+                    tc.forward_logprobs(
+                        data, reference=f"treadle://{tc.model_id}/state/no"
+                    ).result()
+                np.testing.assert_allclose(
+                    _lp(tc, data, reference=warm), at_warm, atol=1e-6, rtol=0
+                )
+        finally:
+            srv.stop()
