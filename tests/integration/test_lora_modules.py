@@ -10,6 +10,7 @@ and the same run falls to about 1.2 (``scripts/lora_sweep.py --preset tiny
 
 from __future__ import annotations
 
+import json
 import random
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,7 +20,7 @@ import pytest
 
 import treadle
 from tests.conftest import make_server
-from treadle.errors import InvalidArgumentError
+from treadle.errors import FailedPreconditionError, InvalidArgumentError
 from treadle.server.embedded import EmbeddedServer
 
 STEPS, BATCH, RANK, LR = 60, 16, 8, 1e-2
@@ -86,3 +87,17 @@ def test_no_module_at_all_is_invalid(client: treadle.ServiceClient) -> None:
         client._create(  # past the SDK's own check: the server refuses it too
             base_model="tiny", lora_rank=4, train_attn=False, train_mlp=False, train_unembed=False
         )
+
+
+def test_the_modules_travel_with_the_state(client: treadle.ServiceClient, tmp_path: Path) -> None:
+    mlp_only = client.create_lora_training_client(
+        "tiny", rank=2, train_attn=False, train_unembed=False
+    )
+    path = mlp_only.save_state("mlp").result().path
+    again = client.create_training_client_from_state(path)
+    config = json.loads((again.export_weights(tmp_path / "a") / "adapter_config.json").read_text())
+    assert config["target_modules"] == ["gate_proj", "up_proj", "down_proj"]
+    # A model adapting other modules cannot take that state in place.
+    default = client.create_lora_training_client("tiny", rank=2)
+    with pytest.raises(FailedPreconditionError, match="path"):
+        default.load_state(path).result()
