@@ -102,13 +102,29 @@ class ServiceClient:
         base_model: str,
         rank: int = 32,
         seed: int = 0,
+        train_mlp: bool = True,
+        train_attn: bool = True,
+        train_unembed: bool = True,
         *,
         alpha: float | None = None,
         dtype: str | None = None,
     ) -> TrainingClient:
+        """A LoRA model on ``base_model``: an adapter of ``rank`` (scale ``alpha / rank``,
+        alpha defaults to rank) on the modules the flags name, as in the tinker SDK:
+        the MLP (gate/up/down), attention (q/k/v/o) and the unembedding (output head).
+
+        The head matters most on a base whose head is not pretrained (the random-weight
+        presets): without it the logits cannot sharpen and supervised loss stalls
+        (docs/lora.md has measured ranks and learning rates).
+        """
         if rank < 1:
             raise InvalidArgumentError(
                 "rank: a LoRA rank must be at least 1 (use create_training_client for full fine-tuning)"
+            )
+        if not (train_mlp or train_attn or train_unembed):
+            raise InvalidArgumentError(
+                "train_mlp, train_attn, train_unembed: at least one must be True "
+                "(all False leaves the adapter nothing to train)"
             )
         return self._create(
             base_model=base_model,
@@ -116,6 +132,9 @@ class ServiceClient:
             lora_alpha=alpha or 0.0,
             seed=seed,
             dtype=dtype or "",
+            train_attn=train_attn,
+            train_mlp=train_mlp,
+            train_unembed=train_unembed,
         )
 
     def create_training_client(

@@ -20,6 +20,7 @@ from treadle import _convert, custom_loss
 from treadle._ordering import OrderedCalls
 from treadle._rpc import error_from_rpc
 from treadle.custom_loss import CustomLossFn
+from treadle.errors import InvalidArgumentError
 from treadle.futures import APIFuture
 from treadle.sampling_client import SamplingClient
 from treadle.types import (
@@ -106,12 +107,29 @@ class TrainingClient:
         )
 
     def forward_logprobs(
-        self, data: Sequence[Datum], *, reference: bool = False, temperature: float = 1.0
+        self, data: Sequence[Datum], *, reference: bool | str = False, temperature: float = 1.0
     ) -> APIFuture[ForwardBackwardOutput]:
-        """Per-token logprobs of each datum's targets; ``reference=True`` uses the
-        base model (adapter off), the usual KL reference."""
+        """Per-token logprobs of each datum's targets, under the model's current weights.
+
+        ``reference=True`` uses the base model (adapter off). ``reference="treadle://..."``
+        uses weights you own instead: a state from ``save_state``
+        (``treadle://<model_id>/state/<name>``) or a published version still kept
+        (``treadle://<model_id>/v/<v>``), e.g. the end of a supervised warm-up, so a KL
+        penalty does not pull the policy back to the random start. The model's own
+        weights, gradients and optimizer state are untouched; the server keeps the
+        loaded reference, so calling this every step reads the checkpoint once.
+        """
+        ref_flag, ref_path = (False, reference) if isinstance(reference, str) else (reference, "")
+        if isinstance(reference, str) and not reference:
+            raise InvalidArgumentError(
+                "reference: an empty path; pass a treadle:// path, True (the base model) "
+                "or False (the model itself)"
+            )
         request = training_pb2.ForwardLogprobsRequest(
-            model_id=self.model_id, reference=reference, temperature=temperature
+            model_id=self.model_id,
+            reference=ref_flag,
+            temperature=temperature,
+            reference_path=ref_path,
         )
         request.data.extend(_convert.datums_to_wire(data))
         request.seq_id = self._take_seq()

@@ -48,7 +48,34 @@ def digest(request: object) -> str:
 def model_spec(row: db.Model) -> ModelSpec:
     """A model's stored row -> the engine's spec of it (restore, unload, re-placement)."""
     return ModelSpec(
-        row.id, row.tenant_id, row.base_model, row.lora_rank, row.lora_alpha, row.seed, row.dtype
+        row.id,
+        row.tenant_id,
+        row.base_model,
+        row.lora_rank,
+        row.lora_alpha,
+        row.seed,
+        row.dtype,
+        row.train_attn,
+        row.train_mlp,
+        row.train_unembed,
+    )
+
+
+def manifest_modules(manifest: dict) -> tuple[bool, bool, bool]:
+    """(train_attn, train_mlp, train_unembed) of a checkpoint. States written before
+    the flags existed adapted every projection and not the head."""
+    return (
+        bool(manifest.get("train_attn", True)),
+        bool(manifest.get("train_mlp", True)),
+        bool(manifest.get("train_unembed", False)),
+    )
+
+
+def lora_modules(req: training_pb2.CreateModelRequest) -> tuple[bool, bool, bool]:
+    """(train_attn, train_mlp, train_unembed): unset means true, as in the tinker SDK."""
+    return tuple(  # type: ignore[return-value]
+        getattr(req, f) if req.HasField(f) else True
+        for f in ("train_attn", "train_mlp", "train_unembed")
     )
 
 

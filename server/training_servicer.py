@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import shutil
 from collections.abc import AsyncIterator, Callable
@@ -17,7 +18,7 @@ from treadle.errors import (
     NotFoundError,
     TreadleError,
 )
-from treadle.server import convert, restarts
+from treadle.server import convert, references, restarts
 from treadle.server.context import ServerContext
 from treadle.server.db import models as db
 from treadle.server.db import queries, tenancy
@@ -77,10 +78,12 @@ class TrainingServicer(training_pb2_grpc.TrainingServiceServicer):
                 int(manifest["seed"]),
                 manifest["dtype"],
             )
+            modules = convert.manifest_modules(manifest)
         else:
             base_model, rank, seed = request.base_model, request.lora_rank, request.seed
             alpha = request.lora_alpha or float(rank)
             dtype = request.dtype or ctx.config.default_dtype
+            modules = convert.lora_modules(request)
         if not base_model:
             raise InvalidArgumentError("base_model: required")
         if base_model not in ctx.dispatcher.base_model_names():
@@ -93,6 +96,11 @@ class TrainingServicer(training_pb2_grpc.TrainingServiceServicer):
             )
         if alpha < 0:
             raise InvalidArgumentError(f"lora_alpha: must be >= 0, got {alpha}")
+        if rank > 0 and not any(modules):
+            raise InvalidArgumentError(
+                "train_attn, train_mlp, train_unembed: all false leaves a LoRA model nothing "
+                "to train; leave them unset (all true) or set one"
+            )
         if dtype not in DTYPES:
             raise InvalidArgumentError(f"dtype: {dtype!r}; choose from {DTYPES}")
         with ctx.session() as s:
@@ -110,10 +118,11 @@ class TrainingServicer(training_pb2_grpc.TrainingServiceServicer):
                 lora_alpha=alpha,
                 seed=seed,
                 dtype=dtype,
+                modules=modules,
             )
             row.session_id = request.session_id or None
             model_id = row.id
-        spec = ModelSpec(model_id, tenant, base_model, rank, alpha, seed, dtype)
+        spec = ModelSpec(model_id, tenant, base_model, rank, alpha, seed, dtype, *modules)
         try:
             status = await ctx.dispatcher.create_model(spec, from_state=from_state, next_seq_id=1)
         except TreadleError:
@@ -280,9 +289,21 @@ class TrainingServicer(training_pb2_grpc.TrainingServiceServicer):
     async def ForwardLogprobs(
         self, request: training_pb2.ForwardLogprobsRequest, context: grpc.aio.ServicerContext
     ) -> training_pb2.ForwardOutput:
-        result: ForwardResult = await self._ordered(
-            context, request, lambda _: convert.forward_logprobs_op(request), "forward_logprobs"
-        )
+        def build(tenant: str) -> OrderedOp:
+            op = convert.forward_logprobs_op(request)
+            if not request.reference_path:
+                return op
+            if request.reference:
+                raise InvalidArgumentError(
+                    "reference_path: give reference=true (the base model) or a "
+                    "reference_path, not both"
+                )
+            with self.ctx.session() as s:
+                model = self.ctx.model_row(s, tenant, request.model_id)
+                ref = references.resolve(s, tenant, model, request.reference_path)
+            return dataclasses.replace(op, reference_weights=ref)
+
+        result: ForwardResult = await self._ordered(context, request, build, "forward_logprobs")
         return convert.forward_output(result)
 
     async def OptimStep(

@@ -45,6 +45,8 @@ BatchableOp: TypeAlias = ForwardBackwardOp | ForwardLogprobsOp
 
 def batchable(model: TrainingModel, op: object) -> bool:
     """Whether ``op`` of ``model`` may join a cross-model batch."""
+    if isinstance(op, ForwardLogprobsOp) and op.reference_weights is not None:
+        return False  # its own weights: a pass of its own (``workers.reference``)
     return model.adapter is not None and isinstance(op, ForwardBackwardOp | ForwardLogprobsOp)
 
 
@@ -185,7 +187,8 @@ def _logprobs(rows: list[_Rows], *, with_entropy: bool) -> list[tuple[Tensor, Te
     out = []
     for r in rows:
         t = r.tokens_B_T.shape[1]
-        logits = lm_logits(model.cfg, model.params, hidden_B_T_H[r.start : r.stop, :t])
+        hidden = hidden_B_T_H[r.start : r.stop, :t]
+        logits = lm_logits(model.cfg, model.params, hidden, lora=r.adapter)  # the call's head
         out.append(
             trainer.logprobs_from_logits(
                 logits, r.targets_B_T, r.temperature, with_entropy=with_entropy

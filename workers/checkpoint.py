@@ -41,6 +41,9 @@ def save_state(model: TrainingModel, directory: str | Path, seq_id: int) -> Save
         "base_model": spec.base_model,
         "lora_rank": spec.lora_rank,
         "lora_alpha": spec.lora_alpha or float(spec.lora_rank),
+        "train_attn": spec.train_attn,
+        "train_mlp": spec.train_mlp,
+        "train_unembed": spec.train_unembed,
         "dtype": spec.dtype,
         "seed": spec.seed,
         "step": model.version,
@@ -88,6 +91,12 @@ def load_state(model: TrainingModel, directory: str | Path) -> LoadResult:
     weights = load_file(str(Path(directory) / "weights.safetensors"))
     optim = load_file(str(Path(directory) / "optimizer.safetensors"))
     missing = sorted(set(model.trainable) - set(weights))
+    extra = sorted(set(weights) - set(model.trainable))
+    if extra:
+        raise FailedPreconditionError(
+            f"path: checkpoint adapts modules this model does not ({extra[:3]}); "
+            "create the model from the state instead (from_state)"
+        )
     if missing:
         raise FailedPreconditionError(f"path: checkpoint lacks tensors {missing[:3]}")
     for name, param in model.trainable.items():

@@ -25,6 +25,10 @@ class ModelSpec:
     lora_alpha: float
     seed: int
     dtype: str  # "float32" | "float64" | "bfloat16"
+    #: which modules a LoRA model adapts (the tinker SDK's flags; docs/lora.md)
+    train_attn: bool = True
+    train_mlp: bool = True
+    train_unembed: bool = True
 
     @property
     def is_lora(self) -> bool:
@@ -62,11 +66,26 @@ class ForwardBackwardOp:
 
 
 @dataclass(frozen=True)
+class ReferenceWeights:
+    """Weights a ``ForwardLogprobs`` reads instead of the model's own: a state the
+    tenant saved (``directory``, resolved by the server, which also checked
+    ownership and base model) or a version still kept (``model_id``, ``version``).
+    ``uri`` is the ``treadle://`` path as the user wrote it (for messages)."""
+
+    uri: str
+    directory: str = ""
+    model_id: str = ""
+    version: int = -1
+
+
+@dataclass(frozen=True)
 class ForwardLogprobsOp:
     data: tuple[DatumData, ...]
-    reference: bool = False
+    reference: bool = False  # the base model (LoRA off / the frozen base weights)
     temperature: float = 1.0
     kind: str = "forward_logprobs"
+    #: another reference the tenant owns (``reference`` is then False)
+    reference_weights: ReferenceWeights | None = None
 
 
 @dataclass(frozen=True)

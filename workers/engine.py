@@ -35,7 +35,7 @@ from treadle.errors import (
     TreadleError,
     UnavailableError,
 )
-from treadle.workers import checkpoint, export, trainer
+from treadle.workers import checkpoint, export, reference, trainer
 from treadle.workers.base_models import BaseModelRegistry, parse_dtype
 from treadle.workers.batching import BatchCall, batch_key, batchable, run_batch
 from treadle.workers.domain import (
@@ -572,7 +572,11 @@ class Engine:
             return trainer.forward_backward(model, op)
         if isinstance(op, ForwardLogprobsOp):
             _check_size(op.data, self.config.max_tokens_per_call)
-            return trainer.forward_logprobs(model, op)
+            if op.reference_weights is None:
+                return trainer.forward_logprobs(model, op)
+            trainer.prepare_forward_logprobs(model, op)  # bad data fails before any read
+            weights = reference.resolve(model, op.reference_weights, self.versions)
+            return trainer.forward_logprobs(model, op, weights)
         if isinstance(op, OptimStepOp):
             return self._auto_checkpoint(model, seq_id, model.optim_step(op.adam))
         if isinstance(op, SyncWeightsOp):

@@ -10,6 +10,7 @@ so ``peft.PeftModel.from_pretrained(base, dir)`` or
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -58,11 +59,15 @@ def export_peft(model: TrainingModel, out_dir: str | Path) -> list[Path]:
 @torch.no_grad()
 def export_merged(model: TrainingModel, out_dir: str | Path) -> list[Path]:
     out = Path(out_dir)
+    cfg = model.cfg
     if model.adapter is not None:
-        params = LlamaParams.from_state_dict(model.cfg, model.adapter.merge_into(model.params))
+        tensors = model.adapter.merge_into(model.params)
+        if "lm_head.weight" in tensors and cfg.tie_word_embeddings:
+            cfg = dataclasses.replace(cfg, tie_word_embeddings=False)  # the head was adapted
+        params = LlamaParams.from_state_dict(cfg, tensors)
     else:
         params = model.params
-    save_params(params, model.cfg, out)
+    save_params(params, cfg, out)
     written = [out / "config.json", out / "model.safetensors"]
     for name in TOKENIZER_FILES:
         src = model.base.path / name

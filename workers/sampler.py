@@ -560,7 +560,8 @@ class TorchSampler:
                 finished.append((req, hidden_B_T_H[b, n - 1]))
         if finished:
             hidden_F_H = torch.stack([h for _, h in finished])
-            logits_F_V = lm_logits(self.cfg, snaps[0].params, hidden_F_H)
+            head_lora = lora_for([req.snapshot.adapter for req, _ in finished])
+            logits_F_V = lm_logits(self.cfg, snaps[0].params, hidden_F_H, lora=head_lora)
             for (req, _), logits_V in zip(finished, logits_F_V, strict=True):
                 self._start_rows(req, logits_V)
 
@@ -608,16 +609,18 @@ class TorchSampler:
             t0 = time.perf_counter()
             packed = prepack.decoding() if self._packs_for(len(rows)) else contextlib.nullcontext()
             with packed:
+                lora = lora_for(adapters)
                 hidden_B_1_H = forward_hidden(
                     self.cfg,
                     params,
                     torch.tensor(tokens)[:, None],
                     torch.tensor(positions)[:, None],
-                    lora=lora_for(adapters),
+                    lora=lora,
                     cache=self.cache,
                     slots_B=torch.tensor(slots),
                 )
-                logits_B_V = lm_logits(self.cfg, params, hidden_B_1_H[:, -1])[: len(rows)]
+                logits_B_V = lm_logits(self.cfg, params, hidden_B_1_H[:, -1], lora=lora)
+                logits_B_V = logits_B_V[: len(rows)]
             for r in rows:
                 r.position += 1
             charge([(r.request, 1) for r in rows], time.perf_counter() - t0)

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from treadle.errors import InternalError, TreadleError
 from treadle.workers.domain import (
+    ForwardLogprobsOp,
     LoadStateOp,
     ModelSpec,
     ModelStatus,
@@ -108,6 +109,20 @@ class StagedEngine:
                 self._chain(inner, out, after=lambda _: self.store.release(local, path))
 
             self._on_io(lambda: self.store.fetch(path), out, fetched)
+        elif isinstance(op, ForwardLogprobsOp) and _state_reference(op):
+            ref = op.reference_weights
+            assert ref is not None
+
+            def fetched_ref(local: Path) -> None:
+                local_ref = replace(ref, directory=str(local))
+                inner = self.engine.submit(
+                    model_id, seq_id, replace(op, reference_weights=local_ref), digest
+                )
+                self._chain(inner, out, after=lambda _: self.store.release(local, ref.directory))
+
+            # Each call downloads the state (the engine's cache then skips re-reading
+            # it as weights); a local store hands over the directory itself.
+            self._on_io(lambda: self.store.fetch(ref.directory), out, fetched_ref)
         elif isinstance(op, SaveStateOp):
             staged = self.store.staging_dir(op.directory)
             inner = self.engine.submit(model_id, seq_id, replace(op, directory=str(staged)), digest)
@@ -220,3 +235,8 @@ def _settle(fut: Future[Any], outcome: Any) -> None:
         fut.set_exception(outcome)
     else:
         fut.set_result(outcome)
+
+
+def _state_reference(op: ForwardLogprobsOp) -> bool:
+    """Whether ``op`` reads a saved state as its reference (a download first)."""
+    return op.reference_weights is not None and bool(op.reference_weights.directory)

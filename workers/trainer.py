@@ -27,9 +27,9 @@ from treadle.workers.domain import (
     OptimStepResult,
 )
 from treadle.workers.model.llama import LlamaParams, forward_hidden, lm_logits, target_logprobs
-from treadle.workers.model.lora import LoraAdapter
+from treadle.workers.model.lora import LoraAdapter, targets_for
 from treadle.workers.optimizer import AdamW
-from treadle.workers.versions import WeightSnapshot
+from treadle.workers.versions import ReferenceCache, WeightSnapshot
 
 #: makes detached copies of named tensors, all at once (``TrainingModel.snapshot``)
 TensorsCopy = Callable[[dict[str, Tensor]], dict[str, Tensor]]
@@ -56,6 +56,11 @@ class TrainingModel:
                 spec.lora_rank,
                 alpha,
                 seed=spec.seed,
+                targets=targets_for(
+                    train_attn=spec.train_attn,
+                    train_mlp=spec.train_mlp,
+                    train_unembed=spec.train_unembed,
+                ),
                 dtype=base.dtype,
                 requires_grad=True,
             )
@@ -67,6 +72,8 @@ class TrainingModel:
         self.optimizer = AdamW(trainable)
         self.version = 0
         self.last_checkpoint_seq_id = 0
+        #: references ``ForwardLogprobs`` loaded from checkpoints (``workers.reference``)
+        self.references = ReferenceCache()
 
     @property
     def trainable(self) -> dict[str, Tensor]:
@@ -210,14 +217,25 @@ def _np_dtype(model: TrainingModel) -> type:
 
 
 def _logprobs(
-    model: TrainingModel, batch: _Batch, temperature: float, *, reference: bool, with_entropy: bool
+    model: TrainingModel,
+    batch: _Batch,
+    temperature: float,
+    *,
+    reference: bool,
+    with_entropy: bool,
+    weights: WeightSnapshot | None = None,
 ) -> tuple[Tensor, Tensor | None]:
-    # The reference policy is the base model: the adapter off, or the frozen base
-    # weights for a full fine-tune.
-    params = model.base.params if reference else model.params
-    lora = None if reference else model.adapter
+    # ``weights``: a reference the tenant chose (a saved state, a kept version).
+    # Otherwise the reference policy is the base model: the adapter off, or the
+    # frozen base weights for a full fine-tune.
+    if weights is not None:
+        params, lora = weights.params, weights.adapter
+    elif reference:
+        params, lora = model.base.params, None
+    else:
+        params, lora = model.params, model.adapter
     hidden = forward_hidden(model.cfg, params, batch.tokens_B_T, lora=lora)
-    logits = lm_logits(model.cfg, params, hidden)
+    logits = lm_logits(model.cfg, params, hidden, lora=lora)
     return logprobs_from_logits(logits, batch.targets_B_T, temperature, with_entropy=with_entropy)
 
 
@@ -298,11 +316,20 @@ def logprobs_result(model: TrainingModel, batch: _Batch, lp_B_T: Tensor) -> Forw
     return ForwardResult(logprobs=_split(lp_B_T, batch.lengths, _np_dtype(model)), metrics={})
 
 
-def forward_logprobs(model: TrainingModel, op: ForwardLogprobsOp) -> ForwardResult:
+def forward_logprobs(
+    model: TrainingModel, op: ForwardLogprobsOp, weights: WeightSnapshot | None = None
+) -> ForwardResult:
+    """Logprobs under the model's weights, the base (``op.reference``), or ``weights``
+    (``op.reference_weights`` resolved by ``workers.reference``); no gradient."""
     batch = prepare_forward_logprobs(model, op)
     with torch.no_grad():
         lp_B_T, _ = _logprobs(
-            model, batch, op.temperature, reference=op.reference, with_entropy=False
+            model,
+            batch,
+            op.temperature,
+            reference=op.reference,
+            with_entropy=False,
+            weights=weights,
         )
     return logprobs_result(model, batch, lp_B_T)
 

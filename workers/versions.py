@@ -9,6 +9,7 @@ the adapter (small); a full fine-tune version is a copy of every weight.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from treadle.errors import NotFoundError
@@ -59,3 +60,36 @@ class VersionStore:
 
     def drop(self, model_id: str) -> None:
         self._by_model.pop(model_id, None)
+
+
+class ReferenceCache:
+    """The last few reference weights a model's ``ForwardLogprobs`` loaded from checkpoints.
+
+    A KL loop asks for the same reference every step; reading it again each time
+    would cost a checkpoint read per step (a whole model for a full fine-tune).
+    Bounded (least recently used goes first) and owned by the training model, so
+    deleting or unloading the model releases it. Keys name the checkpoint and
+    when it was written, so a state saved again under the same name is re-read.
+    """
+
+    def __init__(self, size: int = 2) -> None:
+        self.size = max(1, size)
+        self._entries: OrderedDict[tuple[object, ...], WeightSnapshot] = OrderedDict()
+        self.loads = 0  # how many times ``get`` had to load (tests, metrics)
+
+    def get(self, key: tuple[object, ...], load: Callable[[], WeightSnapshot]) -> WeightSnapshot:
+        snap = self._entries.get(key)
+        if snap is None:
+            snap = load()
+            self.loads += 1
+            self._entries[key] = snap
+            while len(self._entries) > self.size:
+                self._entries.popitem(last=False)
+        self._entries.move_to_end(key)
+        return snap
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def clear(self) -> None:
+        self._entries.clear()

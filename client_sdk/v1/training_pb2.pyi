@@ -9,7 +9,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class CreateModelRequest(_message.Message):
-    __slots__ = ("base_model", "lora_rank", "lora_alpha", "seed", "dtype", "from_state", "session_id")
+    __slots__ = ("base_model", "lora_rank", "lora_alpha", "seed", "dtype", "from_state", "session_id", "train_attn", "train_mlp", "train_unembed")
     BASE_MODEL_FIELD_NUMBER: _ClassVar[int]
     LORA_RANK_FIELD_NUMBER: _ClassVar[int]
     LORA_ALPHA_FIELD_NUMBER: _ClassVar[int]
@@ -17,6 +17,9 @@ class CreateModelRequest(_message.Message):
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     FROM_STATE_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    TRAIN_ATTN_FIELD_NUMBER: _ClassVar[int]
+    TRAIN_MLP_FIELD_NUMBER: _ClassVar[int]
+    TRAIN_UNEMBED_FIELD_NUMBER: _ClassVar[int]
     base_model: str
     lora_rank: int
     lora_alpha: float
@@ -24,7 +27,10 @@ class CreateModelRequest(_message.Message):
     dtype: str
     from_state: str
     session_id: str
-    def __init__(self, base_model: _Optional[str] = ..., lora_rank: _Optional[int] = ..., lora_alpha: _Optional[float] = ..., seed: _Optional[int] = ..., dtype: _Optional[str] = ..., from_state: _Optional[str] = ..., session_id: _Optional[str] = ...) -> None: ...
+    train_attn: bool
+    train_mlp: bool
+    train_unembed: bool
+    def __init__(self, base_model: _Optional[str] = ..., lora_rank: _Optional[int] = ..., lora_alpha: _Optional[float] = ..., seed: _Optional[int] = ..., dtype: _Optional[str] = ..., from_state: _Optional[str] = ..., session_id: _Optional[str] = ..., train_attn: _Optional[bool] = ..., train_mlp: _Optional[bool] = ..., train_unembed: _Optional[bool] = ...) -> None: ...
 
 class GetModelInfoRequest(_message.Message):
     __slots__ = ("model_id",)
@@ -102,18 +108,20 @@ class ForwardBackwardRequest(_message.Message):
     def __init__(self, model_id: _Optional[str] = ..., seq_id: _Optional[int] = ..., data: _Optional[_Iterable[_Union[_common_pb2.Datum, _Mapping]]] = ..., loss_fn: _Optional[_Union[_common_pb2.LossFn, str]] = ..., loss_fn_config: _Optional[_Mapping[str, float]] = ..., temperature: _Optional[float] = ...) -> None: ...
 
 class ForwardLogprobsRequest(_message.Message):
-    __slots__ = ("model_id", "seq_id", "data", "reference", "temperature")
+    __slots__ = ("model_id", "seq_id", "data", "reference", "temperature", "reference_path")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     REFERENCE_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    REFERENCE_PATH_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     seq_id: int
     data: _containers.RepeatedCompositeFieldContainer[_common_pb2.Datum]
     reference: bool
     temperature: float
-    def __init__(self, model_id: _Optional[str] = ..., seq_id: _Optional[int] = ..., data: _Optional[_Iterable[_Union[_common_pb2.Datum, _Mapping]]] = ..., reference: _Optional[bool] = ..., temperature: _Optional[float] = ...) -> None: ...
+    reference_path: str
+    def __init__(self, model_id: _Optional[str] = ..., seq_id: _Optional[int] = ..., data: _Optional[_Iterable[_Union[_common_pb2.Datum, _Mapping]]] = ..., reference: _Optional[bool] = ..., temperature: _Optional[float] = ..., reference_path: _Optional[str] = ...) -> None: ...
 
 class ForwardOutput(_message.Message):
     __slots__ = ("outputs", "metrics")

@@ -23,6 +23,7 @@ from sqlalchemy import (
     UniqueConstraint,
     false,
     text,
+    true,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 from sqlalchemy.types import TypeDecorator
@@ -138,6 +139,11 @@ class Model(Base):
     base_model: Mapped[str] = mapped_column(Text)
     lora_rank: Mapped[int]  # 0 = full fine-tune
     lora_alpha: Mapped[float]
+    # Which modules a LoRA model adapts (tinker's flags). Rows from before the
+    # flags adapted every projection and not the head: the server defaults say so.
+    train_attn: Mapped[bool] = mapped_column(default=True, server_default=true())
+    train_mlp: Mapped[bool] = mapped_column(default=True, server_default=true())
+    train_unembed: Mapped[bool] = mapped_column(default=True, server_default=false())
     seed: Mapped[int]
     dtype: Mapped[str] = mapped_column(String(16))
     status: Mapped[str] = mapped_column(String(16), default="active")

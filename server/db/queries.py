@@ -93,7 +93,9 @@ def create_model(
     dtype: str,
     worker_id: str | None = None,
     model_id: str | None = None,
+    modules: tuple[bool, bool, bool] = (True, True, True),
 ) -> Model:
+    """``modules``: (train_attn, train_mlp, train_unembed) of a LoRA model."""
     row = Model(
         id=model_id or new_id("m"),
         tenant_id=tenant_id,
@@ -103,6 +105,9 @@ def create_model(
         seed=seed,
         dtype=dtype,
         worker_id=worker_id,
+        train_attn=modules[0],
+        train_mlp=modules[1],
+        train_unembed=modules[2],
     )
     return _add(s, row)
 

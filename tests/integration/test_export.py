@@ -97,7 +97,7 @@ def test_peft_export_equals_the_adapter(
     assert config["peft_type"] == "LORA"
     assert config["r"] == 4 and config["lora_alpha"] == 8.0
     assert config["base_model_name_or_path"] == "tiny"
-    assert sorted(config["target_modules"]) == sorted(TARGETS)
+    assert sorted(config["target_modules"]) == sorted([*TARGETS, "lm_head"])  # tinker's default
 
     tensors = load_file(str(out / "adapter_model.safetensors"))
     hf_config = json.loads((srv.config.models["tiny"] / "config.json").read_text())
@@ -119,6 +119,8 @@ def test_peft_export_equals_the_adapter(
             out_f, in_f = shapes[target]
             expected[PEFT_KEY.format(n=n, module=module, target=target, which="A")] = (4, in_f)
             expected[PEFT_KEY.format(n=n, module=module, target=target, which="B")] = (out_f, 4)
+    expected["base_model.model.lm_head.lora_A.weight"] = (4, h)  # train_unembed
+    expected["base_model.model.lm_head.lora_B.weight"] = (hf_config["vocab_size"], 4)
     assert {k: tuple(v.shape) for k, v in tensors.items()} == expected
 
     # The same tensors the engine trains (and its own checkpoint holds).
@@ -157,6 +159,56 @@ def test_merged_export_loads_in_transformers_and_matches(
 
     tok = transformers.AutoTokenizer.from_pretrained(out)
     assert tok.decode(tok.encode("12+3=15", add_special_tokens=False)) == "12+3=15"
+
+
+def test_peft_export_follows_the_modules_trained(
+    client: treadle.ServiceClient, tmp_path: Path
+) -> None:
+    tc = client.create_lora_training_client(
+        "tiny", rank=2, train_attn=False, train_mlp=True, train_unembed=False
+    )
+    out = tc.export_weights(tmp_path / "mlp-only")
+    config = json.loads((out / "adapter_config.json").read_text())
+    assert config["target_modules"] == ["gate_proj", "up_proj", "down_proj"]
+    tensors = load_file(str(out / "adapter_model.safetensors"))
+    assert {k.split(".")[-3] for k in tensors} == {"gate_proj", "up_proj", "down_proj"}
+
+
+def test_merged_export_of_a_tied_model_with_an_adapted_head(
+    tmp_path_factory: pytest.TempPathFactory, tmp_path: Path
+) -> None:
+    """The 110m preset ties its embeddings: the adapted head is written as its own
+    ``lm_head.weight`` and the config untied, and transformers computes the same."""
+    from treadle.workers.model.tiny import build_tiny_model
+
+    tied_dir = build_tiny_model(
+        tmp_path_factory.mktemp("tied"), overrides={"tie_word_embeddings": True}
+    )
+    server = make_server(tmp_path_factory.mktemp("tied-srv"), {"tied": tied_dir})
+    try:
+        with treadle.ServiceClient(server.address, api_key=server.api_key) as c:
+            tok = c.get_tokenizer("tied")
+            data = []
+            for text in TEXTS:
+                ids = tok.encode(text)
+                data.append(
+                    treadle.Datum(
+                        model_input=treadle.ModelInput.from_ints(ids[:-1]),
+                        loss_fn_inputs={"target_tokens": ids[1:], "weights": np.ones(len(ids) - 1)},
+                    )
+                )
+            tc = c.create_lora_training_client("tied", rank=4, seed=2)
+            _train(tc, data, steps=3, lr=2e-2)
+            out = tc.export_weights(tmp_path / "merged", merged=True)
+            trained = [
+                np.asarray(o["logprobs"])
+                for o in tc.forward_logprobs(data).result().loss_fn_outputs
+            ]
+    finally:
+        server.stop()
+    assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is False
+    for got, want in zip(_hf_logprobs(out, data), trained, strict=True):
+        np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
 
 
 def test_full_finetune_exports_merged_only(client: treadle.ServiceClient, tmp_path: Path) -> None:

@@ -111,8 +111,11 @@ class Reference:
 
     def linear(self, x: torch.Tensor, layer: int, module: str, proj: str) -> torch.Tensor:
         y = x @ self.weight(f"model.layers.{layer}.{module}.{proj}.weight").T
-        if self.lora_scale is not None:
-            prefix = f"base_model.model.model.layers.{layer}.{module}.{proj}"
+        return self.lora(x, y, f"base_model.model.model.layers.{layer}.{module}.{proj}")
+
+    def lora(self, x: torch.Tensor, y: torch.Tensor, prefix: str) -> torch.Tensor:
+        """``y + scale * B A x`` where the adapter targets ``prefix``'s module."""
+        if self.lora_scale is not None and f"{prefix}.lora_A.weight" in self.trainable:
             a = self.trainable[f"{prefix}.lora_A.weight"]  # [r, in]
             b = self.trainable[f"{prefix}.lora_B.weight"]  # [out, r]
             y = y + self.lora_scale * ((x @ a.T) @ b.T)
@@ -158,7 +161,7 @@ class Reference:
             x = x + self.linear(torch.nn.functional.silu(gate) * up, n, "mlp", "down_proj")
         x = self.rms_norm(x, self.weight("model.norm.weight"))
         head = "model.embed_tokens.weight" if c.get("tie_word_embeddings") else "lm_head.weight"
-        return x @ self.weight(head).T
+        return self.lora(x, x @ self.weight(head).T, "base_model.model.lm_head")  # train_unembed
 
     def logprobs(self, datum: treadle.Datum, temperature: float = 1.0) -> torch.Tensor:
         """log_softmax(logits / T) at each target (docs/losses.md: the policy's logprob)."""

@@ -21,7 +21,7 @@ from treadle.workers.model import (
     lm_logits,
 )
 from treadle.workers.model.llama import param_shapes
-from treadle.workers.model.lora import TARGETS
+from treadle.workers.model.lora import TARGETS, targets_for
 
 torch.set_num_threads(2)
 TOL = 1e-5
@@ -61,8 +61,10 @@ def _trained(seed: int, rank: int = 4, alpha: float = 8.0, **kw) -> LoraAdapter:
 
 
 def _logits(params: LlamaParams, tokens_B_T: torch.Tensor, **kw) -> torch.Tensor:
+    """Logits with ``kw["lora"]`` (if any) in the layers and on the output head."""
     with torch.no_grad():
-        return lm_logits(CFG, params, forward_hidden(CFG, params, tokens_B_T, **kw))
+        hidden = forward_hidden(CFG, params, tokens_B_T, **kw)
+        return lm_logits(CFG, params, hidden, lora=kw.get("lora"))
 
 
 def _tokens(B: int, T: int, seed: int = 0) -> torch.Tensor:
@@ -111,7 +113,8 @@ def test_merge_only_touches_targets(base: LlamaParams) -> None:
 def test_peft_names_round_trip() -> None:
     adapter = _trained(seed=3)
     named = dict(adapter.named_tensors())
-    assert len(named) == 2 * len(TARGETS) * CFG.num_layers
+    assert len(named) == 2 * (len(TARGETS) - 1) * CFG.num_layers + 2  # + the head's A and B
+    assert named["base_model.model.lm_head.lora_B.weight"].shape == (CFG.vocab_size, 4)
     assert (
         named["base_model.model.model.layers.1.self_attn.q_proj.lora_A.weight"]
         is adapter.a[1]["q_proj"]
@@ -149,7 +152,7 @@ def test_bad_lora_tensors_are_invalid_argument() -> None:
     with pytest.raises(InvalidArgumentError, match="rank"):
         LoraAdapter(CFG, 0, 8)
     with pytest.raises(InvalidArgumentError, match="targets"):
-        LoraAdapter(CFG, 4, 8, targets=("lm_head",))
+        LoraAdapter(CFG, 4, 8, targets=("embed_tokens",))
 
 
 def test_lora_rows_equal_each_row_alone(base: LlamaParams) -> None:
@@ -211,10 +214,77 @@ def test_gradients_reach_only_the_adapters(base: LlamaParams) -> None:
     adapters = [LoraAdapter(CFG, 4, 8, seed=20), _trained(seed=21).requires_grad_()]
     tokens_B_T = _tokens(3, 7, seed=8)
     for lora in (adapters[0], LoraRows(adapters, torch.tensor([0, -1, 1]))):
-        logits = lm_logits(CFG, base, forward_hidden(CFG, base, tokens_B_T, lora=lora))
+        hidden = forward_hidden(CFG, base, tokens_B_T, lora=lora)
+        logits = lm_logits(CFG, base, hidden, lora=lora)
         logits.logsumexp(-1).sum().backward()
     for adapter in adapters:
         assert all(t.grad is not None for t in adapter.parameters())
         # B starts at zero, so B's gradient is the informative one.
         assert all(layer[t].grad.abs().sum() > 0 for layer in adapter.b for t in layer)
     assert all(t.grad is None for t in base.parameters())
+
+
+def test_targets_follow_tinkers_flags(base: LlamaParams) -> None:
+    assert targets_for(train_attn=True, train_mlp=True, train_unembed=True) == TARGETS
+    assert targets_for(train_attn=False, train_mlp=True, train_unembed=False) == (
+        "gate_proj",
+        "up_proj",
+        "down_proj",
+    )
+    with pytest.raises(InvalidArgumentError, match="train_attn, train_mlp, train_unembed"):
+        targets_for(train_attn=False, train_mlp=False, train_unembed=False)
+    head_only = _trained(seed=30, targets=("lm_head",))
+    assert [n for n, _ in head_only.named_tensors()] == [
+        "base_model.model.lm_head.lora_A.weight",
+        "base_model.model.lm_head.lora_B.weight",
+    ]
+    assert head_only.peft_config()["target_modules"] == ["lm_head"]
+    tokens_B_T = _tokens(2, 5, seed=9)
+    hidden = forward_hidden(CFG, base, tokens_B_T)
+    with torch.no_grad():
+        expect = lm_logits(CFG, base, hidden) + head_only.scale * (
+            hidden @ head_only.a[-1]["lm_head"].T @ head_only.b[-1]["lm_head"].T
+        )
+        got = lm_logits(CFG, base, hidden, lora=head_only)
+        assert (got - expect).abs().max().item() <= TOL
+        # [B, H] rows (the sampler's last position) take the head adapter too
+        rows = lm_logits(
+            CFG, base, hidden[:, -1], lora=LoraRows([head_only], torch.tensor([0, -1]))
+        )
+    assert (rows[0] - got[0, -1]).abs().max().item() <= TOL
+    assert (rows[1] - lm_logits(CFG, base, hidden[1, -1])).abs().max().item() <= TOL
+    merged = head_only.merge_into(base)
+    assert not torch.equal(merged["lm_head.weight"], base.lm_head_weight)
+
+
+def test_head_adapter_of_a_tied_model_merges_untied(tmp_path) -> None:
+    """The head's update goes into its own ``lm_head.weight``: the embedding (which
+    the input side reads) must stay as it was, so the merged model is untied."""
+    from dataclasses import replace
+
+    from treadle.workers.model.loading import load_checkpoint, save_params
+
+    cfg = replace(CFG, tie_word_embeddings=True)
+    gen = torch.Generator().manual_seed(5)
+    shapes = param_shapes(cfg)
+    assert "lm_head.weight" not in shapes
+    tied = LlamaParams.from_state_dict(
+        cfg, {n: 0.15 * torch.randn(s, generator=gen) for n, s in shapes.items()}
+    )
+    adapter = LoraAdapter(cfg, 4, 8.0, seed=6, requires_grad=False)
+    for layer in adapter.b:
+        for b in layer.values():
+            b.copy_(0.3 * torch.randn(b.shape, generator=gen))
+    merged = adapter.merge_into(tied)
+    assert merged["model.embed_tokens.weight"] is tied.embed_tokens
+    untied = replace(cfg, tie_word_embeddings=False)  # as export_merged writes it
+    save_params(LlamaParams.from_state_dict(untied, merged), untied, tmp_path)
+    cfg_back, params_back = load_checkpoint(tmp_path)
+    assert not cfg_back.tie_word_embeddings
+    tokens_B_T = _tokens(2, 7, seed=10)
+    with torch.no_grad():
+        want = lm_logits(
+            cfg, tied, forward_hidden(cfg, tied, tokens_B_T, lora=adapter), lora=adapter
+        )
+        got = lm_logits(cfg_back, params_back, forward_hidden(cfg_back, params_back, tokens_B_T))
+    assert (got - want).abs().max().item() <= TOL

@@ -323,7 +323,9 @@ def test_truncation_keeps_samples_inside_the_nucleus(
         with torch.no_grad():
             tokens = torch.from_numpy(full[None, :-1])
             hidden = forward_hidden(base.cfg, snap.params, tokens, lora=snap.adapter)
-            logits = lm_logits(base.cfg, snap.params, hidden)[0, prompt.size - 1 :]
+            logits = lm_logits(base.cfg, snap.params, hidden, lora=snap.adapter)[
+                0, prompt.size - 1 :
+            ]
         top3 = logits.topk(3, dim=-1).indices
         for t, tok in enumerate(seq.tokens.tolist()):
             assert tok in top3[t].tolist()

@@ -453,16 +453,25 @@ def _slot_span(slots_B: Tensor) -> Tensor | slice:
     return slots_B
 
 
-def lm_logits(cfg: ModelConfig, params: LlamaParams, hidden_B_T_H: Tensor) -> Tensor:
+def lm_logits(
+    cfg: ModelConfig, params: LlamaParams, hidden_B_T_H: Tensor, lora: Lora | None = None
+) -> Tensor:
     """Logits ``[..., V]`` in float32 (float64 for float64 weights).
 
     The matmul runs in the weights' dtype (as HF), only the result is upcast:
     upcasting a V x H head per call would cost more than the matmul. Slice
     ``hidden`` first when only some positions are needed (the sampler's last
-    token).
+    token). ``lora`` (the same object the forward took) adds the unembedding's
+    adapter if it has one (layer index ``HEAD`` = -1, target ``lm_head``); its
+    rows are ``hidden``'s first dimension.
     """
     del cfg  # the head is fully described by params; kept for a uniform signature
     logits = linear(hidden_B_T_H, params.lm_head_weight)
+    if lora is not None:
+        if hidden_B_T_H.ndim == 2:  # [B, H]: rows of one position each
+            logits = lora.apply(-1, "lm_head", hidden_B_T_H[:, None], logits[:, None])[:, 0]
+        else:
+            logits = lora.apply(-1, "lm_head", hidden_B_T_H, logits)
     if logits.dtype not in (torch.float32, torch.float64):
         logits = logits.float()
     return logits

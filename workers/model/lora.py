@@ -7,6 +7,15 @@ that maps each row to its own adapter, so one forward serves a batch mixing
 tenants: the base matmul runs once for all rows, then each adapter's
 low-rank update is added to its rows only.
 
+Which modules get an adapter follows the tinker SDK's three switches
+(``targets_for``): attention (q/k/v/o), MLP (gate/up/down) and the
+unembedding (``lm_head``). The unembedding matters most on a model whose head
+is not pretrained (the random-weight presets): behind the final RMSNorm the
+hidden state has a fixed norm, so with a frozen head of init scale 0.02 the
+logits cannot grow past a few units and supervised loss stalls near 2
+nats/token however the layers move (docs/lora.md). The head's adapter sits
+after the last layer: it is "layer" ``HEAD`` (-1) of ``a``/``b``.
+
 Conventions follow PEFT so adapters export as-is: ``A`` is ``[r, in]``
 (kaiming-uniform at init), ``B`` is ``[out, r]`` (zeros at init, so a fresh
 adapter computes exactly the base model), the update is ``scale * B @ A`` with
@@ -29,23 +38,34 @@ from treadle.workers.model.config import ModelConfig
 from treadle.workers.model.llama import LlamaParams
 from treadle.workers.model.low_rank import low_rank_add
 
-#: Every projection LoRA can target, in the order adapters are initialised.
-TARGETS: tuple[str, ...] = (
-    "q_proj",
-    "k_proj",
-    "v_proj",
-    "o_proj",
-    "gate_proj",
-    "up_proj",
-    "down_proj",
-)
-_MODULE = {
-    t: "self_attn" if t in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp" for t in TARGETS
-}
+ATTN_TARGETS: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP_TARGETS: tuple[str, ...] = ("gate_proj", "up_proj", "down_proj")
+UNEMBED_TARGET = "lm_head"
+#: Every module LoRA can target, in the order adapters are initialised.
+TARGETS: tuple[str, ...] = (*ATTN_TARGETS, *MLP_TARGETS, UNEMBED_TARGET)
+#: What adapters targeted before the unembedding could be (checkpoints without a list).
+LEGACY_TARGETS: tuple[str, ...] = (*ATTN_TARGETS, *MLP_TARGETS)
+#: The ``layer`` index of the unembedding's adapter (the entry after the last layer).
+HEAD = -1
+_MODULE = {t: "self_attn" if t in ATTN_TARGETS else "mlp" for t in (*ATTN_TARGETS, *MLP_TARGETS)}
 _PEFT_NAME = re.compile(
     r"^base_model\.model\.model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+_proj)"
     r"\.lora_([AB])(?:\.default)?\.weight$"
 )
+_PEFT_HEAD_NAME = re.compile(r"^base_model\.model\.lm_head\.lora_([AB])(?:\.default)?\.weight$")
+
+
+def targets_for(*, train_attn: bool, train_mlp: bool, train_unembed: bool) -> tuple[str, ...]:
+    """The modules the tinker SDK's ``train_attn``/``train_mlp``/``train_unembed`` name."""
+    if not (train_attn or train_mlp or train_unembed):
+        raise InvalidArgumentError(
+            "train_attn, train_mlp, train_unembed: at least one must be true for a LoRA model"
+        )
+    return (
+        (ATTN_TARGETS if train_attn else ())
+        + (MLP_TARGETS if train_mlp else ())
+        + ((UNEMBED_TARGET,) if train_unembed else ())
+    )
 
 
 def projection_shape(cfg: ModelConfig, target: str) -> tuple[int, int]:
@@ -59,17 +79,32 @@ def projection_shape(cfg: ModelConfig, target: str) -> tuple[int, int]:
         "gate_proj": (i, h),
         "up_proj": (i, h),
         "down_proj": (h, i),
+        "lm_head": (cfg.vocab_size, h),
     }
     return shapes[target]
 
 
 def peft_name(layer: int, target: str, which: str) -> str:
     """PEFT's saved name of ``lora_A``/``lora_B`` (``which`` = "A"/"B")."""
+    if target == UNEMBED_TARGET:
+        return f"base_model.model.lm_head.lora_{which}.weight"
     return f"base_model.model.model.layers.{layer}.{_MODULE[target]}.{target}.lora_{which}.weight"
 
 
+def _layers(cfg: ModelConfig) -> list[int]:
+    """Indices into ``a``/``b``: every decoder layer, then the unembedding (``HEAD``)."""
+    return [*range(cfg.num_layers), HEAD]
+
+
+def _in_layer(layer: int, target: str) -> bool:
+    return (target == UNEMBED_TARGET) == (layer == HEAD)
+
+
 class LoraAdapter:
-    """One adapter: ``A`` ``[r, in]`` and ``B`` ``[out, r]`` per (layer, target projection)."""
+    """One adapter: ``A`` ``[r, in]`` and ``B`` ``[out, r]`` per (layer, target module).
+
+    ``a``/``b`` hold ``num_layers + 1`` dicts: one per decoder layer, then the
+    unembedding's (index ``HEAD`` = -1, empty unless ``lm_head`` is targeted)."""
 
     def __init__(
         self,
@@ -102,9 +137,11 @@ class LoraAdapter:
         gen = torch.Generator().manual_seed(seed)
         self.a: list[dict[str, Tensor]] = []
         self.b: list[dict[str, Tensor]] = []
-        for _ in range(cfg.num_layers):
+        for n in _layers(cfg):
             a_layer, b_layer = {}, {}
             for t in self.targets:
+                if not _in_layer(n, t):
+                    continue
                 out_f, in_f = projection_shape(cfg, t)
                 bound = 1.0 / math.sqrt(in_f)
                 a = torch.empty(rank, in_f, dtype=torch.float32).uniform_(
@@ -120,8 +157,8 @@ class LoraAdapter:
 
     def named_tensors(self) -> Iterator[tuple[str, Tensor]]:
         """(PEFT name, tensor) for every A and B."""
-        for n in range(self.cfg.num_layers):
-            for t in self.targets:
+        for n in _layers(self.cfg):
+            for t in self.a[n]:
                 yield peft_name(n, t, "A"), self.a[n][t]
                 yield peft_name(n, t, "B"), self.b[n][t]
 
@@ -171,24 +208,33 @@ class LoraAdapter:
         found: dict[tuple[int, str, str], Tensor] = {}
         for name, tensor in tensors.items():
             m = _PEFT_NAME.match(name)
-            if m is None or m.group(2) not in TARGETS:
+            head = _PEFT_HEAD_NAME.match(name)
+            if head is not None:
+                found[(HEAD, UNEMBED_TARGET, head.group(1))] = tensor
+            elif m is None or m.group(2) not in TARGETS:
                 raise InvalidArgumentError(f"lora tensors: unexpected name {name!r}")
-            found[(int(m.group(1)), m.group(2), m.group(3))] = tensor
+            else:
+                found[(int(m.group(1)), m.group(2), m.group(3))] = tensor
         targets = tuple(t for t in TARGETS if any(k[1] == t for k in found))
         if not targets:
             raise InvalidArgumentError("lora tensors: none found")
-        first = found.get((0, targets[0], "A"))
+        first_layer = HEAD if targets[0] == UNEMBED_TARGET else 0
+        first = found.get((first_layer, targets[0], "A"))
         if first is None:
-            raise InvalidArgumentError(f"lora tensors: missing {peft_name(0, targets[0], 'A')}")
+            raise InvalidArgumentError(
+                f"lora tensors: missing {peft_name(first_layer, targets[0], 'A')}"
+            )
         rank = first.shape[0]
         self = cls.__new__(cls)
         self.cfg, self.rank, self.alpha = cfg, rank, float(alpha)
         self.scale, self.targets = self.alpha / rank, targets
         self.a, self.b = [], []
-        for n in range(cfg.num_layers):
+        for n in _layers(cfg):
             a_layer: dict[str, Tensor] = {}
             b_layer: dict[str, Tensor] = {}
             for t in targets:
+                if not _in_layer(n, t):
+                    continue
                 out_f, in_f = projection_shape(cfg, t)
                 for which, shape, into in (
                     ("A", (rank, in_f), a_layer),
@@ -215,14 +261,19 @@ class LoraAdapter:
     def merge_into(self, params: LlamaParams) -> dict[str, Tensor]:
         """HF-named weights with ``W + scale * B @ A`` folded in (for export).
 
-        Untargeted tensors are returned as they are (shared, not copied).
+        Untargeted tensors are returned as they are (shared, not copied). An
+        adapted head of a tied model comes back as its own ``lm_head.weight``
+        (the embedding stays as it was): the merged model is no longer tied.
         """
         merged = params.state_dict()
         with torch.no_grad():
-            for n in range(self.cfg.num_layers):
-                for t in self.targets:
-                    name = f"model.layers.{n}.{_MODULE[t]}.{t}.weight"
-                    w = merged[name]
+            for n in _layers(self.cfg):
+                for t in self.a[n]:
+                    if t == UNEMBED_TARGET:
+                        name, w = "lm_head.weight", params.lm_head_weight
+                    else:
+                        name = f"model.layers.{n}.{_MODULE[t]}.{t}.weight"
+                        w = merged[name]
                     delta = self.b[n][t].to(torch.float32) @ self.a[n][t].to(torch.float32)
                     merged[name] = (w.to(torch.float32) + self.scale * delta).to(w.dtype)
         return merged
