@@ -32,10 +32,6 @@ LEAKS = {
     "an issue number": r"\bissue \d+|\bthe issue's\b",
     "the project's seed document": r"\bthe seed's\b|\bseed \"",
 }
-#: Written in other branches, linked from here already.
-PENDING = {"docs/restarts.md", "docs/lora.md"}
-
-
 @pytest.mark.parametrize("path", USER_FACING, ids=lambda p: str(p.relative_to(ROOT)))
 def test_no_internal_references(path: Path) -> None:
     text = path.read_text()
@@ -57,8 +53,7 @@ def test_links_between_the_docs_resolve() -> None:
     for doc in docs:
         for link in _links(doc):
             target = (doc.parent / link).resolve()
-            rel = str(target.relative_to(ROOT)) if target.is_relative_to(ROOT) else link
-            assert target.exists() or rel in PENDING, f"{doc.relative_to(ROOT)} links to {link}"
+            assert target.exists(), f"{doc.relative_to(ROOT)} links to {link}"
 
 
 def test_the_readme_lists_the_user_guides() -> None:
