@@ -21,9 +21,10 @@ training temperature with fixed seeds: it measures the policy (how often it says
 the right answer), not generalisation. It is taken before RL and every few
 steps; the curve goes to a PNG, the numbers to ``DATA_DIR/demo_summary.json``.
 
-The model is a full fine-tune. LoRA, the usual choice on a pretrained base,
-cannot learn much here: on random weights the frozen final norm and output head
-keep every prediction close to uniform whatever the adapter does.
+The model is a full fine-tune. LoRA learns on these random weights only with
+the output head adapted (``train_unembed``, on by default): a frozen random head
+keeps every prediction close to uniform whatever the other adapters do
+(docs/lora.md has the measured losses).
 """
 
 from __future__ import annotations
