@@ -54,7 +54,11 @@ def main() -> None:
         ]
         trainer = service.create_lora_training_client(base, rank=RANK, seed=SEED)
         steps = []
-        for loss, config, lr in (("cross_entropy", {}, 1e-2), ("ppo", PPO, 5e-3), ("cross_entropy", {}, 1e-2)):
+        for loss, config, lr in (
+            ("cross_entropy", {}, 1e-2),
+            ("ppo", PPO, 5e-3),
+            ("cross_entropy", {}, 1e-2),
+        ):
             fb = trainer.forward_backward(data, loss, config)
             op = trainer.optim_step(treadle.AdamParams(learning_rate=lr))
             out, step = fb.result(), op.result()
