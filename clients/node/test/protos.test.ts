@@ -1,7 +1,8 @@
 /**
  * The protos as a product: `buf lint` passes with buf.yaml's rule set, and
  * `buf breaking` accepts the contract against the recorded baseline but catches a
- * deliberately removed field (a change that would break clients in any language).
+ * deliberately removed field (a change that would break clients in any language),
+ * while letting a scalar gain explicit presence (`optional`: same wire and JSON).
  */
 import assert from "node:assert/strict";
 import { spawnSync } from "node:child_process";
@@ -35,6 +36,11 @@ test("buf breaking: the protos keep the baseline's contract; a removed field is 
     const text = readFileSync(file, "utf8");
     const removed = text.replace(/^\s*int32 top_k = 4;.*\n/m, "");
     assert.notEqual(removed, text, "the field to remove is in sampling.proto");
+    // Explicit presence for a scalar keeps the wire and JSON: accepted (buf.yaml).
+    assert.match(text, /^\s*double temperature = 2;/m);
+    writeFileSync(file, text.replace(/^(\s*)double temperature = 2;/m, "$1optional double temperature = 2;"));
+    const presence = buf(tmp, "breaking", "--against", BASELINE);
+    assert.equal(presence.status, 0, presence.stdout + presence.stderr);
     writeFileSync(file, removed);
     const bad = buf(tmp, "breaking", "--against", BASELINE);
     assert.notEqual(bad.status, 0, "buf breaking accepted a removed field");
