@@ -12,6 +12,7 @@ import {
   ERRORS_BY_CODE,
   InvalidArgumentError,
   NotFoundError,
+  DeadlineExceededError,
   ResourceExhaustedError,
   ServiceClient,
   type TrainingClient,
@@ -169,5 +170,16 @@ test("RESOURCE_EXHAUSTED with a retry delay is waited out", async () => {
     assert.ok(refusals.every((e) => e.retryAfterS !== undefined && e.retryAfterS > 0));
   } finally {
     tight.close();
+  }
+});
+
+test("a deadline too short for the call is DEADLINE_EXCEEDED", async () => {
+  // 1 ms: less than any round trip through auth and the database here (2+ ms).
+  const hasty = new ServiceClient({ address: server.address, apiKey: server.apiKey, timeoutS: 0.001 });
+  try {
+    await assert.rejects(hasty.listModels(), DeadlineExceededError);
+    await assert.rejects(hasty.createSamplingClient({ baseModel: TINY }), DeadlineExceededError);
+  } finally {
+    hasty.close();
   }
 });
