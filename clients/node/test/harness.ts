@@ -27,12 +27,17 @@ export interface TestServer {
 export const TINY = "tiny";
 export const DEMO = "demo";
 
-export async function startServer(): Promise<TestServer> {
+export interface ServerOptions {
+  /** Base models to build and serve, name -> `make-model` preset. */
+  models?: Record<string, string>;
+  /** More `treadle serve` flags, e.g. --tls-cert/--tls-key; `tmp` is the server's directory. */
+  extraArgs?: (tmp: string) => string[];
+}
+
+export async function startServer(options: ServerOptions = {}): Promise<TestServer> {
   const tmp = mkdtempSync(join(tmpdir(), "treadle-node-"));
-  for (const [name, preset] of [
-    [TINY, "tiny"],
-    [DEMO, "demo"],
-  ] as const) {
+  const models = options.models ?? { [TINY]: "tiny", [DEMO]: "demo" };
+  for (const [name, preset] of Object.entries(models)) {
     const made = spawnSync(TREADLE, ["make-model", "--tiny", "--preset", preset, join(tmp, "models", name)], {
       encoding: "utf8",
     });
@@ -43,10 +48,7 @@ export async function startServer(): Promise<TestServer> {
     TREADLE,
     [
       "serve",
-      "--model",
-      `${TINY}=${join(tmp, "models", TINY)}`,
-      "--model",
-      `${DEMO}=${join(tmp, "models", DEMO)}`,
+      ...Object.keys(models).flatMap((name) => ["--model", `${name}=${join(tmp, "models", name)}`]),
       "--port",
       "0",
       "--data-dir",
@@ -59,6 +61,7 @@ export async function startServer(): Promise<TestServer> {
       "512",
       "--sampler-max-len",
       "64",
+      ...(options.extraArgs?.(tmp) ?? []),
     ],
     { stdio: ["ignore", "pipe", "pipe"] },
   );
