@@ -27,7 +27,9 @@ if _version_not_supported:
 
 
 class SamplingServiceStub:
-    """Missing associated documentation comment in .proto file."""
+    """Generation. Every sampled token comes back with its behaviour logprob and the
+    weight version that wrote it. Another tenant's sampler id answers NOT_FOUND.
+    """
 
     def __init__(self, channel):
         """Constructor.
@@ -58,16 +60,22 @@ class SamplingServiceStub:
 
 
 class SamplingServiceServicer:
-    """Missing associated documentation comment in .proto file."""
+    """Generation. Every sampled token comes back with its behaviour logprob and the
+    weight version that wrote it. Another tenant's sampler id answers NOT_FOUND.
+    """
 
     def CreateSampler(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """A sampler on a base model, a pinned weight version or a model's latest
+        weights; NOT_FOUND for an unknown (or another tenant's) model or version.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Sample(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """num_samples completions of one prompt, returned together in index order.
+        A repeated (sampler_id, seq_id) returns the recorded response.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -124,7 +132,9 @@ def add_SamplingServiceServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class SamplingService:
-    """Missing associated documentation comment in .proto file."""
+    """Generation. Every sampled token comes back with its behaviour logprob and the
+    weight version that wrote it. Another tenant's sampler id answers NOT_FOUND.
+    """
 
     @staticmethod
     def CreateSampler(request,

@@ -27,7 +27,8 @@ if _version_not_supported:
 
 
 class ServerServiceStub:
-    """Missing associated documentation comment in .proto file."""
+    """What the server offers; needs an API key like every other service.
+    """
 
     def __init__(self, channel):
         """Constructor.
@@ -48,10 +49,12 @@ class ServerServiceStub:
 
 
 class ServerServiceServicer:
-    """Missing associated documentation comment in .proto file."""
+    """What the server offers; needs an API key like every other service.
+    """
 
     def GetServerInfo(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Versions, base models, limits and live sampler metrics.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -85,7 +88,8 @@ def add_ServerServiceServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class ServerService:
-    """Missing associated documentation comment in .proto file."""
+    """What the server offers; needs an API key like every other service.
+    """
 
     @staticmethod
     def GetServerInfo(request,

@@ -27,7 +27,8 @@ if _version_not_supported:
 
 
 class SessionServiceStub:
-    """Missing associated documentation comment in .proto file."""
+    """Client sessions (see the file comment).
+    """
 
     def __init__(self, channel):
         """Constructor.
@@ -53,22 +54,26 @@ class SessionServiceStub:
 
 
 class SessionServiceServicer:
-    """Missing associated documentation comment in .proto file."""
+    """Client sessions (see the file comment).
+    """
 
     def CreateSession(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Open a session; pass its id in CreateModelRequest.session_id.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Heartbeat(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Keep the session (and its models) alive; NOT_FOUND once it has lapsed.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def EndSession(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """End it now; its models then follow the idle TTL alone.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -100,7 +105,8 @@ def add_SessionServiceServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class SessionService:
-    """Missing associated documentation comment in .proto file."""
+    """Client sessions (see the file comment).
+    """
 
     @staticmethod
     def CreateSession(request,

@@ -27,7 +27,9 @@ if _version_not_supported:
 
 
 class TrainingServiceStub:
-    """Missing associated documentation comment in .proto file."""
+    """Training models are tenant resources: another tenant's model id, or a
+    checkpoint path under it, answers NOT_FOUND exactly like an unknown one.
+    """
 
     def __init__(self, channel):
         """Constructor.
@@ -108,41 +110,50 @@ class TrainingServiceStub:
 
 
 class TrainingServiceServicer:
-    """Missing associated documentation comment in .proto file."""
+    """Training models are tenant resources: another tenant's model id, or a
+    checkpoint path under it, answers NOT_FOUND exactly like an unknown one.
+    """
 
     def CreateModel(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """A new model (LoRA adapter or full fine-tune) on a base model; its next seq_id is 1.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def GetModelInfo(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """A model's current state, including the next seq_id the engine expects.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def ListModels(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """The caller's tenant's models.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def DeleteModel(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Free a model and its published versions (its checkpoints stay).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def ForwardBackward(self, request, context):
         """Ordered per model by seq_id (contiguous from 1); each applied exactly once.
+        ForwardBackward adds the gradient of sum(loss) over the data to the
+        model's accumulated gradient (no hidden mean).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def ForwardLogprobs(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Per-token logprobs of the targets; changes nothing.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -176,7 +187,8 @@ class TrainingServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ListCheckpoints(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """A model's saved checkpoints, in seq_id order.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -286,7 +298,9 @@ def add_TrainingServiceServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class TrainingService:
-    """Missing associated documentation comment in .proto file."""
+    """Training models are tenant resources: another tenant's model id, or a
+    checkpoint path under it, answers NOT_FOUND exactly like an unknown one.
+    """
 
     @staticmethod
     def CreateModel(request,

@@ -1,0 +1,307 @@
+/**
+ * Public types <-> wire messages: the one place the client touches generated code
+ * (src/gen, from protos/ by ts-proto). Tensors are packed little-endian, as
+ * `treadle._tensor` packs them: token ids as int64, per-token values as float32
+ * (float64 when given a Float64Array).
+ */
+import { InvalidArgumentError } from "./errors.js";
+import * as common from "./gen/treadle/v1/common.js";
+import * as samplingPb from "./gen/treadle/v1/sampling.js";
+import * as serverPb from "./gen/treadle/v1/server.js";
+import * as trainingPb from "./gen/treadle/v1/training.js";
+import type {
+  AdamParams,
+  CheckpointInfo,
+  Datum,
+  ForwardBackwardOutput,
+  LossFnName,
+  ModelInfo,
+  SampledSequence,
+  SampleResponse,
+  SamplingParams,
+  ServerInfo,
+  StopReason,
+  StreamedSample,
+} from "./types.js";
+import {
+  describe,
+  finite,
+  finiteNumbers,
+  integer,
+  isNumericArray,
+  type NumericArray,
+  tokenIds,
+} from "./validate.js";
+
+/** loss_fn_inputs keys holding integer tokens; every other key is float. */
+const INT_INPUT_KEYS = new Set(["target_tokens"]);
+
+const LOSS_FNS: Record<LossFnName, common.LossFn> = {
+  cross_entropy: common.LossFn.CROSS_ENTROPY,
+  importance_sampling: common.LossFn.IMPORTANCE_SAMPLING,
+  ppo: common.LossFn.PPO,
+  cispo: common.LossFn.CISPO,
+  dro: common.LossFn.DRO,
+};
+
+const STOP_REASONS: Partial<Record<common.StopReason, StopReason>> = {
+  [common.StopReason.STOP]: "stop",
+  [common.StopReason.LENGTH]: "length",
+  [common.StopReason.CANCELLED]: "cancelled",
+  [common.StopReason.PARTIAL]: "partial",
+};
+
+// ---- tensors ------------------------------------------------------------------------
+
+export function int64Tensor(values: readonly number[]): common.Tensor {
+  const buf = Buffer.allocUnsafe(values.length * 8);
+  for (let i = 0; i < values.length; i++) buf.writeBigInt64LE(BigInt(values[i]!), i * 8);
+  return { data: buf, dtype: common.DType.INT64, shape: [values.length] };
+}
+
+export function floatTensor(values: NumericArray): common.Tensor {
+  const f64 = values instanceof Float64Array;
+  const size = f64 ? 8 : 4;
+  const buf = Buffer.allocUnsafe(values.length * size);
+  for (let i = 0; i < values.length; i++) {
+    if (f64) buf.writeDoubleLE(values[i]!, i * 8);
+    else buf.writeFloatLE(values[i]!, i * 4);
+  }
+  return { data: buf, dtype: f64 ? common.DType.FLOAT64 : common.DType.FLOAT32, shape: [values.length] };
+}
+
+/** Decode a wire tensor (flattened); `field` names it if it is malformed. */
+export function fromTensor(t: common.Tensor | undefined, field: string): Float32Array | Float64Array | number[] {
+  if (t === undefined) throw new InvalidArgumentError(`${field}: missing`);
+  const data = t.data;
+  const view = new DataView(data.buffer, data.byteOffset, data.byteLength);
+  const whole = (size: number, name: string): number => {
+    if (data.byteLength % size !== 0) {
+      throw new InvalidArgumentError(`${field}: ${data.byteLength} bytes is not a whole number of ${name}`);
+    }
+    return data.byteLength / size;
+  };
+  switch (t.dtype) {
+    case common.DType.FLOAT32: {
+      const n = whole(4, "float32");
+      const out = new Float32Array(n);
+      for (let i = 0; i < n; i++) out[i] = view.getFloat32(i * 4, true);
+      return out;
+    }
+    case common.DType.FLOAT64: {
+      const n = whole(8, "float64");
+      const out = new Float64Array(n);
+      for (let i = 0; i < n; i++) out[i] = view.getFloat64(i * 8, true);
+      return out;
+    }
+    case common.DType.BFLOAT16: {
+      const n = whole(2, "bfloat16");
+      const out = new Float32Array(n);
+      const bits = new DataView(new ArrayBuffer(4));
+      for (let i = 0; i < n; i++) {
+        bits.setUint32(0, view.getUint16(i * 2, true) << 16);
+        out[i] = bits.getFloat32(0);
+      }
+      return out;
+    }
+    case common.DType.INT64: {
+      const n = whole(8, "int64");
+      return Array.from({ length: n }, (_, i) => Number(view.getBigInt64(i * 8, true)));
+    }
+    case common.DType.INT32: {
+      const n = whole(4, "int32");
+      return Array.from({ length: n }, (_, i) => view.getInt32(i * 4, true));
+    }
+    default:
+      throw new InvalidArgumentError(`${field}: unsupported or missing dtype ${t.dtype}`);
+  }
+}
+
+function floats(t: common.Tensor | undefined, field: string): Float32Array | Float64Array {
+  const arr = fromTensor(t, field);
+  return Array.isArray(arr) ? Float64Array.from(arr) : arr;
+}
+
+// ---- training -----------------------------------------------------------------------
+
+export function lossFnToWire(name: unknown): common.LossFn {
+  const value = typeof name === "string" ? LOSS_FNS[name as LossFnName] : undefined;
+  if (value === undefined) {
+    throw new InvalidArgumentError(
+      `lossFn: unknown loss ${describe(name)}; known: ${Object.keys(LOSS_FNS).join(", ")}`,
+    );
+  }
+  return value;
+}
+
+/** Check and pack a batch; errors name the datum and field, e.g. `data[2].lossFnInputs.weights`. */
+export function datumsToWire(data: unknown): common.Datum[] {
+  if (!Array.isArray(data)) {
+    throw new InvalidArgumentError(`data: expected an array of datums, got ${describe(data)}`);
+  }
+  if (data.length === 0) throw new InvalidArgumentError("data: empty batch");
+  return data.map((datum: unknown, i) => {
+    const name = `data[${i}]`;
+    if (typeof datum !== "object" || datum === null) {
+      throw new InvalidArgumentError(`${name}: expected a datum {modelInput, lossFnInputs}, got ${describe(datum)}`);
+    }
+    const d = datum as Partial<Datum>;
+    const tokens = tokenIds(d.modelInput, `${name}.modelInput`, { nonEmpty: true });
+    const inputs = d.lossFnInputs ?? {};
+    if (typeof inputs !== "object" || inputs === null || isNumericArray(inputs)) {
+      throw new InvalidArgumentError(`${name}.lossFnInputs: expected an object of arrays, got ${describe(inputs)}`);
+    }
+    const lossFnInputs: Record<string, common.Tensor> = {};
+    for (const [key, value] of Object.entries(inputs)) {
+      const field = `${name}.lossFnInputs.${key}`;
+      const arr = INT_INPUT_KEYS.has(key) ? tokenIds(value, field) : finiteNumbers(value, field);
+      if (arr.length !== tokens.length) {
+        throw new InvalidArgumentError(
+          `${field}: ${arr.length} values for ${tokens.length} input tokens (one per position of modelInput)`,
+        );
+      }
+      lossFnInputs[key] = INT_INPUT_KEYS.has(key) ? int64Tensor(arr as number[]) : floatTensor(arr);
+    }
+    return { modelInput: int64Tensor(tokens), lossFnInputs };
+  });
+}
+
+export function forwardOutputFromWire(msg: trainingPb.ForwardOutput): ForwardBackwardOutput {
+  return {
+    lossFnOutputs: msg.outputs.map((out, i) => {
+      const extra: Record<string, Float32Array | Float64Array | number[]> = {};
+      for (const [k, v] of Object.entries(out.outputs)) {
+        if (k !== "logprobs") extra[k] = fromTensor(v, `outputs[${i}].${k}`);
+      }
+      return { logprobs: floats(out.outputs["logprobs"], `outputs[${i}].logprobs`), extra };
+    }),
+    metrics: { ...msg.metrics },
+  };
+}
+
+export function temperatureToWire(value: unknown, field = "temperature"): number {
+  return finite(value ?? 1.0, field, { min: 0 });
+}
+
+export function lossConfigToWire(config: unknown): Record<string, number> {
+  if (config === undefined || config === null) return {};
+  if (typeof config !== "object" || Array.isArray(config)) {
+    throw new InvalidArgumentError(`lossFnConfig: expected an object of numbers, got ${describe(config)}`);
+  }
+  const out: Record<string, number> = {};
+  for (const [k, v] of Object.entries(config)) out[k] = finite(v, `lossFnConfig.${k}`);
+  return out;
+}
+
+export function adamToWire(params: AdamParams | undefined): trainingPb.AdamParams {
+  const p = params ?? {};
+  if (typeof p !== "object") throw new InvalidArgumentError(`adamParams: expected an object, got ${describe(p)}`);
+  return {
+    learningRate: finite(p.learningRate ?? 1e-4, "adamParams.learningRate", { min: 0 }),
+    beta1: finite(p.beta1 ?? 0.9, "adamParams.beta1", { min: 0 }),
+    beta2: finite(p.beta2 ?? 0.95, "adamParams.beta2", { min: 0 }),
+    eps: finite(p.eps ?? 1e-12, "adamParams.eps", { min: 0 }),
+    weightDecay: finite(p.weightDecay ?? 0, "adamParams.weightDecay", { min: 0 }),
+    gradClipNorm: finite(p.gradClipNorm ?? 0, "adamParams.gradClipNorm", { min: 0 }),
+  };
+}
+
+export function modelInfoFromWire(msg: trainingPb.ModelInfo): ModelInfo {
+  return {
+    modelId: msg.modelId,
+    baseModel: msg.baseModel,
+    isLora: msg.isLora,
+    loraRank: msg.loraRank,
+    dtype: msg.dtype,
+    version: msg.version,
+    nextSeqId: msg.nextSeqId,
+    lastCheckpointSeqId: msg.lastCheckpointSeqId,
+    status: msg.status,
+    createdAt: msg.createdAt,
+    sessionId: msg.sessionId,
+  };
+}
+
+export function checkpointFromWire(msg: trainingPb.Checkpoint): CheckpointInfo {
+  return {
+    path: msg.path,
+    name: msg.name,
+    seqId: msg.seqId,
+    step: msg.step,
+    createdAt: msg.createdAt,
+    sizeBytes: msg.sizeBytes,
+  };
+}
+
+// ---- sampling -----------------------------------------------------------------------
+
+export function samplingParamsToWire(params: SamplingParams | undefined): samplingPb.SamplingParams {
+  const p = params ?? {};
+  if (typeof p !== "object") throw new InvalidArgumentError(`samplingParams: expected an object, got ${describe(p)}`);
+  const stop: string[] = [];
+  const stopTokenIds: number[] = [];
+  if (p.stop !== undefined) {
+    if (!Array.isArray(p.stop)) {
+      throw new InvalidArgumentError(`samplingParams.stop: expected an array, got ${describe(p.stop)}`);
+    }
+    (p.stop as unknown[]).forEach((s, i) => {
+      if (typeof s === "string") stop.push(s);
+      else stopTokenIds.push(integer(s, `samplingParams.stop[${i}]`, { min: 0 }));
+    });
+  }
+  return {
+    maxTokens: integer(p.maxTokens ?? 16, "samplingParams.maxTokens", { min: 0, max: 2 ** 31 - 1 }),
+    temperature: finite(p.temperature ?? 1.0, "samplingParams.temperature", { min: 0 }),
+    topP: finite(p.topP ?? 1.0, "samplingParams.topP", { min: 0 }),
+    topK: integer(p.topK ?? -1, "samplingParams.topK", { min: -1, max: 2 ** 31 - 1 }),
+    stop,
+    stopTokenIds,
+    seed: p.seed === undefined ? undefined : integer(p.seed, "samplingParams.seed"),
+    tokenBudget: integer(p.tokenBudget ?? 0, "samplingParams.tokenBudget", { min: 0, max: 2 ** 31 - 1 }),
+    ignoreEos: Boolean(p.ignoreEos),
+  };
+}
+
+export function promptToWire(prompt: unknown): common.Tensor {
+  return int64Tensor(tokenIds(prompt, "prompt", { nonEmpty: true }));
+}
+
+export function sequenceFromWire(seq: samplingPb.SampledSequence | undefined, name: string): SampledSequence {
+  if (seq === undefined) throw new InvalidArgumentError(`${name}: missing`);
+  const out: SampledSequence = {
+    tokens: Array.from(fromTensor(seq.tokens, `${name}.tokens`)),
+    logprobs: Array.from(fromTensor(seq.logprobs, `${name}.logprobs`)),
+    stopReason: STOP_REASONS[seq.stopReason] ?? "stop",
+    versions: seq.versions.map((v) => ({ start: v.start, length: v.length, version: v.version })),
+  };
+  if (seq.resumeHandle) out.resumeHandle = seq.resumeHandle;
+  return out;
+}
+
+export function sampleResponseFromWire(msg: samplingPb.SampleResponse): SampleResponse {
+  return { sequences: msg.sequences.map((s, i) => sequenceFromWire(s, `sequences[${i}]`)) };
+}
+
+export function streamedSampleFromWire(msg: samplingPb.SampleStreamResponse): StreamedSample {
+  return { index: msg.index, sequence: sequenceFromWire(msg.sequence, "sequence") };
+}
+
+// ---- server -------------------------------------------------------------------------
+
+export function serverInfoFromWire(msg: serverPb.ServerInfo): ServerInfo {
+  return {
+    serverVersion: msg.serverVersion,
+    apiVersion: msg.apiVersion,
+    baseModels: msg.baseModels.map((b) => ({
+      name: b.name,
+      arch: b.arch,
+      vocabSize: b.vocabSize,
+      maxContext: b.maxContext,
+      numParams: b.numParams,
+      dtype: b.dtype,
+    })),
+    maxMessageBytes: msg.maxMessageBytes,
+    maxTokensPerRequest: msg.maxTokensPerRequest,
+    features: [...msg.features],
+  };
+}

@@ -1,0 +1,47 @@
+/** The README's Node example ("From other languages") runs as written against a
+ * live server (its import pointed at this checkout's build). */
+import assert from "node:assert/strict";
+import { spawnSync } from "node:child_process";
+import { mkdtempSync, readFileSync, rmSync, writeFileSync } from "node:fs";
+import { tmpdir } from "node:os";
+import { join } from "node:path";
+import { pathToFileURL } from "node:url";
+import { after, before, test } from "node:test";
+import ts from "typescript";
+import { ROOT, type TestServer, testServer } from "./harness.js";
+
+let server: TestServer;
+before(async () => {
+  server = await testServer();
+});
+after(async () => {
+  await server.stop();
+});
+
+test("the README's Node example runs", () => {
+  const readme = readFileSync(join(ROOT, "README.md"), "utf8");
+  const section = readme.slice(readme.indexOf("**Node.js / TypeScript**"));
+  const code = /```ts\n([\s\S]*?)```/.exec(section)?.[1];
+  assert.ok(code, "no ts block in the README's Node section");
+  assert.ok(code.split("\n").filter(Boolean).length <= 12, "the example stays about ten lines");
+  const dist = pathToFileURL(join(ROOT, "clients", "node", "dist", "src", "index.js")).href;
+  const js = ts.transpileModule(code.replace('"@treadle/client"', JSON.stringify(dist)), {
+    compilerOptions: { module: ts.ModuleKind.ESNext, target: ts.ScriptTarget.ES2022 },
+  }).outputText;
+  const dir = mkdtempSync(join(tmpdir(), "treadle-readme-"));
+  try {
+    const file = join(dir, "example.mjs");
+    writeFileSync(file, js);
+    const run = spawnSync(process.execPath, [file], {
+      encoding: "utf8",
+      timeout: 120_000,
+      env: { ...process.env, TREADLE_ADDRESS: server.address, TREADLE_API_KEY: server.apiKey },
+    });
+    assert.equal(run.status, 0, run.stderr);
+    const lines = run.stdout.trim().split("\n");
+    assert.equal(lines.length, 5, run.stdout); // four streamed samples, then loss and step
+    assert.match(lines[4]!, /^\d+(\.\d+)? 1$/);
+  } finally {
+    rmSync(dir, { recursive: true, force: true });
+  }
+});
