@@ -36,6 +36,7 @@ from treadle.types import (
     SaveStateResponse,
     ServerInfo,
     StreamedSample,
+    TrainingPassMetrics,
     VersionSpan,
 )
 
@@ -66,6 +67,7 @@ __all__ = [
     "StreamedSample",
     "Tokenizer",
     "TrainingClient",
+    "TrainingPassMetrics",
     "TreadleError",
     "UnauthenticatedError",
     "UnavailableError",
