@@ -113,7 +113,7 @@ def grpo_train_step(
     minibatches: int = 1,
     temperature: float = 1.0,
     proximal: bool = False,
-) -> TrainStep:
+) -> GrpoTrainStep:
     """A GRPO train step: group-centred advantages, ``minibatches`` optimizer steps.
 
     The ratio's denominator is the sampler's behaviour logprobs, so the loss
@@ -126,9 +126,33 @@ def grpo_train_step(
     if minibatches < 1:
         raise InvalidArgumentError(f"minibatches: must be >= 1, got {minibatches}")
     config = dict(PPO_CLIP if loss_config is None and loss == "ppo" else (loss_config or {}))
-    adam = adam or AdamParams(learning_rate=3e-4)
+    return GrpoTrainStep(
+        loss, config, adam or AdamParams(learning_rate=3e-4), minibatches, temperature, proximal
+    )
 
-    def step(trainer: TrainingClient, groups: list[Group]) -> dict[str, float]:
+
+@dataclass(frozen=True)
+class GrpoTrainStep:
+    """:func:`grpo_train_step`'s step. Calling it trains and returns the metrics;
+    :meth:`submit` sends the same calls and returns at once, so many runs' steps
+    can be in flight together from one thread (:func:`treadle.rl.sweep_loop`)."""
+
+    loss: str
+    loss_config: Mapping[str, float]
+    adam: AdamParams
+    minibatches: int
+    temperature: float
+    proximal: bool
+
+    def __call__(self, trainer: TrainingClient, groups: list[Group]) -> dict[str, float]:
+        return self.submit(trainer, groups)()
+
+    def submit(
+        self, trainer: TrainingClient, groups: list[Group]
+    ) -> Callable[[], dict[str, float]]:
+        """Send the step's ``forward_backward`` / ``optim_step`` calls; the function
+        returned waits for them and gives the metrics. (With ``proximal``, the
+        ``forward_logprobs`` it needs first is waited for here.)"""
         G = {len(g.rollouts) for g in groups}
         if len(G) != 1:
             raise InvalidArgumentError(f"groups: every group needs the same size, got {sorted(G)}")
@@ -136,24 +160,33 @@ def grpo_train_step(
         adv_B = group_advantages([r.reward for r in rollouts], G.pop())
         keep = [i for i, a in enumerate(adv_B) if a != 0.0 and rollouts[i].completion_tokens]
         if not keep:
-            return {"loss": 0.0, "trained_rollouts": 0.0}
+            return lambda: {"loss": 0.0, "trained_rollouts": 0.0}
         order = np.random.permutation(keep)
         fbs, opts = [], []
-        for mb in np.array_split(order, min(minibatches, len(order))):
+        for mb in np.array_split(order, min(self.minibatches, len(order))):
             datums = build_datums([rollouts[i] for i in mb], adv_B[mb])  # one denominator a step
-            if proximal:
-                datums = _with_proximal(trainer, datums, temperature)
-            fbs.append(trainer.forward_backward(datums, loss, config, temperature=temperature))
-            opts.append(trainer.optim_step(adam))
-        metrics = [f.result().metrics for f in fbs]
-        version = [o.result().step for o in opts][-1]
-        out = {"loss": sum(m.get("loss:sum", 0.0) for m in metrics), "version": float(version)}
-        out["trained_rollouts"] = float(len(keep))
-        if any("clip_frac:mean" in m for m in metrics):
-            out["clip_frac"] = float(np.mean([m.get("clip_frac:mean", 0.0) for m in metrics]))
-        return out
+            if self.proximal:
+                datums = _with_proximal(trainer, datums, self.temperature)
+            fbs.append(
+                trainer.forward_backward(
+                    datums, self.loss, dict(self.loss_config), temperature=self.temperature
+                )
+            )
+            opts.append(trainer.optim_step(self.adam))
 
-    return step
+        def finish() -> dict[str, float]:
+            metrics = [f.result().metrics for f in fbs]
+            version = [o.result().step for o in opts][-1]
+            out = {
+                "loss": sum(m.get("loss:sum", 0.0) for m in metrics),
+                "version": float(version),
+                "trained_rollouts": float(len(keep)),
+            }
+            if any("clip_frac:mean" in m for m in metrics):
+                out["clip_frac"] = float(np.mean([m.get("clip_frac:mean", 0.0) for m in metrics]))
+            return out
+
+        return finish
 
 
 def _with_proximal(trainer: TrainingClient, datums: list[Datum], temperature: float) -> list[Datum]:
