@@ -153,6 +153,13 @@ class GrpoTrainStep:
         """Send the step's ``forward_backward`` / ``optim_step`` calls; the function
         returned waits for them and gives the metrics. (With ``proximal``, the
         ``forward_logprobs`` it needs first is waited for here.)"""
+        return self.send(trainer, self.prepare(groups))
+
+    def prepare(self, groups: list[Group]) -> list[tuple[list[Datum], int]]:
+        """The step's client-side work, sending nothing: each minibatch's datums
+        (advantages, one denominator a step) and the rollouts trained on.
+        :func:`treadle.rl.sweep_loop` prepares every run's step before it sends
+        any, so the runs' calls reach the server close together."""
         G = {len(g.rollouts) for g in groups}
         if len(G) != 1:
             raise InvalidArgumentError(f"groups: every group needs the same size, got {sorted(G)}")
@@ -160,11 +167,21 @@ class GrpoTrainStep:
         adv_B = group_advantages([r.reward for r in rollouts], G.pop())
         keep = [i for i, a in enumerate(adv_B) if a != 0.0 and rollouts[i].completion_tokens]
         if not keep:
-            return lambda: {"loss": 0.0, "trained_rollouts": 0.0}
+            return []
         order = np.random.permutation(keep)
+        return [
+            (build_datums([rollouts[i] for i in mb], adv_B[mb]), len(keep))
+            for mb in np.array_split(order, min(self.minibatches, len(order)))
+        ]
+
+    def send(
+        self, trainer: TrainingClient, prepared: list[tuple[list[Datum], int]]
+    ) -> Callable[[], dict[str, float]]:
+        """Send what :meth:`prepare` made; the function returned waits for it."""
+        if not prepared:
+            return lambda: {"loss": 0.0, "trained_rollouts": 0.0}
         fbs, opts = [], []
-        for mb in np.array_split(order, min(self.minibatches, len(order))):
-            datums = build_datums([rollouts[i] for i in mb], adv_B[mb])  # one denominator a step
+        for datums, _ in prepared:
             if self.proximal:
                 datums = _with_proximal(trainer, datums, self.temperature)
             fbs.append(
@@ -180,7 +197,7 @@ class GrpoTrainStep:
             out = {
                 "loss": sum(m.get("loss:sum", 0.0) for m in metrics),
                 "version": float(version),
-                "trained_rollouts": float(len(keep)),
+                "trained_rollouts": float(prepared[0][1]),
             }
             if any("clip_frac:mean" in m for m in metrics):
                 out["clip_frac"] = float(np.mean([m.get("clip_frac:mean", 0.0) for m in metrics]))

@@ -126,9 +126,7 @@ def sweep_loop(
         ]
         wait_data = time.perf_counter() - t0
         t_train = time.perf_counter()
-        finishes = [
-            _submit_step(fn, t, g) for fn, t, g in zip(per_run, trainers, groups, strict=True)
-        ]
+        finishes = _submit_steps(per_run, trainers, groups)
         metrics = [finish() for finish in finishes]
         samplers = _sync_all(trainers, timeout)
         new_versions = [_version(t, m) for t, m in zip(trainers, metrics, strict=True)]
@@ -140,14 +138,31 @@ def sweep_loop(
         versions = new_versions
 
 
-def _submit_step(
-    train_step: TrainStep, trainer: TrainingClient, groups: list[Group]
-) -> Callable[[], dict[str, float]]:
-    submit = getattr(train_step, "submit", None)
-    if submit is not None:
-        finish: Callable[[], dict[str, float]] = submit(trainer, groups)
-        return finish
-    metrics = train_step(trainer, groups)
+def _submit_steps(
+    train_steps: Sequence[TrainStep],
+    trainers: Sequence[TrainingClient],
+    groups: Sequence[list[Group]],
+) -> list[Callable[[], dict[str, float]]]:
+    """Every run's train step sent, in three kinds: a step that ``prepare`` s and
+    ``send`` s (``grpo_train_step``'s) has all its client work done before any
+    run's call goes out, so the calls reach the engine together (and share its
+    passes); one that ``submit`` s is sent in turn; any other runs in turn."""
+    prepared = [
+        (fn, fn.prepare(g)) if hasattr(fn, "prepare") and hasattr(fn, "send") else (fn, None)
+        for fn, g in zip(train_steps, groups, strict=True)
+    ]
+    finishes: list[Callable[[], dict[str, float]]] = []
+    for (fn, plan), trainer, g in zip(prepared, trainers, groups, strict=True):
+        if plan is not None:
+            finishes.append(fn.send(trainer, plan))  # type: ignore[attr-defined]
+        elif hasattr(fn, "submit"):
+            finishes.append(fn.submit(trainer, g))
+        else:
+            finishes.append(_done(fn(trainer, g)))
+    return finishes
+
+
+def _done(metrics: dict[str, float]) -> Callable[[], dict[str, float]]:
     return lambda: metrics
 
 
