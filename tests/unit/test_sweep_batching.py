@@ -190,3 +190,36 @@ def test_one_tenants_adapters_decode_in_one_batch(
         for x, y in zip(seqs.sequences, alone.sequences, strict=True):
             assert list(x.tokens) == list(y.tokens)
             np.testing.assert_allclose(x.logprobs, y.logprobs, atol=TOL, rtol=0)
+
+
+def test_mixed_ranks_take_the_segment_path_and_equal_each_adapter(tiny_model_dir: Path) -> None:
+    """A sweep mixes ranks (8 and 16): its calls' equal row segments still take the
+    segment path (smaller ranks padded with zeros), with each adapter's own result."""
+    from treadle.workers.model.lora import LoraRows
+
+    base = BaseModelRegistry({"tiny": tiny_model_dir}).get("tiny", torch.float32)
+    adapters = []
+    for i, rank in enumerate((8, 16, 8)):
+        model = TrainingModel(ModelSpec(f"m{i}", TENANT, "tiny", rank, 8.0, i, "float32"), base)
+        assert model.adapter is not None
+        with torch.no_grad():
+            for t in model.adapter.parameters():
+                t.add_(0.1 * torch.randn(t.shape, generator=torch.Generator().manual_seed(i)))
+        adapters.append(model.adapter)
+    ids = [1, 1, 0, 0, 2, 2]
+    rows = LoraRows(adapters, torch.tensor(ids))
+    assert rows.segments == [1, 0, 2]
+    layer, target = 0, next(iter(adapters[0].a[0]))
+    x = torch.randn(len(ids), 3, base.cfg.hidden_size)
+    out_dim = adapters[0].b[0][target].shape[0]
+    y = torch.randn(len(ids), 3, out_dim)
+    got = rows.apply(layer, target, x, y.clone())
+    want = torch.cat(
+        [
+            adapters[k].apply(layer, target, x[i : i + 1], y[i : i + 1].clone())
+            for i, k in enumerate(ids)
+        ]
+    )
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+    got.sum().backward()
+    assert all(a.a[layer][target].grad is not None for a in adapters)
