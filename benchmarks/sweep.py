@@ -114,8 +114,11 @@ class Run:
             out.append(self.engine.sample(target, SampleOp(prompt, self.shape.group, cfg)))
         return out
 
-    def train(self, step: int, samples: Sequence[SampleResult]) -> list[Future[Any]]:
-        data = self._datums(step, samples)
+    def prepare(self, step: int, samples: Sequence[SampleResult]) -> list[DatumData]:
+        """The client's work of a step (rewards, advantages, datums), sending nothing."""
+        return self._datums(step, samples)
+
+    def train(self, data: Sequence[DatumData]) -> list[Future[Any]]:
         self.trained += sum(len(d.tokens) for d in data)
         ops = [
             ForwardBackwardOp(tuple(data), "ppo", {}),
@@ -204,7 +207,10 @@ def _phases(groups: Sequence[Sequence[Run]], warmup: int, steps: int, timing: Ti
             samples = [[f.result() for f in fs] for fs in futures]
             t1 = time.perf_counter()
             before = [(r.sampled, r.trained) for r in runs]
-            pending = [f for run, s in zip(runs, samples, strict=True) for f in run.train(step, s)]
+            # every run's datums first, then every run's calls: they reach the
+            # engine together (as rl.sweep_loop sends them)
+            data = [run.prepare(step, s) for run, s in zip(runs, samples, strict=True)]
+            pending = [f for run, d in zip(runs, data, strict=True) for f in run.train(d)]
             for f in pending:
                 f.result()
             t2 = time.perf_counter()
