@@ -33,11 +33,12 @@ import numpy as np
 import treadle
 from treadle import rl
 
-LRS = (1e-4, 3e-4, 1e-3, 3e-3)  # one run each
+LRS = (1e-3, 3e-3, 1e-2, 3e-2)  # one run each (LoRA wants ~10x a full fine-tune's)
 RANK = 16
 STEPS = 20  # GRPO steps of every run
 GROUPS_PER_STEP = 16  # prompts per step (the same for every run)
 GROUP_SIZE = 8  # completions per prompt (GRPO's G)
+MINIBATCHES = 4  # optimizer steps per batch of rollouts (as the demo)
 WARMUP_MAX_STEPS = 300  # supervised steps at most (embedded only)
 OUT = Path("sweep_rewards.png")
 
@@ -119,7 +120,10 @@ def main() -> None:
         tok = service.get_tokenizer(base_model)
         # one LoRA model per learning rate (all or none: a quota refusal keeps nothing)
         runs = rl.create_runs(service, base_model, [rl.RunSpec(rank=RANK) for _ in LRS])
-        steps = [rl.grpo_train_step(adam=treadle.AdamParams(learning_rate=lr)) for lr in LRS]
+        steps = [
+            rl.grpo_train_step(adam=treadle.AdamParams(learning_rate=lr), minibatches=MINIBATCHES)
+            for lr in LRS
+        ]
         print("step " + " ".join(f"lr={lr:<8g}" for lr in LRS))
         curves: list[list[float]] = [[] for _ in LRS]
         for stats in rl.sweep_loop(
@@ -171,7 +175,7 @@ def plot(curves: list[list[float]], path: Path) -> None:
         ax.plot(np.arange(1, len(curve) + 1), curve, marker=".", label=f"lr {lr:g}")
     ax.set(xlabel="GRPO step", ylabel="rollout reward (exact match)", ylim=(0, 1))
     ax.set_title(f"learning-rate sweep: {len(curves)} LoRA runs (rank {RANK}), one base")
-    ax.legend(loc="lower right")
+    ax.legend(loc="best")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)
