@@ -68,6 +68,7 @@ class Setup:
     threads: int
     batch_across_models: bool
     heavy_models: int = 1  # the heavy tenant's models (a sweep: its calls go to each in turn)
+    max_quantum_tokens: int = 0  # the scheduler's cap on a tenant's tokens a round
 
     def call(self, seed: int) -> ForwardBackwardOp:
         rng = np.random.default_rng(seed)
@@ -102,7 +103,9 @@ class Bench:
             batch_across_models=setup.batch_across_models,
         )
         self.engine = Engine(config)
-        self.engine.scheduler = Scheduler(gap_timeout_s=LONG, policy=policy)
+        self.engine.scheduler = Scheduler(
+            gap_timeout_s=LONG, policy=policy, max_quantum_tokens=setup.max_quantum_tokens
+        )
         self.engine.start()
         self.models = {
             t: [f"{t}/{k}" for k in range(setup.heavy_models)]
@@ -267,6 +270,12 @@ def main(argv: list[str] | None = None) -> int:
         "--heavy-models", type=int, default=1, help="the heavy tenant's models (a sweep's runs)"
     )
     p.add_argument(
+        "--max-quantum-tokens",
+        type=int,
+        default=0,
+        help="the engine's --max-quantum-tokens (0: no cap; 1: one call a tenant a round)",
+    )
+    p.add_argument(
         "--batch-across-models",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -289,9 +298,11 @@ def main(argv: list[str] | None = None) -> int:
         args.threads,
         args.batch_across_models,
         args.heavy_models,
+        args.max_quantum_tokens,
     )
     print(
         f"engine: {args.preset} model, LoRA rank 8, heavy tenant's models: {args.heavy_models}, "
+        f"max quantum tokens: {args.max_quantum_tokens or 'no cap'}, "
         f"forward_backward of {args.batch} x "
         f"{args.tokens} = {setup.call_tokens} tokens per call, {args.threads} torch thread(s), "
         f"cross-model batches {'on' if args.batch_across_models else 'off'}",

@@ -95,6 +95,10 @@ class EngineConfig:
     metrics_log_every_s: float = 30.0
     #: run the forward calls of LoRA models on one base as one batched pass
     batch_across_models: bool = True
+    #: the most tokens a tenant spends in one scheduling round (0: one call of each
+    #: of its ready models, the most batching; 1: one call, the shortest wait for
+    #: another tenant): ``Scheduler.max_quantum_tokens``
+    max_quantum_tokens: int = 0
     max_tokens_per_call: int = 262_144
     #: torch threads of a forward_backward / forward_logprobs (or a batched pass):
     #: "measure" (one or all, whichever this machine runs faster for calls of that
@@ -110,7 +114,9 @@ class Engine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.bases = BaseModelRegistry(config.base_models)
-        self.scheduler = Scheduler(gap_timeout_s=config.gap_timeout_s)
+        self.scheduler = Scheduler(
+            gap_timeout_s=config.gap_timeout_s, max_quantum_tokens=config.max_quantum_tokens
+        )
         self.versions = VersionStore(config.keep_versions)
         self.threads = ThreadChoice(config.training_threads)
         self.passes = PassCounter()

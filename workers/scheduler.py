@@ -113,6 +113,7 @@ class Scheduler:
         gap_timeout_s: float = 60.0,
         results_kept: int = 4096,
         quantum_tokens: int = 0,
+        max_quantum_tokens: int = 0,
         policy: str = "drr",
     ) -> None:
         if policy not in POLICIES:
@@ -121,6 +122,10 @@ class Scheduler:
         self.results_kept = results_kept
         #: tokens a backlogged tenant earns per round; 0 = the largest head-call cost
         self.quantum_tokens = quantum_tokens
+        #: a cap on the default quantum (0 = none): the most a tenant spends a round,
+        #: hence how long a light tenant may wait behind the round running; never
+        #: below one head call (1 = one call a round, as before sweeps batched)
+        self.max_quantum_tokens = max_quantum_tokens
         self.policy = policy
         self._models: dict[str, _ModelQueue] = {}
         self._tenants: dict[str, _Tenant] = {}
@@ -261,6 +266,8 @@ class Scheduler:
         # One quantum for everyone (fairness), large enough for the readiest
         # tenant's models to run one call each in this round (few passes).
         quantum = self.quantum_tokens or max(ready.values())
+        if not self.quantum_tokens and self.max_quantum_tokens:
+            quantum = max(max(heads.values()), min(quantum, self.max_quantum_tokens))
         if quantum > 0:
             # Skip the rounds in which nobody could afford a call (a fixed quantum
             # smaller than the calls): as if they had run, in O(1).

@@ -239,6 +239,19 @@ def test_a_tenant_with_many_models_gets_one_tenants_share() -> None:
     assert rounds <= 21
 
 
+def test_a_quantum_cap_bounds_a_sweeps_round() -> None:
+    """``max_quantum_tokens`` trades batching for a light tenant's wait: a sweep's
+    round holds as many calls as the cap pays for (never fewer than one)."""
+    for cap, per_round in ((1, 1), (300, 3), (0, 8)):
+        sim = Sim(max_quantum_tokens=cap)
+        for i in range(8):
+            sim.model(f"sweep/m{i}", "sweep")
+            for _ in range(3):
+                sim.send(f"sweep/m{i}", cost=100)
+        assert len(sim.round()) == per_round, cap
+        assert len(sim.round()) == per_round, cap
+
+
 def test_a_light_tenant_still_jumps_a_sweeps_backlog() -> None:
     sim = Sim()
     for i in range(8):
