@@ -7,8 +7,9 @@ server: the scheduler decides the order inside the engine, and leaving out the
 network keeps the numbers about that order (the server adds the same small cost
 to every call whatever the policy).
 
-1. Fairness. Four tenants, one model each; the heavy one has a backlog 10x the
-   others'. Every call is queued before the engine runs any ("all submitting at
+1. Fairness. Four tenants, one model each (``--heavy-models K``: the heavy
+   tenant's calls go to its K models in turn, a sweep); the heavy one has a
+   backlog 10x the others'. Every call is queued before the engine runs any ("all submitting at
    once"), in two arrival orders: shuffled, and the heavy tenant's burst first.
    Jain's index of the tokens served to each tenant while all four are still
    backlogged (until the first backlog empties). Target: >= 0.95 for drr, and
@@ -66,6 +67,8 @@ class Setup:
     batch: int
     threads: int
     batch_across_models: bool
+    heavy_models: int = 1  # the heavy tenant's models (a sweep: its calls go to each in turn)
+    max_quantum_tokens: int = 0  # the scheduler's cap on a tenant's tokens a round
 
     def call(self, seed: int) -> ForwardBackwardOp:
         rng = np.random.default_rng(seed)
@@ -100,21 +103,35 @@ class Bench:
             batch_across_models=setup.batch_across_models,
         )
         self.engine = Engine(config)
-        self.engine.scheduler = Scheduler(gap_timeout_s=LONG, policy=policy)
+        self.engine.scheduler = Scheduler(
+            gap_timeout_s=LONG, policy=policy, max_quantum_tokens=setup.max_quantum_tokens
+        )
         self.engine.start()
-        self.seq = dict.fromkeys(TENANTS, 0)
+        self.models = {
+            t: [f"{t}/{k}" for k in range(setup.heavy_models)]
+            if t == "heavy" and setup.heavy_models > 1
+            else [t]
+            for t in TENANTS
+        }
+        self.seq = {m: 0 for ms in self.models.values() for m in ms}
+        self.sent = dict.fromkeys(TENANTS, 0)
         self.lock = threading.Lock()
-        for i, tenant in enumerate(TENANTS):
-            spec = ModelSpec(tenant, tenant, "base", 8, 8.0, i, "float32")
-            self.engine.create_model(spec).result()
+        for i, (tenant, ids) in enumerate(self.models.items()):
+            for k, model_id in enumerate(ids):
+                spec = ModelSpec(model_id, tenant, "base", 8, 8.0, 10 * i + k, "float32")
+                self.engine.create_model(spec).result()
         self.ops = [setup.call(i) for i in range(8)]
 
     def submit(self, tenant: str) -> Future:
+        """The tenant's next call, to its models in turn."""
         with self.lock:
-            self.seq[tenant] += 1
-            seq = self.seq[tenant]
+            ids = self.models[tenant]
+            model_id = ids[self.sent[tenant] % len(ids)]
+            self.sent[tenant] += 1
+            self.seq[model_id] += 1
+            seq = self.seq[model_id]
         op = self.ops[seq % len(self.ops)]
-        return self.engine.submit(tenant, seq, op, f"{tenant}-{seq}")
+        return self.engine.submit(model_id, seq, op, f"{model_id}-{seq}")
 
     def hold(self) -> threading.Event:
         """Keep the engine thread busy until the event is set, so everything sent
@@ -250,6 +267,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--flood-window", type=int, default=32, help="heavy calls kept queued")
     p.add_argument("--threads", type=int, default=1, help="torch threads of the engine")
     p.add_argument(
+        "--heavy-models", type=int, default=1, help="the heavy tenant's models (a sweep's runs)"
+    )
+    p.add_argument(
+        "--max-quantum-tokens",
+        type=int,
+        default=0,
+        help="the engine's --max-quantum-tokens (0: no cap; 1: one call a tenant a round)",
+    )
+    p.add_argument(
         "--batch-across-models",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -265,9 +291,19 @@ def main(argv: list[str] | None = None) -> int:
             Path(tempfile.mkdtemp(prefix="treadle-fairness-")) / args.preset, preset=args.preset
         )
     )
-    setup = Setup(model_dir, args.tokens, args.batch, args.threads, args.batch_across_models)
+    setup = Setup(
+        model_dir,
+        args.tokens,
+        args.batch,
+        args.threads,
+        args.batch_across_models,
+        args.heavy_models,
+        args.max_quantum_tokens,
+    )
     print(
-        f"engine: {args.preset} model, LoRA rank 8, forward_backward of {args.batch} x "
+        f"engine: {args.preset} model, LoRA rank 8, heavy tenant's models: {args.heavy_models}, "
+        f"max quantum tokens: {args.max_quantum_tokens or 'no cap'}, "
+        f"forward_backward of {args.batch} x "
         f"{args.tokens} = {setup.call_tokens} tokens per call, {args.threads} torch thread(s), "
         f"cross-model batches {'on' if args.batch_across_models else 'off'}",
         flush=True,

@@ -38,6 +38,7 @@ from treadle.types import (
     SaveStateResponse,
     ServerInfo,
     StreamedSample,
+    TrainingPassMetrics,
     VersionSpan,
 )
 
@@ -70,6 +71,7 @@ __all__ = [
     "StreamedSample",
     "Tokenizer",
     "TrainingClient",
+    "TrainingPassMetrics",
     "TreadleError",
     "UnauthenticatedError",
     "UnavailableError",

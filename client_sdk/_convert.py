@@ -27,6 +27,7 @@ from treadle.types import (
     StoppedBy,
     StopReason,
     StreamedSample,
+    TrainingPassMetrics,
     VersionSpan,
 )
 from treadle.v1 import common_pb2, sampling_pb2, server_pb2, training_pb2
@@ -229,5 +230,20 @@ def server_info_from_wire(msg: server_pb2.ServerInfo) -> ServerInfo:
                 m.prefix_reused_tokens,
             )
             for m in msg.sampler_metrics
+        ],
+        training_pass_metrics=[
+            TrainingPassMetrics(
+                p.base_model,
+                p.dtype,
+                p.passes,
+                p.batched_passes,
+                p.calls_batched,
+                p.calls_alone,
+                p.tokens_batched,
+                p.tokens_alone,
+                p.calls_per_batched_pass,
+                p.max_calls_per_pass,
+            )
+            for p in msg.training_pass_metrics
         ],
     )

@@ -277,6 +277,24 @@ class SamplerMetrics:
 
 
 @dataclass(frozen=True)
+class TrainingPassMetrics:
+    """Whether training calls of different models shared the base model's passes
+    (one per base model and dtype on the server): a sweep's runs batch together
+    when ``calls_batched`` grows and ``calls_alone`` does not."""
+
+    base_model: str
+    dtype: str
+    passes: int  # forward passes run (a batched pass counts once)
+    batched_passes: int  # passes that held two or more calls
+    calls_batched: int
+    calls_alone: int
+    tokens_batched: int
+    tokens_alone: int
+    calls_per_batched_pass: float
+    max_calls_per_pass: int
+
+
+@dataclass(frozen=True)
 class ServerInfo:
     server_version: str
     api_version: str
@@ -285,3 +303,4 @@ class ServerInfo:
     max_tokens_per_request: int
     features: list[str] = field(default_factory=list)
     sampler_metrics: list[SamplerMetrics] = field(default_factory=list)
+    training_pass_metrics: list[TrainingPassMetrics] = field(default_factory=list)

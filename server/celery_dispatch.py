@@ -89,6 +89,7 @@ from treadle.workers.domain import (
     StreamedSequence,
 )
 from treadle.workers.model.config import ModelConfig
+from treadle.workers.pass_stats import PassStats
 from treadle.workers.sampler import SamplerStats
 
 log = logging.getLogger("treadle.server")
@@ -309,6 +310,10 @@ class CeleryDispatcher:
     def sampler_metrics(self) -> list[SamplerStats]:
         """None here: each worker's samplers run in its process and log their own
         throughput (``treadle.sampler``)."""
+        return []
+
+    def pass_metrics(self) -> list[PassStats]:
+        """None here, as for the samplers: each worker's engine runs in its process."""
         return []
 
     def draining_models(self) -> set[str]:

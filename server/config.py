@@ -35,6 +35,7 @@ class ServerConfig:
     sampler_process: bool = False  # ... or in a process of its own (no shared GIL)
     sampler_threads: int = 0  # torch threads of that thread; 0 = threads
     training_threads: str = "measure"  # forward passes: "measure" | "all" | "one"
+    max_quantum_tokens: int = 0  # a tenant's tokens a scheduling round at most; 0 = no cap
     gap_timeout_s: float = 60.0
     keep_versions: int = 4
     auto_checkpoint_steps: int = 0  # 0 = off; else checkpoint every N optimizer steps

@@ -31,6 +31,7 @@ from treadle.workers.domain import (
 )
 from treadle.workers.engine import Engine
 from treadle.workers.model.config import ModelConfig
+from treadle.workers.pass_stats import PassStats
 from treadle.workers.sampler import SamplerStats
 from treadle.workers.staging import StagedEngine
 
@@ -89,6 +90,10 @@ class Dispatcher(Protocol):
     def base_model_names(self) -> list[str]: ...
     def sampler_metrics(self) -> list[SamplerStats]:
         """Live stats of the samplers this dispatcher reaches directly."""
+        ...
+
+    def pass_metrics(self) -> list[PassStats]:
+        """How the training passes of the engines reached directly were shared."""
         ...
 
     def draining_models(self) -> set[str]:
@@ -227,6 +232,9 @@ class InProcessDispatcher:
 
     def sampler_metrics(self) -> list[SamplerStats]:
         return self.engine.sampler_metrics()
+
+    def pass_metrics(self) -> list[PassStats]:
+        return self.engine.pass_metrics()
 
     def draining_models(self) -> set[str]:
         return set()  # the engine stops with the server

@@ -62,6 +62,19 @@ class InfoServicer(server_pb2_grpc.ServerServiceServicer):
                 prompt_tokens=m.prompt_tokens,
                 prefix_reused_tokens=m.prefix_reused_tokens,
             )
+        for p in d.pass_metrics():
+            info.training_pass_metrics.add(
+                base_model=p.base_model,
+                dtype=p.dtype,
+                passes=p.passes,
+                batched_passes=p.batched_passes,
+                calls_batched=p.calls_batched,
+                calls_alone=p.calls_alone,
+                tokens_batched=p.tokens_batched,
+                tokens_alone=p.tokens_alone,
+                calls_per_batched_pass=p.calls_per_batched_pass,
+                max_calls_per_pass=p.max_calls_per_pass,
+            )
         return info
 
     async def GetTokenizer(

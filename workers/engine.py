@@ -60,6 +60,7 @@ from treadle.workers.domain import (
     SyncResult,
     SyncWeightsOp,
 )
+from treadle.workers.pass_stats import PassCounter, PassStats
 from treadle.workers.sampler import SamplerLimits, SamplerStats, TorchSampler
 from treadle.workers.sampler_loop import SamplerLoop
 from treadle.workers.sampler_process import SamplerProcess
@@ -94,6 +95,10 @@ class EngineConfig:
     metrics_log_every_s: float = 30.0
     #: run the forward calls of LoRA models on one base as one batched pass
     batch_across_models: bool = True
+    #: the most tokens a tenant spends in one scheduling round (0: one call of each
+    #: of its ready models, the most batching; 1: one call, the shortest wait for
+    #: another tenant): ``Scheduler.max_quantum_tokens``
+    max_quantum_tokens: int = 0
     max_tokens_per_call: int = 262_144
     #: torch threads of a forward_backward / forward_logprobs (or a batched pass):
     #: "measure" (one or all, whichever this machine runs faster for calls of that
@@ -109,9 +114,12 @@ class Engine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.bases = BaseModelRegistry(config.base_models)
-        self.scheduler = Scheduler(gap_timeout_s=config.gap_timeout_s)
+        self.scheduler = Scheduler(
+            gap_timeout_s=config.gap_timeout_s, max_quantum_tokens=config.max_quantum_tokens
+        )
         self.versions = VersionStore(config.keep_versions)
         self.threads = ThreadChoice(config.training_threads)
+        self.passes = PassCounter()
         self.models: dict[str, TrainingModel] = {}
         self.samplers: dict[tuple[str, torch.dtype], TorchSampler] = {}
         self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
@@ -274,6 +282,10 @@ class Engine:
             stats = list(self._sampler_stats.values())
         # A sampler that has not decoded for a while generates nothing now.
         return [s if now - s.last_step_at < 5.0 else replace(s, tokens_per_s=0.0) for s in stats]
+
+    def pass_metrics(self) -> list[PassStats]:
+        """How the training passes were shared so far, per base model (thread-safe)."""
+        return self.passes.snapshot()
 
     def check_sampler_target(self, target: SamplerTarget) -> Future[int]:
         """Resolve a sampler target now (NOT_FOUND if its weights are gone); the version."""
@@ -534,6 +546,7 @@ class Engine:
                 members.extend((call, model) for call in unit.calls[:n])
             rests.append(unit.calls[n:])
         for members in groups.values():
+            self._count_pass(members[0][1], len(members), sum(c.cost for c, _ in members))
             if len(members) == 1:
                 self._execute(members[0][0])
                 continue
@@ -549,7 +562,13 @@ class Engine:
                 self._resolve(call, _with_compute(item.outcome, share), record=True)
         for calls in rests:
             for call in calls:
+                model = self.models.get(call.model_id)
+                if model is not None and isinstance(call.payload, _FORWARD_OPS):
+                    self._count_pass(model, 1, call.cost)
                 self._execute(call)
+
+    def _count_pass(self, model: TrainingModel, calls: int, tokens: int) -> None:
+        self.passes.record(model.spec.base_model, model.spec.dtype, calls, tokens)
 
     def _resolve(self, call: OrderedCall, outcome: Any, *, record: bool) -> None:
         if record:
@@ -738,6 +757,9 @@ class Engine:
             fut,
             **_who(target),
         )
+
+
+_FORWARD_OPS = (ForwardBackwardOp, ForwardLogprobsOp)
 
 
 def _reporting(fn: Callable[[], None], fut: Future[Any], what: str) -> None:

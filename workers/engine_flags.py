@@ -39,6 +39,7 @@ ENGINE_FIELDS = (
     "sampler_max_len",
     "max_tokens_per_call",
     "auto_checkpoint_steps",
+    "max_quantum_tokens",
 )
 
 
@@ -87,6 +88,14 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
         "--sampler-slots", type=int, default=int(env("TREADLE_SAMPLER_SLOTS", "64"))
     )
     parser.add_argument(
+        "--max-quantum-tokens",
+        type=int,
+        default=int(env("TREADLE_MAX_QUANTUM_TOKENS", "0")),
+        help="the most tokens a tenant's calls spend in one scheduling round: 0 (default) "
+        "one call of each of its ready models (a sweep's runs share one pass); 1 one call "
+        "(the shortest wait for another tenant's call, the least batching)",
+    )
+    parser.add_argument(
         "--sampler-max-len", type=int, default=int(env("TREADLE_SAMPLER_MAX_LEN", "1024"))
     )
 
@@ -105,6 +114,7 @@ def engine_settings(args: argparse.Namespace) -> dict[str, Any]:
         "auto_checkpoint_steps": args.auto_checkpoint_steps,
         "sampler_slots": args.sampler_slots,
         "sampler_max_len": args.sampler_max_len,
+        "max_quantum_tokens": args.max_quantum_tokens,
     }
 
 
@@ -129,6 +139,7 @@ def check_engine_settings(config: Any) -> None:
         ("sampler_max_len", config.sampler_max_len >= 2),
         ("max_tokens_per_call", config.max_tokens_per_call >= 1),
         ("auto_checkpoint_steps", config.auto_checkpoint_steps >= 0),
+        ("max_quantum_tokens", config.max_quantum_tokens >= 0),
     ):
         if not ok:
             raise InvalidArgumentError(f"{name}: out of range ({getattr(config, name)})")

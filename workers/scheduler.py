@@ -9,14 +9,19 @@ in a unit may be executed together and nothing overtakes a barrier.
 
 Fair share across tenants is deficit round robin (Shreedhar & Varghese) by
 tokens: a call costs the tokens in its batch (barriers cost nothing), each
-backlogged tenant earns a quantum per round (by default the largest head-call
-cost among backlogged tenants, so everyone affords at least one call a round)
-and spends it on its calls; a tenant whose queue empties loses what it had
-saved. A tenant that just became backlogged is served first, in a round of its
+backlogged tenant earns a quantum per round and spends it on its calls; a
+tenant whose queue empties loses what it had saved. The quantum is by default
+the largest sum, over one tenant, of its models' head-call costs: the tenant
+with the most ready work affords one call of each of its models a round, and
+every other tenant earns the same tokens (so a tenant with 8 runs gets one
+tenant's share, not 8), spent in the same round. A tenant's share is thus
+spent in as few rounds, hence batched passes, as possible: a researcher's
+sweep of 8 models runs one call of each in one pass, not one call a pass. A tenant that just became backlogged is served first, in a round of its
 own (FQ-CoDel's "new flows" list; never two such rounds in a row, so sparse
 tenants cannot starve the rest), so a light tenant waits behind at most the
 round already executing, not behind a heavy tenant's backlog, and its calls are
-not batched with that backlog. Within a tenant its models take turns.
+not batched with that backlog. Within a tenant its models take turns, one call
+each at a time, so its quantum covers as many of its models as it can pay for.
 ``policy="fcfs"`` is the first-come-first-served baseline the fairness benchmark
 measures against; nothing serves it.
 
@@ -108,6 +113,7 @@ class Scheduler:
         gap_timeout_s: float = 60.0,
         results_kept: int = 4096,
         quantum_tokens: int = 0,
+        max_quantum_tokens: int = 0,
         policy: str = "drr",
     ) -> None:
         if policy not in POLICIES:
@@ -116,6 +122,10 @@ class Scheduler:
         self.results_kept = results_kept
         #: tokens a backlogged tenant earns per round; 0 = the largest head-call cost
         self.quantum_tokens = quantum_tokens
+        #: a cap on the default quantum (0 = none): the most a tenant spends a round,
+        #: hence how long a light tenant may wait behind the round running; never
+        #: below one head call (1 = one call a round, as before sweeps batched)
+        self.max_quantum_tokens = max_quantum_tokens
         self.policy = policy
         self._models: dict[str, _ModelQueue] = {}
         self._tenants: dict[str, _Tenant] = {}
@@ -222,18 +232,22 @@ class Scheduler:
 
     # ---- internals ------------------------------------------------------------
 
-    def _heads(self) -> dict[str, int]:
-        """Backlogged tenants: tenant -> cost of its cheapest runnable head call."""
-        heads: dict[str, int] = {}
+    def _heads(self) -> tuple[dict[str, int], dict[str, int]]:
+        """Backlogged tenants: tenant -> cost of its cheapest runnable head call,
+        and tenant -> the summed cost of its models' runnable head calls (what
+        it could run in one round with one call per model)."""
+        cheapest: dict[str, int] = {}
+        ready: dict[str, int] = {}
         for queue in self._models.values():
             call = queue.head()
             if call is not None:
                 cost = max(call.cost, 0)
-                heads[queue.tenant_id] = min(cost, heads.get(queue.tenant_id, cost))
-        return heads
+                cheapest[queue.tenant_id] = min(cost, cheapest.get(queue.tenant_id, cost))
+                ready[queue.tenant_id] = ready.get(queue.tenant_id, 0) + cost
+        return cheapest, ready
 
     def _drr_round(self) -> list[WorkUnit]:
-        heads = self._heads()
+        heads, ready = self._heads()
         for active in (self._new, self._old):
             for tenant_id in [t for t in active if t not in heads]:
                 active.remove(tenant_id)  # its queue emptied: it keeps no savings
@@ -249,7 +263,11 @@ class Scheduler:
         new_only = bool(self._new) and bool(self._old) and not self._new_only_last
         self._new_only_last = new_only
         serving = list(self._new) if new_only else [*self._new, *self._old]
-        quantum = self.quantum_tokens or max(heads.values())
+        # One quantum for everyone (fairness), large enough for the readiest
+        # tenant's models to run one call each in this round (few passes).
+        quantum = self.quantum_tokens or max(ready.values())
+        if not self.quantum_tokens and self.max_quantum_tokens:
+            quantum = max(max(heads.values()), min(quantum, self.max_quantum_tokens))
         if quantum > 0:
             # Skip the rounds in which nobody could afford a call (a fixed quantum
             # smaller than the calls): as if they had run, in O(1).
@@ -262,10 +280,7 @@ class Scheduler:
         for tenant_id in serving:
             tenant = self._tenants[tenant_id]
             tenant.deficit += quantum
-            for model_id in list(tenant.models):
-                unit = self._take_run(model_id, self._models[model_id], tenant)
-                if unit is not None:
-                    units.append(unit)
+            units += self._take_runs(tenant)
             tenant.models.rotate(-1)  # the next round starts at its next model
             # It had its turn: to the back of the old tenants (it leaves the
             # backlog, and its savings, at the next round if it has nothing left).
@@ -276,21 +291,36 @@ class Scheduler:
             self._old.append(tenant_id)
         return units
 
-    def _take_run(self, model_id: str, queue: _ModelQueue, tenant: _Tenant) -> WorkUnit | None:
-        """The model's next calls, up to its next barrier, that the tenant can pay for."""
-        if queue.running:
-            return None  # the previous unit has not completed yet
-        calls: list[OrderedCall] = []
-        seq = queue.next_seq_id
-        while seq in queue.waiting and max(queue.waiting[seq].cost, 0) <= tenant.deficit:
-            call = queue.waiting.pop(seq)
-            tenant.deficit -= max(call.cost, 0)
-            queue.running[seq] = call
-            calls.append(call)
-            seq += 1
-            if call.is_barrier:
-                break
-        return WorkUnit(model_id, tuple(calls)) if calls else None
+    def _take_runs(self, tenant: _Tenant) -> list[WorkUnit]:
+        """The tenant's models' next calls, up to each one's next barrier, that its
+        deficit pays for: one call of each model in turn, then a second of each,
+        and so on, so the quantum reaches as many models as it can (they run in
+        one batched pass) and none of them takes it all."""
+        runs: dict[str, list[OrderedCall]] = {}
+        open_ = [m for m in tenant.models if not self._models[m].running]
+        while open_:
+            still: list[str] = []
+            for model_id in open_:
+                queue = self._models[model_id]
+                taken = runs.setdefault(model_id, [])
+                call = queue.waiting.get(queue.next_seq_id + len(taken))
+                if call is None or max(call.cost, 0) > tenant.deficit:
+                    continue
+                tenant.deficit -= max(call.cost, 0)
+                taken.append(call)
+                if not call.is_barrier:
+                    still.append(model_id)
+            open_ = still
+        units: list[WorkUnit] = []
+        for model_id in tenant.models:
+            calls = runs.get(model_id)
+            if not calls:
+                continue
+            queue = self._models[model_id]
+            for call in calls:
+                queue.running[queue.waiting.pop(call.seq_id).seq_id] = call
+            units.append(WorkUnit(model_id, tuple(calls)))
+        return units
 
     def _fcfs(self) -> list[WorkUnit]:
         """The baseline: the single oldest runnable call, whoever sent it."""

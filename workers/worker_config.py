@@ -32,6 +32,7 @@ class WorkerConfig:
     sampler_process: bool = False  # ... or in a process of its own (no shared GIL)
     sampler_threads: int = 0  # torch threads of that thread; 0 = threads
     training_threads: str = "measure"  # forward passes: "measure" | "all" | "one"
+    max_quantum_tokens: int = 0  # a tenant's tokens a scheduling round at most; 0 = no cap
     default_dtype: str = "float32"
     gap_timeout_s: float = 60.0
     keep_versions: int = 4

@@ -8,6 +8,7 @@ from treadle.rl.datums import AGGREGATIONS, Aggregation, Rollout, build_datums
 from treadle.rl.kl import kl_k3
 from treadle.rl.loops import (
     Group,
+    GrpoTrainStep,
     Prompt,
     StepStats,
     async_loop,
@@ -24,17 +25,21 @@ from treadle.rl.staleness import (
     staleness_histogram,
     token_staleness,
 )
+from treadle.rl.sweep import RunSpec, create_runs, sweep_loop
 
 __all__ = [
     "AGGREGATIONS",
     "Aggregation",
     "Rollout",
     "Group",
+    "GrpoTrainStep",
+    "RunSpec",
     "Prompt",
     "StepStats",
     "Versions",
     "async_loop",
     "build_datums",
+    "create_runs",
     "drop_stale",
     "effective_group_rate",
     "expand_versions",
@@ -46,6 +51,7 @@ __all__ = [
     "one_step_stale_loop",
     "rollout_staleness",
     "staleness_histogram",
+    "sweep_loop",
     "sync_loop",
     "token_staleness",
 ]

@@ -122,7 +122,7 @@ def grpo_train_step(
     minibatches: int = 1,
     temperature: float = 1.0,
     proximal: bool = False,
-) -> TrainStep:
+) -> GrpoTrainStep:
     """A GRPO train step: group-centred advantages, ``minibatches`` optimizer steps.
 
     The ratio's denominator is the sampler's behaviour logprobs, so the loss
@@ -135,9 +135,40 @@ def grpo_train_step(
     if minibatches < 1:
         raise InvalidArgumentError(f"minibatches: must be >= 1, got {minibatches}")
     config = dict(PPO_CLIP if loss_config is None and loss == "ppo" else (loss_config or {}))
-    adam = adam or AdamParams(learning_rate=3e-4)
+    return GrpoTrainStep(
+        loss, config, adam or AdamParams(learning_rate=3e-4), minibatches, temperature, proximal
+    )
 
-    def step(trainer: TrainingClient, groups: list[Group]) -> dict[str, float]:
+
+@dataclass(frozen=True)
+class GrpoTrainStep:
+    """:func:`grpo_train_step`'s step. Calling it trains and returns the metrics;
+    :meth:`submit` sends the same calls and returns at once, so many runs' steps
+    can be in flight together from one thread (:func:`treadle.rl.sweep_loop`)."""
+
+    loss: str
+    loss_config: Mapping[str, float]
+    adam: AdamParams
+    minibatches: int
+    temperature: float
+    proximal: bool
+
+    def __call__(self, trainer: TrainingClient, groups: list[Group]) -> dict[str, float]:
+        return self.submit(trainer, groups)()
+
+    def submit(
+        self, trainer: TrainingClient, groups: list[Group]
+    ) -> Callable[[], dict[str, float]]:
+        """Send the step's ``forward_backward`` / ``optim_step`` calls; the function
+        returned waits for them and gives the metrics. (With ``proximal``, the
+        ``forward_logprobs`` it needs first is waited for here.)"""
+        return self.send(trainer, self.prepare(groups))
+
+    def prepare(self, groups: list[Group]) -> list[tuple[list[Datum], int]]:
+        """The step's client-side work, sending nothing: each minibatch's datums
+        (advantages, one denominator a step) and the rollouts trained on.
+        :func:`treadle.rl.sweep_loop` prepares every run's step before it sends
+        any, so the runs' calls reach the server close together."""
         G = {len(g.rollouts) for g in groups}
         if len(G) != 1:
             raise InvalidArgumentError(f"groups: every group needs the same size, got {sorted(G)}")
@@ -145,22 +176,38 @@ def grpo_train_step(
         adv_B = group_advantages([r.reward for r in rollouts], G.pop())
         keep = [i for i, a in enumerate(adv_B) if a != 0.0 and rollouts[i].completion_tokens]
         if not keep:
-            return {"loss:sum": 0.0, "trained_rollouts": 0.0}
+            return []
         order = np.random.permutation(keep)
-        fbs, opts = [], []
-        for mb in np.array_split(order, min(minibatches, len(order))):
-            datums = build_datums([rollouts[i] for i in mb], adv_B[mb])  # one denominator a step
-            if proximal:
-                datums = _with_proximal(trainer, datums, temperature)
-            fbs.append(trainer.forward_backward(datums, loss, config, temperature=temperature))
-            opts.append(trainer.optim_step(adam))
-        steps = [o.result() for o in opts]
-        out = merge_metrics([f.result().metrics for f in fbs] + [s.metrics for s in steps])
-        out["version"] = float(steps[-1].step)
-        out["trained_rollouts"] = float(len(keep))
-        return out
+        return [
+            (build_datums([rollouts[i] for i in mb], adv_B[mb]), len(keep))
+            for mb in np.array_split(order, min(self.minibatches, len(order)))
+        ]
 
-    return step
+    def send(
+        self, trainer: TrainingClient, prepared: list[tuple[list[Datum], int]]
+    ) -> Callable[[], dict[str, float]]:
+        """Send what :meth:`prepare` made; the function returned waits for it."""
+        if not prepared:
+            return lambda: {"loss:sum": 0.0, "trained_rollouts": 0.0}
+        fbs, opts = [], []
+        for datums, _ in prepared:
+            if self.proximal:
+                datums = _with_proximal(trainer, datums, self.temperature)
+            fbs.append(
+                trainer.forward_backward(
+                    datums, self.loss, dict(self.loss_config), temperature=self.temperature
+                )
+            )
+            opts.append(trainer.optim_step(self.adam))
+
+        def finish() -> dict[str, float]:
+            steps = [o.result() for o in opts]
+            out = merge_metrics([f.result().metrics for f in fbs] + [s.metrics for s in steps])
+            out["version"] = float(steps[-1].step)
+            out["trained_rollouts"] = float(prepared[0][1])
+            return out
+
+        return finish
 
 
 def _with_proximal(trainer: TrainingClient, datums: list[Datum], temperature: float) -> list[Datum]:

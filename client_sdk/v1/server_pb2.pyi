@@ -28,7 +28,7 @@ class BaseModel(_message.Message):
     def __init__(self, name: _Optional[str] = ..., arch: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., num_params: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class ServerInfo(_message.Message):
-    __slots__ = ("server_version", "api_version", "base_models", "max_message_bytes", "max_tokens_per_request", "features", "sampler_metrics")
+    __slots__ = ("server_version", "api_version", "base_models", "max_message_bytes", "max_tokens_per_request", "features", "sampler_metrics", "training_pass_metrics")
     SERVER_VERSION_FIELD_NUMBER: _ClassVar[int]
     API_VERSION_FIELD_NUMBER: _ClassVar[int]
     BASE_MODELS_FIELD_NUMBER: _ClassVar[int]
@@ -36,6 +36,7 @@ class ServerInfo(_message.Message):
     MAX_TOKENS_PER_REQUEST_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FIELD_NUMBER: _ClassVar[int]
     SAMPLER_METRICS_FIELD_NUMBER: _ClassVar[int]
+    TRAINING_PASS_METRICS_FIELD_NUMBER: _ClassVar[int]
     server_version: str
     api_version: str
     base_models: _containers.RepeatedCompositeFieldContainer[BaseModel]
@@ -43,7 +44,32 @@ class ServerInfo(_message.Message):
     max_tokens_per_request: int
     features: _containers.RepeatedScalarFieldContainer[str]
     sampler_metrics: _containers.RepeatedCompositeFieldContainer[SamplerMetrics]
-    def __init__(self, server_version: _Optional[str] = ..., api_version: _Optional[str] = ..., base_models: _Optional[_Iterable[_Union[BaseModel, _Mapping]]] = ..., max_message_bytes: _Optional[int] = ..., max_tokens_per_request: _Optional[int] = ..., features: _Optional[_Iterable[str]] = ..., sampler_metrics: _Optional[_Iterable[_Union[SamplerMetrics, _Mapping]]] = ...) -> None: ...
+    training_pass_metrics: _containers.RepeatedCompositeFieldContainer[TrainingPassMetrics]
+    def __init__(self, server_version: _Optional[str] = ..., api_version: _Optional[str] = ..., base_models: _Optional[_Iterable[_Union[BaseModel, _Mapping]]] = ..., max_message_bytes: _Optional[int] = ..., max_tokens_per_request: _Optional[int] = ..., features: _Optional[_Iterable[str]] = ..., sampler_metrics: _Optional[_Iterable[_Union[SamplerMetrics, _Mapping]]] = ..., training_pass_metrics: _Optional[_Iterable[_Union[TrainingPassMetrics, _Mapping]]] = ...) -> None: ...
+
+class TrainingPassMetrics(_message.Message):
+    __slots__ = ("base_model", "dtype", "passes", "batched_passes", "calls_batched", "calls_alone", "tokens_batched", "tokens_alone", "calls_per_batched_pass", "max_calls_per_pass")
+    BASE_MODEL_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    PASSES_FIELD_NUMBER: _ClassVar[int]
+    BATCHED_PASSES_FIELD_NUMBER: _ClassVar[int]
+    CALLS_BATCHED_FIELD_NUMBER: _ClassVar[int]
+    CALLS_ALONE_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_BATCHED_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_ALONE_FIELD_NUMBER: _ClassVar[int]
+    CALLS_PER_BATCHED_PASS_FIELD_NUMBER: _ClassVar[int]
+    MAX_CALLS_PER_PASS_FIELD_NUMBER: _ClassVar[int]
+    base_model: str
+    dtype: str
+    passes: int
+    batched_passes: int
+    calls_batched: int
+    calls_alone: int
+    tokens_batched: int
+    tokens_alone: int
+    calls_per_batched_pass: float
+    max_calls_per_pass: int
+    def __init__(self, base_model: _Optional[str] = ..., dtype: _Optional[str] = ..., passes: _Optional[int] = ..., batched_passes: _Optional[int] = ..., calls_batched: _Optional[int] = ..., calls_alone: _Optional[int] = ..., tokens_batched: _Optional[int] = ..., tokens_alone: _Optional[int] = ..., calls_per_batched_pass: _Optional[float] = ..., max_calls_per_pass: _Optional[int] = ...) -> None: ...
 
 class SamplerMetrics(_message.Message):
     __slots__ = ("base_model", "dtype", "tokens_per_s", "occupancy", "running_rows", "num_slots", "queued_requests", "prefilling_requests", "tokens_generated", "prompt_tokens", "prefix_reused_tokens")

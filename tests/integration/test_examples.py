@@ -23,3 +23,25 @@ def test_async_grpo_example_runs(
     rows = [ln.split() for ln in capsys.readouterr().out.splitlines() if ln[:4].strip().isdigit()]
     assert [int(r[0]) for r in rows] == [1, 2, 3]  # step, version, reward, tokens, ...
     assert all(0.0 <= float(r[2]) <= 1.0 for r in rows)
+
+
+def test_sweep_example_runs(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    monkeypatch.delenv("TREADLE_ADDRESS", raising=False)  # its own embedded servers
+    spec = importlib.util.spec_from_file_location("sweep", EXAMPLES / "sweep.py")
+    assert spec is not None and spec.loader is not None
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    # its warm-up, export, servers and sweep as written, smaller
+    example.LRS, example.STEPS, example.GROUPS_PER_STEP = (1e-3, 1e-2), 2, 4
+    example.WARMUP_MAX_STEPS = 10
+    example.OUT = tmp_path / "sweep.png"
+    example.main()
+    out = capsys.readouterr().out
+    rows = [ln.split() for ln in out.splitlines() if ln[:4].strip().isdigit()]
+    assert [int(r[0]) for r in rows] == [1, 2]  # step, then each run's reward
+    assert all(len(r) == 3 and all(0.0 <= float(x) <= 1.0 for x in r[1:]) for r in rows)
+    assert "lr=0.001: reward" in out and "lr=0.01: reward" in out
+    assert "training passes on demo-warm:" in out
+    assert example.OUT.stat().st_size > 0

@@ -181,6 +181,7 @@ def test_a_tenants_models_take_turns() -> None:
         sim.send("a/m1")
         sim.send("a/m2")
         sim.send("b/m")
+        sim.send("b/m")  # b stays backlogged while a's two models run one call each a round
     firsts = []
     tokens = Counter[str]()
     for _ in range(8):
@@ -191,6 +192,77 @@ def test_a_tenants_models_take_turns() -> None:
                 tokens[tenant_of(call)] += call.cost
     assert set(firsts) == {"a/m1", "a/m2"}  # neither of a's models starves the other
     assert tokens["a"] == tokens["b"]  # two models do not buy a tenant a bigger share
+
+
+def test_a_tenants_ready_models_run_in_one_round() -> None:
+    """A sweep: one tenant's 8 models each have a call ready; one round hands out
+    all 8 (one batched pass), each unit up to its model's barrier."""
+    sim = Sim()
+    for i in range(8):
+        sim.model(f"sweep/m{i}", "sweep")
+        sim.send(f"sweep/m{i}", cost=100)
+        sim.send(f"sweep/m{i}", cost=0, kind="optim_step")
+        sim.send(f"sweep/m{i}", cost=100)  # after the barrier: the next round
+    units = sim.round()
+    assert sorted(u.model_id for u in units) == [f"sweep/m{i}" for i in range(8)]
+    assert all([c.kind for c in u.calls] == ["forward_backward", "optim_step"] for u in units)
+    assert len(sim.round()) == 8
+
+
+def test_a_tenant_with_many_models_gets_one_tenants_share() -> None:
+    """8 models do not buy a tenant 8 tenants' share: while everyone is backlogged
+    the tokens are shared evenly between tenants (Jain), and the sweep's share
+    is spent one call per model per round, not one call per round."""
+    sim = Sim()
+    for i in range(8):
+        sim.model(f"sweep/m{i}", "sweep")
+    for t in ("l1", "l2", "l3"):
+        sim.model(f"{t}/m", t)
+    for _ in range(30):
+        for i in range(8):
+            sim.send(f"sweep/m{i}")
+    for _ in range(200):
+        for t in ("l1", "l2", "l3"):
+            sim.send(f"{t}/m")
+    tokens = Counter[str]()
+    rounds = 0
+    while True:
+        units = sim.round()
+        rounds += 1
+        per_tenant = Counter(tenant_of(c) for u in units for c in u.calls)
+        if rounds > 1:  # the first round is the new tenants' (all of them are new)
+            assert per_tenant["sweep"] == 8, per_tenant  # one call of each of its models
+        tokens.update({t: n * 100 for t, n in per_tenant.items()})
+        if tokens["sweep"] >= 100 * 8 * 20:
+            break
+    assert jain([float(tokens[t]) for t in ("sweep", "l1", "l2", "l3")]) >= 0.99
+    assert rounds <= 21
+
+
+def test_a_quantum_cap_bounds_a_sweeps_round() -> None:
+    """``max_quantum_tokens`` trades batching for a light tenant's wait: a sweep's
+    round holds as many calls as the cap pays for (never fewer than one)."""
+    for cap, per_round in ((1, 1), (300, 3), (0, 8)):
+        sim = Sim(max_quantum_tokens=cap)
+        for i in range(8):
+            sim.model(f"sweep/m{i}", "sweep")
+            for _ in range(3):
+                sim.send(f"sweep/m{i}", cost=100)
+        assert len(sim.round()) == per_round, cap
+        assert len(sim.round()) == per_round, cap
+
+
+def test_a_light_tenant_still_jumps_a_sweeps_backlog() -> None:
+    sim = Sim()
+    for i in range(8):
+        sim.model(f"sweep/m{i}", "sweep")
+        for _ in range(10):
+            sim.send(f"sweep/m{i}")
+    sim.model("light/m", "light")
+    sim.round()
+    sim.round()
+    sim.send("light/m")
+    assert [u.model_id for u in sim.round()] == ["light/m"]  # a round of its own
 
 
 def test_order_within_a_model_is_kept_and_each_call_runs_once() -> None:

@@ -348,7 +348,8 @@ class LoraRows:
 
     def _equal_segments(self, ids: list[int]) -> list[int] | None:
         """Adapter ids of equal, contiguous row segments covering every row, if
-        the rows split so (every adapter of one rank, no base-only row)."""
+        the rows split so (no base-only row; ranks may differ, ``_apply_segments``
+        pads the smaller ones)."""
         runs: list[int] = []
         for b, i in enumerate(ids):
             if b == 0 or i != ids[b - 1]:
@@ -359,8 +360,6 @@ class LoraRows:
         size = len(ids) // n
         if any(ids[k * size] != runs[k] for k in range(n)):
             return None  # runs of unequal length
-        if len({self.adapters[i].rank for i in runs}) != 1:
-            return None
         return runs
 
     def apply(self, layer: int, target: str, x_B_T_I: Tensor, y_B_T_O: Tensor) -> Tensor:
@@ -387,8 +386,12 @@ class LoraRows:
         assert self.segments is not None
         adapters = [self.adapters[i] for i in self.segments]
         n, out_dim = len(adapters), y_B_T_O.shape[-1]
-        a_N_R_I = torch.stack([a.a[layer][target] for a in adapters])
-        b_N_O_R = torch.stack([a.b[layer][target] for a in adapters])
+        # Mixed ranks (a sweep of ranks 8 and 16): the smaller are padded with zero
+        # rows of A and zero columns of B, which add exactly nothing to their rows
+        # and cost far less than the dense form's every-row-times-every-adapter.
+        rank = max(a.a[layer][target].shape[0] for a in adapters)
+        a_N_R_I = torch.stack([_pad_rank(a.a[layer][target], rank, 0) for a in adapters])
+        b_N_O_R = torch.stack([_pad_rank(a.b[layer][target], rank, 1) for a in adapters])
         scales = [a.scale for a in adapters]
         scale: float | Tensor = scales[0]
         if len(set(scales)) > 1:
@@ -429,3 +432,11 @@ class LoraRows:
             mask = mask.to(dtype=like.dtype, device=like.device)
             self._masks[present] = mask
         return mask
+
+
+def _pad_rank(t: Tensor, rank: int, dim: int) -> Tensor:
+    """``t`` with zeros appended along its rank dimension ``dim`` up to ``rank``."""
+    missing = rank - t.shape[dim]
+    if not missing:
+        return t
+    return F.pad(t, (0, missing) if dim == 1 else (0, 0, 0, missing))
