@@ -32,6 +32,8 @@ LEAKS = {
     "an issue number": r"\bissue \d+|\bthe issue's\b",
     "the project's seed document": r"\bthe seed's\b|\bseed \"",
 }
+
+
 @pytest.mark.parametrize("path", USER_FACING, ids=lambda p: str(p.relative_to(ROOT)))
 def test_no_internal_references(path: Path) -> None:
     text = path.read_text()

@@ -66,6 +66,39 @@ export interface ServerInfo {
    * engines this server reaches directly; empty when none has run yet.
    */
   samplerMetrics: SamplerMetrics[];
+  /**
+   * How the training passes (forward_backward / forward_logprobs) of the
+   * engines this server reaches directly were shared: one per base model and
+   * dtype; empty when none has run yet.
+   */
+  trainingPassMetrics: TrainingPassMetrics[];
+}
+
+/**
+ * Whether calls of different models (a sweep's runs, several tenants) shared
+ * the base model's passes, since the engine started.
+ */
+export interface TrainingPassMetrics {
+  /** the base model the passes ran on */
+  baseModel: string;
+  /** its compute dtype */
+  dtype: string;
+  /** forward passes run (a batched pass counts once) */
+  passes: number;
+  /** passes that held two or more calls */
+  batchedPasses: number;
+  /** calls that ran in a batched pass */
+  callsBatched: number;
+  /** calls that ran in a pass of their own */
+  callsAlone: number;
+  /** tokens of the calls that ran in a batched pass */
+  tokensBatched: number;
+  /** tokens of the calls that ran alone */
+  tokensAlone: number;
+  /** calls_batched / batched_passes (0 when none) */
+  callsPerBatchedPass: number;
+  /** the most calls one pass held */
+  maxCallsPerPass: number;
 }
 
 /** A sampler's progress: what it generates now, how full its batch is, what waits. */
@@ -282,6 +315,7 @@ function createBaseServerInfo(): ServerInfo {
     maxTokensPerRequest: 0,
     features: [],
     samplerMetrics: [],
+    trainingPassMetrics: [],
   };
 }
 
@@ -307,6 +341,9 @@ export const ServerInfo: MessageFns<ServerInfo> = {
     }
     for (const v of message.samplerMetrics) {
       SamplerMetrics.encode(v!, writer.uint32(58).fork()).join();
+    }
+    for (const v of message.trainingPassMetrics) {
+      TrainingPassMetrics.encode(v!, writer.uint32(66).fork()).join();
     }
     return writer;
   },
@@ -380,6 +417,14 @@ export const ServerInfo: MessageFns<ServerInfo> = {
             message.samplerMetrics.push(SamplerMetrics.decode(reader, reader.uint32()));
             continue;
           }
+          case 8: {
+            if (tag !== 66) {
+              break;
+            }
+
+            message.trainingPassMetrics.push(TrainingPassMetrics.decode(reader, reader.uint32()));
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -404,6 +449,181 @@ export const ServerInfo: MessageFns<ServerInfo> = {
     message.maxTokensPerRequest = object.maxTokensPerRequest ?? 0;
     message.features = object.features?.map((e) => e) || [];
     message.samplerMetrics = object.samplerMetrics?.map((e) => SamplerMetrics.fromPartial(e)) || [];
+    message.trainingPassMetrics = object.trainingPassMetrics?.map((e) => TrainingPassMetrics.fromPartial(e)) || [];
+    return message;
+  },
+};
+
+function createBaseTrainingPassMetrics(): TrainingPassMetrics {
+  return {
+    baseModel: "",
+    dtype: "",
+    passes: 0,
+    batchedPasses: 0,
+    callsBatched: 0,
+    callsAlone: 0,
+    tokensBatched: 0,
+    tokensAlone: 0,
+    callsPerBatchedPass: 0,
+    maxCallsPerPass: 0,
+  };
+}
+
+export const TrainingPassMetrics: MessageFns<TrainingPassMetrics> = {
+  encode(message: TrainingPassMetrics, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
+    if (message.baseModel !== "") {
+      writer.uint32(10).string(message.baseModel);
+    }
+    if (message.dtype !== "") {
+      writer.uint32(18).string(message.dtype);
+    }
+    if (message.passes !== 0) {
+      writer.uint32(24).int64(message.passes);
+    }
+    if (message.batchedPasses !== 0) {
+      writer.uint32(32).int64(message.batchedPasses);
+    }
+    if (message.callsBatched !== 0) {
+      writer.uint32(40).int64(message.callsBatched);
+    }
+    if (message.callsAlone !== 0) {
+      writer.uint32(48).int64(message.callsAlone);
+    }
+    if (message.tokensBatched !== 0) {
+      writer.uint32(56).int64(message.tokensBatched);
+    }
+    if (message.tokensAlone !== 0) {
+      writer.uint32(64).int64(message.tokensAlone);
+    }
+    if (message.callsPerBatchedPass !== 0) {
+      writer.uint32(73).double(message.callsPerBatchedPass);
+    }
+    if (message.maxCallsPerPass !== 0) {
+      writer.uint32(80).int64(message.maxCallsPerPass);
+    }
+    return writer;
+  },
+
+  decode(input: BinaryReader | Uint8Array, length?: number): TrainingPassMetrics {
+    const reader = input instanceof BinaryReader ? input : new BinaryReader(input);
+    const previousRecursionDepth = (reader as any).__tsProtoDecodeDepth ?? 0;
+    if (previousRecursionDepth >= 100) {
+      throw new globalThis.Error("protobuf decode recursion limit exceeded");
+    }
+    (reader as any).__tsProtoDecodeDepth = previousRecursionDepth + 1;
+    try {
+      const end = length === undefined ? reader.len : reader.pos + length;
+      const message = createBaseTrainingPassMetrics();
+      while (reader.pos < end) {
+        const tag = reader.uint32();
+        switch (tag >>> 3) {
+          case 1: {
+            if (tag !== 10) {
+              break;
+            }
+
+            message.baseModel = reader.string();
+            continue;
+          }
+          case 2: {
+            if (tag !== 18) {
+              break;
+            }
+
+            message.dtype = reader.string();
+            continue;
+          }
+          case 3: {
+            if (tag !== 24) {
+              break;
+            }
+
+            message.passes = longToNumber(reader.int64());
+            continue;
+          }
+          case 4: {
+            if (tag !== 32) {
+              break;
+            }
+
+            message.batchedPasses = longToNumber(reader.int64());
+            continue;
+          }
+          case 5: {
+            if (tag !== 40) {
+              break;
+            }
+
+            message.callsBatched = longToNumber(reader.int64());
+            continue;
+          }
+          case 6: {
+            if (tag !== 48) {
+              break;
+            }
+
+            message.callsAlone = longToNumber(reader.int64());
+            continue;
+          }
+          case 7: {
+            if (tag !== 56) {
+              break;
+            }
+
+            message.tokensBatched = longToNumber(reader.int64());
+            continue;
+          }
+          case 8: {
+            if (tag !== 64) {
+              break;
+            }
+
+            message.tokensAlone = longToNumber(reader.int64());
+            continue;
+          }
+          case 9: {
+            if (tag !== 73) {
+              break;
+            }
+
+            message.callsPerBatchedPass = reader.double();
+            continue;
+          }
+          case 10: {
+            if (tag !== 80) {
+              break;
+            }
+
+            message.maxCallsPerPass = longToNumber(reader.int64());
+            continue;
+          }
+        }
+        if ((tag & 7) === 4 || tag === 0) {
+          break;
+        }
+        reader.skip(tag & 7);
+      }
+      return message;
+    } finally {
+      (reader as any).__tsProtoDecodeDepth = previousRecursionDepth;
+    }
+  },
+
+  create<I extends Exact<DeepPartial<TrainingPassMetrics>, I>>(base?: I): TrainingPassMetrics {
+    return TrainingPassMetrics.fromPartial(base ?? ({} as any));
+  },
+  fromPartial<I extends Exact<DeepPartial<TrainingPassMetrics>, I>>(object: I): TrainingPassMetrics {
+    const message = createBaseTrainingPassMetrics();
+    message.baseModel = object.baseModel ?? "";
+    message.dtype = object.dtype ?? "";
+    message.passes = object.passes ?? 0;
+    message.batchedPasses = object.batchedPasses ?? 0;
+    message.callsBatched = object.callsBatched ?? 0;
+    message.callsAlone = object.callsAlone ?? 0;
+    message.tokensBatched = object.tokensBatched ?? 0;
+    message.tokensAlone = object.tokensAlone ?? 0;
+    message.callsPerBatchedPass = object.callsPerBatchedPass ?? 0;
+    message.maxCallsPerPass = object.maxCallsPerPass ?? 0;
     return message;
   },
 };
