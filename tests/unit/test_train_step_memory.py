@@ -122,3 +122,26 @@ def test_a_batch_over_the_memory_limit_is_refused_before_it_starts(base64: BaseM
     for n, g in _grads(model).items():
         assert torch.equal(g, grads[n])
     trainer.forward_backward(model, small)  # what fits still runs
+
+
+def test_the_flags_reach_the_engine_config(tmp_path: Path) -> None:
+    import argparse
+    import dataclasses
+
+    from treadle.errors import InvalidArgumentError
+    from treadle.server.config import ServerConfig
+    from treadle.workers.engine_flags import add_engine_flags, engine_config, engine_settings
+    from treadle.workers.worker_config import WorkerConfig
+
+    parser = argparse.ArgumentParser()
+    add_engine_flags(parser)
+    args = ["--activation-checkpointing", "--train-memory-limit-bytes", "12345"]
+    settings = engine_settings(parser.parse_args(args))
+    made = engine_config(ServerConfig(data_dir=tmp_path, **settings), {}, None)
+    assert (made.activation_checkpointing, made.train_memory_limit_bytes) == (True, 12345)
+    worker_fields = {f.name for f in dataclasses.fields(WorkerConfig)}
+    assert {"activation_checkpointing", "train_memory_limit_bytes"} <= worker_fields
+    off = engine_settings(parser.parse_args([]))
+    assert (off["activation_checkpointing"], off["train_memory_limit_bytes"]) == (False, 0)
+    with pytest.raises(InvalidArgumentError, match="train_memory_limit_bytes: out of range"):
+        ServerConfig(data_dir=tmp_path, train_memory_limit_bytes=-1)
