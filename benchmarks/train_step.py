@@ -344,6 +344,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
+    torch.set_num_threads(args.threads)  # the matmul rate at the rows' thread budget
     gflops = matmul_gflops()
     rows, records = [], []
     for preset in args.presets.split(","):
