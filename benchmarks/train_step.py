@@ -11,6 +11,7 @@ For each preset (5m, 110m), mode (LoRA rank 16, full fine-tune) and shape
   hyper-parameters, ``zero_grad(set_to_none=True)``;
 * engine: ``treadle.workers.trainer.forward_backward`` + ``TrainingModel.optim_step``
   on the caller's thread, the code the engine runs for those calls;
+* engine-ckpt (only with ``--paths``): the engine with activation checkpointing;
 * sdk: an embedded server (its own process) driven through ``treadle.ServiceClient``
   from this process; a step submits both calls and waits for the step's result.
 
@@ -38,6 +39,7 @@ gradient accumulation, optimizer, metrics).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import resource
 import statistics
@@ -134,14 +136,15 @@ def torch_step(path: Path, mode: str, n: int, length: int) -> Callable[[], None]
     return step
 
 
-def engine_model(path: Path, mode: str):  # type: ignore[no-untyped-def]
+def engine_model(path: Path, mode: str, checkpointing: bool = False):  # type: ignore[no-untyped-def]
     from treadle.workers.base_models import BaseModelRegistry
     from treadle.workers.domain import ModelSpec
     from treadle.workers.trainer import TrainingModel
 
     base = BaseModelRegistry({"bench": path}).get("bench", torch.float32)
     rank = RANK if mode == "lora" else 0
-    return TrainingModel(ModelSpec("m", "t", "bench", rank, float(rank), 0, "float32"), base)
+    spec = ModelSpec("m", "t", "bench", rank, float(rank), 0, "float32")
+    return TrainingModel(spec, base, checkpoint_activations=checkpointing)
 
 
 def engine_op(model, n: int, length: int):  # type: ignore[no-untyped-def]
@@ -154,11 +157,13 @@ def engine_op(model, n: int, length: int):  # type: ignore[no-untyped-def]
     return ForwardBackwardOp(data=data, loss_fn="cross_entropy", loss_config={})
 
 
-def engine_step(path: Path, mode: str, n: int, length: int) -> Callable[[], None]:
+def engine_step(
+    path: Path, mode: str, n: int, length: int, checkpointing: bool = False
+) -> Callable[[], None]:
     from treadle.workers.domain import AdamConfig
     from treadle.workers.trainer import forward_backward
 
-    model = engine_model(path, mode)
+    model = engine_model(path, mode, checkpointing)
     op = engine_op(model, n, length)
 
     def step() -> None:
@@ -171,7 +176,11 @@ def engine_step(path: Path, mode: str, n: int, length: int) -> Callable[[], None
 def run_row(spec: dict) -> None:
     """A child process: build one row's step, time it, print one JSON line."""
     torch.set_num_threads(spec["threads"])
-    make = {"torch": torch_step, "engine": engine_step}[spec["path"]]
+    make = {
+        "torch": torch_step,
+        "engine": engine_step,
+        "engine-ckpt": functools.partial(engine_step, checkpointing=True),
+    }[spec["path"]]
     step = make(Path(spec["dir"]), spec["mode"], spec["n"], spec["length"])
     times = _timed(step, spec["steps"])
     print(json.dumps({"times": times, "peak_mb": _peak_mb()}), flush=True)
