@@ -45,6 +45,9 @@ class AdamW:
     def __init__(self, params: Mapping[str, torch.Tensor]) -> None:
         self.params = dict(params)
         self.step_count = 0
+        #: the weights may differ from those given: a step was applied or a state loaded
+        #: (``TrainingModel.snapshot`` shares the base weights until then)
+        self.weights_moved = False
         self.exp_avg = {n: torch.zeros_like(p) for n, p in self.params.items()}
         self.exp_avg_sq = {n: torch.zeros_like(p) for n, p in self.params.items()}
 
@@ -66,6 +69,7 @@ class AdamW:
             if scale != 1.0:
                 torch._foreach_mul_(grads, scale)  # the accumulated gradients are consumed
         self.step_count += 1
+        self.weights_moved = True
         update_sq = 0.0
         for idx in _chunks([self.params[n] for n in names]):
             ps = [self.params[names[i]].detach() for i in idx]
@@ -115,6 +119,7 @@ class AdamW:
             self.exp_avg[name] = tensors[f"exp_avg.{name}"].to(dtype=p.dtype).clone()
             self.exp_avg_sq[name] = tensors[f"exp_avg_sq.{name}"].to(dtype=p.dtype).clone()
         self.step_count = step_count
+        self.weights_moved = True  # checkpoint.load_state replaces the weights with it
 
 
 def _global_norm(tensors: list[torch.Tensor]) -> float:

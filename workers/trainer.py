@@ -101,6 +101,10 @@ class TrainingModel:
             return WeightSnapshot(
                 self.spec.model_id, self.version, self.params, self.adapter.clone()
             )
+        if copy is None and not self.optimizer.weights_moved:
+            # still the base weights (no step, no loaded state): share them, as a base
+            # sampler does, instead of a whole copy of the model
+            return WeightSnapshot(self.spec.model_id, self.version, self.base.params, None)
         if copy is None:
             params = self.params.map(lambda t: t.detach().clone())
         else:

@@ -145,3 +145,21 @@ def test_the_flags_reach_the_engine_config(tmp_path: Path) -> None:
     assert (off["activation_checkpointing"], off["train_memory_limit_bytes"]) == (False, 0)
     with pytest.raises(InvalidArgumentError, match="train_memory_limit_bytes: out of range"):
         ServerConfig(data_dir=tmp_path, train_memory_limit_bytes=-1)
+
+
+def test_version_zero_of_a_full_fine_tune_shares_the_base_weights(base64: BaseModel) -> None:
+    """Publishing the untrained model (the engine does at creation) costs no copy;
+    after a step the version is a copy of the trained weights, not the base."""
+    from treadle.workers.domain import AdamConfig
+
+    model = _full(base64)
+    v0 = model.snapshot()
+    assert v0.params.embed_tokens.data_ptr() == base64.params.embed_tokens.data_ptr()
+    trainer.forward_backward(model, _op(2, 6))
+    model.optim_step(AdamConfig(learning_rate=1e-2))
+    v1 = model.snapshot()
+    assert v1.version == 1
+    for (n, t), (_, w) in zip(v1.params.named_tensors(), model.params.named_tensors(), strict=True):
+        assert t.data_ptr() != w.data_ptr(), n  # a copy, not the live weights
+        assert torch.equal(t, w.detach()), n
+    assert not torch.equal(v1.params.embed_tokens, base64.params.embed_tokens)
