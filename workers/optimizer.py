@@ -23,6 +23,7 @@ import math
 from collections.abc import Mapping
 
 import torch
+from torch.autograd.graph import increment_version
 
 from treadle.workers.domain import AdamConfig
 
@@ -90,6 +91,9 @@ class AdamW:
                 amsgrad=False,
                 maximize=False,
             )
+            # the fused kernel does not bump the tensors' version counters as in-place
+            # ops do; caches keyed on them (``model.prepack``) must see the change
+            increment_version(ps)
             update_sq += sum(float(torch.dist(p, b)) ** 2 for p, b in zip(ps, before, strict=True))
             del before
         self.zero_grad()

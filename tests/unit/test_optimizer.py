@@ -253,3 +253,12 @@ def test_fused_update_matches_the_formula_step_for_step_across_chunks(
             np.testing.assert_allclose(opt.exp_avg[n].numpy(), hand.m[n], rtol=1e-12, atol=1e-15)
             np.testing.assert_allclose(opt.exp_avg_sq[n].numpy(), hand.v[n], rtol=1e-12, atol=1e-15)
             assert params[n].grad is None
+
+
+def test_a_step_bumps_the_weights_version_counters() -> None:
+    """Caches keyed on ``tensor._version`` (the sampler's packed weights) see the update,
+    as they did when the update was an in-place ``add_``."""
+    params = _params()
+    before = {n: p._version for n, p in params.items()}
+    _step(AdamW(params), _grads(1)[0], AdamConfig(learning_rate=1e-2))
+    assert all(p._version > before[n] for n, p in params.items())
