@@ -43,6 +43,10 @@ class ServerConfig:
     sampler_max_len: int = 1024
     max_message_bytes: int = MAX_MESSAGE_BYTES
     max_tokens_per_call: int = 262_144
+    #: recompute each layer in the backward (long sequences: less memory, ~1 more forward)
+    activation_checkpointing: bool = False
+    #: what one ForwardBackward may need (activations + new gradients); 0 = available memory
+    train_memory_limit_bytes: int = 0
     #: TLS on the gRPC port: PEM certificate chain and private key (both or neither)
     tls_cert: Path | None = None
     tls_key: Path | None = None

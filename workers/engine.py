@@ -100,6 +100,13 @@ class EngineConfig:
     #: another tenant): ``Scheduler.max_quantum_tokens``
     max_quantum_tokens: int = 0
     max_tokens_per_call: int = 262_144
+    #: training models recompute each layer in the backward instead of keeping its
+    #: activations (``forward_hidden(checkpoint_layers=True)``)
+    activation_checkpointing: bool = False
+    #: a ForwardBackward whose activations and new gradients would exceed this is
+    #: RESOURCE_EXHAUSTED before it starts (``workers.train_memory``); 0 = the
+    #: device's available memory at the call
+    train_memory_limit_bytes: int = 0
     #: torch threads of a forward_backward / forward_logprobs (or a batched pass):
     #: "measure" (one or all, whichever this machine runs faster for calls of that
     #: kind and size; ``workers.thread_choice``), "all" or "one"
@@ -414,7 +421,13 @@ class Engine:
         if spec.model_id in self.models:
             raise FailedPreconditionError(f"model {spec.model_id} already exists on this worker")
         base = self.bases.get(spec.base_model, parse_dtype(spec.dtype))
-        model = TrainingModel(spec, base, max_context=self._sampler_limits().context_of(base.cfg))
+        model = TrainingModel(
+            spec,
+            base,
+            max_context=self._sampler_limits().context_of(base.cfg),
+            checkpoint_activations=self.config.activation_checkpointing,
+            memory_limit_bytes=self.config.train_memory_limit_bytes,
+        )
         if from_state is not None:
             checkpoint.load_state(model, from_state)
             model.last_checkpoint_seq_id = next_seq_id - 1

@@ -40,6 +40,8 @@ ENGINE_FIELDS = (
     "max_tokens_per_call",
     "auto_checkpoint_steps",
     "max_quantum_tokens",
+    "activation_checkpointing",
+    "train_memory_limit_bytes",
 )
 
 
@@ -85,6 +87,20 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
         "--auto-checkpoint-steps", type=int, default=int(env("TREADLE_AUTO_CHECKPOINT_STEPS", "0"))
     )
     parser.add_argument(
+        "--activation-checkpointing",
+        action="store_true",
+        default=env("TREADLE_ACTIVATION_CHECKPOINTING", "") not in ("", "0"),
+        help="recompute each layer in the backward instead of keeping its activations: "
+        "long sequences in less memory, for about one more forward of time",
+    )
+    parser.add_argument(
+        "--train-memory-limit-bytes",
+        type=int,
+        default=int(env("TREADLE_TRAIN_MEMORY_LIMIT_BYTES", "0")),
+        help="refuse (RESOURCE_EXHAUSTED) a forward_backward whose activations and new "
+        "gradients would need more; 0 = the device's available memory",
+    )
+    parser.add_argument(
         "--sampler-slots", type=int, default=int(env("TREADLE_SAMPLER_SLOTS", "64"))
     )
     parser.add_argument(
@@ -115,6 +131,8 @@ def engine_settings(args: argparse.Namespace) -> dict[str, Any]:
         "sampler_slots": args.sampler_slots,
         "sampler_max_len": args.sampler_max_len,
         "max_quantum_tokens": args.max_quantum_tokens,
+        "activation_checkpointing": args.activation_checkpointing,
+        "train_memory_limit_bytes": args.train_memory_limit_bytes,
     }
 
 
@@ -140,6 +158,7 @@ def check_engine_settings(config: Any) -> None:
         ("max_tokens_per_call", config.max_tokens_per_call >= 1),
         ("auto_checkpoint_steps", config.auto_checkpoint_steps >= 0),
         ("max_quantum_tokens", config.max_quantum_tokens >= 0),
+        ("train_memory_limit_bytes", config.train_memory_limit_bytes >= 0),
     ):
         if not ok:
             raise InvalidArgumentError(f"{name}: out of range ({getattr(config, name)})")

@@ -15,8 +15,9 @@ import torch
 from torch import Tensor
 
 from treadle.errors import InvalidArgumentError
-from treadle.workers import losses
+from treadle.workers import losses, train_memory
 from treadle.workers.base_models import BaseModel
+from treadle.workers.chunked_logprobs import chunked_target_logprobs
 from treadle.workers.domain import (
     AdamConfig,
     DatumData,
@@ -26,10 +27,15 @@ from treadle.workers.domain import (
     ModelSpec,
     OptimStepResult,
 )
+from treadle.workers.model.config import ModelConfig
 from treadle.workers.model.llama import LlamaParams, forward_hidden, lm_logits, target_logprobs
-from treadle.workers.model.lora import LoraAdapter, targets_for
+from treadle.workers.model.lora import HEAD, UNEMBED_TARGET, LoraAdapter, targets_for
 from treadle.workers.optimizer import AdamW
 from treadle.workers.versions import ReferenceCache, WeightSnapshot
+
+#: float32 logits larger than this are computed in chunks of positions (a 110M
+#: model's 32k vocabulary: above 2,048 positions per call)
+LOGITS_CHUNK_BYTES = 256 * 2**20
 
 #: makes detached copies of named tensors, all at once (``TrainingModel.snapshot``)
 TensorsCopy = Callable[[dict[str, Tensor]], dict[str, Tensor]]
@@ -38,8 +44,21 @@ TensorsCopy = Callable[[dict[str, Tensor]], dict[str, Tensor]]
 class TrainingModel:
     """A tenant's model: a LoRA adapter on the shared frozen base, or a full copy."""
 
-    def __init__(self, spec: ModelSpec, base: BaseModel, *, max_context: int | None = None) -> None:
+    def __init__(
+        self,
+        spec: ModelSpec,
+        base: BaseModel,
+        *,
+        max_context: int | None = None,
+        checkpoint_activations: bool = False,
+        memory_limit_bytes: int = 0,
+    ) -> None:
         self.spec = spec
+        #: recompute each layer in the backward instead of keeping its activations
+        #: (long sequences: less memory for about one more forward of time)
+        self.checkpoint_activations = checkpoint_activations
+        #: what a ForwardBackward may need (``train_memory``); 0 = the device's available memory
+        self.memory_limit_bytes = memory_limit_bytes
         self.base = base
         self.cfg = base.cfg
         #: the longest datum a training call takes: the sampler's context on this base
@@ -89,6 +108,10 @@ class TrainingModel:
             return WeightSnapshot(
                 self.spec.model_id, self.version, self.params, self.adapter.clone()
             )
+        if copy is None and not self.optimizer.weights_moved:
+            # still the base weights (no step, no loaded state): share them, as a base
+            # sampler does, instead of a whole copy of the model
+            return WeightSnapshot(self.spec.model_id, self.version, self.base.params, None)
         if copy is None:
             params = self.params.map(lambda t: t.detach().clone())
         else:
@@ -234,9 +257,51 @@ def _logprobs(
         params, lora = model.base.params, None
     else:
         params, lora = model.params, model.adapter
-    hidden = forward_hidden(model.cfg, params, batch.tokens_B_T, lora=lora)
-    logits = lm_logits(model.cfg, params, hidden, lora=lora)
-    return logprobs_from_logits(logits, batch.targets_B_T, temperature, with_entropy=with_entropy)
+    checkpoint = model.checkpoint_activations and torch.is_grad_enabled()
+    hidden = forward_hidden(
+        model.cfg, params, batch.tokens_B_T, lora=lora, checkpoint_layers=checkpoint
+    )
+    return logprobs_of_hidden(
+        model.cfg,
+        params,
+        hidden,
+        batch.targets_B_T,
+        temperature,
+        with_entropy=with_entropy,
+        lora=lora,
+    )
+
+
+def _adapts_head(lora: LoraAdapter | None) -> bool:
+    return lora is not None and UNEMBED_TARGET in lora.a[HEAD]
+
+
+def logprobs_of_hidden(
+    cfg: ModelConfig,
+    params: LlamaParams,
+    hidden_B_T_H: Tensor,
+    targets_B_T: Tensor,
+    temperature: float,
+    *,
+    with_entropy: bool,
+    lora: LoraAdapter | None = None,
+) -> tuple[Tensor, Tensor | None]:
+    """Target logprobs (and entropy) of final hidden states: through whole logits, or
+    in chunks of positions when the logits would exceed ``LOGITS_CHUNK_BYTES``
+    (long sequences x large vocabulary; ``workers.chunked_logprobs``). An adapter
+    on the unembedding takes the whole-logits path (the chunked backward knows
+    only the head's own weight)."""
+    B, T, _ = hidden_B_T_H.shape
+    if not _adapts_head(lora) and B * T * cfg.vocab_size * 4 > LOGITS_CHUNK_BYTES:
+        return chunked_target_logprobs(
+            hidden_B_T_H,
+            params.lm_head_weight,
+            targets_B_T,
+            temperature,
+            with_entropy=with_entropy,
+        )
+    logits = lm_logits(cfg, params, hidden_B_T_H, lora=lora)
+    return logprobs_from_logits(logits, targets_B_T, temperature, with_entropy=with_entropy)
 
 
 def logprobs_from_logits(
@@ -281,11 +346,34 @@ def prepare_forward_backward(
     validate_data(op.data, model.cfg.vocab_size, model.max_context)
     keys = _common_input_keys(op.data)
     config = losses.validate_loss_request(op.loss_fn, keys, op.loss_config)
+    _check_memory(model, op.data)
     float_keys = [k for k in keys if k != "target_tokens"]
     batch = _make_batch(op.data, model.cfg.pad_token_id or 0, model.params.device)
     inputs = _flat_inputs(op.data, float_keys, _loss_dtype(model))
     need_ref = losses.needs_reference(op.loss_fn, config) and "ref_logprobs" not in inputs
     return PreparedForwardBackward(batch, inputs, config, need_ref)
+
+
+def _check_memory(model: TrainingModel, data: Sequence[DatumData]) -> None:
+    """RESOURCE_EXHAUSTED before any compute when the batch would not fit."""
+    rows, length = len(data), max(int(d.tokens.size) for d in data)
+    element = model.params.embed_tokens.element_size()
+    need = train_memory.activation_bytes(
+        model.cfg,
+        rows,
+        length,
+        element,
+        checkpointing=model.checkpoint_activations,
+        chunked_logits=not _adapts_head(model.adapter)
+        and rows * length * model.cfg.vocab_size * 4 > LOGITS_CHUNK_BYTES,
+    )
+    need += sum(p.numel() * p.element_size() for p in model.trainable.values())
+    train_memory.check_fits(
+        need,
+        model.memory_limit_bytes,
+        model.params.device,
+        checkpointing=model.checkpoint_activations,
+    )
 
 
 def set_reference(model: TrainingModel, prep: PreparedForwardBackward, ref_B_T: Tensor) -> None:

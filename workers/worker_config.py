@@ -39,6 +39,8 @@ class WorkerConfig:
     sampler_slots: int = 64
     sampler_max_len: int = 1024
     max_tokens_per_call: int = 262_144
+    activation_checkpointing: bool = False  # as ServerConfig's
+    train_memory_limit_bytes: int = 0  # as ServerConfig's
     auto_checkpoint_steps: int = 0
 
     def __post_init__(self) -> None:

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import Tensor
 
 from treadle.errors import InvalidArgumentError
@@ -379,6 +380,7 @@ def forward_hidden(
     lora: Lora | None = None,
     cache: KVCache | None = None,
     slots_B: Tensor | None = None,
+    checkpoint_layers: bool = False,
 ) -> Tensor:
     """Final-norm hidden states ``[B, T, H]`` of ``tokens_B_T``.
 
@@ -397,6 +399,11 @@ def forward_hidden(
 
     ``lora`` is one ``LoraAdapter`` for every row (the fast path) or a
     ``LoraRows`` mapping each row to its own adapter (or none).
+
+    ``checkpoint_layers`` (training long sequences): keep only each layer's
+    input for the backward and recompute the layer there (activation
+    checkpointing): about one more forward of time for a layer's worth of
+    activations instead of all of them.
     """
     B, T = tokens_B_T.shape
     if positions_B_T is None:
@@ -431,13 +438,31 @@ def forward_hidden(
             cache.flat_index(slots_B, positions_B_T),
         )
 
-    eps = cfg.rms_norm_eps
     for n, layer in enumerate(params.layers):
-        h_B_T_H = rms_norm(x_B_T_H, layer.input_layernorm, eps)
-        x_B_T_H = x_B_T_H + _attention(cfg, layer, n, h_B_T_H, cos, sin, lora, step)
-        h_B_T_H = rms_norm(x_B_T_H, layer.post_attention_layernorm, eps)
-        x_B_T_H = x_B_T_H + _mlp(layer, n, h_B_T_H, lora)
-    return rms_norm(x_B_T_H, params.norm, eps)
+        if checkpoint_layers:
+            x_B_T_H = torch.utils.checkpoint.checkpoint(
+                _layer, cfg, layer, n, x_B_T_H, cos, sin, lora, step, use_reentrant=False
+            )
+        else:
+            x_B_T_H = _layer(cfg, layer, n, x_B_T_H, cos, sin, lora, step)
+    return rms_norm(x_B_T_H, params.norm, cfg.rms_norm_eps)
+
+
+def _layer(
+    cfg: ModelConfig,
+    layer: LayerParams,
+    n: int,
+    x_B_T_H: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    lora: Lora | None,
+    step: _CacheStep | None,
+) -> Tensor:
+    eps = cfg.rms_norm_eps
+    h_B_T_H = rms_norm(x_B_T_H, layer.input_layernorm, eps)
+    x_B_T_H = x_B_T_H + _attention(cfg, layer, n, h_B_T_H, cos, sin, lora, step)
+    h_B_T_H = rms_norm(x_B_T_H, layer.post_attention_layernorm, eps)
+    return x_B_T_H + _mlp(layer, n, h_B_T_H, lora)
 
 
 def _slot_span(slots_B: Tensor) -> Tensor | slice:

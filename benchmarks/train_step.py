@@ -1,0 +1,415 @@
+"""One training step (``forward_backward`` cross-entropy + ``optim_step`` AdamW)
+three ways, in one run: through the SDK, in the engine's own trainer in-process,
+and in plain torch (a transformers model + ``torch.optim.AdamW``; PEFT for LoRA).
+
+For each preset (5m, 110m), mode (LoRA rank 16, full fine-tune) and shape
+(short: 8 x 128 tokens, long: 4 x 1,024 tokens), three rows:
+
+* torch: ``LlamaForCausalLM`` (PEFT ``LoraConfig(r=16, alpha=16)`` on the same
+  seven projections for LoRA), the same summed weighted token loss,
+  ``loss.backward()``, ``torch.optim.AdamW`` with treadle's default
+  hyper-parameters, ``zero_grad(set_to_none=True)``;
+* engine: ``treadle.workers.trainer.forward_backward`` + ``TrainingModel.optim_step``
+  on the caller's thread, the code the engine runs for those calls;
+* engine-ckpt (only with ``--paths``): the engine with activation checkpointing;
+* sdk: an embedded server (its own process) driven through ``treadle.ServiceClient``
+  from this process; a step submits both calls and waits for the step's result.
+
+Each row runs in a fresh process (``--threads`` torch threads), so its peak
+memory is that process's peak RSS (``ru_maxrss``; for sdk, the server's
+process, which also holds the SQLite op log and gRPC). Times are medians of
+``--steps`` steps after two warm-up steps; tokens/s counts every token of the
+batch; "6N" is the fraction of ``6 x params x tokens/s`` in this machine's
+matmul rate measured in the same run (LoRA does ~4N of real work: no weight
+gradients of the base). Rows of one configuration run back to back, so compare
+ratios within a run; a shared machine is noisy.
+
+Needs PEFT for the LoRA baseline (a benchmark-only dependency)::
+
+    pip install peft
+    python benchmarks/train_step.py                                   # the full table
+    python benchmarks/train_step.py --presets 5m --shapes short --steps 3   # quick
+    python benchmarks/train_step.py --presets 110m --modes full --profile
+
+``--profile`` also prints, per configuration, where the engine's step time
+goes (torch.profiler over the in-process step: forward, loss, backward,
+gradient accumulation, optimizer, metrics).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import _common  # noqa: E402  (sets the thread budget before torch loads)
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+THREADS, matmul_gflops, model_dir, table = (
+    _common.THREADS,
+    _common.matmul_gflops,
+    _common.model_dir,
+    _common.table,
+)
+
+SHAPES = {"short": (8, 128), "long": (4, 1024)}
+MODES = ("lora", "full")
+RANK = 16
+WARMUP = 2
+
+
+def _batch(n: int, length: int, vocab: int, seed: int = 0) -> list[tuple[np.ndarray, np.ndarray]]:
+    """``n`` random sequences: (tokens, next-token targets) of ``length`` each."""
+    rng = np.random.default_rng(seed)
+    seqs = [rng.integers(3, vocab, size=length + 1) for _ in range(n)]
+    return [(s[:-1], s[1:]) for s in seqs]
+
+
+def _weights(n: int, length: int) -> np.ndarray:
+    return np.full(length, 1.0 / (n * length), dtype=np.float32)  # the token mean
+
+
+def _peak_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _timed(step: Callable[[], None], steps: int) -> list[float]:
+    for _ in range(WARMUP):
+        step()
+    out = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        step()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+# ---- the rows (each in its own process) ---------------------------------------------
+
+
+def torch_step(path: Path, mode: str, n: int, length: int) -> Callable[[], None]:
+    import transformers
+
+    from treadle.workers.domain import AdamConfig
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    if mode == "lora":
+        import peft
+
+        from treadle.workers.model.lora import TARGETS
+
+        cfg = peft.LoraConfig(
+            r=RANK, lora_alpha=RANK, lora_dropout=0.0, target_modules=list(TARGETS)
+        )
+        model = peft.get_peft_model(model, cfg)
+    model.train()
+    adam = AdamConfig()
+    opt = torch.optim.AdamW(
+        [p for p in model.parameters() if p.requires_grad],
+        lr=adam.learning_rate,
+        betas=(adam.beta1, adam.beta2),
+        eps=adam.eps,
+        weight_decay=adam.weight_decay,
+    )
+    data = _batch(n, length, model.config.vocab_size)
+    tokens = torch.from_numpy(np.stack([d[0] for d in data]))
+    targets = torch.from_numpy(np.stack([d[1] for d in data]))
+    weights = torch.from_numpy(np.stack([_weights(n, length)] * n))
+
+    def step() -> None:
+        logits = model(input_ids=tokens).logits
+        nll = torch.nn.functional.cross_entropy(
+            logits.flatten(0, 1), targets.flatten(), reduction="none"
+        )
+        (nll * weights.flatten()).sum().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step
+
+
+def engine_model(path: Path, mode: str, checkpointing: bool = False):  # type: ignore[no-untyped-def]
+    from treadle.workers.base_models import BaseModelRegistry
+    from treadle.workers.domain import ModelSpec
+    from treadle.workers.trainer import TrainingModel
+
+    base = BaseModelRegistry({"bench": path}).get("bench", torch.float32)
+    rank = RANK if mode == "lora" else 0
+    spec = ModelSpec("m", "t", "bench", rank, float(rank), 0, "float32")
+    return TrainingModel(spec, base, checkpoint_activations=checkpointing)
+
+
+def engine_op(model, n: int, length: int):  # type: ignore[no-untyped-def]
+    from treadle.workers.domain import DatumData, ForwardBackwardOp
+
+    data = tuple(
+        DatumData(tok.astype(np.int64), {"target_tokens": tgt, "weights": _weights(n, length)})
+        for tok, tgt in _batch(n, length, model.cfg.vocab_size)
+    )
+    return ForwardBackwardOp(data=data, loss_fn="cross_entropy", loss_config={})
+
+
+def engine_step(
+    path: Path, mode: str, n: int, length: int, checkpointing: bool = False
+) -> Callable[[], None]:
+    from treadle.workers.domain import AdamConfig
+    from treadle.workers.trainer import forward_backward
+
+    model = engine_model(path, mode, checkpointing)
+    op = engine_op(model, n, length)
+
+    def step() -> None:
+        forward_backward(model, op)
+        model.optim_step(AdamConfig())
+
+    return step
+
+
+def run_row(spec: dict) -> None:
+    """A child process: build one row's step, time it, print one JSON line."""
+    torch.set_num_threads(spec["threads"])
+    make = {
+        "torch": torch_step,
+        "engine": engine_step,
+        "engine-ckpt": functools.partial(engine_step, checkpointing=True),
+    }[spec["path"]]
+    step = make(Path(spec["dir"]), spec["mode"], spec["n"], spec["length"])
+    times = _timed(step, spec["steps"])
+    print(json.dumps({"times": times, "peak_mb": _peak_mb()}), flush=True)
+    if spec.get("profile"):
+        profile_engine(Path(spec["dir"]), spec["mode"], spec["n"], spec["length"])
+
+
+def serve(spec: dict) -> None:
+    """A child process: an embedded server; prints its address, then its peak RSS
+    when the parent writes a line."""
+    import tempfile
+
+    from treadle.server.config import ServerConfig
+    from treadle.server.embedded import EmbeddedServer
+
+    tmp = Path(tempfile.mkdtemp(prefix="treadle-train-step-"))
+    cfg = ServerConfig(
+        data_dir=tmp,
+        models={"bench": Path(spec["dir"])},
+        port=0,
+        threads=spec["threads"],
+        training_threads="all",  # the same thread count as the other rows, never "measure"d
+    )
+    with EmbeddedServer(cfg) as server:
+        print(json.dumps({"address": server.address, "api_key": server.api_key}), flush=True)
+        sys.stdin.readline()
+        print(json.dumps({"peak_mb": _peak_mb()}), flush=True)
+
+
+def sdk_row(spec: dict) -> dict:
+    import treadle
+
+    proc = subprocess.Popen(
+        [sys.executable, __file__, "--_serve", json.dumps(spec)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdin is not None and proc.stdout is not None
+    try:
+        hello = json.loads(proc.stdout.readline())
+        with treadle.ServiceClient(hello["address"], api_key=hello["api_key"]) as service:
+            vocab = service.get_server_info().base_models[0].vocab_size
+            batch = [
+                treadle.Datum(
+                    model_input=treadle.ModelInput.from_ints(tok),
+                    loss_fn_inputs={
+                        "target_tokens": tgt,
+                        "weights": _weights(spec["n"], spec["length"]),
+                    },
+                )
+                for tok, tgt in _batch(spec["n"], spec["length"], vocab)
+            ]
+            trainer = (
+                service.create_lora_training_client("bench", rank=RANK)
+                if spec["mode"] == "lora"
+                else service.create_training_client("bench")
+            )
+            adam = treadle.AdamParams()
+
+            def step() -> None:
+                fb = trainer.forward_backward(batch, "cross_entropy")
+                trainer.optim_step(adam).result()
+                fb.result()
+
+            times = _timed(step, spec["steps"])
+        proc.stdin.write("peak\n")
+        proc.stdin.flush()
+        peak = json.loads(proc.stdout.readline())["peak_mb"]
+    finally:
+        proc.stdin.close()
+        proc.wait(timeout=120)
+    return {"times": times, "peak_mb": peak}
+
+
+def child_row(spec: dict) -> dict:
+    out = subprocess.run(
+        [sys.executable, __file__, "--_row", json.dumps(spec)],
+        check=True,
+        stdout=subprocess.PIPE,
+        text=True,
+    ).stdout.splitlines()
+    for line in out[1:]:
+        print(line)
+    return json.loads(out[0])
+
+
+# ---- the profile --------------------------------------------------------------------
+
+
+def profile_engine(path: Path, mode: str, n: int, length: int) -> None:
+    """Wall time of each phase of the engine's step, and torch.profiler's top ops."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from treadle.workers import losses, trainer
+    from treadle.workers.domain import AdamConfig
+
+    model = engine_model(path, mode)
+    op = engine_op(model, n, length)
+    phases: dict[str, list[float]] = {}
+
+    def phase(name: str, fn: Callable[[], object]) -> object:
+        t0 = time.perf_counter()
+        with record_function(name):
+            out = fn()
+        phases.setdefault(name, []).append(time.perf_counter() - t0)
+        return out
+
+    def step() -> None:
+        prep = phase("prepare", lambda: trainer.prepare_forward_backward(model, op))
+        hidden = phase(
+            "forward",
+            lambda: trainer.forward_hidden(
+                model.cfg, model.params, prep.batch.tokens_B_T, lora=model.adapter
+            ),
+        )
+        logits = phase("lm_head", lambda: trainer.lm_logits(model.cfg, model.params, hidden))
+        lp, ent = phase(
+            "logprobs+entropy",
+            lambda: trainer.logprobs_from_logits(
+                logits, prep.batch.targets_B_T, op.temperature, with_entropy=True
+            ),
+        )
+        loss, _ = phase("loss", lambda: trainer.finish_forward_backward(model, op, prep, lp, ent))
+        phase("backward+accumulate", lambda: trainer.accumulate_gradients(loss, [model]))
+        phase("optimizer+metrics", lambda: model.optim_step(AdamConfig()))
+
+    del losses
+    step()
+    phases.clear()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(2):
+            step()
+    total = sum(statistics.median(v) for v in phases.values())
+    print(f"\nprofile: engine step, {mode}, {n} x {length}: {total * 1e3:.0f} ms")
+    print(
+        table(
+            ["phase", "ms", "share"],
+            [
+                [k, statistics.median(v) * 1e3, f"{statistics.median(v) / total:.0%}"]
+                for k, v in phases.items()
+            ],
+        )
+    )
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
+
+
+# ---- the parent ---------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--presets", default="5m,110m")
+    ap.add_argument("--modes", default="lora,full")
+    ap.add_argument("--shapes", default="short,long")
+    ap.add_argument("--paths", default="torch,engine,sdk")
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=THREADS)
+    ap.add_argument("--model-dir", default=None, help="a directory per preset: DIR/<preset>")
+    ap.add_argument("--profile", action="store_true", help="where the engine's step time goes")
+    ap.add_argument("--json", default=None, help="also write the rows here")
+    ap.add_argument("--_row", help=argparse.SUPPRESS)
+    ap.add_argument("--_serve", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args._row:
+        run_row(json.loads(args._row))
+        return 0
+    if args._serve:
+        serve(json.loads(args._serve))
+        return 0
+
+    started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
+    torch.set_num_threads(args.threads)  # the matmul rate at the rows' thread budget
+    gflops = matmul_gflops()
+    rows, records = [], []
+    for preset in args.presets.split(","):
+        given = str(Path(args.model_dir) / preset) if args.model_dir else None
+        path = model_dir(preset, given)
+        n_params = _param_count(path)
+        for mode in args.modes.split(","):
+            for shape in args.shapes.split(","):
+                n, length = SHAPES[shape]
+                tokens = n * length
+                base: float | None = None
+                for which in args.paths.split(","):
+                    spec = {
+                        "path": which,
+                        "dir": str(path),
+                        "mode": mode,
+                        "n": n,
+                        "length": length,
+                        "steps": args.steps,
+                        "threads": args.threads,
+                        "profile": args.profile and which == "engine",
+                    }
+                    res = sdk_row(spec) if which == "sdk" else child_row(spec)
+                    ms = statistics.median(res["times"]) * 1e3
+                    tps = tokens / (ms / 1e3)
+                    base = tps if which == "torch" else base
+                    frac = 6 * n_params * tps / (gflops * 1e9)
+                    rel = f"{tps / base:.2f}x" if base else "-"
+                    rows.append(
+                        [preset, mode, shape, which, ms, tps, rel, f"{frac:.0%}", res["peak_mb"]]
+                    )
+                    records.append(dict(zip(HEADERS, rows[-1], strict=True)))
+                    print(table(HEADERS, rows[-1:]).splitlines()[-1], flush=True)
+    print(
+        f"\ntrain step: started {started}, {args.threads} torch threads, {args.steps} steps "
+        f"per row (median, after {WARMUP} warm-up), matmul {gflops:.0f} GFLOP/s\n"
+    )
+    print(table(HEADERS, rows))
+    if args.json:
+        Path(args.json).write_text(json.dumps(records, indent=2) + "\n")
+    return 0
+
+
+HEADERS = ["preset", "mode", "shape", "path", "ms/step", "tok/s", "vs torch", "6N", "peak MB"]
+
+
+def _param_count(path: Path) -> int:
+    from safetensors import safe_open
+
+    total = 0
+    for f in sorted(path.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as st:
+            for k in st.keys():  # noqa: SIM118 (safe_open has no __iter__)
+                total += int(np.prod(st.get_slice(k).get_shape()))
+    return total
+
+
+if __name__ == "__main__":
+    sys.exit(main())
