@@ -6,8 +6,8 @@ For each preset (5m, 110m), mode (LoRA rank 16, full fine-tune) and shape
 (short: 8 x 128 tokens, long: 4 x 1,024 tokens), three rows:
 
 * torch: ``LlamaForCausalLM`` (PEFT ``LoraConfig(r=16, alpha=16)`` on the same
-  seven projections for LoRA), the same summed weighted token loss,
-  ``loss.backward()``, ``torch.optim.AdamW`` with treadle's default
+  seven projections and the unembedding for LoRA, treadle's default targets),
+  the same summed weighted token loss, ``loss.backward()``, ``torch.optim.AdamW`` with treadle's default
   hyper-parameters, ``zero_grad(set_to_none=True)``;
 * engine: ``treadle.workers.trainer.forward_backward`` + ``TrainingModel.optim_step``
   on the caller's thread, the code the engine runs for those calls;
