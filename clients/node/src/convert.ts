@@ -16,11 +16,13 @@ import type {
   ForwardBackwardOutput,
   LossFnName,
   ModelInfo,
+  OptimStepResponse,
   SampledSequence,
   SampleResponse,
   SamplingParams,
   ServerInfo,
   StopReason,
+  StoppedBy,
   StreamedSample,
 } from "./types.js";
 import {
@@ -44,11 +46,15 @@ const LOSS_FNS: Record<LossFnName, common.LossFn> = {
   dro: common.LossFn.DRO,
 };
 
-const STOP_REASONS: Partial<Record<common.StopReason, StopReason>> = {
-  [common.StopReason.STOP]: "stop",
-  [common.StopReason.LENGTH]: "length",
-  [common.StopReason.CANCELLED]: "cancelled",
-  [common.StopReason.PARTIAL]: "partial",
+/** wire StopReason -> [stopReason, stoppedBy]: the coarse "stop" for the three ways a
+ * sequence stops, and which one in stoppedBy (the Python SDK's `_STOP_REASONS`). */
+const STOP_REASONS: Partial<Record<common.StopReason, [StopReason, StoppedBy | undefined]>> = {
+  [common.StopReason.STOP]: ["stop", "eos"],
+  [common.StopReason.STOP_STRING]: ["stop", "stop_string"],
+  [common.StopReason.STOP_TOKEN]: ["stop", "stop_token"],
+  [common.StopReason.LENGTH]: ["length", undefined],
+  [common.StopReason.CANCELLED]: ["cancelled", undefined],
+  [common.StopReason.PARTIAL]: ["partial", undefined],
 };
 
 // ---- tensors ------------------------------------------------------------------------
@@ -206,6 +212,22 @@ export function adamToWire(params: AdamParams | undefined): trainingPb.AdamParam
   };
 }
 
+/** The step's result; warns (`NoGradientWarning`, as the Python SDK) when the step had
+ * no gradient to learn from (the server's `no_grad:value` metric), since Adam's
+ * momentum still moved the weights. */
+export function optimStepFromWire(msg: trainingPb.OptimStepResponse, modelId: string): OptimStepResponse {
+  const metrics = { ...msg.metrics };
+  if ((metrics["no_grad:value"] ?? 0) > 0) {
+    process.emitWarning(
+      `optimStep on model ${modelId}: no gradient since the previous optimStep (grad_norm 0: no ` +
+        "forwardBackward in between, or every token had weight or advantage 0), yet Adam's momentum " +
+        "moved the weights (see update_norm:value). Skip optimStep when a batch has nothing to learn.",
+      "NoGradientWarning",
+    );
+  }
+  return { step: msg.step, metrics };
+}
+
 export function modelInfoFromWire(msg: trainingPb.ModelInfo): ModelInfo {
   return {
     modelId: msg.modelId,
@@ -235,31 +257,53 @@ export function checkpointFromWire(msg: trainingPb.Checkpoint): CheckpointInfo {
 
 // ---- sampling -----------------------------------------------------------------------
 
+/**
+ * Unset knobs stay unset on the wire (the server's default); an explicit value, 0
+ * included, is sent as it is, after the checks the server would make.
+ */
 export function samplingParamsToWire(params: SamplingParams | undefined): samplingPb.SamplingParams {
   const p = params ?? {};
   if (typeof p !== "object") throw new InvalidArgumentError(`samplingParams: expected an object, got ${describe(p)}`);
-  const stop: string[] = [];
-  const stopTokenIds: number[] = [];
-  if (p.stop !== undefined) {
-    if (!Array.isArray(p.stop)) {
-      throw new InvalidArgumentError(`samplingParams.stop: expected an array, got ${describe(p.stop)}`);
-    }
-    (p.stop as unknown[]).forEach((s, i) => {
-      if (typeof s === "string") stop.push(s);
-      else stopTokenIds.push(integer(s, `samplingParams.stop[${i}]`, { min: 0 }));
-    });
-  }
-  return {
+  const [stop, stopTokenIds] = stopsToWire(p.stop);
+  const msg: samplingPb.SamplingParams = {
     maxTokens: integer(p.maxTokens ?? 16, "samplingParams.maxTokens", { min: 0, max: 2 ** 31 - 1 }),
-    temperature: finite(p.temperature ?? 1.0, "samplingParams.temperature", { min: 0 }),
-    topP: finite(p.topP ?? 1.0, "samplingParams.topP", { min: 0 }),
-    topK: integer(p.topK ?? -1, "samplingParams.topK", { min: -1, max: 2 ** 31 - 1 }),
     stop,
     stopTokenIds,
-    seed: p.seed === undefined ? undefined : integer(p.seed, "samplingParams.seed"),
     tokenBudget: integer(p.tokenBudget ?? 0, "samplingParams.tokenBudget", { min: 0, max: 2 ** 31 - 1 }),
     ignoreEos: Boolean(p.ignoreEos),
   };
+  if (p.temperature !== undefined) msg.temperature = finite(p.temperature, "samplingParams.temperature", { min: 0 });
+  if (p.topP !== undefined) {
+    if (typeof p.topP !== "number" || !(p.topP > 0 && p.topP <= 1)) {
+      throw new InvalidArgumentError(
+        `samplingParams.topP: must be in (0, 1], got ${describe(p.topP)}; leave it unset (or 1) for no nucleus truncation`,
+      );
+    }
+    msg.topP = p.topP;
+  }
+  if (p.topK !== undefined) msg.topK = integer(p.topK, "samplingParams.topK", { min: -1, max: 2 ** 31 - 1 });
+  if (p.seed !== undefined) msg.seed = integer(p.seed, "samplingParams.seed");
+  return msg;
+}
+
+/** `stop` as [stop strings, stop token ids]. A string is ONE stop string, never its
+ * characters (the Python SDK's, tinker's and vLLM's reading). */
+export function stopsToWire(stop: unknown): [string[], number[]] {
+  if (stop === undefined || stop === null) return [[], []];
+  if (typeof stop === "string") return [[stop], []];
+  if (!Array.isArray(stop)) {
+    throw new InvalidArgumentError(
+      `samplingParams.stop: expected a string, or an array of strings and/or token ids, got ${describe(stop)}`,
+    );
+  }
+  const strings: string[] = [];
+  const tokenIds: number[] = [];
+  (stop as unknown[]).forEach((s, i) => {
+    if (typeof s === "string") strings.push(s);
+    else if (typeof s === "number") tokenIds.push(integer(s, `samplingParams.stop[${i}]`, { min: 0 }));
+    else throw new InvalidArgumentError(`samplingParams.stop[${i}]: expected a stop string or a token id, got ${describe(s)}`);
+  });
+  return [strings, tokenIds];
 }
 
 export function promptToWire(prompt: unknown): common.Tensor {
@@ -268,12 +312,15 @@ export function promptToWire(prompt: unknown): common.Tensor {
 
 export function sequenceFromWire(seq: samplingPb.SampledSequence | undefined, name: string): SampledSequence {
   if (seq === undefined) throw new InvalidArgumentError(`${name}: missing`);
+  // a reason newer than this client still reads as a stop
+  const [stopReason, stoppedBy] = STOP_REASONS[seq.stopReason] ?? ["stop", undefined];
   const out: SampledSequence = {
     tokens: Array.from(fromTensor(seq.tokens, `${name}.tokens`)),
     logprobs: Array.from(fromTensor(seq.logprobs, `${name}.logprobs`)),
-    stopReason: STOP_REASONS[seq.stopReason] ?? "stop",
+    stopReason,
     versions: seq.versions.map((v) => ({ start: v.start, length: v.length, version: v.version })),
   };
+  if (stoppedBy !== undefined) out.stoppedBy = stoppedBy;
   if (seq.resumeHandle) out.resumeHandle = seq.resumeHandle;
   return out;
 }
@@ -303,5 +350,30 @@ export function serverInfoFromWire(msg: serverPb.ServerInfo): ServerInfo {
     maxMessageBytes: msg.maxMessageBytes,
     maxTokensPerRequest: msg.maxTokensPerRequest,
     features: [...msg.features],
+    samplerMetrics: msg.samplerMetrics.map((m) => ({
+      baseModel: m.baseModel,
+      dtype: m.dtype,
+      tokensPerS: m.tokensPerS,
+      occupancy: m.occupancy,
+      runningRows: m.runningRows,
+      numSlots: m.numSlots,
+      queuedRequests: m.queuedRequests,
+      prefillingRequests: m.prefillingRequests,
+      tokensGenerated: m.tokensGenerated,
+      promptTokens: m.promptTokens,
+      prefixReusedTokens: m.prefixReusedTokens,
+    })),
+    trainingPassMetrics: msg.trainingPassMetrics.map((p) => ({
+      baseModel: p.baseModel,
+      dtype: p.dtype,
+      passes: p.passes,
+      batchedPasses: p.batchedPasses,
+      callsBatched: p.callsBatched,
+      callsAlone: p.callsAlone,
+      tokensBatched: p.tokensBatched,
+      tokensAlone: p.tokensAlone,
+      callsPerBatchedPass: p.callsPerBatchedPass,
+      maxCallsPerPass: p.maxCallsPerPass,
+    })),
   };
 }

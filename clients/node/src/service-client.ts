@@ -39,6 +39,19 @@ export interface LoraOptions {
   alpha?: number;
   /** "float32" | "float64" | "bfloat16"; default the server's. */
   dtype?: string;
+  /** Adapt the attention projections q/k/v/o; unset = the server's default (true). */
+  trainAttn?: boolean;
+  /** Adapt the MLP gate/up/down projections; unset = the server's default (true). */
+  trainMlp?: boolean;
+  /** Adapt the output head (lm_head); unset = the server's default (true). It matters most
+   * on a base whose head is not pretrained (the random-weight presets). */
+  trainUnembed?: boolean;
+}
+
+/** A LoRA module flag: undefined stays unset on the wire (the server's default, true). */
+function flag(value: unknown, field: string): boolean | undefined {
+  if (value === undefined || typeof value === "boolean") return value;
+  throw new InvalidArgumentError(`${field}: expected a boolean, got ${describe(value)}`);
 }
 
 export class ServiceClient {
@@ -65,16 +78,31 @@ export class ServiceClient {
 
   // ---- training clients ---------------------------------------------------------------
 
-  /** A new LoRA model on `baseModel`; resolves once the server created it. */
+  /**
+   * A new LoRA model on `baseModel`: an adapter of `rank` (scale alpha / rank) on the
+   * modules the flags name, as in the tinker SDK (`trainMlp`, `trainAttn`,
+   * `trainUnembed`, each unset = true); resolves once the server created it.
+   */
   createLoraTrainingClient(baseModel: string, options: LoraOptions = {}): Promise<TrainingClient> {
     try {
       const rank = integer(options.rank ?? 32, "rank", { min: 1 });
+      const trainAttn = flag(options.trainAttn, "trainAttn");
+      const trainMlp = flag(options.trainMlp, "trainMlp");
+      const trainUnembed = flag(options.trainUnembed, "trainUnembed");
+      if (trainAttn === false && trainMlp === false && trainUnembed === false) {
+        throw new InvalidArgumentError(
+          "trainMlp, trainAttn, trainUnembed: at least one must be true (all false leaves the adapter nothing to train)",
+        );
+      }
       return this.create({
         baseModel: nonEmptyString(baseModel, "baseModel"),
         loraRank: rank,
         loraAlpha: options.alpha ?? 0,
         seed: integer(options.seed ?? 0, "seed"),
         dtype: options.dtype ?? "",
+        trainAttn,
+        trainMlp,
+        trainUnembed,
       });
     } catch (err) {
       return Promise.reject(err);

@@ -22,13 +22,30 @@ import type {
   OptimStepResponse,
   SaveStateResponse,
 } from "./types.js";
-import { nonEmptyString } from "./validate.js";
+import { InvalidArgumentError } from "./errors.js";
+import { describe, nonEmptyString } from "./validate.js";
 
 export interface ForwardBackwardOptions {
   /** Loss knobs, e.g. {clip_low_threshold: 0.8, clip_high_threshold: 1.28} (docs/losses.md). */
   lossFnConfig?: Record<string, number>;
   /** The policy's temperature (default 1), as in sampling. */
   temperature?: number;
+}
+
+export interface ForwardLogprobsOptions {
+  /** `true`: the base model; a treadle:// state or version path: those weights; default the model itself. */
+  reference?: boolean | string;
+  /** The policy's temperature (default 1), as in sampling. */
+  temperature?: number;
+}
+
+/** `reference` as the wire's [reference, reference_path] (the Python SDK's reading). */
+function referenceToWire(reference: unknown): [boolean, string] {
+  if (reference === undefined || typeof reference === "boolean") return [Boolean(reference), ""];
+  if (typeof reference === "string" && reference.length > 0) return [false, reference];
+  throw new InvalidArgumentError(
+    `reference: expected true (the base model), false (the model itself) or a treadle:// state or version path, got ${describe(reference)}`,
+  );
 }
 
 export class TrainingClient {
@@ -78,30 +95,39 @@ export class TrainingClient {
     }));
   }
 
-  /** Per-token logprobs of each datum's targets; `reference: true` uses the base
-   * model (adapter off), the usual KL reference. Changes nothing. */
-  forwardLogprobs(
-    data: readonly Datum[],
-    options: { reference?: boolean; temperature?: number } = {},
-  ): Promise<ForwardBackwardOutput> {
-    return this.ordered(() => ({
-      request: {
-        modelId: this.modelId,
-        seqId: 0,
-        data: convert.datumsToWire(data),
-        reference: Boolean(options.reference),
-        temperature: convert.temperatureToWire(options.temperature),
-      },
-      send: (req) => this.caller.call(this.stub.forwardLogprobs.bind(this.stub), req, convert.forwardOutputFromWire),
-    }));
+  /**
+   * Per-token logprobs of each datum's targets, under the model's current weights.
+   * `reference: true` uses the base model (adapter off), the usual KL reference;
+   * `reference: "treadle://<model_id>/state/<name>"` (a saveState) or
+   * `"treadle://<model_id>/v/<v>"` (a published version still kept) uses weights you
+   * own instead, e.g. the end of a supervised warm-up. Changes nothing: the model's
+   * weights, gradients and optimizer state are untouched (the server keeps the loaded
+   * reference, so asking every step reads the checkpoint once).
+   */
+  forwardLogprobs(data: readonly Datum[], options: ForwardLogprobsOptions = {}): Promise<ForwardBackwardOutput> {
+    return this.ordered(() => {
+      const [reference, referencePath] = referenceToWire(options.reference);
+      return {
+        request: {
+          modelId: this.modelId,
+          seqId: 0,
+          data: convert.datumsToWire(data),
+          reference,
+          temperature: convert.temperatureToWire(options.temperature),
+          referencePath,
+        },
+        send: (req) => this.caller.call(this.stub.forwardLogprobs.bind(this.stub), req, convert.forwardOutputFromWire),
+      };
+    });
   }
 
-  /** Apply the accumulated gradient (AdamW) and zero it; a barrier. */
+  /** Apply the accumulated gradient (AdamW) and zero it; a barrier. A step with no
+   * gradient (`no_grad:value` = 1) emits a "NoGradientWarning" process warning. */
   optimStep(adamParams?: AdamParams): Promise<OptimStepResponse> {
     return this.ordered(() => ({
       request: { modelId: this.modelId, seqId: 0, adamParams: convert.adamToWire(adamParams) },
       send: (req) =>
-        this.caller.call(this.stub.optimStep.bind(this.stub), req, (r) => ({ step: r.step, metrics: { ...r.metrics } })),
+        this.caller.call(this.stub.optimStep.bind(this.stub), req, (r) => convert.optimStepFromWire(r, this.modelId)),
     }));
   }
 

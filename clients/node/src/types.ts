@@ -11,7 +11,12 @@ import type { NumericArray } from "./validate.js";
 /** Loss names (the proto's LossFn, lower-cased). */
 export type LossFnName = "cross_entropy" | "importance_sampling" | "ppo" | "cispo" | "dro";
 
+/** Why a sequence ended: "stop" for EOS, a stop string and a stop token alike (tinker's
+ * coarse reason; `SampledSequence.stoppedBy` tells which), as in the Python SDK. */
 export type StopReason = "stop" | "length" | "cancelled" | "partial";
+
+/** Which of the three ways of stopping ended a sequence whose stopReason is "stop". */
+export type StoppedBy = "eos" | "stop_string" | "stop_token";
 
 /** One training example. */
 export interface Datum {
@@ -55,14 +60,26 @@ export interface OptimStepResponse {
   metrics: Record<string, number>;
 }
 
-/** How to sample; unset fields take these defaults (the Python SDK's). */
+/**
+ * How to sample, as the Python SDK's `SamplingParams`. An undefined knob is left unset
+ * on the wire (the server's default), which is never the same as an explicit value:
+ *
+ * - `temperature`: unset = 1. `0` is greedy: every sample of a request is the argmax
+ *   path, and each returned logprob is that token's log_softmax at temperature 1.
+ * - `topP`: unset = 1 (off); an explicit value must lie in (0, 1].
+ * - `topK`: unset, `0` or `-1` = off; below -1 is refused.
+ * - `stop`: a string is ONE stop string (`stop: "</answer>"`); an array holds stop
+ *   strings and/or stop token ids. Nothing is cut from the output: the token that
+ *   completes a stop string, or the stop token, is the last one returned
+ *   (`SampledSequence.stoppedBy` says which stopped it).
+ */
 export interface SamplingParams {
   maxTokens?: number; // 16
-  temperature?: number; // 1.0; 0 = greedy
-  topP?: number; // 1.0
-  topK?: number; // -1 = off
-  /** Stop strings, or stop token ids. */
-  stop?: string[] | number[];
+  temperature?: number; // unset = 1; 0 = greedy
+  topP?: number; // unset = 1 (off); (0, 1]
+  topK?: number; // unset, 0 or -1 = off
+  /** One stop string, or an array of stop strings and/or stop token ids. */
+  stop?: string | readonly (string | number)[];
   seed?: number;
   /** Partial rollouts: at most this many tokens per sequence in this call (0 = none). */
   tokenBudget?: number;
@@ -82,6 +99,8 @@ export interface SampledSequence {
   /** Behaviour logprobs, log_softmax(logits / T) before truncation. */
   logprobs: number[];
   stopReason: StopReason;
+  /** Set when stopReason is "stop": the EOS token, a stop string or a stop token. */
+  stoppedBy?: StoppedBy;
   versions: VersionSpan[];
   /** Set when stopReason is "partial". */
   resumeHandle?: string;
@@ -147,6 +166,45 @@ export interface ServerInfo {
   maxMessageBytes: number;
   maxTokensPerRequest: number;
   features: string[];
+  /** Live throughput of each sampler (per base model and dtype); empty until one ran. */
+  samplerMetrics: SamplerMetrics[];
+  /** How training passes were shared between calls (per base model and dtype); empty until one ran. */
+  trainingPassMetrics: TrainingPassMetrics[];
+}
+
+/** A sampler's progress (the proto's SamplerMetrics). */
+export interface SamplerMetrics {
+  baseModel: string;
+  dtype: string;
+  /** Generated tokens per second, recent decode steps. */
+  tokensPerS: number;
+  /** Mean fraction of KV slots decoding per step, recent steps. */
+  occupancy: number;
+  runningRows: number;
+  numSlots: number;
+  queuedRequests: number;
+  prefillingRequests: number;
+  tokensGenerated: number;
+  promptTokens: number;
+  prefixReusedTokens: number;
+}
+
+/** Whether calls of different models shared the base model's training passes, since the
+ * engine started (the proto's TrainingPassMetrics). */
+export interface TrainingPassMetrics {
+  baseModel: string;
+  dtype: string;
+  /** Forward passes run (a batched pass counts once). */
+  passes: number;
+  /** Passes that held two or more calls. */
+  batchedPasses: number;
+  callsBatched: number;
+  callsAlone: number;
+  tokensBatched: number;
+  tokensAlone: number;
+  /** callsBatched / batchedPasses (0 when none). */
+  callsPerBatchedPass: number;
+  maxCallsPerPass: number;
 }
 
 /** What a sampler reads. */
