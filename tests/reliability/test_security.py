@@ -179,6 +179,8 @@ def test_paths_that_leave_the_directory_are_refused(
                 "from_state",
             ),
         ):
+            if not bad and field == "from_state":
+                continue  # "" = start from the base model
             code, details = _code(fn, req, srv.api_key)
             assert code == grpc.StatusCode.INVALID_ARGUMENT, (bad, code, details)
             assert details.startswith(field), (bad, details)
