@@ -327,3 +327,22 @@ def test_tls_refuses_a_certificate_for_another_host_or_expired(
         assert info.value.code == "UNAVAILABLE"
     finally:
         srv.stop()
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(name=st.text(max_size=20) | st.sampled_from(BAD_NAMES))
+def test_s3_store_keys_stay_under_the_tenant_prefix(name: str) -> None:
+    """The S3 store's key for any name the server accepts is under
+    ``<prefix>/<tenant>/<model>/`` with no empty, ``.`` or ``..`` segment (some
+    S3-compatible servers normalise those). No bucket is reached: names only."""
+    from treadle.server.s3_store import S3Store
+
+    try:
+        check_name(name)
+    except InvalidArgumentError:
+        return
+    store = S3Store("s3://bucket/pre/fix", endpoint_url="http://127.0.0.1:9", check=False)
+    path = store.state_path("t-1", "m-1", name)
+    assert path.startswith("s3://bucket/pre/fix/t-1/m-1/")
+    rest = path[len("s3://bucket/pre/fix/t-1/m-1/") :]
+    assert rest == name and "/" not in rest and rest not in ("", ".", "..")
