@@ -46,7 +46,7 @@ from tests.reliability.world import (
     tenant_key,
 )
 from treadle.server.embedded import EmbeddedServer
-from treadle.v1 import training_pb2
+from treadle.v1 import training_pb2, training_pb2_grpc
 
 
 @pytest.fixture(scope="module")
@@ -175,3 +175,24 @@ def test_undecodable_request_is_invalid_argument(world: World, payload: bytes) -
         assert code == grpc.StatusCode.UNAUTHENTICATED, method.full_name
     assert len(undecodable) >= 10
     assert world.healthy()
+
+
+def test_saving_a_name_again_replaces_the_last_checkpoint(world: World) -> None:
+    """Found by the fuzzer: SaveState with the name of the model's last checkpoint
+    deleted that row while the model still pointed at it (a foreign key): INTERNAL,
+    after the engine had written the new state. Now the row is replaced in place."""
+    stub = training_pb2_grpc.TrainingServiceStub(world.channel)
+    meta = world.meta(world.key_a)
+    steps = []
+    for _ in range(2):
+        seq = world.info(world.a.model_id, world.key_a).next_seq_id
+        req = training_pb2.SaveStateRequest(model_id=world.a.model_id, seq_id=seq, name="again")
+        steps.append(stub.SaveState(req, metadata=meta, timeout=60).seq_id)
+    info = world.info(world.a.model_id, world.key_a)
+    assert info.last_checkpoint_seq_id == steps[1]
+    listed = stub.ListCheckpoints(
+        training_pb2.ListCheckpointsRequest(model_id=world.a.model_id), metadata=meta
+    )
+    again = [c for c in listed.checkpoints if c.name == "again"]
+    assert [c.seq_id for c in again] == [steps[1]]
+    world.weights_hash = world.probe()
