@@ -46,7 +46,7 @@ from tests.reliability.world import (
     tenant_key,
 )
 from treadle.server.embedded import EmbeddedServer
-from treadle.v1 import training_pb2, training_pb2_grpc
+from treadle.v1 import common_pb2, sampling_pb2, training_pb2, training_pb2_grpc
 
 
 @pytest.fixture(scope="module")
@@ -195,4 +195,35 @@ def test_saving_a_name_again_replaces_the_last_checkpoint(world: World) -> None:
     )
     again = [c for c in listed.checkpoints if c.name == "again"]
     assert [c.seq_id for c in again] == [steps[1]]
+    world.weights_hash = world.probe()
+
+
+@pytest.mark.parametrize(
+    "dtype, data, shape",
+    [
+        (common_pb2.BFLOAT16, b"\x01\x02\x03", [1]),  # odd bytes of bfloat16
+        (common_pb2.INT32, b"\x05\x00\x00\x00" * 4, [-2, -2]),  # negative dims, product 4
+        (common_pb2.INT32, b"\x05\x00\x00\x00" * 4, [2**32, 2**32]),  # product wraps int64
+    ],
+    ids=["bf16-odd-bytes", "negative-dims", "overflowing-shape"],
+)
+def test_malformed_tensors_are_invalid_argument(
+    world: World, dtype: int, data: bytes, shape: list[int]
+) -> None:
+    """Found by the fuzzer (Sample answered INTERNAL ``ValueError``): a bfloat16
+    tensor of an odd number of bytes; a shape whose dims are negative but whose
+    product matches; a shape whose product wraps around in int64."""
+    tensor = common_pb2.Tensor(data=data, dtype=dtype, shape=shape)  # type: ignore[arg-type]
+    sample = sampling_pb2.SampleRequest(sampler_id=world.a.sampler_id, num_samples=1)
+    sample.prompt.CopyFrom(tensor)
+    sample.params.max_tokens = 2
+    method = {m.name: m for m in all_methods()}
+    code, details, _ = world.call(method["Sample"], sample.SerializeToString(), world.key_a)
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and details.startswith("prompt"), details
+    seq = world.info(world.a.model_id, world.key_a).next_seq_id
+    fl = training_pb2.ForwardLogprobsRequest(model_id=world.a.model_id, seq_id=seq)
+    fl.data.add().model_input.CopyFrom(tensor)
+    code, details, _ = world.call(method["ForwardLogprobs"], fl.SerializeToString(), world.key_a)
+    assert code == grpc.StatusCode.INVALID_ARGUMENT, details
+    assert details.startswith("data[0].model_input"), details
     world.weights_hash = world.probe()
