@@ -6,6 +6,8 @@ pack tensors one way.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from treadle.errors import InvalidArgumentError
@@ -41,6 +43,10 @@ def from_wire(msg: common_pb2.Tensor, field: str) -> np.ndarray:
     dtype = _FROM_WIRE.get(msg.dtype)
     if dtype is None:
         if msg.dtype == common_pb2.BFLOAT16:
+            if len(msg.data) % 2:
+                raise InvalidArgumentError(
+                    f"{field}: {len(msg.data)} bytes is not a whole number of bfloat16"
+                )
             raw = np.frombuffer(msg.data, dtype="<u2").astype(np.uint32) << 16
             arr = raw.view(np.float32)
         else:
@@ -52,7 +58,8 @@ def from_wire(msg: common_pb2.Tensor, field: str) -> np.ndarray:
             )
         arr = np.frombuffer(msg.data, dtype=dtype)
     shape = tuple(msg.shape) or (arr.size,)
-    if int(np.prod(shape)) != arr.size:
+    # Python ints: np.prod would wrap around; a negative dim is never a shape
+    if any(d < 0 for d in shape) or math.prod(shape) != arr.size:
         raise InvalidArgumentError(
             f"{field}: shape {list(shape)} does not match {arr.size} elements"
         )

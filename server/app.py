@@ -23,7 +23,7 @@ from treadle.server.db import make_engine, make_session_factory, queries, tenanc
 from treadle.server.db import models as db
 from treadle.server.dispatch import Dispatcher, InProcessDispatcher
 from treadle.server.info_servicer import InfoServicer
-from treadle.server.interceptors import ErrorInterceptor
+from treadle.server.interceptors import DecodeInterceptor, ErrorInterceptor
 from treadle.server.quotas import Quotas
 from treadle.server.restarts import RestorePoint
 from treadle.server.sampling_servicer import SamplingServicer
@@ -161,7 +161,12 @@ async def create_server(
 
     server = grpc.aio.server(
         # ErrorInterceptor first: it answers for whatever the ones after it raise.
-        interceptors=[ErrorInterceptor(ctx.instance_id), AuthInterceptor(ctx.auth)],
+        # DecodeInterceptor last: a request that does not parse is refused after auth.
+        interceptors=[
+            ErrorInterceptor(ctx.instance_id),
+            AuthInterceptor(ctx.auth),
+            DecodeInterceptor(),
+        ],
         options=channel_options(config.max_message_bytes),
     )
     training_pb2_grpc.add_TrainingServiceServicer_to_server(TrainingServicer(ctx), server)

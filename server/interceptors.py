@@ -12,7 +12,7 @@ from typing import Any
 import grpc
 
 from treadle._rpc import INSTANCE_KEY, error_trailers
-from treadle.errors import TreadleError
+from treadle.errors import InvalidArgumentError, TreadleError
 
 log = logging.getLogger("treadle.server")
 
@@ -97,3 +97,66 @@ def _wrap_stream(
             await context.abort(grpc.StatusCode.INTERNAL, f"{type(err).__name__}: {err}", stamp)
 
     return wrapped
+
+
+class _Undecodable:
+    """A request whose bytes did not parse, handed on so the answer can say so."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+
+class DecodeInterceptor(grpc.aio.ServerInterceptor):
+    """Answers a request that is not a valid message INVALID_ARGUMENT.
+
+    gRPC's own deserialization failure surfaces as UNKNOWN (the deserializer's
+    exception escapes every handler); here the deserializer never raises, and the
+    handler refuses what did not parse. Listed after ``AuthInterceptor``, so a
+    caller without a key hears UNAUTHENTICATED first, whatever it sent.
+    """
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        if handler is None or handler.request_deserializer is None:
+            return handler
+        if handler.request_streaming:
+            return handler  # none of ours; a stream's messages are parsed as they come
+        parse = handler.request_deserializer
+
+        def tolerant(data: bytes) -> Any:
+            try:
+                return parse(data)
+            except Exception as err:  # DecodeError, or a message with a bad field
+                return _Undecodable(err)
+
+        def refuse(request: _Undecodable) -> InvalidArgumentError:
+            name = getattr(getattr(parse, "__self__", None), "__name__", "message")
+            return InvalidArgumentError(
+                f"request: not a valid {name} ({request.error}); send the message "
+                "serialized by protobuf, as the generated stubs do"
+            )
+
+        if handler.unary_unary is not None:
+            inner = handler.unary_unary
+
+            async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+                if isinstance(request, _Undecodable):
+                    raise refuse(request)
+                return await inner(request, context)
+
+            return handler._replace(request_deserializer=tolerant, unary_unary=unary)
+        if handler.unary_stream is not None:
+            inner_stream = handler.unary_stream
+
+            async def stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+                if isinstance(request, _Undecodable):
+                    raise refuse(request)
+                async for item in inner_stream(request, context):
+                    yield item
+
+            return handler._replace(request_deserializer=tolerant, unary_stream=stream)
+        return handler

@@ -505,14 +505,24 @@ class TrainingServicer(training_pb2_grpc.TrainingServiceServicer):
         size: int,
     ) -> db.Checkpoint:
         """The DB row of a checkpoint just written; a name saved again replaces its row
-        (a retried call finds its own row and keeps it)."""
+        (a retried call finds its own row and keeps it).
+
+        The row is updated in place, never deleted and added again: the model may
+        point at it as its last checkpoint (a foreign key), and a delete would fail
+        after the engine has already written the new state."""
         uri = state_uri(model_id, name)
         existing = queries.get_checkpoint_by_uri(s, tenant, uri)
         if existing is not None and existing.seq_id == seq_id:
             return existing
         if existing is not None:
-            s.delete(existing)
+            existing.storage_path = directory
+            existing.seq_id = seq_id
+            existing.step = step
+            existing.kind = kind
+            existing.size_bytes = size
+            existing.created_at = db.utcnow()
             s.flush()
+            return existing
         return queries.add_checkpoint(
             s,
             tenant_id=tenant,

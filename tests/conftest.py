@@ -60,3 +60,18 @@ def service(server: EmbeddedServer) -> Iterator[treadle.ServiceClient]:
     client = treadle.ServiceClient(server.address, api_key=server.api_key)
     yield client
     client.close()
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--long",
+        action="store_true",
+        default=False,
+        help="tests/reliability: the long fuzz profile (thousands of cases per RPC)",
+    )
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    from tests.reliability import stats
+
+    stats.report(terminalreporter.write_line)

@@ -33,15 +33,19 @@ def request_class(method: MethodDescriptor) -> type[Message]:
 def call_raw(
     channel: grpc.Channel,
     method: MethodDescriptor,
-    request: Message,
+    request: Message | bytes,
     metadata: Sequence[tuple[str, str]] = (),
     timeout: float = 60.0,
 ) -> tuple[grpc.StatusCode, str, list[Any]]:
-    """Call ``method`` with ``request``; its status code, details and responses."""
+    """Call ``method`` with ``request``; its status code, details and responses.
+
+    ``request`` may be raw bytes (the fuzzer's malformed messages), sent as they are."""
     path = f"/{method.containing_service.full_name}/{method.name}"
     response = message_factory.GetMessageClass(method.output_type)
     args: dict[str, Any] = {
-        "request_serializer": type(request).SerializeToString,
+        "request_serializer": (
+            (lambda b: b) if isinstance(request, bytes) else type(request).SerializeToString
+        ),
         "response_deserializer": response.FromString,
     }
     try:
