@@ -263,7 +263,7 @@ def test_stop_strings(base: BaseModel, base_snap: WeightSnapshot, long_prompt: s
 
 def test_eos_stops_a_sequence(base: BaseModel) -> None:
     model = TrainingModel(ModelSpec("m-eos", "t", "tiny", 4, 8.0, 2, "float32"), base)
-    _train(model, [np.array([*ids("ab"), EOS])], steps=25, lr=5e-2)
+    _train(model, [np.array([*ids("ab"), EOS])], steps=25, lr=1e-2)
     res = run_alone(base, op("ab", 2, max_tokens=10, temperature=0), model.snapshot())
     for seq in res.sequences:
         assert seq.tokens.tolist() == [EOS] and seq.stop_reason == "stop"
