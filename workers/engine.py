@@ -606,9 +606,9 @@ class Engine:
             _check_size(op.data, self.config.max_tokens_per_call)
             if op.reference_weights is None:
                 return trainer.forward_logprobs(model, op)
-            trainer.prepare_forward_logprobs(model, op)  # bad data fails before any read
+            batch = trainer.prepare_forward_logprobs(model, op)  # bad data fails before any read
             weights = reference.resolve(model, op.reference_weights, self.versions)
-            return trainer.forward_logprobs(model, op, weights)
+            return trainer.logprobs_of_batch(model, op, batch, weights)
         if isinstance(op, OptimStepOp):
             return self._auto_checkpoint(model, seq_id, model.optim_step(op.adam))
         if isinstance(op, SyncWeightsOp):

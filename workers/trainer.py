@@ -409,7 +409,16 @@ def forward_logprobs(
 ) -> ForwardResult:
     """Logprobs under the model's weights, the base (``op.reference``), or ``weights``
     (``op.reference_weights`` resolved by ``workers.reference``); no gradient."""
-    batch = prepare_forward_logprobs(model, op)
+    return logprobs_of_batch(model, op, prepare_forward_logprobs(model, op), weights)
+
+
+def logprobs_of_batch(
+    model: TrainingModel,
+    op: ForwardLogprobsOp,
+    batch: _Batch,
+    weights: WeightSnapshot | None = None,
+) -> ForwardResult:
+    """:func:`forward_logprobs` of a batch :func:`prepare_forward_logprobs` made."""
     with torch.no_grad():
         lp_B_T, _ = _logprobs(
             model,
