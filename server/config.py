@@ -29,6 +29,8 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 50051  # 0 = any free port (tests)
     database_url: str = ""  # "" = SQLite file in data_dir
+    #: where the engine's tensors live: "cpu" or "cuda:N" (the flag's "auto" resolved)
+    device: str = "cpu"
     default_dtype: str = "float32"
     threads: int = 0  # torch threads of the engine; 0 = torch's default
     sampler_thread: bool = False  # the sampler steps on its own thread (overlaps training)

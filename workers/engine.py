@@ -35,7 +35,7 @@ from treadle.errors import (
     TreadleError,
     UnavailableError,
 )
-from treadle.workers import checkpoint, export, reference, trainer
+from treadle.workers import checkpoint, device, export, reference, trainer
 from treadle.workers.base_models import BaseModelRegistry, parse_dtype
 from treadle.workers.batching import BatchCall, batch_key, batchable, run_batch
 from treadle.workers.domain import (
@@ -76,6 +76,9 @@ T = TypeVar("T")
 @dataclass(frozen=True)
 class EngineConfig:
     base_models: Mapping[str, str | Path]
+    #: where every tensor of the engine lives: "cpu", "cuda", "cuda:N" or "auto"
+    #: (``workers.device``)
+    device: str = "cpu"
     default_dtype: str = "float32"
     threads: int = 0  # 0: leave torch's default
     #: step the samplers on a thread of their own, so sampling overlaps training
@@ -120,7 +123,10 @@ class EngineConfig:
 class Engine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.bases = BaseModelRegistry(config.base_models)
+        #: where every tensor lives (``workers.device``)
+        self.device = device.resolve(config.device)
+        device.check_dtype(self.device, config.default_dtype)
+        self.bases = BaseModelRegistry(config.base_models, self.device)
         self.scheduler = Scheduler(
             gap_timeout_s=config.gap_timeout_s, max_quantum_tokens=config.max_quantum_tokens
         )
@@ -321,6 +327,8 @@ class Engine:
                 fut.set_result(fn())
             except TreadleError as err:
                 fut.set_exception(err)
+            except torch.OutOfMemoryError as err:  # e.g. a full fine-tune's copy of the base
+                fut.set_exception(device.out_of_memory("the call", err, self.device))
             except Exception as err:  # a bug, not a user error: keep the engine alive
                 log.error("engine: %s\n%s", err, traceback.format_exc())
                 fut.set_exception(InternalError(f"{type(err).__name__}: {err}"))
@@ -357,6 +365,9 @@ class Engine:
             if sampler.has_work():
                 try:
                     sampler.step()
+                except torch.OutOfMemoryError as err:
+                    log.warning("sampler step ran out of device memory: %s", err)
+                    self._fail_sampler(sampler, device.out_of_memory("sample", err, self.device))
                 except Exception as err:
                     log.error("sampler step failed: %s\n%s", err, traceback.format_exc())
                     self._fail_sampler(sampler, err)
@@ -510,7 +521,11 @@ class Engine:
     @contextlib.contextmanager
     def _threads_for(self, kind: str, tokens: int, model: TrainingModel) -> Iterator[None]:
         """Run a training pass on the thread count ``self.threads`` picks for its kind
-        and size, and report its time (only when it ends without raising)."""
+        and size, and report its time (only when it ends without raising). On a GPU
+        the torch threads do not run the pass: no choice to make."""
+        if not device.is_cpu_only(self.device):
+            yield
+            return
         available = torch.get_num_threads()
         work = float(tokens * model.cfg.num_params())
         threads = self.threads.threads(kind, work, available)
@@ -533,6 +548,10 @@ class Engine:
                 outcome = self._apply(model, call.seq_id, call.payload)
         except TreadleError as err:
             outcome = err
+        except torch.OutOfMemoryError as err:
+            # what the call allocated is garbage by now; gradients are added all at once
+            # at the end (``trainer.accumulate_gradients``), a version published only whole
+            outcome = device.out_of_memory(call.kind, err, self.device)
         except Exception as err:
             log.error("engine: %s failed: %s\n%s", call.kind, err, traceback.format_exc())
             outcome = InternalError(f"{call.kind} failed: {type(err).__name__}: {err}")

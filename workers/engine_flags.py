@@ -27,6 +27,7 @@ TRAINING_THREADS = POLICIES  # how training passes pick their torch threads
 
 #: the fields both configs carry (the same names as ``EngineConfig``'s)
 ENGINE_FIELDS = (
+    "device",
     "default_dtype",
     "threads",
     "sampler_thread",
@@ -47,7 +48,18 @@ ENGINE_FIELDS = (
 
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     env = os.environ.get
-    parser.add_argument("--dtype", default=env("TREADLE_DTYPE", "float32"), choices=DTYPES)
+    parser.add_argument(
+        "--device",
+        default=env("TREADLE_DEVICE", "auto"),
+        help="where the engine's weights, optimizer state and KV cache live: auto (a CUDA "
+        "GPU when torch sees one, else the CPU), cpu, cuda or cuda:N",
+    )
+    parser.add_argument(
+        "--dtype",
+        default=env("TREADLE_DTYPE", "auto"),
+        choices=("auto", *DTYPES),
+        help="the default dtype of models: auto = bfloat16 on CUDA, float32 on the CPU",
+    )
     parser.add_argument("--threads", type=int, default=int(env("TREADLE_THREADS", "0")))
     parser.add_argument(
         "--sampler-thread",
@@ -118,8 +130,13 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
 
 def engine_settings(args: argparse.Namespace) -> dict[str, Any]:
     """The config fields of ``add_engine_flags``."""
+    from treadle.workers import device  # torch: only where an engine's flags are read
+
+    where = device.canonical(args.device)
+    dtype = args.dtype if args.dtype != "auto" else device.default_dtype(device.resolve(where))
     return {
-        "default_dtype": args.dtype,
+        "device": where,
+        "default_dtype": dtype,
         "threads": args.threads,
         "sampler_thread": args.sampler_thread,
         "sampler_process": args.sampler_process,
@@ -140,6 +157,7 @@ def check_engine_settings(config: Any) -> None:
     """INVALID_ARGUMENT naming the first engine field of ``config`` out of range."""
     if config.default_dtype not in DTYPES:
         raise InvalidArgumentError(f"dtype: {config.default_dtype!r}; choose from {DTYPES}")
+    _check_device(config)
     if config.training_threads not in TRAINING_THREADS:
         raise InvalidArgumentError(
             f"training_threads: {config.training_threads!r}; choose from {TRAINING_THREADS}"
@@ -162,6 +180,22 @@ def check_engine_settings(config: Any) -> None:
     ):
         if not ok:
             raise InvalidArgumentError(f"{name}: out of range ({getattr(config, name)})")
+
+
+def _check_device(config: Any) -> None:
+    """The device exists here and runs the dtype; CPU-only modes stay on the CPU.
+    Probes CUDA (imports torch) only when a CUDA device is named."""
+    if config.device == "cpu":
+        return
+    from treadle.workers import device
+
+    where = device.resolve(config.device)
+    device.check_dtype(where, config.default_dtype)
+    if where.type == "cuda" and config.sampler_process:
+        raise InvalidArgumentError(
+            "sampler_process: the sampler process shares weights through host memory (CPU "
+            "only); on CUDA use --sampler-thread"
+        )
 
 
 def engine_config(

@@ -71,11 +71,12 @@ class AdamW:
                 torch._foreach_mul_(grads, scale)  # the accumulated gradients are consumed
         self.step_count += 1
         self.weights_moved = True
-        update_sq = 0.0
+        update_sq_t = torch.zeros((), dtype=torch.float64)
         for idx in _chunks([self.params[n] for n in names]):
             ps = [self.params[names[i]].detach() for i in idx]
             before = [p.clone() for p in ps]
-            step_t = torch.tensor(float(self.step_count), dtype=torch.float32)
+            # the kernel reads the step on the weights' device (a host scalar on the CPU)
+            step_t = torch.tensor(float(self.step_count), dtype=torch.float32, device=ps[0].device)
             torch._fused_adamw_(
                 ps,
                 [grads[i] for i in idx],
@@ -94,12 +95,14 @@ class AdamW:
             # the fused kernel does not bump the tensors' version counters as in-place
             # ops do; caches keyed on them (``model.prepack``) must see the change
             increment_version(ps)
-            update_sq += sum(float(torch.dist(p, b)) ** 2 for p, b in zip(ps, before, strict=True))
+            # summed on the device: one host read per step, not one per tensor
+            moved = torch.stack([torch.dist(p, b) for p, b in zip(ps, before, strict=True)])
+            update_sq_t = update_sq_t + (moved.double() ** 2).sum()
             del before
         self.zero_grad()
         return {
             "grad_norm:value": pre_clip,
-            "update_norm:value": math.sqrt(update_sq),
+            "update_norm:value": math.sqrt(float(update_sq_t)),
             "learning_rate:value": cfg.learning_rate,
             "step:value": float(self.step_count),
             # 1: nothing to learn from (no gradient, or all zero), yet the momentum moved the weights
@@ -120,8 +123,12 @@ class AdamW:
     @torch.no_grad()
     def load_state_tensors(self, tensors: Mapping[str, torch.Tensor], step_count: int) -> None:
         for name, p in self.params.items():
-            self.exp_avg[name] = tensors[f"exp_avg.{name}"].to(dtype=p.dtype).clone()
-            self.exp_avg_sq[name] = tensors[f"exp_avg_sq.{name}"].to(dtype=p.dtype).clone()
+            self.exp_avg[name] = (
+                tensors[f"exp_avg.{name}"].to(dtype=p.dtype, device=p.device).clone()
+            )
+            self.exp_avg_sq[name] = (
+                tensors[f"exp_avg_sq.{name}"].to(dtype=p.dtype, device=p.device).clone()
+            )
         self.step_count = step_count
         self.weights_moved = True  # checkpoint.load_state replaces the weights with it
 

@@ -33,6 +33,8 @@ class WorkerConfig:
     sampler_threads: int = 0  # torch threads of that thread; 0 = threads
     training_threads: str = "measure"  # forward passes: "measure" | "all" | "one"
     max_quantum_tokens: int = 0  # a tenant's tokens a scheduling round at most; 0 = no cap
+    #: where the engine's tensors live: "cpu" or "cuda:N" (the flag's "auto" resolved)
+    device: str = "cpu"
     default_dtype: str = "float32"
     gap_timeout_s: float = 60.0
     keep_versions: int = 4
