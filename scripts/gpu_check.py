@@ -221,8 +221,8 @@ class Run:
                 fut: Future[SampleResult] = Future()
                 engine._admit_sample(SamplerTarget(name), SampleOp(prompts[i], 1, params), fut)
                 futs.append(fut)
-            while any(x.has_work() for x in engine.samplers.values()):
-                engine._step_samplers()
+            while engine.sampler.core.has_work():
+                engine.sampler.core.step_all()
             for fut in futs:
                 assert fut.result(timeout=0).sequences[0].tokens.size == new
 

@@ -89,8 +89,8 @@ def _spec(model_id: str, dtype: str, rank: int = 4, seed: int = 3) -> ModelSpec:
 
 def _drive(engine: Engine, futs: list[Future[SampleResult]]) -> list[SampleResult]:
     """Step the engine's samplers (the engine thread is not started) until done."""
-    while any(s.has_work() for s in engine.samplers.values()):
-        engine._step_samplers()
+    while engine.sampler.core.has_work():
+        engine.sampler.core.step_all()
     return [f.result(timeout=0) for f in futs]
 
 
@@ -308,7 +308,7 @@ def check_inflight_spans(ctx: Ctx, dtype: str) -> str:
     op = SampleOp(prompt, 2, SamplingConfig(max_tokens=12, seed=7, ignore_eos=True))
     latest = _sample(engine, SamplerTarget("tiny", "m"), op)
     pinned = _sample(engine, SamplerTarget("tiny", "m", version=0), op)
-    (sampler,) = engine.samplers.values()
+    (sampler,) = engine.sampler.core.samplers.values()
 
     def latest_rows() -> list:
         return [r for r in sampler.running if r.request.latest_of == "m"]
@@ -402,7 +402,7 @@ def check_oom(ctx: Ctx, dtype: str) -> str:
             return engine.sample(SamplerTarget("tiny", "b"), op)
 
         sample().result(timeout=300)  # the sampler exists now
-        (sampler,) = engine.samplers.values()
+        (sampler,) = engine.sampler.core.samplers.values()
         sampler_step = sampler.step
 
         def failing_step() -> None:

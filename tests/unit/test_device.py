@@ -69,8 +69,8 @@ def test_the_config_refuses_a_missing_device(no_cuda: None, tmp_path: Path) -> N
 
 
 def test_a_sampler_process_stays_on_the_cpu(one_gpu: None, tmp_path: Path) -> None:
-    with pytest.raises(InvalidArgumentError, match="sampler_process: .*--sampler-thread"):
-        ServerConfig(data_dir=tmp_path, device="cuda:0", sampler_process=True)
+    with pytest.raises(InvalidArgumentError, match="sampler: torch-process .*torch-thread"):
+        ServerConfig(data_dir=tmp_path, device="cuda:0", sampler="torch-process")
 
 
 @pytest.mark.parametrize("command", ["serve", "worker"])
