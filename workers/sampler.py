@@ -93,10 +93,20 @@ class TorchSampler:
         self.base = base
         self.cfg = base.cfg
         self.max_len = lim.context_of(self.cfg)
+        #: where the cache, the step's inputs and the sampling live: the weights' device
+        self.device = base.params.device
         try:
-            self.cache = KVCache(self.cfg, lim.num_slots, self.max_len, dtype=base.dtype)
-            stage = KVCache(self.cfg, max(1, lim.prefill_slots), self.max_len, dtype=base.dtype)
-        except (RuntimeError, MemoryError) as err:
+            self.cache = KVCache(
+                self.cfg, lim.num_slots, self.max_len, dtype=base.dtype, device=self.device
+            )
+            stage = KVCache(
+                self.cfg,
+                max(1, lim.prefill_slots),
+                self.max_len,
+                dtype=base.dtype,
+                device=self.device,
+            )
+        except (RuntimeError, MemoryError) as err:  # torch.OutOfMemoryError too
             raise ResourceExhaustedError(
                 f"sampler: cannot allocate the KV cache ({lim.num_slots} slots x "
                 f"{self.max_len} tokens): {err}"
@@ -364,14 +374,16 @@ class TorchSampler:
             positions_B_T[b, :n] = torch.arange(start, start + n)
         snaps = [req.snapshot for req, _ in batch]
         t0 = time.perf_counter()
+        dev = self.device
         hidden_B_T_H = forward_hidden(
             self.cfg,
             snaps[0].params,
-            tokens_B_T,
-            positions_B_T,
+            tokens_B_T.to(dev),
+            positions_B_T.to(dev),
             lora=lora_for([s.adapter for s in snaps]),
             cache=self.prefix.stage,
-            slots_B=torch.tensor([req.stage_slot for req, _ in batch]),
+            slots_B=torch.tensor([req.stage_slot for req, _ in batch], device=dev),
+            kv_len=max(req.prefilled + n for req, n in batch),  # known here: no device read
         )
         charge(batch, time.perf_counter() - t0)
         finished: list[tuple[Request, Tensor]] = []
@@ -434,14 +446,16 @@ class TorchSampler:
             packed = prepack.decoding() if packs else contextlib.nullcontext()
             with packed:
                 lora = lora_for(adapters)
+                dev = self.device
                 hidden_B_1_H = forward_hidden(
                     self.cfg,
                     params,
-                    torch.tensor(tokens)[:, None],
-                    torch.tensor(positions)[:, None],
+                    torch.tensor(tokens, device=dev)[:, None],
+                    torch.tensor(positions, device=dev)[:, None],
                     lora=lora,
                     cache=self.cache,
-                    slots_B=torch.tensor(slots),
+                    slots_B=torch.tensor(slots, device=dev),
+                    kv_len=max(positions) + 1,  # known here: no device read
                 )
                 logits_B_V = lm_logits(self.cfg, params, hidden_B_1_H[:, -1], lora=lora)
                 logits_B_V = logits_B_V[: len(rows)]
@@ -471,9 +485,11 @@ class TorchSampler:
             [p.top_p for p in params],
             uniforms_B,
         )
-        for row, p, tok, lp in zip(
-            rows, params, tokens_B.tolist(), logprobs_B.tolist(), strict=True
-        ):
+        # one copy to the host per step (token ids are exact in float64); the stop
+        # checks below read it, not the device
+        host_2_B = torch.stack([tokens_B.to(torch.float64), logprobs_B.to(torch.float64)]).cpu()
+        tokens, logprobs = [int(t) for t in host_2_B[0].tolist()], host_2_B[1].tolist()
+        for row, p, tok, lp in zip(rows, params, tokens, logprobs, strict=True):
             row.tokens.append(tok)
             row.logprobs.append(lp)
             row.versions.append(row.snapshot.version)
