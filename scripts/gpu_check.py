@@ -133,8 +133,10 @@ class Run:
         if self.device.startswith("cuda"):
             torch.cuda.synchronize(self.device)
 
-    def timed(self, fn: Callable[[], Any], reps: int) -> float:
-        fn()  # warm-up
+    def timed(
+        self, fn: Callable[[], Any], reps: int, warm: Callable[[], Any] | None = None
+    ) -> float:
+        (warm or fn)()  # warm-up
         times = []
         for _ in range(reps):
             self.sync()
@@ -227,13 +229,13 @@ class Run:
                 assert fut.result(timeout=0).sequences[0].tokens.size == new
 
         self.reset_peak()
-        mine = self.timed(lambda: engine_run(s.new_tokens), 1)
+        mine = self.timed(lambda: engine_run(s.new_tokens), 1, lambda: engine_run(8))
         engine_peak = self.peak()
         ref = self.hf_model(name)
         ids = torch.as_tensor(prompts, device=self.device)
         mask = torch.ones_like(ids)
 
-        def hf_run() -> None:
+        def hf_run(new: int = s.new_tokens) -> None:
             out = ref.generate(
                 input_ids=ids,
                 attention_mask=mask,
@@ -241,14 +243,14 @@ class Run:
                 temperature=1.0,
                 top_k=0,
                 top_p=1.0,
-                max_new_tokens=s.new_tokens,
-                min_new_tokens=s.new_tokens,  # EOS off
+                max_new_tokens=new,
+                min_new_tokens=new,  # EOS off
                 pad_token_id=0,
             )
-            assert out.shape[1] == s.prompt + s.new_tokens
+            assert out.shape[1] == s.prompt + new
 
         self.reset_peak()
-        theirs = self.timed(hf_run, 1)
+        theirs = self.timed(hf_run, 1, lambda: hf_run(8))
         tokens = batch * s.new_tokens
         self.rows.append(
             Row(
@@ -264,10 +266,8 @@ class Run:
     def hf_model(self, name: str) -> torch.nn.Module:
         import transformers
 
-        model = transformers.AutoModelForCausalLM.from_pretrained(
-            str(self.model(name)), dtype=self.dtype
-        )
-        return model.to(self.device).eval()
+        model = transformers.AutoModelForCausalLM.from_pretrained(str(self.model(name)))
+        return model.to(device=self.device, dtype=self.dtype).eval()
 
     # ---- training step ---------------------------------------------------------------------------
 

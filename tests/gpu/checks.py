@@ -138,10 +138,8 @@ def check_logprob_agreement(ctx: Ctx, dtype: str) -> str:
 def _hf_model(ctx: Ctx) -> torch.nn.Module:
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(ctx.model_dir), dtype=torch.float32
-    )
-    return model.to(ctx.device).train()
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(ctx.model_dir))
+    return model.to(device=ctx.device, dtype=torch.float32).train()
 
 
 def _hf_logprobs(model: torch.nn.Module, datum: DatumData, device: str) -> torch.Tensor:
@@ -215,8 +213,9 @@ def check_remote_equals_local(ctx: Ctx, loss: str, steps: int = 3) -> str:
         opt.step()
     mine = dict(model.params.named_tensors())
     theirs = dict(ref.named_parameters())
-    num = sum(float((mine[n].float() - theirs[n].float()).norm()) ** 2 for n in mine if n in theirs)
-    den = sum(float(theirs[n].float().norm()) ** 2 for n in mine if n in theirs)
+    with torch.no_grad():
+        num = sum(float((mine[n] - theirs[n]).float().norm()) ** 2 for n in mine if n in theirs)
+        den = sum(float(theirs[n].float().norm()) ** 2 for n in mine if n in theirs)
     rel_w = math.sqrt(num / den)
     assert worst_loss <= 1e-4, f"{loss}: a step's loss differs by {worst_loss:.2e} relative"
     assert rel_w <= 1e-4, f"{loss}: weights differ by {rel_w:.2e} of ||W|| after {steps} steps"
