@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from treadle.errors import ResourceExhaustedError
-from treadle.workers import trainer
+from treadle.workers import batching, trainer
 from treadle.workers.batching import BatchCall, run_batch
 from treadle.workers.domain import (
     AdamConfig,
@@ -385,6 +385,19 @@ def check_oom(ctx: Ctx, dtype: str) -> str:
             assert torch.equal(t.grad, before[n]), f"{n}: the failed call changed a gradient"
         if ctx.device.startswith("cuda"):
             assert torch.cuda.memory_allocated(ctx.device) <= used + (1 << 20)
+        # a batched pass of two models (the engine is idle: no call in flight) fails
+        # whole, each call RESOURCE_EXHAUSTED, no gradient added
+        calls = [BatchCall(engine.models["a"], fb), BatchCall(engine.models["b"], fb)]
+        batching.forward_hidden = failing  # type: ignore[assignment]
+        try:
+            run_batch(calls, lambda _op: None)
+        finally:
+            batching.forward_hidden = real  # type: ignore[assignment]
+        for call in calls:
+            assert isinstance(call.outcome, ResourceExhaustedError), repr(call.outcome)
+        for n, t in model.trainable.items():
+            assert torch.equal(t.grad, before[n]), f"{n}: the failed batch changed a gradient"
+        assert all(t.grad is None for t in engine.models["b"].trainable.values())
         # the model goes on from its last applied call; the other model serves too
         engine.submit("a", 3, fb, "d3").result(timeout=300)
         engine.submit("a", 4, OptimStepOp(AdamConfig(learning_rate=1e-3)), "d4").result(timeout=300)
@@ -416,7 +429,9 @@ def check_oom(ctx: Ctx, dtype: str) -> str:
         assert len(sample().result(timeout=300).sequences) == 2
     finally:
         engine.stop()
-    return f"{dtype}: forward_backward and sample -> RESOURCE_EXHAUSTED; model at its step"
+    return (
+        f"{dtype}: forward_backward, batched pass, sample -> RESOURCE_EXHAUSTED; model at its step"
+    )
 
 
 #: every check and the arguments it runs with: (name, function, kwargs)
