@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from treadle.errors import ResourceExhaustedError
-from treadle.workers import batching, trainer
+from treadle.workers import batching, optimizer, trainer
 from treadle.workers.batching import BatchCall, run_batch
 from treadle.workers.domain import (
     AdamConfig,
@@ -385,6 +385,23 @@ def check_oom(ctx: Ctx, dtype: str) -> str:
             assert torch.equal(t.grad, before[n]), f"{n}: the failed call changed a gradient"
         if ctx.device.startswith("cuda"):
             assert torch.cuda.memory_allocated(ctx.device) <= used + (1 << 20)
+        # an optim_step that runs out (its scratch is its first large allocation): no change
+        real_scratch = optimizer._scratch
+
+        def failing_scratch(*args: object, **kwargs: object) -> torch.Tensor | None:
+            boom()
+            return real_scratch(*args, **kwargs)  # type: ignore[arg-type]
+
+        optimizer._scratch = failing_scratch  # type: ignore[assignment]
+        try:
+            step = OptimStepOp(AdamConfig(learning_rate=1e-3))
+            err = engine.submit("a", 3, step, "d3").exception(timeout=300)
+        finally:
+            optimizer._scratch = real_scratch  # type: ignore[assignment]
+        assert isinstance(err, ResourceExhaustedError), repr(err)
+        assert model.version == 0 and model.optimizer.step_count == 0
+        for n, t in model.trainable.items():
+            assert torch.equal(t.grad, before[n]), f"{n}: the failed step changed a gradient"
         # a batched pass of two models (the engine is idle: no call in flight) fails
         # whole, each call RESOURCE_EXHAUSTED, no gradient added
         calls = [BatchCall(engine.models["a"], fb), BatchCall(engine.models["b"], fb)]
@@ -399,8 +416,8 @@ def check_oom(ctx: Ctx, dtype: str) -> str:
             assert torch.equal(t.grad, before[n]), f"{n}: the failed batch changed a gradient"
         assert all(t.grad is None for t in engine.models["b"].trainable.values())
         # the model goes on from its last applied call; the other model serves too
-        engine.submit("a", 3, fb, "d3").result(timeout=300)
-        engine.submit("a", 4, OptimStepOp(AdamConfig(learning_rate=1e-3)), "d4").result(timeout=300)
+        engine.submit("a", 4, fb, "d4").result(timeout=300)
+        engine.submit("a", 5, OptimStepOp(AdamConfig(learning_rate=1e-3)), "d5").result(timeout=300)
         engine.submit("b", 1, fb, "e1").result(timeout=300)
         assert engine.models["a"].version == 1
 
@@ -429,9 +446,7 @@ def check_oom(ctx: Ctx, dtype: str) -> str:
         assert len(sample().result(timeout=300).sequences) == 2
     finally:
         engine.stop()
-    return (
-        f"{dtype}: forward_backward, batched pass, sample -> RESOURCE_EXHAUSTED; model at its step"
-    )
+    return f"{dtype}: forward_backward, optim_step, batched pass, sample -> RESOURCE_EXHAUSTED; model at its step"
 
 
 #: every check and the arguments it runs with: (name, function, kwargs)

@@ -104,3 +104,60 @@ def test_host_copies_are_equal_contiguous_host_tensors() -> None:
     out = device.host_copies({"a": t, "b": torch.ones(2)})
     assert out["a"].is_contiguous() and out["a"].device.type == "cpu"
     assert torch.equal(out["a"], t) and torch.equal(out["b"], torch.ones(2))
+
+
+def test_out_of_memory_in_a_call_is_resource_exhausted(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An injected ``torch.OutOfMemoryError`` (what CUDA raises) in a forward_backward
+    and in an optim_step: RESOURCE_EXHAUSTED, the model unchanged (gradients, moments,
+    weights, version), and the next calls apply."""
+    import numpy as np
+
+    from treadle.errors import ResourceExhaustedError
+    from treadle.workers import optimizer, trainer
+    from treadle.workers.domain import (
+        AdamConfig,
+        DatumData,
+        ForwardBackwardOp,
+        ModelSpec,
+        OptimStepOp,
+    )
+    from treadle.workers.engine import Engine, EngineConfig
+
+    def oom(*_args: object, **_kwargs: object) -> None:
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 9.00 GiB")
+
+    engine = Engine(EngineConfig(base_models={"tiny": tiny_model_dir}, threads=1)).start()
+    try:
+        engine.create_model(ModelSpec("m", "t", "tiny", 4, 8.0, 0, "float32")).result(60)
+        toks = np.arange(3, 20)
+        datum = DatumData(
+            toks[:-1], {"target_tokens": toks[1:], "weights": np.ones(16, np.float32)}
+        )
+        fb = ForwardBackwardOp((datum,), "cross_entropy", {})
+        engine.submit("m", 1, fb, "a").result(60)
+        model = engine.models["m"]
+        grads = {n: t.grad.clone() for n, t in model.trainable.items()}
+        weights = {n: t.detach().clone() for n, t in model.trainable.items()}
+
+        with monkeypatch.context() as patch:
+            patch.setattr(trainer, "forward_hidden", oom)
+            err = engine.submit("m", 2, fb, "b").exception(60)
+        assert isinstance(err, ResourceExhaustedError)
+        assert "out of device memory" in str(err) and "9.00 GiB" in str(err)
+        with monkeypatch.context() as patch:
+            patch.setattr(optimizer, "_scratch", oom)
+            err = engine.submit("m", 3, OptimStepOp(AdamConfig(learning_rate=0.1)), "c").exception(
+                60
+            )
+        assert isinstance(err, ResourceExhaustedError)
+        assert model.version == 0 and model.optimizer.step_count == 0
+        for n, t in model.trainable.items():
+            assert torch.equal(t.grad, grads[n]) and torch.equal(t.detach(), weights[n])
+            assert not model.optimizer.exp_avg[n].any()
+
+        result = engine.submit("m", 4, OptimStepOp(AdamConfig(learning_rate=0.1)), "d").result(60)
+        assert result.step == 1 and model.version == 1
+    finally:
+        engine.stop()
