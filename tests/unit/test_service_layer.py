@@ -154,6 +154,9 @@ def test_another_tenants_ids_are_not_found(world: World) -> None:
     prompt = SampleOp(np.array([1, 2, 3]), 1, SamplingConfig(max_tokens=2))
     assert "not found" in not_found(svc.sampling.sample(w.b, sampler.sampler_id, prompt))
     assert [m.model_id for m in svc.models.list(w.b)] == []
+    session = svc.sessions.create(w.a, "test")
+    assert "not found" in not_found(sync(svc.sessions.heartbeat, w.b, session.session_id))
+    svc.sessions.heartbeat(w.a, session.session_id)
     # the owner still sees and uses all of it
     assert model in [m.model_id for m in svc.models.list(w.a)]
     assert w.run(svc.sampling.sample(w.a, sampler.sampler_id, prompt)).sequences
