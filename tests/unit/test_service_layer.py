@@ -177,6 +177,11 @@ def test_quotas_are_resource_exhausted(world: World) -> None:
             )
         )
     w.run(svc.training.forward_backward(tenant, _call(model, 2), _op()))
+    # a sample reserves its worst case: the prompt and every sample at max_tokens
+    sampler = w.run(svc.sampling.create_sampler(tenant, SamplerSource(base_model=BASE)))
+    big = SampleOp(np.array([1, 2, 3]), 4, SamplingConfig(max_tokens=MAX_TOKENS_PER_REQUEST))
+    with pytest.raises(ResourceExhaustedError):
+        w.run(svc.sampling.sample(tenant, sampler.sampler_id, big))
     _model(w, tenant), _model(w, tenant)  # the third and last the quota allows
     with pytest.raises(ResourceExhaustedError):
         _model(w, tenant)
