@@ -1,9 +1,9 @@
 """The engine with its samplers in a process of their own (``--sampler torch-process``):
-the same samples as on one thread while training runs beside them, weights in
-shared memory, cancellation, shutdown, and a child that dies. Driven through the
+weights in shared memory, cancellation, shutdown, and a child that dies. Driven through the
 engine's thread-safe API, against a real spawned child (nothing mocked). What
 every backend does (in-flight updates, streams, partial rollouts, bad input) is
-checked for this one too by ``tests/integration/test_sampler_conformance.py``."""
+checked for this one too by ``tests/integration/test_sampler_conformance.py``, and
+that it samples what the engine thread samples by ``test_sampler_hosts.py``."""
 
 from __future__ import annotations
 
@@ -126,62 +126,6 @@ def test_the_long_requests_fit(engine: Engine) -> None:
         engine.sample(SamplerTarget("tiny"), too_long).result(30)
 
 
-# ---- the same samples as on one thread ---------------------------------------------------
-
-
-def _ops() -> list[SampleOp]:
-    rng = np.random.default_rng(0)
-    return [
-        SampleOp(
-            rng.integers(3, 90, size=int(rng.integers(3, 12))),
-            int(rng.integers(1, 3)),
-            SamplingConfig(max_tokens=int(rng.integers(4, 20)), seed=i, temperature=0.8),
-        )
-        for i in range(6)
-    ]
-
-
-def _run(engine: Engine, model_id: str) -> list[SampleResult]:
-    """Samples of the base and of a pinned version while the model trains."""
-    seq = _train(engine, model_id, 1)
-    engine.submit(model_id, seq, SyncWeightsOp(), "sync").result(30)  # version 1
-    targets = [SamplerTarget("tiny"), SamplerTarget("tiny", model_id, version=1)]
-    futures = [engine.sample(targets[i % 2], op) for i, op in enumerate(_ops())]
-    seq += 1
-    for _ in range(3):  # training goes on beside the sampling
-        seq = _train(engine, model_id, seq)
-    engine.submit(model_id, seq, SyncWeightsOp(), "sync2").result(30)  # version 4
-    # sampling the latest (version 4: weights trained further, shipped again)
-    futures.append(engine.sample(SamplerTarget("tiny", model_id), _ops()[0]))
-    return [f.result(60) for f in futures]
-
-
-@pytest.mark.parametrize("rank", [4, 0], ids=["lora", "full"])
-def test_process_samples_what_one_thread_samples(
-    engine: Engine, tiny_model_dir: Path, rank: int
-) -> None:
-    model_id = f"same-{rank}"
-    one_thread = Engine(_config(tiny_model_dir)).start()
-    try:
-        _model(one_thread, model_id, rank)
-        want = _run(one_thread, model_id)
-    finally:
-        one_thread.stop()
-    _model(engine, model_id, rank)
-    got = _run(engine, model_id)
-    assert len(got) == len(want)
-    for a, b in zip(want, got, strict=True):
-        assert len(a.sequences) == len(b.sequences)
-        for x, y in zip(a.sequences, b.sequences, strict=True):
-            np.testing.assert_array_equal(x.tokens, y.tokens)
-            np.testing.assert_allclose(x.logprobs, y.logprobs, atol=1e-5)
-            assert x.versions == y.versions
-            assert x.stop_reason == y.stop_reason
-    # the pinned version is version 1, the latest version 4: each sampled as asked
-    assert {s.versions[0][2] for r in got[1:6:2] for s in r.sequences} == {1}
-    assert {s.versions[0][2] for s in got[-1].sequences} == {4}
-
-
 def test_a_full_fine_tunes_versions_live_in_shared_memory(engine: Engine) -> None:
     """With a sampler process, a full fine-tune's published version is made once,
     in shared memory, and shipped to the child from there."""
@@ -198,7 +142,10 @@ def test_a_full_fine_tunes_versions_live_in_shared_memory(engine: Engine) -> Non
     assert (
         buf.untyped_storage().data_ptr() == next(iter(named.values())).untyped_storage().data_ptr()
     )
-    seqs = engine.sample(SamplerTarget("tiny", "shm-full", version=1), _ops()[0]).result(60)
+    seqs = engine.sample(
+        SamplerTarget("tiny", "shm-full", version=1),
+        SampleOp(PROMPT, 2, SamplingConfig(max_tokens=8, seed=0)),
+    ).result(60)
     assert {s.versions[0][2] for s in seqs.sequences} == {1}
 
 
