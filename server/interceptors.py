@@ -203,6 +203,8 @@ class ObserveInterceptor(grpc.aio.ServerInterceptor):
             if key == REQUEST_ID_KEY:
                 request_id = _clean_request_id(value)
                 break
+        if self.metrics is not None:
+            self.metrics.started()
         return CallRecord(rpc, request_id or new_request_id())
 
     def _end(

@@ -54,7 +54,12 @@ class ServerMetrics:
         )
         self.endpoint: MetricsEndpoint | None = None
 
+    def started(self) -> None:
+        self.in_flight.inc()
+
     def observe(self, rpc: str, status: str, tenant: str, seconds: float) -> None:
+        """One call answered (``started`` was called for it)."""
+        self.in_flight.dec()
         self.calls.labels(rpc, status, tenant).inc()
         self.latency.labels(rpc).observe(seconds)
 

@@ -93,6 +93,12 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(out, ensure_ascii=False)
 
 
+def current_log_format() -> str:
+    """``json`` when the root logger writes JSON lines (a child process follows it)."""
+    json_out = any(isinstance(h.formatter, JsonFormatter) for h in logging.getLogger().handlers)
+    return "json" if json_out else "text"
+
+
 def configure_logging(fmt: str = "text", *, verbose: bool = False, process: str = "") -> None:
     """The root logger of a ``treadle`` process: INFO with ``verbose`` (one line
     per call), WARNING otherwise; ``fmt`` ``text`` or ``json``."""

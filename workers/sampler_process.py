@@ -54,6 +54,7 @@ from torch import Tensor
 from treadle.errors import InternalError, TreadleError, UnavailableError
 from treadle.workers.base_models import BaseModel
 from treadle.workers.domain import SampleOp, SampleResult, SamplingConfig, SequenceResult
+from treadle.workers.logs import configure_logging, current_log_format
 from treadle.workers.model.llama import LlamaParams
 from treadle.workers.model.lora import LoraAdapter
 from treadle.workers.sampler import TorchSampler
@@ -290,6 +291,7 @@ class SamplerProcess:
                 self.limits,
                 self.torch_threads,
                 log.getEffectiveLevel(),
+                current_log_format(),
             ),
             name="treadle-sampler",
             daemon=True,
@@ -569,9 +571,15 @@ class SamplerProcess:
 
 
 def _child_main(
-    inbox: Connection, outbox: Connection, limits: SamplerLimits, threads: int, level: int
+    inbox: Connection,
+    outbox: Connection,
+    limits: SamplerLimits,
+    threads: int,
+    level: int,
+    log_format: str = "text",
 ) -> None:
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(log_format, process="sampler")
+    logging.getLogger().setLevel(level)
     if threads > 0:
         torch.set_num_threads(threads)
     outbox.send(("ready", os.getppid()))

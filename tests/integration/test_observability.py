@@ -99,6 +99,8 @@ def test_metrics_endpoint_reports_calls_engine_and_process(
     assert value(samples, calls, status="UNAUTHENTICATED", tenant="") >= 1
     assert value(samples, "treadle_rpc_latency_seconds_count", rpc=fb) == 1
     assert value(samples, "treadle_rpc_latency_seconds_sum", rpc=fb) > 0
+    assert "treadle_rpc_in_flight" in samples
+    assert value(samples, "treadle_rpc_in_flight") == 0  # every call was answered
 
     # the engine's stats: tokens, passes, sampler slots, queues, models, checkpoints
     assert value(samples, "treadle_tokens_trained_total", base_model=BASE) >= 4
