@@ -33,6 +33,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.request
 import uuid
 from collections import Counter, defaultdict
 from collections.abc import Iterator
@@ -53,6 +54,7 @@ from _common import table  # noqa: E402
 REDIS = os.environ.get("TREADLE_BENCH_REDIS", "redis://127.0.0.1:6379/0")
 PG_ADMIN = os.environ.get("TREADLE_BENCH_PG", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
 CLI = (sys.executable, "-m", "treadle.server.cli")
+METRICS_LINE = r"metrics on http://127\.0\.0\.1:(\d+)/metrics"
 RPCS = ("forward_backward", "forward_logprobs", "optim_step", "sync_weights", "sample")
 
 
@@ -70,6 +72,7 @@ class Deployment:
     address: str
     api_key: str
     pids: dict[str, int]  # process name -> pid (the server, each worker)
+    metrics: dict[str, int] = field(default_factory=dict)  # process name -> metrics port
 
 
 def _wait_for(path: Path, pattern: str, proc: subprocess.Popen[bytes], timeout: float) -> str:
@@ -126,6 +129,7 @@ def deploy(path: str, model: Path, tmp: Path, workers: int) -> Iterator[Deployme
         *("serve", "--model", f"tiny={model}", "--port", str(port), "--threads", "1"),
         *("--data-dir", str(run / "server"), "--store", str(run / "checkpoints")),
         *("--quota-max-models", "0", "--quota-calls-in-flight", "0"),
+        *("--metrics-port", "0"),
     ]
     procs: list[subprocess.Popen[bytes]] = []
     with ExitStack() as stack:
@@ -139,6 +143,7 @@ def deploy(path: str, model: Path, tmp: Path, workers: int) -> Iterator[Deployme
             procs.append(subprocess.Popen(serve, stdout=out, stderr=subprocess.STDOUT, env=env))
         key_file = _wait_for(log, r"API key is in (\S+) ", procs[0], 180)
         pids = {"server": procs[0].pid}
+        metrics = {"server": int(_wait_for(log, METRICS_LINE, procs[0], 30))}
         for i in range(workers if path == "distributed" else 0):
             worker_id = f"load-w{i + 1}-{os.getpid()}"
             wlog = run / f"{worker_id}.log"
@@ -148,13 +153,15 @@ def deploy(path: str, model: Path, tmp: Path, workers: int) -> Iterator[Deployme
                 *("--database-url", database_url, "--store", str(run / "checkpoints")),
                 *("--data-dir", str(run / worker_id), "--worker-id", worker_id),
                 *("--threads", "1", "--heartbeat", "1", "--drain-timeout", "0"),
+                *("--metrics-port", "0"),
             ]
             with open(wlog, "wb") as out:
                 proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
             procs.append(proc)
             _wait_for(wlog, r"(ready)", proc, 180)
             pids[worker_id] = proc.pid
-        yield Deployment(f"127.0.0.1:{port}", Path(key_file).read_text().strip(), pids)
+            metrics[worker_id] = int(_wait_for(wlog, METRICS_LINE, proc, 30))
+        yield Deployment(f"127.0.0.1:{port}", Path(key_file).read_text().strip(), pids, metrics)
 
 
 # ---- the clients ------------------------------------------------------------------------
@@ -322,6 +329,44 @@ def report(results: Results, wall_s: float) -> str:
     return out
 
 
+def scrape(port: int) -> dict[str, float]:
+    """Each series of a process's metrics endpoint, summed over its labels."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    url = f"http://127.0.0.1:{port}/metrics"
+    with urllib.request.urlopen(url, timeout=30) as r:
+        text = r.read().decode()
+    out: dict[str, float] = defaultdict(float)
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if "le" not in sample.labels:
+                out[sample.name] += float(sample.value)
+    return out
+
+
+def engine_report(dep: Deployment) -> str:
+    """What the processes' own metrics say of the run: where the time went."""
+    rows = []
+    for name, port in dep.metrics.items():
+        m = scrape(port)
+        waits = m.get("treadle_queue_wait_seconds_count", 0.0)
+        passes = m.get("treadle_training_passes_total", 0.0)
+        rows.append(
+            (
+                name,
+                int(m.get("treadle_rpc_calls_total", 0)),
+                int(m.get("treadle_engine_models", 0)),
+                int(m.get("treadle_tokens_trained_total", 0)),
+                int(m.get("treadle_tokens_sampled_total", 0)),
+                m.get("treadle_training_pass_calls_total", 0.0) / passes if passes else 0.0,
+                1e3 * m.get("treadle_queue_wait_seconds_sum", 0.0) / waits if waits else 0.0,
+                m.get("process_resident_memory_bytes", 0.0) / 2**20,
+            )
+        )
+    headers = ["process", "rpcs", "models", "tok trained", "tok sampled", "calls/pass"]
+    return table([*headers, "mean queue wait ms", "RSS MiB"], rows)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--clients", type=int, default=64)
@@ -353,6 +398,7 @@ def main() -> int:
                     dep, args.clients, args.calls, args.max_seconds, threading.Event()
                 )
             print(report(results, wall), flush=True)
+            print("\nfrom the processes' metrics endpoints\n\n" + engine_report(dep), flush=True)
             failed += sum(results.errors.values())
     return 0 if failed == 0 else 1
 
