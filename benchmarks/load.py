@@ -117,27 +117,32 @@ def _postgres() -> Iterator[str]:
 
 
 @contextmanager
-def deploy(path: str, model: Path, tmp: Path, workers: int) -> Iterator[Deployment]:
-    """``treadle serve`` (and, distributed, its workers) as subprocesses."""
+def deploy(
+    path: str, model: Path, tmp: Path, workers: int, json_logs: bool = False
+) -> Iterator[Deployment]:
+    """``treadle serve`` (and, distributed, its workers) as subprocesses; with
+    ``json_logs`` each logs every call (``-v --log-format json``) in ``tmp/path``."""
+    cli = (*CLI, "-v") if json_logs else CLI
+    logs = ("--log-format", "json") if json_logs else ()
     run = tmp / path
     run.mkdir(parents=True)
     port = _free_port()
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env.pop("TREADLE_API_KEY", None)
     serve = [
-        *CLI,
-        *("serve", "--model", f"tiny={model}", "--port", str(port), "--threads", "1"),
+        *cli,
+        *("serve", *logs, "--model", f"tiny={model}", "--port", str(port), "--threads", "1"),
         *("--data-dir", str(run / "server"), "--store", str(run / "checkpoints")),
         *("--quota-max-models", "0", "--quota-calls-in-flight", "0"),
         *("--metrics-port", "0"),
     ]
     procs: list[subprocess.Popen[bytes]] = []
     with ExitStack() as stack:
-        stack.callback(_stop, procs)
         database_url = ""
         if path == "distributed":
             database_url = stack.enter_context(_postgres())
             serve += ["--database-url", database_url, "--broker", REDIS]
+        stack.callback(_stop, procs)  # before the database is dropped (LIFO)
         log = run / "server.log"
         with open(log, "wb") as out:
             procs.append(subprocess.Popen(serve, stdout=out, stderr=subprocess.STDOUT, env=env))
@@ -148,8 +153,8 @@ def deploy(path: str, model: Path, tmp: Path, workers: int) -> Iterator[Deployme
             worker_id = f"load-w{i + 1}-{os.getpid()}"
             wlog = run / f"{worker_id}.log"
             cmd = [
-                *CLI,
-                *("worker", "--model", f"tiny={model}", "--broker", REDIS),
+                *cli,
+                *("worker", *logs, "--model", f"tiny={model}", "--broker", REDIS),
                 *("--database-url", database_url, "--store", str(run / "checkpoints")),
                 *("--data-dir", str(run / worker_id), "--worker-id", worker_id),
                 *("--threads", "1", "--heartbeat", "1", "--drain-timeout", "0"),
@@ -376,6 +381,11 @@ def main() -> int:
     parser.add_argument("--max-seconds", type=float, default=900, help="per path, at most")
     parser.add_argument("--soak", type=float, default=0, help="seconds of a soak instead")
     parser.add_argument("--sample-every", type=float, default=60.0)
+    parser.add_argument(
+        "--json-logs",
+        action="store_true",
+        help="every process logs each call as JSON (with its request id) in the run's folder",
+    )
     args = parser.parse_args()
 
     tmp = Path(tempfile.mkdtemp(prefix="treadle-bench-load-"))
@@ -384,7 +394,9 @@ def main() -> int:
     print(f"{os.cpu_count()} CPUs, load average {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}")
     failed = 0
     for path in [p for p in args.paths.split(",") if p]:
-        with deploy(path, model, tmp, args.workers) as dep:
+        with deploy(path, model, tmp, args.workers, args.json_logs) as dep:
+            if args.json_logs:
+                print(f"logs of the {path} path in {tmp / path}")
             if args.soak:
                 print(f"\n## soak, {path}: {args.clients} clients, {args.soak:g} s\n", flush=True)
                 text, results = soak(dep, args.clients, args.soak, args.sample_every)
