@@ -73,7 +73,7 @@ class JsonFormatter(logging.Formatter):
 
     def format(self, record: logging.LogRecord) -> str:
         out: dict[str, Any] = {
-            "ts": dt.datetime.fromtimestamp(record.created, dt.UTC).isoformat(
+            "ts": dt.datetime.fromtimestamp(record.created, dt.timezone.utc).isoformat(
                 timespec="milliseconds"
             ),
             "level": record.levelname,
