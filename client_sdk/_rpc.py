@@ -11,6 +11,7 @@ import os
 import random
 import threading
 import time
+import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, InvalidStateError
 from typing import Any, Generic, TypeVar
@@ -36,6 +37,10 @@ FIRST_PENDING_KEY = "treadle-first-pending-seq-id"
 ERROR_KIND_KEY = "treadle-error-kind"
 #: prefix of the fields such an error carries (``TreadleError.details``)
 ERROR_DETAIL_PREFIX = "treadle-detail-"
+#: client -> server on every call: an id made by the SDK for the call (the same
+#: for each of its retries), written on the log lines of the server and of the
+#: worker that served it, so one call can be followed end to end
+REQUEST_ID_KEY = "treadle-request-id"
 RETRYABLE = {"UNAVAILABLE", "RESOURCE_EXHAUSTED"}
 #: how long, in all, a call waits out quota refusals (RESOURCE_EXHAUSTED with a delay)
 QUOTA_WAIT_S = 600.0
@@ -57,6 +62,10 @@ def make_channel(address: str, root_certificates: bytes | None = None) -> grpc.C
         creds = grpc.ssl_channel_credentials(root_certificates=root_certificates)
         return grpc.secure_channel(address, creds, options=channel_options())
     return grpc.insecure_channel(address, options=channel_options())
+
+
+def new_request_id() -> str:
+    return uuid.uuid4().hex[:16]
 
 
 def error_trailers(err: TreadleError, instance: str = "") -> tuple[tuple[str, str], ...]:
@@ -134,6 +143,11 @@ class Caller:
         #: the server instance that answered last (``""``: none yet)
         self.server_instance = ""
 
+    def call_metadata(self) -> tuple[tuple[str, str], ...]:
+        """The metadata of one call made outside ``call`` (a stream): auth and a new
+        request id."""
+        return (*self.metadata, (REQUEST_ID_KEY, new_request_id()))
+
     def call(
         self,
         method: grpc.UnaryUnaryMultiCallable,
@@ -156,7 +170,9 @@ class Caller:
         extra = call.extra_metadata() if call.extra_metadata is not None else ()
         try:
             rpc = call.method.future(
-                call.request, timeout=self.timeout_s, metadata=(*self.metadata, *extra)
+                call.request,
+                timeout=self.timeout_s,
+                metadata=(*self.metadata, (REQUEST_ID_KEY, call.request_id), *extra),
             )
         except grpc.RpcError as err:  # pragma: no cover - synchronous failures are rare
             settle_once(out, error=error_from_rpc(err))
@@ -185,10 +201,11 @@ class Caller:
                 if delay is not None:
                     quota = error.code == "RESOURCE_EXHAUSTED"
                     log.warning(
-                        "treadle: %s; %s, retrying in %.2fs",
+                        "treadle: %s; %s, retrying in %.2fs (request %s)",
                         error,
                         "over quota" if quota else f"attempt {attempt + 1}",
                         delay,
+                        call.request_id,
                     )
                     timer = threading.Timer(
                         delay,
@@ -242,6 +259,7 @@ class _Attempt(Generic[T]):
         "recover",
         "recoveries",
         "request",
+        "request_id",
         "retry",
     )
 
@@ -258,6 +276,7 @@ class _Attempt(Generic[T]):
         self.method, self.request, self.convert, self.out = method, request, convert, out
         self.retry, self.extra_metadata, self.recover = retry, extra_metadata, recover
         self.recoveries = 0
+        self.request_id = new_request_id()  # one per call: its retries keep it
 
 
 def settle_once(

@@ -138,7 +138,7 @@ class SamplingClient:
         request.sampler_id = self._info.result().sampler_id
         caller = self._service._caller
         call = self._service._sampling.SampleStream(
-            request, timeout=caller.timeout_s, metadata=caller.metadata
+            request, timeout=caller.timeout_s, metadata=caller.call_metadata()
         )
         return SampleStream(call)
 
@@ -155,7 +155,7 @@ class SamplingClient:
         request.sampler_id = (await asyncio.wrap_future(self._info)).sampler_id
         caller = self._service._caller
         call = self._service._sampling.SampleStream(
-            request, timeout=caller.timeout_s, metadata=caller.metadata
+            request, timeout=caller.timeout_s, metadata=caller.call_metadata()
         )
         loop = asyncio.get_running_loop()
         items: asyncio.Queue[StreamedSample | BaseException | None] = asyncio.Queue()

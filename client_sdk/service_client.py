@@ -255,7 +255,8 @@ class ServiceClient:
         directory.mkdir(parents=True, exist_ok=True)
         files: dict[str, bytearray] = {}
         stream = self._server.GetTokenizer(
-            server_pb2.GetTokenizerRequest(base_model=base_model), metadata=self._caller.metadata
+            server_pb2.GetTokenizerRequest(base_model=base_model),
+            metadata=self._caller.call_metadata(),
         )
         try:
             for chunk in stream:

@@ -260,7 +260,7 @@ class TrainingClient:
         out.mkdir(parents=True, exist_ok=True)
         request = training_pb2.ExportWeightsRequest(model_id=self.model_id, merged=merged)
         stream = self._service._training.ExportWeights(
-            request, metadata=self._service._caller.metadata
+            request, metadata=self._service._caller.call_metadata()
         )
         files: dict[str, BinaryIO] = {}
         try:

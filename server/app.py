@@ -23,7 +23,8 @@ from treadle.server.db import make_engine, make_session_factory, queries, tenanc
 from treadle.server.db import models as db
 from treadle.server.dispatch import Dispatcher, InProcessDispatcher
 from treadle.server.info_servicer import InfoServicer
-from treadle.server.interceptors import DecodeInterceptor, ErrorInterceptor
+from treadle.server.interceptors import DecodeInterceptor, ErrorInterceptor, ObserveInterceptor
+from treadle.server.metrics import ServerMetrics
 from treadle.server.quotas import Quotas
 from treadle.server.restarts import RestorePoint
 from treadle.server.sampling_servicer import SamplingServicer
@@ -43,6 +44,7 @@ from treadle.v1 import (
 )
 from treadle.workers import engine_flags
 from treadle.workers.engine import Engine, EngineConfig
+from treadle.workers.metrics import EngineCollector
 
 log = logging.getLogger("treadle.server")
 
@@ -159,6 +161,10 @@ async def create_context(
         usage=usage,
         default_key=default_key,
     )
+    if config.metrics_port is not None:
+        ctx.metrics = ServerMetrics()
+        if isinstance(dispatcher, InProcessDispatcher):  # else each worker serves its engine's
+            ctx.metrics.registry.register(EngineCollector(dispatcher.engine))
     restored = await restore_models(ctx)
     if restored:
         log.info("restored %d model(s) from their last checkpoints", restored)
@@ -170,9 +176,11 @@ async def create_server(
 ) -> tuple[grpc.aio.Server, int, ServerContext]:
     ctx = await create_context(config, dispatcher)
     server = grpc.aio.server(
-        # ErrorInterceptor first: it answers for whatever the ones after it raise.
+        # ObserveInterceptor first: it times, counts and logs every answer, errors too.
+        # ErrorInterceptor next: it answers for whatever the ones after it raise.
         # DecodeInterceptor last: a request that does not parse is refused after auth.
         interceptors=[
+            ObserveInterceptor(ctx.metrics),
             ErrorInterceptor(ctx.instance_id),
             AuthInterceptor(ctx.auth),
             DecodeInterceptor(),
@@ -195,5 +203,7 @@ async def create_server(
         raise OSError(f"could not bind {config.host}:{config.port}")
     if ctx.usage is not None:  # written to the database every usage_flush_s; closed at stop
         ctx.usage.start()
+    if ctx.metrics is not None and config.metrics_port is not None:
+        ctx.metrics.serve(config.metrics_host, config.metrics_port)  # closed by ctx.metrics.close()
     ctx.lifecycle.start()  # the idle-model sweeper (stopped by ctx.lifecycle.stop())
     return server, port, ctx

@@ -31,6 +31,7 @@ import grpc
 from sqlalchemy.orm import Session, sessionmaker
 
 from treadle.errors import InvalidArgumentError, UnauthenticatedError
+from treadle.server.call_record import note_tenant
 from treadle.server.db import queries, tenancy
 
 log = logging.getLogger("treadle.server")
@@ -176,6 +177,7 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
     def _unary(self, behavior: Callable[..., Any]) -> Callable[..., Awaitable[Any]]:
         async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> Any:
             token = _current_tenant.set(self.auth.authenticate(context.invocation_metadata()))
+            note_tenant(_current_tenant.get() or "")
             try:
                 return await behavior(request, context)
             finally:
@@ -186,6 +188,7 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
     def _stream(self, behavior: Callable[..., AsyncIterator[Any]]) -> Callable[..., Any]:
         async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
             token = _current_tenant.set(self.auth.authenticate(context.invocation_metadata()))
+            note_tenant(_current_tenant.get() or "")
             try:
                 async for item in behavior(request, context):
                     yield item

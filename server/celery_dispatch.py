@@ -88,6 +88,7 @@ from treadle.workers.domain import (
     SaveResult,
     StreamedSequence,
 )
+from treadle.workers.logs import current_request_id
 from treadle.workers.model.config import ModelConfig
 from treadle.workers.pass_stats import PassStats
 from treadle.workers.sampler import SamplerStats
@@ -461,6 +462,8 @@ class CeleryDispatcher:
                 self.app.send_task(
                     TASK,
                     args=[cid, self._reply_to, kind, codec.encode(args)],
+                    # the SDK's id of the call, on the worker's log lines of it
+                    kwargs={"request_id": current_request_id()},
                     queue=worker_queue(worker_id),
                     declare=[],  # the worker declared it; a gone worker's stays gone
                     retry=True,

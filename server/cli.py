@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import os
 import signal
 import sys
@@ -12,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from treadle.errors import TreadleError
+from treadle.workers.logs import configure_logging
 
 if TYPE_CHECKING:
     import grpc
@@ -41,6 +41,11 @@ def _serve(args: argparse.Namespace) -> int:
             flush=True,
         )
         _print_key(ctx)
+        if ctx.metrics is not None and ctx.metrics.endpoint is not None:
+            print(
+                f"treadle: metrics on http://{config.metrics_host}:{ctx.metrics.endpoint.port}/metrics",
+                flush=True,
+            )
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
 
@@ -79,6 +84,8 @@ async def graceful_stop(server: grpc.aio.Server, ctx: ServerContext) -> None:
     if ctx.usage is not None:
         await ctx.usage.close()  # the last usage counters
     ctx.dispatcher.close()
+    if ctx.metrics is not None:
+        ctx.metrics.close()
     if ctx.dispatcher.engine_in_process:
         print(f"treadle: stopped; {len(idle) + len(forced)} model(s) checkpointed", flush=True)
 
@@ -144,7 +151,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="treadle", description="Self-hosted RL training-as-a-service for LLMs"
     )
-    parser.add_argument("-v", "--verbose", action="store_true")
+    parser.add_argument(
+        "-v", "--verbose", action="store_true", help="log at INFO: one line per call answered"
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser(
@@ -192,9 +201,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=logging.INFO if args.verbose else logging.WARNING,
-        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+    configure_logging(
+        getattr(args, "log_format", "text"), verbose=args.verbose, process=args.command
     )
     try:
         return int(args.fn(args))

@@ -18,6 +18,7 @@ from treadle.workers.engine_flags import (
     check_engine_settings,
     engine_settings,
 )
+from treadle.workers.logs import add_observe_flags, metrics_port_of
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1", "[::1]")
 
@@ -80,10 +81,15 @@ class ServerConfig:
     quota_tokens_per_request: int = 262_144
     quota_tokens_per_minute: int = 20_000_000
     usage_flush_s: float = 2.0  # how often usage counters are written to the database
+    #: Prometheus metrics on http://metrics_host:metrics_port/metrics (None: off; 0: any port)
+    metrics_port: int | None = None
+    metrics_host: str = "127.0.0.1"
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
             raise InvalidArgumentError(f"port: {self.port} is not a TCP port")
+        if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
+            raise InvalidArgumentError(f"metrics_port: {self.metrics_port} is not a TCP port")
         check_engine_settings(self)
         for name, positive in (
             ("max_message_bytes", self.max_message_bytes >= 4 * 1024 * 1024),
@@ -200,6 +206,7 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
         help="default: SQLite in the data dir; PostgreSQL: postgresql+psycopg://...",
     )
     add_engine_flags(parser)
+    add_observe_flags(parser)
     parser.add_argument(
         "--tls-cert",
         default=env("TREADLE_TLS_CERT", ""),
@@ -323,4 +330,6 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         store=args.store,
         s3_endpoint_url=args.s3_endpoint_url,
         worker_timeout_s=args.worker_timeout,
+        metrics_port=metrics_port_of(args),
+        metrics_host=args.metrics_host,
     )

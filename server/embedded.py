@@ -90,6 +90,8 @@ class EmbeddedServer:
                 self._run(self.ctx.usage.close())
             if self.ctx is not None:
                 self.ctx.dispatcher.close()
+                if self.ctx.metrics is not None:
+                    self.ctx.metrics.close()
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(5)
 

@@ -1,20 +1,31 @@
-"""gRPC interceptors: the one place domain errors become gRPC status codes, and
-the one place every answer is stamped with the server instance that gave it
-(so a client learns at once that the server it talks to restarted)."""
+"""gRPC interceptors: the one place domain errors become gRPC status codes, the
+one place every answer is stamped with the server instance that gave it (so a
+client learns at once that the server it talks to restarted), and the one place
+each call is timed, counted and given its request id for the logs."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
 
-from treadle._rpc import INSTANCE_KEY, error_trailers
+from treadle._rpc import INSTANCE_KEY, REQUEST_ID_KEY, error_trailers, new_request_id
 from treadle.errors import InvalidArgumentError, TreadleError
+from treadle.server.call_record import (
+    CallRecord,
+    reset_current_call,
+    set_current_call,
+)
+from treadle.server.metrics import ServerMetrics, rpc_name
+from treadle.workers.logs import request_context
 
 log = logging.getLogger("treadle.server")
+#: one line per answered RPC, at INFO
+access = logging.getLogger("treadle.server.access")
 
 
 def status_code(err: TreadleError) -> grpc.StatusCode:
@@ -160,3 +171,116 @@ class DecodeInterceptor(grpc.aio.ServerInterceptor):
 
             return handler._replace(request_deserializer=tolerant, unary_stream=stream)
         return handler
+
+
+class ObserveInterceptor(grpc.aio.ServerInterceptor):
+    """Outermost: each call's request id (the SDK's, or a new one) set for every
+    log line written while it is answered, one access line at INFO when it ends
+    (method, status, tenant, milliseconds), and, with ``metrics``, its count and
+    latency. The tenant comes from ``AuthInterceptor`` (``server.call_record``)."""
+
+    def __init__(self, metrics: ServerMetrics | None = None) -> None:
+        self.metrics = metrics
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return handler
+        rpc = rpc_name(handler_call_details.method)
+        if handler.unary_unary is not None:
+            return handler._replace(unary_unary=self._unary(handler.unary_unary, rpc))
+        if handler.unary_stream is not None:
+            return handler._replace(unary_stream=self._stream(handler.unary_stream, rpc))
+        return handler
+
+    def _begin(self, rpc: str, context: grpc.aio.ServicerContext) -> CallRecord:
+        request_id = ""
+        for key, value in context.invocation_metadata() or ():
+            if key == REQUEST_ID_KEY:
+                request_id = _clean_request_id(value)
+                break
+        if self.metrics is not None:
+            self.metrics.started()
+        return CallRecord(rpc, request_id or new_request_id())
+
+    def _end(
+        self, record: CallRecord, context: grpc.aio.ServicerContext, t0: float, status: str
+    ) -> None:
+        seconds = time.perf_counter() - t0
+        if status == "":
+            status = _status_name(context)
+        if self.metrics is not None:
+            self.metrics.observe(record.rpc, status, record.tenant, seconds)
+        access.info(
+            "%s %s %.1f ms",
+            record.rpc,
+            status,
+            seconds * 1e3,
+            extra={
+                "rpc": record.rpc,
+                "status": status,
+                "tenant": record.tenant,
+                "duration_ms": round(seconds * 1e3, 3),
+                "request_id": record.request_id,
+            },
+        )
+
+    def _unary(self, behavior: Callable[..., Any], rpc: str) -> Callable[..., Awaitable[Any]]:
+        async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            record = self._begin(rpc, context)
+            token = set_current_call(record)
+            t0, status = time.perf_counter(), ""
+            try:
+                with request_context(record.request_id):
+                    return await behavior(request, context)
+            except asyncio.CancelledError:
+                status = "CANCELLED"
+                raise
+            finally:
+                self._end(record, context, t0, status)
+                reset_current_call(token)
+
+        return wrapped
+
+    def _stream(
+        self, behavior: Callable[..., AsyncIterator[Any]], rpc: str
+    ) -> Callable[..., AsyncIterator[Any]]:
+        async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            record = self._begin(rpc, context)
+            token = set_current_call(record)
+            t0, status = time.perf_counter(), ""
+            try:
+                with request_context(record.request_id):
+                    async for item in behavior(request, context):
+                        yield item
+            except (asyncio.CancelledError, GeneratorExit):
+                status = "CANCELLED"
+                raise
+            finally:
+                self._end(record, context, t0, status)
+                reset_current_call(token)
+
+        return wrapped
+
+
+def _clean_request_id(value: str | bytes) -> str:
+    """At most 64 printable characters of the caller's id (it goes into logs)."""
+    text = value.decode("ascii", "replace") if isinstance(value, bytes) else str(value)
+    return "".join(c for c in text[:64] if c.isalnum() or c in "-_.:")
+
+
+def _status_name(context: grpc.aio.ServicerContext) -> str:
+    """The status the call ended with: what an abort set, else OK."""
+    code = context.code()
+    if code is None:
+        return "OK"
+    if isinstance(code, grpc.StatusCode):
+        return code.name
+    for member in grpc.StatusCode:
+        if member.value[0] == code:
+            return member.name
+    return str(code)

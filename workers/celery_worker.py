@@ -61,6 +61,13 @@ from treadle.workers.domain import (
 )
 from treadle.workers.engine import Engine
 from treadle.workers.engine_flags import engine_config
+from treadle.workers.logs import request_context
+from treadle.workers.metrics import (
+    EngineCollector,
+    MetricsEndpoint,
+    process_registry,
+    serve_metrics,
+)
 from treadle.workers.staging import StagedEngine
 from treadle.workers.worker_config import WorkerConfig
 
@@ -157,21 +164,41 @@ class Worker:
 
     # ---- the task ----------------------------------------------------------------------
 
-    def handle(self, cid: str, reply_to: str, kind: str, payload: bytes) -> None:
-        """Hand the call to the engine and return; the reply goes out when it resolves."""
+    def handle(
+        self, cid: str, reply_to: str, kind: str, payload: bytes, request_id: str = ""
+    ) -> None:
+        """Hand the call to the engine and return; the reply goes out when it resolves.
+        ``request_id``: the SDK's id of the call, on this worker's log lines of it."""
+        with request_context(request_id):
+            self._handle(cid, reply_to, kind, payload, request_id)
+
+    def _handle(self, cid: str, reply_to: str, kind: str, payload: bytes, request_id: str) -> None:
         model_id: str | None = None
+        t0 = time.perf_counter()
         try:
             args = codec.decode(payload)
             if kind == "sample_stream":
+                log.info("call %s: %s", cid, kind, extra={"kind": kind})
                 self._stream(cid, reply_to, *args)
                 return
             model_id, fut = self._start(kind, args)
         except Exception as err:
+            log.info("call %s: %s refused: %s", cid, kind, err, extra={"kind": kind})
             self.replies.put(reply_to, cid, err, model_id)
             return
+        log.info("call %s: %s", cid, kind, extra={"kind": kind, "model_id": model_id or ""})
         self._count_call(1)
 
         def reply(f: Future[Any]) -> None:
+            err = f.exception() if not f.cancelled() else None
+            log.info(  # on the engine's thread: the id goes explicitly
+                "call %s: %s answered %s in %.1f ms",
+                cid,
+                kind,
+                "OK" if err is None else getattr(err, "code", type(err).__name__),
+                (time.perf_counter() - t0) * 1e3,
+                extra={"request_id": request_id, "kind": kind, "model_id": model_id or ""},
+            )
             self.replies.put(reply_to, cid, f, model_id)
             self._count_call(-1)
 
@@ -386,16 +413,34 @@ class Worker:
             time.sleep(0.1)
         os.kill(os.getpid(), signal.SIGTERM)  # to the main thread: Celery's warm shutdown
 
+    def _serve_metrics(self) -> MetricsEndpoint | None:
+        """This worker's engine on ``--metrics-port`` (None: off)."""
+        if self.config.metrics_port is None:
+            return None
+        registry = process_registry()
+        registry.register(EngineCollector(self.engine))
+        endpoint = serve_metrics(registry, self.config.metrics_host, self.config.metrics_port)
+        print(
+            f"treadle worker {self.worker_id}: metrics on "
+            f"http://{self.config.metrics_host}:{endpoint.port}/metrics",
+            flush=True,
+        )
+        return endpoint
+
     def _outstanding(self) -> tuple[list[str], int]:
         """The models still hosted here, and the calls not answered yet."""
         with self._hosted_lock:
             return sorted(self.hosted), self._calls
 
     def run(self) -> int:
-        from celery.signals import worker_ready, worker_shutting_down
+        from celery.signals import setup_logging, worker_ready, worker_shutting_down
 
+        # Logging is ours (``treadle.workers.logs``: level, text or JSON); a receiver
+        # of this signal keeps Celery from configuring the root logger its way.
+        setup_logging.connect(lambda **_: None, weak=False)
         self._wait_for_schema()
         self.engine.start()
+        metrics = self._serve_metrics()
         self.replies.start()
         worker_ready.connect(lambda **_: self._on_ready(), weak=False)
         # A stopping worker stops heart-beating at once: servers fail its calls
@@ -421,6 +466,8 @@ class Worker:
             self.replies.stop()
             self.staged.stop()
             self.db.dispose()
+            if metrics is not None:
+                metrics.close()
         return int(getattr(celery_worker, "exitcode", 0) or 0)
 
 

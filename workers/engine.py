@@ -41,6 +41,7 @@ from treadle.errors import (
 from treadle.workers import checkpoint, device, export, reference, trainer
 from treadle.workers.base_models import BaseModel, BaseModelRegistry, parse_dtype
 from treadle.workers.batching import BatchCall, batch_key, batchable, run_batch
+from treadle.workers.call_stats import CallStats
 from treadle.workers.domain import (
     AutoCheckpoint,
     ForwardBackwardOp,
@@ -142,6 +143,7 @@ class Engine:
         self.versions = VersionStore(config.keep_versions)
         self.threads = ThreadChoice(config.training_threads)
         self.passes = PassCounter()
+        self.call_stats = CallStats()
         self.models: dict[str, TrainingModel] = {}
         self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._stopping = threading.Event()
@@ -288,6 +290,11 @@ class Engine:
         """How the training passes were shared so far, per base model (thread-safe)."""
         return self.passes.snapshot()
 
+    def model_count(self) -> int:
+        """Training models on this engine now (thread-safe)."""
+        with self._status_lock:
+            return len(self._status)
+
     def check_sampler_target(self, target: SamplerTarget) -> Future[int]:
         """Resolve a sampler target now (NOT_FOUND if its weights are gone); the version."""
         return self._on_engine(lambda: self._snapshot(target).version)
@@ -430,6 +437,7 @@ class Engine:
         seq_id = self._clean_seq.get(model_id, self.scheduler.next_seq_id(model_id) - 1)
         directory.parent.mkdir(parents=True, exist_ok=True)
         saved = checkpoint.save_state(model, directory, seq_id)
+        self.call_stats.checkpoint(saved.size_bytes)
         self._delete_model(model_id)
         return saved
 
@@ -461,10 +469,12 @@ class Engine:
     def _admit(self, call: OrderedCall) -> None:
         outcome = self.scheduler.submit(call)
         fut: Future[Any] = call.handle
-        if (
-            outcome.admission is Admission.QUEUED
-            or outcome.admission is Admission.DUPLICATE_PENDING
-        ):
+        if outcome.admission is Admission.QUEUED:
+            model = self.models.get(call.model_id)
+            tenant = model.spec.tenant_id if model is not None else ""
+            self.call_stats.queued(call.model_id, call.seq_id, tenant, call.arrived_at)
+            return
+        if outcome.admission is Admission.DUPLICATE_PENDING:
             return
         if outcome.admission is Admission.DUPLICATE_DONE:
             _settle(fut, outcome.recorded)
@@ -496,6 +506,7 @@ class Engine:
 
     def _execute(self, call: OrderedCall) -> None:
         model = self.models[call.model_id]
+        self.call_stats.started(call.model_id, call.seq_id)
         t0 = time.perf_counter()
         outcome: Any
         try:
@@ -537,6 +548,8 @@ class Engine:
             if len(members) == 1:
                 self._execute(members[0][0])
                 continue
+            for call, _ in members:
+                self.call_stats.started(call.model_id, call.seq_id)
             t0 = time.perf_counter()
             batch = [BatchCall(model, call.payload) for call, model in members]
             tokens = sum(call.cost for call, _ in members)
@@ -558,6 +571,8 @@ class Engine:
         self.passes.record(model.spec.base_model, model.spec.dtype, calls, tokens)
 
     def _resolve(self, call: OrderedCall, outcome: Any, *, record: bool) -> None:
+        if not record:  # answered without running
+            self.call_stats.dropped(call.model_id, call.seq_id)
         if record:
             self.scheduler.complete(call, outcome)
             model = self.models.get(call.model_id)
@@ -591,6 +606,7 @@ class Engine:
         if isinstance(op, SaveStateOp):
             result = checkpoint.save_state(model, op.directory, seq_id)
             model.last_checkpoint_seq_id = seq_id
+            self.call_stats.checkpoint(result.size_bytes)
             return result
         if isinstance(op, LoadStateOp):
             return checkpoint.load_state(model, op.directory)
@@ -619,6 +635,7 @@ class Engine:
         directory.parent.mkdir(parents=True, exist_ok=True)
         saved = checkpoint.save_state(model, directory, seq_id)
         model.last_checkpoint_seq_id = seq_id
+        self.call_stats.checkpoint(saved.size_bytes)
         auto = AutoCheckpoint(str(directory), seq_id, saved.step, saved.size_bytes)
         return replace(result, auto_checkpoint=auto)
 

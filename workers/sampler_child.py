@@ -16,6 +16,7 @@ from torch import Tensor
 
 from treadle.workers.base_models import BaseModel
 from treadle.workers.domain import SampleResult
+from treadle.workers.logs import configure_logging
 from treadle.workers.model.llama import LlamaParams
 from treadle.workers.model.lora import LoraAdapter
 from treadle.workers.sampler_backend import ResumeRequest, SampleRequest
@@ -44,9 +45,15 @@ from treadle.workers.versions import WeightSnapshot
 
 
 def child_main(
-    inbox: Connection, outbox: Connection, limits: SamplerLimits, threads: int, level: int
+    inbox: Connection,
+    outbox: Connection,
+    limits: SamplerLimits,
+    threads: int,
+    level: int,
+    log_format: str = "text",
 ) -> None:
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(log_format, process="sampler")
+    logging.getLogger().setLevel(level)
     if threads > 0:
         torch.set_num_threads(threads)
     outbox.send(Ready(os.getppid()))

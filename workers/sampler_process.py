@@ -55,6 +55,7 @@ from torch import Tensor
 from treadle.errors import InternalError, TreadleError, UnavailableError
 from treadle.workers.base_models import BaseModel
 from treadle.workers.domain import SampleResult
+from treadle.workers.logs import current_log_format
 from treadle.workers.model.config import ModelConfig
 from treadle.workers.sampler_backend import (
     EngineThread,
@@ -155,6 +156,7 @@ class ProcessTorchBackend:
                 self.limits,
                 self.torch_threads,
                 log.getEffectiveLevel(),
+                current_log_format(),
             ),
             name="treadle-sampler",
             daemon=True,

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from treadle.errors import InvalidArgumentError
 from treadle.workers.engine_flags import add_engine_flags, check_engine_settings, engine_settings
+from treadle.workers.logs import add_observe_flags, metrics_port_of
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,9 @@ class WorkerConfig:
     activation_checkpointing: bool = False  # as ServerConfig's
     train_memory_limit_bytes: int = 0  # as ServerConfig's
     auto_checkpoint_steps: int = 0
+    #: Prometheus metrics on http://metrics_host:metrics_port/metrics (None: off; 0: any port)
+    metrics_port: int | None = None
+    metrics_host: str = "127.0.0.1"
 
     def __post_init__(self) -> None:
         from treadle.server.db.session import parse_database_url
@@ -110,6 +114,7 @@ def add_worker_flags(parser: argparse.ArgumentParser) -> None:
         "SIGTERM, or SIGINT, stops at once too)",
     )
     add_engine_flags(parser)
+    add_observe_flags(parser)
 
 
 def worker_config_from_args(args: argparse.Namespace) -> WorkerConfig:
@@ -130,4 +135,6 @@ def worker_config_from_args(args: argparse.Namespace) -> WorkerConfig:
         heartbeat_s=args.heartbeat,
         drain_timeout_s=args.drain_timeout,
         **engine_settings(args),
+        metrics_port=metrics_port_of(args),
+        metrics_host=args.metrics_host,
     )

@@ -8,6 +8,7 @@ from __future__ import annotations
 import datetime as dt
 import ipaddress
 import logging
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -30,6 +31,7 @@ from treadle.server.auth import hash_key
 from treadle.server.embedded import EmbeddedServer
 from treadle.server.store import LocalStore, check_name, parse_state_uri
 from treadle.v1 import training_pb2, training_pb2_grpc
+from treadle.workers.logs import JsonFormatter
 
 BAD_NAMES = [
     "..",
@@ -110,9 +112,11 @@ def test_keys_never_reach_a_log(
     capfd: pytest.CaptureFixture[str],
 ) -> None:
     """A run with keys, good and bad calls, a key of another tenant; every log line
-    (treadle.*, grpc, anything at DEBUG) and the process's output are grepped."""
+    (treadle.*, grpc, anything at DEBUG), as text and as the JSON lines of
+    ``--log-format json`` (with their request ids and extra fields), the
+    process's output and the metrics endpoint are grepped."""
     caplog.set_level(logging.DEBUG)
-    srv = make_server(tmp_path, {"tiny": tiny_model_dir}, auth_cache_s=0)
+    srv = make_server(tmp_path, {"tiny": tiny_model_dir}, auth_cache_s=0, metrics_port=0)
     try:
         assert srv.api_key is not None
         other = tenant_key(srv, "sec-logs")
@@ -130,11 +134,21 @@ def test_keys_never_reach_a_log(
             pytest.raises(TreadleError),
         ):
             client.list_models()
+        assert srv.ctx is not None and srv.ctx.metrics is not None
+        assert srv.ctx.metrics.endpoint is not None
+        url = f"http://127.0.0.1:{srv.ctx.metrics.endpoint.port}/metrics"
+        with urllib.request.urlopen(url, timeout=30) as r:
+            scraped = r.read().decode()
     finally:
         srv.stop()
     out, err = capfd.readouterr()
+    as_json = JsonFormatter("serve")
+    json_lines = [as_json.format(r) for r in caplog.records]
     text = "\n".join(r.getMessage() for r in caplog.records) + out + err
+    text += "\n".join(json_lines) + scraped
     assert caplog.records, "nothing was logged: the check would pass vacuously"
+    assert any('"request_id"' in line for line in json_lines)
+    assert "treadle_rpc_calls_total" in scraped
     for secret in (srv.api_key, other, wrong):
         assert secret not in text
         assert secret[len("tdl-") :] not in text
