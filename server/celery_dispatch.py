@@ -52,6 +52,7 @@ from typing import Any
 from kombu import Connection
 from sqlalchemy.orm import Session, sessionmaker
 
+from treadle.common.store import Store, storage_path_str
 from treadle.errors import (
     AbortedError,
     FailedPreconditionError,
@@ -64,7 +65,6 @@ from treadle.server import convert
 from treadle.server.db import models as db
 from treadle.server.db import workers as wq
 from treadle.server.dispatch import stream_items
-from treadle.server.store import Store, storage_path_str
 from treadle.workers import codec
 from treadle.workers.base_models import BaseModelRegistry
 from treadle.workers.celery_app import (

@@ -138,7 +138,7 @@ class ServerConfig:
 
             check_broker_url(self.broker)
         if self.store.startswith("s3:"):
-            from treadle.server.s3_store import parse_s3_url
+            from treadle.common.s3_store import parse_s3_url
 
             parse_s3_url(self.store)
         elif "://" in self.store:

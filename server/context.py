@@ -13,6 +13,7 @@ import grpc
 from sqlalchemy import Connection
 from sqlalchemy.orm import Session, sessionmaker
 
+from treadle.common.store import Store
 from treadle.errors import NotFoundError
 from treadle.server.auth import Authenticator, DefaultKey, current_tenant
 from treadle.server.config import ServerConfig
@@ -20,7 +21,6 @@ from treadle.server.db import models as db
 from treadle.server.db import queries
 from treadle.server.dispatch import Dispatcher
 from treadle.server.quotas import QuotaLimits, Quotas
-from treadle.server.store import Store
 from treadle.server.usage import UsageMeter
 
 if TYPE_CHECKING:

@@ -129,8 +129,8 @@ class Replier:
 
 class Worker:
     def __init__(self, config: WorkerConfig) -> None:
+        from treadle.common.store import make_store
         from treadle.server.db import make_engine, make_session_factory
-        from treadle.server.store import make_store
 
         self.config = config
         self.worker_id = config.worker_id or f"w-{socket.gethostname()}-{secrets.token_hex(4)}"

@@ -42,7 +42,7 @@ from treadle.workers.domain import (
 from treadle.workers.engine import Engine
 
 if TYPE_CHECKING:
-    from treadle.server.store import Store
+    from treadle.common.store import Store
 
 log = logging.getLogger("treadle.engine")
 T = TypeVar("T")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 from typing import cast
 
+from treadle.common.store import check_name, state_uri, weights_uri
 from treadle.errors import InvalidArgumentError
 from treadle.server import references
 from treadle.server.context import ServerContext
@@ -20,7 +21,6 @@ from treadle.server.db import queries
 from treadle.server.service.checkpoints import CheckpointService
 from treadle.server.service.ordered import Admission, OrderedCalls
 from treadle.server.service.types import OrderedCall, Parsed, SavedState, SyncOutcome, unwrap
-from treadle.server.store import check_name, state_uri, weights_uri
 from treadle.workers.domain import (
     AdamConfig,
     ForwardBackwardOp,

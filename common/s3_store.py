@@ -21,8 +21,8 @@ from boto3.s3.transfer import TransferConfig
 from botocore.config import Config as BotoConfig
 from botocore.exceptions import BotoCoreError, ClientError
 
+from treadle.common.store import storage_path_str
 from treadle.errors import InvalidArgumentError, NotFoundError, UnavailableError
-from treadle.server.store import storage_path_str
 
 PART_BYTES = 8 * 1024 * 1024
 MANIFEST = "manifest.json"
