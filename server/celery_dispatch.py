@@ -52,6 +52,8 @@ from typing import Any
 from kombu import Connection
 from sqlalchemy.orm import Session, sessionmaker
 
+from treadle.common.db import models as db
+from treadle.common.db import workers as wq
 from treadle.common.store import Store, storage_path_str
 from treadle.errors import (
     AbortedError,
@@ -62,8 +64,6 @@ from treadle.errors import (
     UnavailableError,
 )
 from treadle.server import convert
-from treadle.server.db import models as db
-from treadle.server.db import workers as wq
 from treadle.server.dispatch import stream_items
 from treadle.workers import codec
 from treadle.workers.base_models import BaseModelRegistry

@@ -130,7 +130,7 @@ class ServerConfig:
     def _check_urls(self) -> None:
         """Malformed URLs fail at start-up with what to write instead."""
         if self.database_url:
-            from treadle.server.db.session import parse_database_url
+            from treadle.common.db.engine import parse_database_url
 
             parse_database_url(self.database_url)
         if self.broker:

@@ -44,7 +44,7 @@ class WorkerConfig:
     auto_checkpoint_steps: int = 0
 
     def __post_init__(self) -> None:
-        from treadle.server.db.session import parse_database_url
+        from treadle.common.db.engine import parse_database_url
         from treadle.workers.celery_app import check_broker_url
 
         if not self.models:

@@ -13,9 +13,8 @@ from sqlalchemy import func, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
+from treadle.common.db.models import ApiKey, Checkpoint, Model, Tenant, Usage, utcnow
 from treadle.errors import NotFoundError
-
-from .models import ApiKey, Checkpoint, Model, Tenant, Usage, utcnow
 
 QUOTA_FIELDS = ("max_models", "max_calls_in_flight", "max_tokens_per_request", "tokens_per_minute")
 
