@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -17,6 +17,7 @@ from treadle.workers.engine_flags import (
     add_engine_flags,
     check_engine_settings,
     engine_settings,
+    parse_models,
 )
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1", "[::1]")
@@ -166,17 +167,6 @@ class ServerConfig:
 
     def with_(self, **changes: object) -> ServerConfig:
         return replace(self, **changes)  # type: ignore[arg-type]
-
-
-def parse_models(values: Sequence[str]) -> dict[str, Path]:
-    """``--model DIR`` (named after the directory) or ``--model NAME=DIR``."""
-    models: dict[str, Path] = {}
-    for value in values:
-        name, sep, path = value.partition("=")
-        if not sep:
-            name, path = Path(value).name, value
-        models[name] = Path(path)
-    return models
 
 
 def add_server_flags(parser: argparse.ArgumentParser) -> None:

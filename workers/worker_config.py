@@ -10,7 +10,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from treadle.errors import InvalidArgumentError
-from treadle.workers.engine_flags import add_engine_flags, check_engine_settings, engine_settings
+from treadle.workers.engine_flags import (
+    add_engine_flags,
+    check_engine_settings,
+    engine_settings,
+    parse_models,
+)
 
 
 @dataclass(frozen=True)
@@ -111,8 +116,6 @@ def add_worker_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def worker_config_from_args(args: argparse.Namespace) -> WorkerConfig:
-    from treadle.server.config import parse_models
-
     model_values = list(args.model)
     if not model_values and os.environ.get("TREADLE_MODELS"):
         model_values = [m for m in os.environ["TREADLE_MODELS"].split(",") if m]
