@@ -147,7 +147,7 @@ class S3Store:
     # ---- reads and deletes -------------------------------------------------------------
 
     def read_manifest(self, storage_path: str) -> dict[str, Any]:
-        from treadle.workers.checkpoint import read_manifest
+        from treadle.common.manifest import read_manifest
 
         key = self._key(storage_path)
         with tempfile.TemporaryDirectory(dir=self.local_root) as tmp:

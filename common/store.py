@@ -123,7 +123,7 @@ class LocalStore:
         pass
 
     def read_manifest(self, storage_path: str) -> dict[str, Any]:
-        from treadle.workers.checkpoint import read_manifest
+        from treadle.common.manifest import read_manifest
 
         return read_manifest(storage_path)
 
