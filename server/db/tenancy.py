@@ -190,7 +190,7 @@ def usage_report(s: Session, tenant_id: str | None = None) -> list[UsageLine]:
             )
         )
     if stored:  # models with checkpoints but no usage recorded (e.g. from before 0002)
-        bases = dict(
+        bases: dict[str, str] = dict(
             s.execute(
                 select(Model.id, Model.base_model).where(Model.id.in_(m for _, m in stored))
             ).all()
