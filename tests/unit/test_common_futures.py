@@ -50,5 +50,5 @@ def test_outcome_of_passes_treadle_errors_and_wraps_bugs(caplog: pytest.LogCaptu
     with caplog.at_level(logging.ERROR, logger="treadle.test"):
         err = outcome_of(bug, "store", log)
     assert isinstance(err, InternalError)
-    assert str(err) == "store: KeyError: 'k'"
+    assert err.message == "store: KeyError: 'k'"
     assert "store failed" in caplog.text and "Traceback" in caplog.text
