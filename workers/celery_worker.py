@@ -41,7 +41,6 @@ from treadle.errors import (
     FailedPreconditionError,
     InvalidArgumentError,
     ResourceExhaustedError,
-    TreadleError,
     UnavailableError,
 )
 from treadle.workers import codec
@@ -433,8 +432,4 @@ def _status_query(worker_id: str) -> Any:
 
 
 def run_worker(config: WorkerConfig) -> int:
-    try:
-        worker = Worker(config)
-    except TreadleError:
-        raise
-    return worker.run()
+    return Worker(config).run()

@@ -20,7 +20,7 @@ import traceback
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -114,7 +114,6 @@ class EngineConfig:
     #: save the state every N optimizer steps (0 = off) under auto_checkpoint_root/<tenant>/<model>/auto
     auto_checkpoint_steps: int = 0
     auto_checkpoint_root: str | Path | None = None
-    extra: Mapping[str, Any] = field(default_factory=dict)
 
 
 class Engine:
