@@ -26,6 +26,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from treadle.common.futures import settle
 from treadle.errors import (
     AbortedError,
     FailedPreconditionError,
@@ -500,7 +501,7 @@ class Engine:
         ):
             return
         if outcome.admission is Admission.DUPLICATE_DONE:
-            _settle(fut, outcome.recorded)
+            settle(fut, outcome.recorded)
         elif outcome.admission is Admission.UNKNOWN_MODEL:
             fut.set_exception(NotFoundError(outcome.message))
         else:  # CONFLICT, EXPIRED
@@ -593,7 +594,7 @@ class Engine:
                 else:
                     self._clean_seq.pop(call.model_id, None)
         for handle in (call.handle, *call.followers):
-            _settle(handle, outcome)
+            settle(handle, outcome)
 
     def _apply(self, model: TrainingModel, seq_id: int, op: OrderedOp) -> OpResult:
         if isinstance(op, RejectedOp):
@@ -795,15 +796,6 @@ def _who(target: SamplerTarget) -> dict[str, Any]:
 
 def _holds_gradients(model: TrainingModel) -> bool:
     return any(p.grad is not None for p in model.trainable.values())
-
-
-def _settle(fut: Future[Any], outcome: Any) -> None:
-    if fut.done():
-        return
-    if isinstance(outcome, BaseException):
-        fut.set_exception(outcome)
-    else:
-        fut.set_result(outcome)
 
 
 def _with_compute(outcome: Any, seconds: float) -> Any:
