@@ -52,9 +52,7 @@ def loss_fn_to_wire(name: str) -> int:
         raise InvalidArgumentError(f"loss_fn: unknown loss {name!r}; known: {known}") from None
 
 
-def datums_to_wire(
-    data: Sequence[Datum], out: list[common_pb2.Datum] | None = None
-) -> list[common_pb2.Datum]:
+def datums_to_wire(data: Sequence[Datum]) -> list[common_pb2.Datum]:
     msgs = []
     for datum in data:
         if not isinstance(datum, Datum):

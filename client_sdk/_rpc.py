@@ -10,7 +10,6 @@ import logging
 import os
 import random
 import threading
-import time
 import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, InvalidStateError
@@ -290,9 +289,3 @@ def settle_once(
             out.set_result(result)
     except InvalidStateError:
         pass
-
-
-def wait(fut: Future[T], timeout: float | None) -> T:
-    deadline = None if timeout is None else time.monotonic() + timeout
-    remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-    return fut.result(remaining)

@@ -282,11 +282,33 @@ class TrainingClient:
     # ---- tinker-compatible aliases ------------------------------------------------
 
     def forward(
-        self, data: Sequence[Datum], loss_fn: str = "cross_entropy", **_: Any
+        self,
+        data: Sequence[Datum],
+        loss_fn: str = "cross_entropy",
+        loss_fn_config: Mapping[str, float] | None = None,
+        *,
+        temperature: float = 1.0,
     ) -> APIFuture[ForwardBackwardOutput]:
-        """tinker's name for a forward-only pass (``forward_logprobs``)."""
-        return self.forward_logprobs(data)
+        """tinker's name for a forward-only pass (``forward_logprobs``): the per-token
+        logprobs of each datum's targets. They are the same under every loss, so
+        ``loss_fn`` is only checked to be a known name; a ``loss_fn_config`` would
+        change nothing here and is refused (``forward_backward`` takes one)."""
+        _convert.loss_fn_to_wire(loss_fn)
+        if loss_fn_config:
+            raise TypeError(
+                "forward() returns the targets' logprobs only and takes no loss_fn_config "
+                f"(got {sorted(loss_fn_config)}); pass it to forward_backward()"
+            )
+        return self.forward_logprobs(data, temperature=temperature)
 
     def save_weights_and_get_sampling_client(self, name: str | None = None) -> SamplingClient:
-        """tinker's name for ``sync_weights``."""
+        """tinker's name for ``sync_weights``. The published weights are named by the
+        server (``treadle://<model_id>/v/<version>``), so a ``name`` is refused: to keep
+        the weights under a name of yours, call ``save_state(name)``."""
+        if name is not None:
+            raise TypeError(
+                f"save_weights_and_get_sampling_client(name={name!r}): treadle names the "
+                "published weights treadle://<model_id>/v/<version> itself; call "
+                "save_state(name) to keep them under a name, then sync_weights()"
+            )
         return self.sync_weights()

@@ -11,8 +11,8 @@ from typing import Any, Literal
 from alembic import context
 from sqlalchemy import Connection
 
-from treadle.server.db.models import Base, UTCDateTime
-from treadle.server.db.session import make_engine
+from treadle.common.db.engine import make_engine
+from treadle.common.db.models import Base, UTCDateTime
 
 config = context.config
 target_metadata = Base.metadata

@@ -15,12 +15,13 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from treadle._rpc import channel_options
+from treadle.common.db import models as db
+from treadle.common.store import make_store
 from treadle.server import convert
 from treadle.server.auth import Authenticator, AuthInterceptor, bootstrap_default_tenant
 from treadle.server.config import ServerConfig
 from treadle.server.context import ServerContext
 from treadle.server.db import make_engine, make_session_factory, queries, tenancy, upgrade_to_head
-from treadle.server.db import models as db
 from treadle.server.dispatch import Dispatcher, InProcessDispatcher
 from treadle.server.info_servicer import InfoServicer
 from treadle.server.interceptors import DecodeInterceptor, ErrorInterceptor, ObserveInterceptor
@@ -29,7 +30,6 @@ from treadle.server.quotas import Quotas
 from treadle.server.restarts import RestorePoint
 from treadle.server.sampling_servicer import SamplingServicer
 from treadle.server.session_servicer import SessionServicer
-from treadle.server.store import make_store
 from treadle.server.training_servicer import TrainingServicer
 from treadle.server.usage import UsageMeter
 from treadle.v1 import (

@@ -52,6 +52,9 @@ from typing import Any
 from kombu import Connection
 from sqlalchemy.orm import Session, sessionmaker
 
+from treadle.common.db import models as db
+from treadle.common.db import workers as wq
+from treadle.common.store import Store, storage_path_str
 from treadle.errors import (
     AbortedError,
     FailedPreconditionError,
@@ -61,10 +64,7 @@ from treadle.errors import (
     UnavailableError,
 )
 from treadle.server import convert
-from treadle.server.db import models as db
-from treadle.server.db import workers as wq
 from treadle.server.dispatch import stream_items
-from treadle.server.store import Store, storage_path_str
 from treadle.workers import codec
 from treadle.workers.base_models import BaseModelRegistry
 from treadle.workers.celery_app import (

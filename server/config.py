@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -17,6 +17,7 @@ from treadle.workers.engine_flags import (
     add_engine_flags,
     check_engine_settings,
     engine_settings,
+    parse_models,
 )
 from treadle.workers.logs import add_observe_flags, metrics_port_of
 
@@ -138,7 +139,7 @@ class ServerConfig:
     def _check_urls(self) -> None:
         """Malformed URLs fail at start-up with what to write instead."""
         if self.database_url:
-            from treadle.server.db.session import parse_database_url
+            from treadle.common.db.engine import parse_database_url
 
             parse_database_url(self.database_url)
         if self.broker:
@@ -146,7 +147,7 @@ class ServerConfig:
 
             check_broker_url(self.broker)
         if self.store.startswith("s3:"):
-            from treadle.server.s3_store import parse_s3_url
+            from treadle.common.s3_store import parse_s3_url
 
             parse_s3_url(self.store)
         elif "://" in self.store:
@@ -174,17 +175,6 @@ class ServerConfig:
 
     def with_(self, **changes: object) -> ServerConfig:
         return replace(self, **changes)  # type: ignore[arg-type]
-
-
-def parse_models(values: Sequence[str]) -> dict[str, Path]:
-    """``--model DIR`` (named after the directory) or ``--model NAME=DIR``."""
-    models: dict[str, Path] = {}
-    for value in values:
-        name, sep, path = value.partition("=")
-        if not sep:
-            name, path = Path(value).name, value
-        models[name] = Path(path)
-    return models
 
 
 def add_server_flags(parser: argparse.ArgumentParser) -> None:

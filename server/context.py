@@ -13,14 +13,14 @@ import grpc
 from sqlalchemy import Connection
 from sqlalchemy.orm import Session, sessionmaker
 
+from treadle.common.db import models as db
+from treadle.common.store import Store
 from treadle.errors import NotFoundError
 from treadle.server.auth import Authenticator, DefaultKey, current_tenant
 from treadle.server.config import ServerConfig
-from treadle.server.db import models as db
 from treadle.server.db import queries
 from treadle.server.dispatch import Dispatcher
 from treadle.server.quotas import QuotaLimits, Quotas
-from treadle.server.store import Store
 from treadle.server.usage import UsageMeter
 
 if TYPE_CHECKING:

@@ -13,9 +13,9 @@ from typing import Any
 import numpy as np
 
 from treadle._tensor import from_wire, to_wire
+from treadle.common.db import models as db
 from treadle.errors import InvalidArgumentError
 from treadle.server import restarts
-from treadle.server.db import models as db
 from treadle.server.service.types import (
     CheckpointInfo,
     CreateModel,

@@ -14,8 +14,8 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
+from treadle.common.store import Store, storage_path_str
 from treadle.errors import UnavailableError
-from treadle.server.store import Store, storage_path_str
 from treadle.workers.domain import (
     ModelSpec,
     ModelStatus,

@@ -44,12 +44,12 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from treadle.common.db import models as db
+from treadle.common.store import state_uri
 from treadle.errors import NotFoundError, TreadleError, UnavailableError
 from treadle.server import convert
-from treadle.server.db import models as db
 from treadle.server.db import queries
 from treadle.server.restarts import RestorePoint
-from treadle.server.store import state_uri
 
 if TYPE_CHECKING:
     from treadle.server.context import ServerContext

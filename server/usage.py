@@ -16,7 +16,7 @@ import threading
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
-from treadle.server.db import models as db
+from treadle.common.db import models as db
 from treadle.server.db.tenancy import UsageDelta, add_usage
 
 log = logging.getLogger("treadle.server")

@@ -41,7 +41,6 @@ from treadle.errors import (
     FailedPreconditionError,
     InvalidArgumentError,
     ResourceExhaustedError,
-    TreadleError,
     UnavailableError,
 )
 from treadle.workers import codec
@@ -136,8 +135,8 @@ class Replier:
 
 class Worker:
     def __init__(self, config: WorkerConfig) -> None:
-        from treadle.server.db import make_engine, make_session_factory
-        from treadle.server.store import make_store
+        from treadle.common.db.engine import make_engine, make_session_factory
+        from treadle.common.store import make_store
 
         self.config = config
         self.worker_id = config.worker_id or f"w-{socket.gethostname()}-{secrets.token_hex(4)}"
@@ -301,7 +300,7 @@ class Worker:
             time.sleep(0.5)
 
     def _register(self) -> None:
-        from treadle.server.db import workers as wq
+        from treadle.common.db import workers as wq
 
         with self.sessions() as s:
             wq.register_worker(
@@ -317,7 +316,7 @@ class Worker:
         print(f"treadle worker {self.worker_id}: ready", flush=True)
 
     def _heartbeat(self) -> None:
-        from treadle.server.db import workers as wq
+        from treadle.common.db import workers as wq
 
         while not self._stopping.wait(self.config.heartbeat_s):
             try:
@@ -338,7 +337,7 @@ class Worker:
                 return
 
     def _deregister(self) -> None:
-        from treadle.server.db import workers as wq
+        from treadle.common.db import workers as wq
 
         self._stopping.set()
         try:
@@ -379,7 +378,7 @@ class Worker:
             raise SystemExit(0)
 
     def _drain(self) -> None:
-        from treadle.server.db import workers as wq
+        from treadle.common.db import workers as wq
 
         t0 = time.monotonic()
         try:
@@ -474,14 +473,10 @@ class Worker:
 def _status_query(worker_id: str) -> Any:
     from sqlalchemy import select
 
-    from treadle.server.db.models import Worker as WorkerRow
+    from treadle.common.db.models import Worker as WorkerRow
 
     return select(WorkerRow.status).where(WorkerRow.id == worker_id)
 
 
 def run_worker(config: WorkerConfig) -> int:
-    try:
-        worker = Worker(config)
-    except TreadleError:
-        raise
-    return worker.run()
+    return Worker(config).run()

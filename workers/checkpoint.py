@@ -18,12 +18,11 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from treadle.errors import FailedPreconditionError, InvalidArgumentError, NotFoundError
+from treadle.common.manifest import FORMAT, read_manifest
+from treadle.errors import FailedPreconditionError
 from treadle.workers import device
 from treadle.workers.domain import LoadResult, SaveResult
 from treadle.workers.trainer import TrainingModel
-
-FORMAT = "treadle-state-v1"
 
 
 def save_state(model: TrainingModel, directory: str | Path, seq_id: int) -> SaveResult:
@@ -65,18 +64,6 @@ def save_state(model: TrainingModel, directory: str | Path, seq_id: int) -> Save
     tmp.rename(final)
     size = sum(f.stat().st_size for f in final.iterdir())
     return SaveResult(step=model.version, seq_id=seq_id, size_bytes=size)
-
-
-def read_manifest(directory: str | Path) -> dict:
-    path = Path(directory) / "manifest.json"
-    if not path.exists():
-        raise NotFoundError(f"path: no checkpoint at {directory}")
-    manifest = json.loads(path.read_text())
-    if manifest.get("format") != FORMAT:
-        raise InvalidArgumentError(
-            f"path: unsupported checkpoint format {manifest.get('format')!r}"
-        )
-    return manifest
 
 
 @torch.no_grad()

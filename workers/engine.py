@@ -29,6 +29,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from treadle.common.futures import settle
 from treadle.errors import (
     AbortedError,
     FailedPreconditionError,
@@ -127,7 +128,6 @@ class EngineConfig:
     #: save the state every N optimizer steps (0 = off) under auto_checkpoint_root/<tenant>/<model>/auto
     auto_checkpoint_steps: int = 0
     auto_checkpoint_root: str | Path | None = None
-    extra: Mapping[str, Any] = field(default_factory=dict)
 
 
 class Engine:
@@ -477,7 +477,7 @@ class Engine:
         if outcome.admission is Admission.DUPLICATE_PENDING:
             return
         if outcome.admission is Admission.DUPLICATE_DONE:
-            _settle(fut, outcome.recorded)
+            settle(fut, outcome.recorded)
         elif outcome.admission is Admission.UNKNOWN_MODEL:
             fut.set_exception(NotFoundError(outcome.message))
         else:  # CONFLICT, EXPIRED
@@ -583,7 +583,7 @@ class Engine:
                 else:
                     self._clean_seq.pop(call.model_id, None)
         for handle in (call.handle, *call.followers):
-            _settle(handle, outcome)
+            settle(handle, outcome)
 
     def _apply(self, model: TrainingModel, seq_id: int, op: OrderedOp) -> OpResult:
         if isinstance(op, RejectedOp):
@@ -710,15 +710,6 @@ _FORWARD_OPS = (ForwardBackwardOp, ForwardLogprobsOp)
 
 def _holds_gradients(model: TrainingModel) -> bool:
     return any(p.grad is not None for p in model.trainable.values())
-
-
-def _settle(fut: Future[Any], outcome: Any) -> None:
-    if fut.done():
-        return
-    if isinstance(outcome, BaseException):
-        fut.set_exception(outcome)
-    else:
-        fut.set_result(outcome)
 
 
 def _with_compute(outcome: Any, seconds: float) -> Any:

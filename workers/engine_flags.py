@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -225,3 +225,14 @@ def engine_config(
         auto_checkpoint_root=auto_checkpoint_root,
         **{name: getattr(config, name) for name in ENGINE_FIELDS},
     )
+
+
+def parse_models(values: Sequence[str]) -> dict[str, Path]:
+    """``--model DIR`` (named after the directory) or ``--model NAME=DIR``."""
+    models: dict[str, Path] = {}
+    for value in values:
+        name, sep, path = value.partition("=")
+        if not sep:
+            name, path = Path(value).name, value
+        models[name] = Path(path)
+    return models

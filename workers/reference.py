@@ -23,8 +23,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from treadle.common.manifest import read_manifest
 from treadle.errors import InvalidArgumentError, NotFoundError
-from treadle.workers.checkpoint import read_manifest
 from treadle.workers.domain import ReferenceWeights
 from treadle.workers.model.llama import LlamaParams
 from treadle.workers.model.lora import LoraAdapter

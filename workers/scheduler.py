@@ -156,9 +156,6 @@ class Scheduler:
                         active.remove(queue.tenant_id)
         return [*queue.running.values(), *queue.waiting.values()]
 
-    def has_model(self, model_id: str) -> bool:
-        return model_id in self._models
-
     def next_seq_id(self, model_id: str) -> int:
         return self._models[model_id].next_seq_id
 
@@ -207,12 +204,6 @@ class Scheduler:
         while len(queue.recorded) > self.results_kept:
             queue.recorded.popitem(last=False)
         queue.next_seq_id = max(queue.next_seq_id, call.seq_id + 1)
-
-    def reset(self, model_id: str, next_seq_id: int) -> None:
-        """Restart a model's sequence (after a restore from a checkpoint)."""
-        queue = self._models[model_id]
-        queue.next_seq_id = next_seq_id
-        queue.recorded = OrderedDict((k, v) for k, v in queue.recorded.items() if k < next_seq_id)
 
     def has_ready_work(self) -> bool:
         return any(q.next_seq_id in q.waiting for q in self._models.values())

@@ -24,6 +24,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from treadle.common.futures import outcome_of, settle
 from treadle.errors import InternalError, TreadleError
 from treadle.workers.domain import (
     ForwardLogprobsOp,
@@ -42,7 +43,7 @@ from treadle.workers.domain import (
 from treadle.workers.engine import Engine
 
 if TYPE_CHECKING:
-    from treadle.server.store import Store
+    from treadle.common.store import Store
 
 log = logging.getLogger("treadle.engine")
 T = TypeVar("T")
@@ -169,12 +170,12 @@ class StagedEngine:
         """Runs on the engine thread as the call resolves: an auto-checkpoint is moved
         aside before the engine can start the next call, then uploaded."""
         if inner.exception() is not None:
-            _settle(out, inner.exception())
+            settle(out, inner.exception())
             return
         result = inner.result()
         auto = result.auto_checkpoint if isinstance(result, OptimStepResult) else None
         if auto is None or auto.directory.startswith("s3://"):
-            _settle(out, result)
+            settle(out, result)
             return
         local = Path(auto.directory)
         try:
@@ -184,14 +185,14 @@ class StagedEngine:
             local.rename(moved)
         except Exception as err:
             log.error("auto-checkpoint %s: %s", local, err)
-            _settle(out, InternalError(f"auto-checkpoint: {err}"))
+            settle(out, InternalError(f"auto-checkpoint: {err}"))
             return
 
         def upload() -> OpResult:
             self.store.commit(moved, path)
             return replace(result, auto_checkpoint=replace(auto, directory=path))
 
-        self._on_io(upload, out, lambda r: _settle(out, r))
+        self._on_io(upload, out, lambda r: settle(out, r))
 
     def _chain(
         self,
@@ -206,35 +207,21 @@ class StagedEngine:
                 self._io.submit(after, f)
             err = f.exception()
             if err is not None or upload is None:
-                _settle(out, err if err is not None else f.result())
+                settle(out, err if err is not None else f.result())
                 return
-            self._on_io(lambda: upload(f.result()), out, lambda r: _settle(out, r))
+            self._on_io(lambda: upload(f.result()), out, lambda r: settle(out, r))
 
         inner.add_done_callback(done)
 
     def _on_io(self, fn: Callable[[], T], out: Future[Any], then: Callable[[T], None]) -> None:
         def run() -> None:
-            try:
-                value = fn()
-            except TreadleError as err:
-                _settle(out, err)
-                return
-            except Exception as err:
-                log.exception("store I/O failed")
-                _settle(out, InternalError(f"store: {type(err).__name__}: {err}"))
+            value = outcome_of(fn, "store", log)
+            if isinstance(value, TreadleError):
+                settle(out, value)
                 return
             then(value)
 
         self._io.submit(run)
-
-
-def _settle(fut: Future[Any], outcome: Any) -> None:
-    if fut.done():
-        return
-    if isinstance(outcome, BaseException):
-        fut.set_exception(outcome)
-    else:
-        fut.set_result(outcome)
 
 
 def _state_reference(op: ForwardLogprobsOp) -> bool:

@@ -10,7 +10,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from treadle.errors import InvalidArgumentError
-from treadle.workers.engine_flags import add_engine_flags, check_engine_settings, engine_settings
+from treadle.workers.engine_flags import (
+    add_engine_flags,
+    check_engine_settings,
+    engine_settings,
+    parse_models,
+)
 from treadle.workers.logs import add_observe_flags, metrics_port_of
 
 
@@ -50,7 +55,7 @@ class WorkerConfig:
     metrics_host: str = "127.0.0.1"
 
     def __post_init__(self) -> None:
-        from treadle.server.db.session import parse_database_url
+        from treadle.common.db.engine import parse_database_url
         from treadle.workers.celery_app import check_broker_url
 
         if not self.models:
@@ -118,8 +123,6 @@ def add_worker_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def worker_config_from_args(args: argparse.Namespace) -> WorkerConfig:
-    from treadle.server.config import parse_models
-
     model_values = list(args.model)
     if not model_values and os.environ.get("TREADLE_MODELS"):
         model_values = [m for m in os.environ["TREADLE_MODELS"].split(",") if m]

@@ -5,6 +5,8 @@ Handlers open a session from :func:`make_session_factory`, call the functions in
 :func:`upgrade_to_head`.
 """
 
-from .session import downgrade, make_engine, make_session_factory, upgrade_to_head
+from treadle.common.db.engine import make_engine, make_session_factory
+
+from .session import downgrade, upgrade_to_head
 
 __all__ = ["downgrade", "make_engine", "make_session_factory", "upgrade_to_head"]

@@ -15,9 +15,7 @@ from sqlalchemy.dialects.postgresql import insert as postgresql_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session
 
-from treadle.errors import AlreadyExistsError, NotFoundError
-
-from .models import (
+from treadle.common.db.models import (
     ApiKey,
     Base,
     Checkpoint,
@@ -30,6 +28,7 @@ from .models import (
     new_id,
     utcnow,
 )
+from treadle.errors import AlreadyExistsError, NotFoundError
 
 _Row = TypeVar("_Row", bound=Base)
 

@@ -1,4 +1,4 @@
-"""Engines, sessions and schema upgrades.
+"""Schema upgrades (engines and sessions: ``treadle.common.db.engine``).
 
 The schema is made and changed only by Alembic, run in code: the ``Config`` is
 built here from the ``treadle.migrations`` package, so an installed server needs
@@ -10,73 +10,15 @@ no alembic.ini. To write a new revision against a dev database::
 
 from __future__ import annotations
 
-import sqlite3
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 from alembic import command
 from alembic.config import Config
-from sqlalchemy import URL, Engine, create_engine, event, make_url
-from sqlalchemy.exc import ArgumentError
-from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy import URL, Engine, make_url
 
 import treadle.migrations
-from treadle.errors import InvalidArgumentError
-
-SUPPORTED_DRIVERS = ("sqlite", "sqlite+pysqlite", "postgresql+psycopg")
-
-
-def parse_database_url(url: str | URL) -> URL:
-    """Parse and check a database URL, naming what to write instead when it is wrong."""
-    try:
-        parsed = make_url(url)
-    except ArgumentError as exc:
-        raise InvalidArgumentError(
-            f"database_url: cannot parse {str(url)!r} as a database URL ({exc}); "
-            "expected e.g. sqlite:///path/to/treadle.db or "
-            "postgresql+psycopg://user@host:5432/dbname"
-        ) from None
-    shown = parsed.render_as_string(hide_password=True)
-    if parsed.get_backend_name() in ("postgres", "postgresql"):
-        if parsed.drivername != "postgresql+psycopg":
-            raise InvalidArgumentError(
-                f"database_url: {shown!r} does not select the psycopg 3 driver; "
-                "write postgresql+psycopg://... instead"
-            )
-    elif parsed.drivername not in SUPPORTED_DRIVERS:
-        raise InvalidArgumentError(
-            f"database_url: unsupported database {parsed.drivername!r} in {shown!r}; "
-            "use sqlite:///path or postgresql+psycopg://..."
-        )
-    return parsed
-
-
-def _sqlite_on_connect(dbapi_connection: sqlite3.Connection, _record: Any) -> None:
-    cursor = dbapi_connection.cursor()
-    cursor.execute("PRAGMA foreign_keys=ON")
-    cursor.execute("PRAGMA journal_mode=WAL")  # readers do not block the one writer
-    # In WAL mode NORMAL syncs at checkpoints, not at every commit: a commit costs
-    # a write() instead of an fsync (~10 ms on a busy disk; the ops log writes two
-    # per call). A crashed process loses nothing; a power cut may lose the last
-    # commits, never consistency.
-    cursor.execute("PRAGMA synchronous=NORMAL")
-    cursor.close()
-
-
-def make_engine(url: str | URL, *, echo: bool = False) -> Engine:
-    parsed = parse_database_url(url)
-    if parsed.get_backend_name() == "sqlite":
-        # The gRPC server hands sessions across threads; SQLite serialises writes itself.
-        engine = create_engine(parsed, echo=echo, connect_args={"check_same_thread": False})
-        event.listen(engine, "connect", _sqlite_on_connect)
-        return engine
-    return create_engine(parsed, echo=echo, pool_pre_ping=True)
-
-
-def make_session_factory(engine: Engine) -> sessionmaker[Session]:
-    # Rows stay readable after commit, so handlers can convert them to domain objects.
-    return sessionmaker(bind=engine, expire_on_commit=False)
+from treadle.common.db.engine import make_engine
 
 
 def alembic_config(url: str | URL | None = None) -> Config:

@@ -13,9 +13,8 @@ from sqlalchemy import func, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
+from treadle.common.db.models import ApiKey, Checkpoint, Model, Tenant, Usage, utcnow
 from treadle.errors import NotFoundError
-
-from .models import ApiKey, Checkpoint, Model, Tenant, Usage, utcnow
 
 QUOTA_FIELDS = ("max_models", "max_calls_in_flight", "max_tokens_per_request", "tokens_per_minute")
 
@@ -191,7 +190,7 @@ def usage_report(s: Session, tenant_id: str | None = None) -> list[UsageLine]:
             )
         )
     if stored:  # models with checkpoints but no usage recorded (e.g. from before 0002)
-        bases = dict(
+        bases: dict[str, str] = dict(
             s.execute(
                 select(Model.id, Model.base_model).where(Model.id.in_(m for _, m in stored))
             ).all()

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 from sqlalchemy.orm import Session
 
+from treadle.common.db import models as db
+from treadle.common.store import parse_state_uri, state_uri, storage_path_str
 from treadle.errors import FailedPreconditionError, NotFoundError
 from treadle.server.context import ServerContext
-from treadle.server.db import models as db
 from treadle.server.db import queries
 from treadle.server.service.types import CheckpointInfo
-from treadle.server.store import parse_state_uri, state_uri, storage_path_str
 
 
 class CheckpointService:

@@ -13,14 +13,14 @@ import shutil
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+from treadle.common.db import models as db
+from treadle.common.store import copy_checkpoint
 from treadle.errors import InvalidArgumentError, NotFoundError, TreadleError
 from treadle.server import convert
 from treadle.server.context import ServerContext
-from treadle.server.db import models as db
 from treadle.server.db import queries, tenancy
 from treadle.server.service.checkpoints import CheckpointService
 from treadle.server.service.types import CreateModel, ModelInfo
-from treadle.server.store import copy_checkpoint
 from treadle.workers.domain import ModelSpec
 from treadle.workers.engine_flags import DTYPES
 

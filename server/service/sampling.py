@@ -14,12 +14,12 @@ from dataclasses import replace
 
 import numpy as np
 
+from treadle.common.store import parse_weights_uri
 from treadle.errors import InvalidArgumentError, NotFoundError
 from treadle.server.context import ServerContext
 from treadle.server.db import queries
 from treadle.server.metering import CallMeter
 from treadle.server.service.types import Parsed, SamplerInfo, SamplerSource, unwrap
-from treadle.server.store import parse_weights_uri
 from treadle.workers.domain import (
     SampleOp,
     SampleResult,

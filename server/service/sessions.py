@@ -3,9 +3,9 @@ the models created in it stay loaded while the beats come (``server.lifecycle``)
 
 from __future__ import annotations
 
+from treadle.common.db import models as db
 from treadle.errors import NotFoundError
 from treadle.server.context import ServerContext
-from treadle.server.db import models as db
 from treadle.server.db import queries
 from treadle.server.service.types import SessionInfo
 

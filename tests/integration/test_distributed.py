@@ -244,7 +244,7 @@ def _rl_loop(c: Cluster, tenant: str, seed: int, steps: int, out: dict[str, obje
 
 
 def _state(c: Cluster, model_id: str, name: str) -> dict[str, torch.Tensor]:
-    from treadle.server.s3_store import S3Store
+    from treadle.common.s3_store import S3Store
 
     store = S3Store(c.store, endpoint_url=c.s3_endpoint)
     ((tenant_id,),) = c.sql("SELECT tenant_id FROM models WHERE id = :m", m=model_id)

@@ -13,8 +13,8 @@ import pytest
 
 import treadle
 from tests.conftest import make_server
+from treadle.common.db import models as db
 from treadle.errors import FailedPreconditionError, NotFoundError
-from treadle.server.db import models as db
 from treadle.server.db import queries
 from treadle.server.embedded import EmbeddedServer
 from treadle.v1 import session_pb2

@@ -14,11 +14,11 @@ from alembic.script import ScriptDirectory
 from sqlalchemy import Engine, create_engine, inspect, make_url, text
 from sqlalchemy.exc import IntegrityError, OperationalError
 
+from treadle.common.db import workers as wq
+from treadle.common.db.models import Base
 from treadle.errors import InvalidArgumentError
 from treadle.server.db import downgrade, make_engine, make_session_factory, tenancy, upgrade_to_head
 from treadle.server.db import queries as q
-from treadle.server.db import workers as wq
-from treadle.server.db.models import Base
 from treadle.server.db.session import alembic_config
 
 PG_ADMIN_URL = os.environ.get(

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from treadle.common.s3_store import PART_BYTES, S3Store
+from treadle.common.store import make_store
 from treadle.errors import InvalidArgumentError, NotFoundError
-from treadle.server.s3_store import PART_BYTES, S3Store
-from treadle.server.store import make_store
 from treadle.workers.checkpoint import FORMAT
 
 from .services import moto_s3

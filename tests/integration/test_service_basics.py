@@ -230,6 +230,32 @@ def test_synced_sampler_matches_trainer_logprobs(
         assert np.abs(t1 - sampled).max() > 1e-3
 
 
+def test_the_tinker_aliases_forward_their_arguments_or_refuse_them(
+    service: treadle.ServiceClient, tok: treadle.Tokenizer
+) -> None:
+    tc = service.create_lora_training_client(BASE, rank=4, seed=3)
+    datum = _datum(tok.encode("7*6=42"))
+    at_t2 = tc.forward_logprobs([datum], temperature=2.0).result(timeout=30)
+    via_alias = tc.forward([datum], "importance_sampling", temperature=2.0).result(timeout=30)
+    np.testing.assert_array_equal(
+        via_alias.loss_fn_outputs[0].logprobs, at_t2.loss_fn_outputs[0].logprobs
+    )
+    at_t1 = tc.forward([datum]).result(timeout=30)
+    assert (
+        np.abs(at_t1.loss_fn_outputs[0].logprobs - at_t2.loss_fn_outputs[0].logprobs).max() > 1e-3
+    )
+    with pytest.raises(treadle.InvalidArgumentError, match="loss_fn"):
+        tc.forward([datum], "no_such_loss")
+    with pytest.raises(TypeError, match="loss_fn_config"):
+        tc.forward([datum], "ppo", {"clip_low_threshold": 0.8})
+    with pytest.raises(TypeError, match="save_state"):
+        tc.save_weights_and_get_sampling_client("step-1")
+    with pytest.raises(TypeError):
+        tc.forward([datum], "cross_entropy", retry_config=None)  # type: ignore[call-arg]
+    sampler = tc.save_weights_and_get_sampling_client()
+    assert sampler.version == 0
+
+
 def test_pinned_version_stays_and_latest_follows_syncs(
     service: treadle.ServiceClient, tok: treadle.Tokenizer
 ) -> None:

@@ -25,11 +25,11 @@ import treadle
 from tests.conftest import make_server
 from tests.integration.rpc_walk import all_methods, call_raw
 from tests.reliability.world import MAX_BYTES, Holdings, seed, server_config, tenant_key
+from treadle.common.store import LocalStore, check_name, parse_state_uri
 from treadle.errors import InvalidArgumentError, TreadleError
 from treadle.server import auth as auth_module
 from treadle.server.auth import hash_key
 from treadle.server.embedded import EmbeddedServer
-from treadle.server.store import LocalStore, check_name, parse_state_uri
 from treadle.v1 import training_pb2, training_pb2_grpc
 from treadle.workers.logs import JsonFormatter
 
@@ -351,7 +351,7 @@ def test_s3_store_keys_stay_under_the_tenant_prefix(name: str) -> None:
     """The S3 store's key for any name the server accepts is under
     ``<prefix>/<tenant>/<model>/`` with no empty, ``.`` or ``..`` segment (some
     S3-compatible servers normalise those). No bucket is reached: names only."""
-    from treadle.server.s3_store import S3Store
+    from treadle.common.s3_store import S3Store
 
     try:
         check_name(name)

@@ -10,10 +10,10 @@ import pytest
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
+from treadle.common.db.models import Model
 from treadle.errors import AlreadyExistsError
 from treadle.server.db import make_engine, make_session_factory, upgrade_to_head
 from treadle.server.db import queries as q
-from treadle.server.db.models import Model
 
 
 @pytest.fixture
@@ -113,7 +113,7 @@ def test_the_database_enforces_unique_checkpoint_names(session: Session) -> None
     model = _model(session, tenant.id)
     _checkpoint(session, model, "step1")
     # Bypass add_checkpoint's friendly check: the constraint is the backstop for races.
-    from treadle.server.db.models import Checkpoint
+    from treadle.common.db.models import Checkpoint
 
     session.add(
         Checkpoint(

@@ -226,7 +226,6 @@ def test_remove_model_returns_its_calls(s: Scheduler) -> None:
     assert sorted(u.model_id for u in running.units) == ["a", "b"]
     returned = s.remove_model("a")
     assert sorted(c.seq_id for c in returned) == [1, 2, 4]  # running and waiting
-    assert not s.has_model("a")
     assert s.submit(call("a", 5)).admission is Admission.UNKNOWN_MODEL
     assert s.remove_model("a") == []
     assert {c.model_id for c in s.waiting_calls()} == set()
@@ -237,16 +236,6 @@ def test_remove_model_returns_its_calls(s: Scheduler) -> None:
             s.complete(unit.calls[0], "ok")
     s.submit(call("b", 2))
     assert run(s) == [("b", [2])]
-
-
-def test_reset_restarts_a_models_sequence(s: Scheduler) -> None:
-    for seq in (1, 2, 3):
-        s.submit(call("a", seq))
-    run(s)
-    s.reset("a", 3)
-    assert s.next_seq_id("a") == 3
-    assert s.submit(call("a", 2)).admission is Admission.DUPLICATE_DONE
-    assert s.submit(call("a", 3)).admission is Admission.QUEUED
 
 
 def test_the_scheduler_is_pure() -> None:

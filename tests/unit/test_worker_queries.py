@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 from sqlalchemy.orm import Session
 
+from treadle.common.db import workers as wq
+from treadle.common.db.models import Model, Worker, utcnow
 from treadle.server.db import make_engine, make_session_factory, upgrade_to_head
 from treadle.server.db import queries as q
-from treadle.server.db import workers as wq
-from treadle.server.db.models import Model, Worker, utcnow
 
 
 @pytest.fixture

@@ -21,8 +21,8 @@ from boto3.s3.transfer import TransferConfig
 from botocore.config import Config as BotoConfig
 from botocore.exceptions import BotoCoreError, ClientError
 
+from treadle.common.store import storage_path_str
 from treadle.errors import InvalidArgumentError, NotFoundError, UnavailableError
-from treadle.server.store import storage_path_str
 
 PART_BYTES = 8 * 1024 * 1024
 MANIFEST = "manifest.json"
@@ -147,7 +147,7 @@ class S3Store:
     # ---- reads and deletes -------------------------------------------------------------
 
     def read_manifest(self, storage_path: str) -> dict[str, Any]:
-        from treadle.workers.checkpoint import read_manifest
+        from treadle.common.manifest import read_manifest
 
         key = self._key(storage_path)
         with tempfile.TemporaryDirectory(dir=self.local_root) as tmp:

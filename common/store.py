@@ -123,7 +123,7 @@ class LocalStore:
         pass
 
     def read_manifest(self, storage_path: str) -> dict[str, Any]:
-        from treadle.workers.checkpoint import read_manifest
+        from treadle.common.manifest import read_manifest
 
         return read_manifest(storage_path)
 
@@ -158,7 +158,7 @@ def make_store(url: str, *, local_root: Path, endpoint_url: str = "", staging: P
     """``""`` or a directory -> ``LocalStore``; ``s3://bucket/prefix`` -> ``S3Store``
     (checkpoints staged under ``staging`` on their way to and from the bucket)."""
     if url.startswith("s3://"):
-        from treadle.server.s3_store import S3Store
+        from treadle.common.s3_store import S3Store
 
         return S3Store(url, endpoint_url=endpoint_url or None, staging=staging)
     return LocalStore(Path(url) if url else local_root)
