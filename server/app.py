@@ -183,6 +183,10 @@ async def create_server(
     port = bind_port(server, config)
     if port == 0:
         raise OSError(f"could not bind {config.host}:{config.port}")
+    if config.http_port is not None:  # the tinker-compatible API, in this event loop
+        from treadle.server.http.app import start_http
+
+        ctx.http = await start_http(ctx, config.host, config.http_port)
     usage.start()  # written to the database every usage_flush_s; usage.close() at stop
     ctx.lifecycle.start()  # the idle-model sweeper (stopped by ctx.lifecycle.stop())
     return server, port, ctx

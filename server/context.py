@@ -24,6 +24,7 @@ from treadle.server.store import Store
 from treadle.server.usage import UsageMeter
 
 if TYPE_CHECKING:
+    from treadle.server.http.app import HttpServer
     from treadle.server.lifecycle import ModelLifecycle
     from treadle.server.restarts import RestorePoint
     from treadle.server.service import Service
@@ -48,6 +49,8 @@ class ServerContext:
     instance_id: str = field(default_factory=lambda: uuid.uuid4().hex[:16])
     #: models this instance loaded back from a checkpoint, and where (``server.restarts``)
     restored: dict[str, RestorePoint] = field(default_factory=dict)
+    #: the tinker-compatible HTTP API, when it is served (``server.http``)
+    http: HttpServer | None = None
     #: idle clocks, TTL unloading and transparent restore
     lifecycle: ModelLifecycle = field(init=False)
     #: the transport-free service layer every transport calls (``server.service``)

@@ -176,7 +176,12 @@ def forward_backward_op(msg: Any) -> ForwardBackwardOp | ForwardLogprobsOp:
     still checked and its ``loss:sum`` computed on the client's side of the SDK."""
     data = _datums(msg)
     if msg.forward_only:
-        return ForwardLogprobsOp(data=tuple(DatumData(d.tokens, {}) for d in data))
+        kept = ("target_tokens",)  # what a forward pass reads; loss inputs are the client's
+        return ForwardLogprobsOp(
+            data=tuple(
+                DatumData(d.tokens, {k: v for k, v in d.inputs.items() if k in kept}) for d in data
+            )
+        )
     if not msg.loss_fn:
         raise InvalidArgumentError("loss_fn: required")
     return ForwardBackwardOp(data=data, loss_fn=msg.loss_fn, loss_config=_loss_config(msg))

@@ -1,0 +1,181 @@
+"""The official ``tinker`` SDK (0.38.0), unmodified, against ``treadle serve``'s
+HTTP API: supervised and RL loops, the async variants, tenant walls and retries.
+
+One embedded server per module (tiny model, port 0 for both transports);
+tenant A is the server's default tenant, B a second one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+tinker = pytest.importorskip("tinker")
+httpx = pytest.importorskip("httpx")
+
+from tinker import types as T  # noqa: E402
+
+from treadle.server.auth import generate_key, hash_key  # noqa: E402
+from treadle.server.config import ServerConfig  # noqa: E402
+from treadle.server.db import queries  # noqa: E402
+from treadle.server.embedded import EmbeddedServer  # noqa: E402
+
+os.environ.setdefault("TINKER_TELEMETRY", "0")
+BASE = "tiny"
+
+
+@dataclass
+class World:
+    server: EmbeddedServer
+    url: str
+    key_a: str  # as the tinker SDK takes it: tml-<treadle key>
+    key_b: str
+
+    def client(self, key: str | None = None) -> tinker.ServiceClient:
+        return tinker.ServiceClient(base_url=self.url, api_key=key or self.key_a)
+
+    def post(self, route: str, key: str | None, **kw: object) -> httpx.Response:
+        headers = {"X-API-Key": key} if key else {}
+        headers.update(kw.pop("headers", {}))  # type: ignore[arg-type]
+        return httpx.post(f"{self.url}/api/v1/{route}", headers=headers, timeout=60, **kw)  # type: ignore[arg-type]
+
+
+def _tenant_key(srv: EmbeddedServer, name: str) -> str:
+    assert srv.ctx is not None
+    key = generate_key()
+    with srv.ctx.sessions() as s:
+        tenant = queries.ensure_tenant(s, name)
+        queries.create_api_key(s, tenant.id, hash_key(key), key[:12])
+        s.commit()
+    return key
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Iterator[World]:
+    tmp = tmp_path_factory.mktemp("tinker")
+    config = ServerConfig(
+        data_dir=tmp / "data", models={BASE: tiny_model_dir}, port=0, http_port=0, threads=1
+    )
+    srv = EmbeddedServer(config).start()
+    assert srv.api_key and srv.http_url
+    yield World(srv, srv.http_url, "tml-" + srv.api_key, "tml-" + _tenant_key(srv, "b"))
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def sc(world: World) -> Iterator[tinker.ServiceClient]:
+    client = world.client()
+    yield client
+    client.close("success").result()
+
+
+def _sft_datum(tokens: list[int]) -> T.Datum:
+    return T.Datum(
+        model_input=T.ModelInput.from_ints(tokens[:-1]),
+        loss_fn_inputs={
+            "target_tokens": T.TensorData.from_numpy(np.asarray(tokens[1:], dtype=np.int64)),
+            "weights": T.TensorData.from_numpy(np.ones(len(tokens) - 1, dtype=np.float32)),
+        },
+    )
+
+
+SFT = [_sft_datum([1, 5, 9, 13, 17, 21, 25, 2]), _sft_datum([1, 7, 11, 15, 19, 2])]
+
+
+def test_supervised_loop(sc: tinker.ServiceClient) -> None:
+    """(a) cross_entropy, optim_step, forward: the loss falls, forward agrees."""
+    caps = sc.create_rest_client().get_server_capabilities().result()
+    assert [m.model_name for m in caps.supported_models] == [BASE]
+    tc = sc.create_lora_training_client(base_model=BASE, rank=4, seed=3).result()
+    assert tc.get_info().model_data.model_name == BASE
+    tokenizer = tc.get_tokenizer()  # a local directory: loads offline
+    assert tokenizer.encode("ab")
+    losses = []
+    for _ in range(4):
+        fb = tc.forward_backward(SFT, "cross_entropy").result()
+        losses.append(fb.metrics["loss:sum"])
+        assert len(fb.loss_fn_outputs) == 2
+        assert fb.loss_fn_outputs[0]["logprobs"].shape == [7]
+        tc.optim_step(T.AdamParams(learning_rate=5e-2)).result()
+    assert losses[-1] < losses[0]
+    out = tc.forward(SFT, "cross_entropy").result()
+    lp = np.concatenate([o["logprobs"].to_numpy() for o in out.loss_fn_outputs])
+    assert out.metrics["loss:sum"] == pytest.approx(-lp.sum(), rel=1e-5)
+    again = tc.forward_backward(SFT, "cross_entropy").result()
+    assert again.metrics["loss:sum"] == pytest.approx(out.metrics["loss:sum"], rel=1e-5)
+
+
+def _rl_datums(prompt: list[int], seqs: list[T.SampledSequence], adv: np.ndarray) -> list[T.Datum]:
+    out = []
+    for seq, a in zip(seqs, adv, strict=True):
+        tokens = prompt + list(seq.tokens)
+        n_prompt = len(prompt) - 1
+        logprobs = np.concatenate([np.zeros(n_prompt), np.asarray(seq.logprobs)]).astype(np.float32)
+        advantages = np.concatenate([np.zeros(n_prompt), np.full(len(seq.tokens), a)]).astype(
+            np.float32
+        )
+        out.append(
+            T.Datum(
+                model_input=T.ModelInput.from_ints(tokens[:-1]),
+                loss_fn_inputs={
+                    "target_tokens": T.TensorData.from_numpy(np.asarray(tokens[1:], np.int64)),
+                    "logprobs": T.TensorData.from_numpy(logprobs),
+                    "advantages": T.TensorData.from_numpy(advantages),
+                },
+            )
+        )
+    return out
+
+
+def test_rl_loop(sc: tinker.ServiceClient) -> None:
+    """(b) sample from saved weights, importance_sampling and ppo, optim_step."""
+    tc = sc.create_lora_training_client(base_model=BASE, rank=4, seed=1).result()
+    prompt = [1, 5, 9, 13]
+    params = T.SamplingParams(max_tokens=6, temperature=1.0, seed=7)
+    for loss in ("importance_sampling", "ppo"):
+        sampler = tc.save_weights_and_get_sampling_client().result()
+        res = sampler.sample(T.ModelInput.from_ints(prompt), 4, params).result()
+        assert len(res.sequences) == 4
+        for seq in res.sequences:
+            assert len(seq.tokens) == len(seq.logprobs) > 0
+            assert seq.stop_reason in ("stop", "length")
+            assert seq.sequence_id
+        rewards = np.asarray([float(len(s.tokens)) for s in res.sequences])
+        adv = rewards - rewards.mean()
+        data = _rl_datums(prompt, list(res.sequences), adv)
+        fb = tc.forward_backward(data, loss).result()
+        # samples of the weights being trained: every ratio is 1, the loss -Σ_tokens A
+        expected = -sum(len(s.tokens) * a for s, a in zip(res.sequences, adv, strict=True))
+        assert fb.metrics["loss:sum"] == pytest.approx(expected, abs=1e-3)
+        tc.optim_step(T.AdamParams(learning_rate=1e-2)).result()
+    # a named sampler checkpoint, then a sampling client from its path
+    path = tc.save_weights_for_sampler("rl-final").result().path
+    assert path.startswith("tinker://") and path.endswith("/sampler_weights/rl-final")
+    sampler = sc.create_sampling_client(model_path=path)
+    assert len(sampler.sample(T.ModelInput.from_ints(prompt), 2, params).result().sequences) == 2
+
+
+def test_async_variants(sc: tinker.ServiceClient) -> None:
+    """(f) the *_async methods, several requests in flight at once."""
+
+    async def run() -> list[float]:
+        tc = await sc.create_lora_training_client_async(base_model=BASE, rank=2, seed=5)
+        futs = [await tc.forward_backward_async(SFT, "cross_entropy") for _ in range(3)]
+        results = [await f.result_async() for f in futs]
+        await (await tc.optim_step_async(T.AdamParams(learning_rate=1e-2))).result_async()
+        sampler = await tc.save_weights_and_get_sampling_client_async()
+        res = await sampler.sample_async(
+            T.ModelInput.from_ints([1, 2, 3]), 2, T.SamplingParams(max_tokens=3)
+        )
+        assert len(res.sequences) == 2
+        return [r.metrics["loss:sum"] for r in results]
+
+    losses = asyncio.run(run())
+    # three accumulating calls before one step: the same weights, the same loss
+    assert losses[0] == pytest.approx(losses[1]) == pytest.approx(losses[2])
