@@ -221,3 +221,47 @@ def test_forward_backward_custom_dpo(sc: tinker.ServiceClient) -> None:
         margins.append(out.metrics["margin"])
         tc.optim_step(T.AdamParams(learning_rate=5e-2)).result()
     assert margins[-1] > margins[0]
+
+
+def test_rest_client_and_the_smaller_methods(sc: tinker.ServiceClient) -> None:
+    """Training runs, checkpoints, weights info and samplers through RestClient;
+    load_state_with_optimizer; a sampling client's own methods."""
+    tc = sc.create_lora_training_client(base_model=BASE, rank=2, seed=4).result()
+    rest = sc.create_rest_client()
+    run = rest.get_training_run(tc.model_id).result()
+    assert run.base_model == BASE and run.is_lora and run.lora_rank == 2
+    assert tc.model_id in [
+        r.training_run_id for r in rest.list_training_runs().result().training_runs
+    ]
+    path = tc.save_state("rest").result().path
+    info = rest.get_weights_info_by_tinker_path(path).result()
+    assert info.base_model == BASE and info.lora_rank == 2
+    tc.forward_backward(SFT, "cross_entropy").result()
+    tc.optim_step(T.AdamParams(learning_rate=1e-2)).result()
+    before = tc.forward(SFT, "cross_entropy").result().metrics["loss:sum"]
+    tc.load_state_with_optimizer(path).result()  # back to before the step
+    restored = tc.forward(SFT, "cross_entropy").result().metrics["loss:sum"]
+    assert restored != pytest.approx(before, rel=1e-6)
+    rest.delete_checkpoint_from_tinker_path(path).result()
+    assert path not in [
+        c.tinker_path for c in rest.list_checkpoints(tc.model_id).result().checkpoints
+    ]
+    sampler_path = tc.save_weights_for_sampler("rest-s").result().path
+    sampler = tc.create_sampling_client(sampler_path)
+    assert sampler.get_base_model() == BASE
+    assert sampler.get_sampler_handle()  # a handle another process can sample through
+
+
+def test_readme_tinker_example_runs(world: World, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The README's "Use it from the tinker SDK" example, as written (its model
+    name swapped for this server's)."""
+    import re
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = readme.split("## Use it from the tinker SDK", 1)[1].split("\n## ", 1)[0]
+    match = re.search(r"```python\n(.*?)```", section, re.S)
+    assert match, "the README lost its tinker example"
+    monkeypatch.setenv("TINKER_BASE_URL", world.url)
+    monkeypatch.setenv("TINKER_API_KEY", world.key_a)
+    source = match.group(1).replace('"demo"', f'"{BASE}"')
+    exec(compile(source, "README.md", "exec"), {"__name__": "readme_tinker"})
