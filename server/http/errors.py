@@ -22,6 +22,7 @@ STATUS = {
     "ABORTED": 409,
     "PAYLOAD_TOO_LARGE": 413,
     "RESOURCE_EXHAUSTED": 429,
+    "GONE": 410,
     "CANCELLED": 499,
     "INTERNAL": 500,
     "UNIMPLEMENTED": 501,
@@ -38,6 +39,13 @@ class PayloadTooLargeError(TreadleError):
     """A request body over the server's size limit."""
 
     code = "PAYLOAD_TOO_LARGE"
+
+
+class GoneError(TreadleError):
+    """Something that was here and is no more: a future this server does not hold
+    (the SDK resubmits its request), a finished session (its heartbeats stop)."""
+
+    code = "GONE"
 
 
 def status_of(err: TreadleError) -> int:

@@ -21,21 +21,11 @@ from typing import Any
 
 from starlette.responses import JSONResponse, Response
 
-from treadle.errors import TreadleError
 from treadle.server.http import errors
 from treadle.server.http.wire import PROTOBUF
 
 #: turns a call's result into the answer of retrieve_future: JSON (a dict) or protobuf (bytes)
 Encoder = Callable[[Any], "dict[str, Any] | bytes"]
-
-
-class FutureGone(TreadleError):
-    """retrieve_future of a request id this server does not hold (HTTP 410)."""
-
-    code = "GONE"
-
-
-errors.STATUS["GONE"] = 410
 
 
 @dataclass
@@ -88,7 +78,9 @@ class Futures:
     async def retrieve(self, tenant: str, request_id: str) -> Response:
         entry = self._entries.get(request_id)
         if entry is None or entry.tenant != tenant:
-            raise FutureGone(f"request_id: {request_id!r} is not held here; resubmit the request")
+            raise errors.GoneError(
+                f"request_id: {request_id!r} is not held here; resubmit the request"
+            )
         if not entry.task.done():
             await asyncio.wait({entry.task}, timeout=self.hold_s)
         if not entry.task.done():

@@ -13,6 +13,7 @@ from treadle.server.db import models as db
 from treadle.server.db import queries
 from treadle.server.http import wire
 from treadle.server.http.auth import tenant
+from treadle.server.http.errors import GoneError
 from treadle.server.http.state import HttpState, state
 
 router = APIRouter(prefix="/api/v1")
@@ -81,8 +82,10 @@ def _live_session(st: HttpState, tenant_id: str, session_id: object) -> Any:
         raise NotFoundError("session_id: required")
     with st.ctx.session() as s:
         row = queries.get_session(s, tenant_id, session_id)
-        if row is None or row.ended_at is not None:
+        if row is None:
             raise NotFoundError(f"session_id: session {session_id!r} not found")
+        if row.ended_at is not None:  # the SDK stops its heartbeat loop on 410
+            raise GoneError(f"session_id: session {session_id!r} has finished")
         row.last_heartbeat_at = db.utcnow()
     return row
 

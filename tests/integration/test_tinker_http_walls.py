@@ -260,3 +260,31 @@ def test_over_quota_is_429_with_the_retry_delay(world: World) -> None:
         assert world.result(key_c, first).status_code == 200
     finally:
         sc.close("success").result()
+
+
+def test_futures_and_sessions(world: World) -> None:
+    """An unknown (or another tenant's) request id is 410, on which the SDK
+    resubmits; heartbeats keep a session alive until it is finished."""
+    a, b = world.key_a, world.key_b
+    assert world.post("retrieve_future", a, json={"request_id": "nope"}).status_code == 410
+    assert world.server.ctx is not None
+    seq = world.server.ctx.dispatcher.model_status(world.model_a).next_seq_id
+    submitted = world.post(
+        "forward_backward", a, content=_fb_body(world.model_a, seq), headers=PROTO
+    )
+    rid = submitted.json()["request_id"]
+    assert world.post("retrieve_future", b, json={"request_id": rid}).status_code == 410
+    done = world.post("retrieve_future", a, json={"request_id": rid})
+    assert done.headers["content-type"] == "application/x-protobuf"
+    out = sdk_pb.ForwardBackwardOutput.FromString(done.content)
+    assert "loss:sum" in out.metrics and out.loss_fn_outputs[0].num_datums == 1
+    session = world.post("create_session", a, json={"sdk_version": "test"}).json()["session_id"]
+    assert world.post("session_heartbeat", a, json={"session_id": session}).status_code == 200
+    assert world.post("session_heartbeat", b, json={"session_id": session}).status_code == 404
+    assert (
+        world.post(f"sessions/{session}/finish", a, json={"reason": "success"}).status_code == 200
+    )
+    assert (
+        world.post("session_heartbeat", a, json={"session_id": session}).status_code == 410
+    )  # the SDK stops its heartbeats
+    assert world.post("telemetry", a, json={"events": []}).status_code == 200

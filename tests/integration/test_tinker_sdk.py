@@ -265,3 +265,43 @@ def test_readme_tinker_example_runs(world: World, monkeypatch: pytest.MonkeyPatc
     monkeypatch.setenv("TINKER_API_KEY", world.key_a)
     source = match.group(1).replace('"demo"', f'"{BASE}"')
     exec(compile(source, "README.md", "exec"), {"__name__": "readme_tinker"})
+
+
+def test_more_async_variants_and_rest_calls(world: World, sc: tinker.ServiceClient) -> None:
+    """The *_async forms of the checkpoint, sampler and REST methods, in one loop."""
+    rest = sc.create_rest_client()
+
+    async def run() -> None:
+        tc = await sc.create_lora_training_client_async(base_model=BASE, rank=2, seed=6)
+        info = await tc.get_info_async()
+        assert info.model_data.model_name == BASE
+        out = await (await tc.forward_async(SFT, "cross_entropy")).result_async()
+        assert "loss:sum" in out.metrics
+        saved = await (await tc.save_state_async("async-state")).result_async()
+        await (await tc.load_state_with_optimizer_async(saved.path)).result_async()
+        copy = await sc.create_training_client_from_state_with_optimizer_async(saved.path)
+        assert (await copy.get_info_async()).model_data.model_name == BASE
+        sw = await (await tc.save_weights_for_sampler_async("async-s")).result_async()
+        sampler = await tc.create_sampling_client_async(sw.path)
+        assert await sampler.get_base_model_async() == BASE
+        other = await sc.create_sampling_client_async(base_model=BASE)
+        res = await other.sample_async(
+            T.ModelInput.from_ints([1, 2]), 1, T.SamplingParams(max_tokens=2)
+        )
+        assert len(res.sequences) == 1
+        run = await rest.get_training_run_async(tc.model_id)
+        assert run.base_model == BASE
+        runs = await rest.list_training_runs_async()
+        assert tc.model_id in [r.training_run_id for r in runs.training_runs]
+        listed = await rest.list_checkpoints_async(tc.model_id)
+        assert saved.path in [c.tinker_path for c in listed.checkpoints]
+        await rest.delete_checkpoint_async(tc.model_id, "weights/async-state")
+        listed = await rest.list_checkpoints_async(tc.model_id)
+        assert saved.path not in [c.tinker_path for c in listed.checkpoints]
+        # a sampler another process opens from the handle
+        again = tinker.SamplingClient.from_sampler_handle(
+            sampler.get_sampler_handle(), api_key=world.key_a
+        )
+        assert again.get_base_model() == BASE
+
+    asyncio.run(run())
