@@ -117,9 +117,48 @@ def render(record: dict[str, dict[str, list[str]]]) -> str:
                 why = WHY.get(name) or WHY.get(base) or "not exercised by the tests yet"
             lines.append(f"| `{name}` | {mark} | {why} |")
         lines.append("")
+    lines += losses(record)
     lines.insert(4, f"**{ok} of {total}** methods are exercised by passing tests.")
     lines.insert(5, "")
     return "\n".join(lines)
+
+
+def losses(record: dict[str, dict[str, list[str]]]) -> list[str]:
+    """The losses the SDK can send (its ``LossFnType``), from test_every_sdk_loss."""
+    from tinker import types
+
+    from treadle.workers.losses import LOSSES
+
+    tests = record.get("__tests__", {"passed": [], "failed": []})
+    lines = [
+        "## Losses",
+        "",
+        "| loss | works | how we know / why not |",
+        "|---|---|---|",
+    ]
+    for name in types.LossFnType.__args__:
+        node = f"test_tinker_sdk.py::test_every_sdk_loss[{name}]"
+        passed = any(t.endswith(node) for t in tests["passed"])
+        failed = any(t.endswith(node) for t in tests["failed"])
+        if name == "custom":
+            mark, why = (
+                "✓"
+                if record.get("TrainingClient.forward_backward_custom", {}).get("passed")
+                else "✗",
+                (
+                    "forward_backward_custom: the SDK computes the loss on the client and sends "
+                    "cross_entropy with per-token weights"
+                ),
+            )
+        elif failed or not passed:
+            mark, why = "✗", "its test fails" if failed else "not tested"
+        elif name in LOSSES:
+            keys = ", ".join(f"`{k}`={v:g}" for k, v in LOSSES[name].config_defaults.items())
+            mark, why = "✓", f"trains; config defaults: {keys or 'none'}"
+        else:
+            mark, why = "✗", "refused as an unknown loss (the error lists the served ones)"
+        lines.append(f"| `{name}` | {mark} | {why} |")
+    return [*lines, ""]
 
 
 def main() -> int:

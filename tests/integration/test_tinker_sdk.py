@@ -305,3 +305,40 @@ def test_more_async_variants_and_rest_calls(world: World, sc: tinker.ServiceClie
         assert again.get_base_model() == BASE
 
     asyncio.run(run())
+
+
+SDK_LOSSES = [name for name in T.LossFnType.__args__ if name != "custom"]  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("loss", SDK_LOSSES)
+def test_every_sdk_loss(sc: tinker.ServiceClient, loss: str) -> None:
+    """Each loss the SDK can send: served ones train, the others are refused
+    with an error naming the loss and the ones served (the compatibility table
+    lists both from this test's results)."""
+    from treadle.workers.losses import LOSSES
+
+    tc = _loss_client(sc)
+    tokens = [1, 5, 9, 13, 17]
+    n = len(tokens) - 1
+    inputs = {"target_tokens": T.TensorData.from_numpy(np.asarray(tokens[1:], np.int64))}
+    if loss == "cross_entropy":
+        inputs["weights"] = T.TensorData.from_numpy(np.ones(n, np.float32))
+    else:
+        inputs["logprobs"] = T.TensorData.from_numpy(np.full(n, -2.0, np.float32))
+        inputs["advantages"] = T.TensorData.from_numpy(np.linspace(-1, 1, n).astype(np.float32))
+    datum = T.Datum(model_input=T.ModelInput.from_ints(tokens[:-1]), loss_fn_inputs=inputs)
+    if loss in LOSSES:
+        out = tc.forward_backward([datum], loss).result()
+        assert np.isfinite(out.metrics["loss:sum"])
+    else:
+        with pytest.raises(tinker.RequestFailedError, match=f"unknown loss '{loss}'"):
+            tc.forward_backward([datum], loss).result()
+
+
+_LOSS_CLIENT: list[tinker.TrainingClient] = []
+
+
+def _loss_client(sc: tinker.ServiceClient) -> tinker.TrainingClient:
+    if not _LOSS_CLIENT:
+        _LOSS_CLIENT.append(sc.create_lora_training_client(base_model=BASE, rank=2).result())
+    return _LOSS_CLIENT[0]

@@ -25,6 +25,8 @@ CLASSES = ("ServiceClient", "TrainingClient", "SamplingClient", "RestClient")
 _called: set[str] = set()
 _depth = threading.local()
 _record: dict[str, dict[str, list[str]]] = {}
+#: every test's outcome (a test passes when setup, call and teardown all pass)
+TESTS = "__tests__"
 
 
 def public_methods(cls: type) -> list[str]:
@@ -68,6 +70,11 @@ def pytest_configure(config: pytest.Config) -> None:
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     outcome = "passed" if report.passed else "failed" if report.failed else None
+    tests = _record.setdefault(TESTS, {"passed": [], "failed": []})
+    if report.when == "call" and report.passed:
+        tests["passed"].append(report.nodeid)
+    elif report.failed:
+        tests["failed"].append(report.nodeid)
     if outcome is not None:
         for label in _called:
             _record.setdefault(label, {"passed": [], "failed": []})[outcome].append(report.nodeid)
