@@ -8,9 +8,6 @@ from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 
-from treadle.errors import NotFoundError
-from treadle.server.db import models as db
-from treadle.server.db import queries
 from treadle.server.http import wire
 from treadle.server.http.auth import tenant
 from treadle.server.http.errors import GoneError
@@ -44,18 +41,17 @@ async def healthz() -> dict[str, str]:
 
 @router.get("/get_server_capabilities")
 async def capabilities(
-    request: Request, tenant_id: str = Depends(tenant), st: HttpState = Depends(state)
+    tenant_id: str = Depends(tenant), st: HttpState = Depends(state)
 ) -> dict[str, Any]:
-    max_len = st.ctx.config.sampler_max_len
     return {
         "supported_models": [
             {
-                "model_name": name,
-                "max_context_length": max_len,
+                "model_name": m.name,
+                "max_context_length": m.max_context,
                 "trainable": True,
                 "sampleable": True,
             }
-            for name in st.ctx.dispatcher.base_model_names()
+            for m in st.service.info.base_models()
         ]
     }
 
@@ -72,30 +68,21 @@ async def create_session(
 ) -> dict[str, Any]:
     body = wire.json_body(await request.body())
     client = f"tinker-sdk {body.get('sdk_version') or ''}".strip()
-    with st.ctx.session() as s:
-        row = queries.create_session(s, tenant_id, client)
-        return {"type": "create_session", "session_id": row.id}
-
-
-def _live_session(st: HttpState, tenant_id: str, session_id: object) -> Any:
-    if not isinstance(session_id, str) or not session_id:
-        raise NotFoundError("session_id: required")
-    with st.ctx.session() as s:
-        row = queries.get_session(s, tenant_id, session_id)
-        if row is None:
-            raise NotFoundError(f"session_id: session {session_id!r} not found")
-        if row.ended_at is not None:  # the SDK stops its heartbeat loop on 410
-            raise GoneError(f"session_id: session {session_id!r} has finished")
-        row.last_heartbeat_at = db.utcnow()
-    return row
+    info = st.service.sessions.create(tenant_id, client)
+    return {"type": "create_session", "session_id": info.session_id}
 
 
 @router.post("/session_heartbeat")
 async def session_heartbeat(
     request: Request, tenant_id: str = Depends(tenant), st: HttpState = Depends(state)
 ) -> dict[str, Any]:
+    """Keeps the session's models loaded (``server.lifecycle``). A session finished
+    through this API answers 410, on which the SDK stops its heartbeat loop."""
     body = wire.json_body(await request.body())
-    _live_session(st, tenant_id, body.get("session_id"))
+    session_id = wire.field(body, "session_id", str)
+    if (tenant_id, session_id) in st.finished_sessions:
+        raise GoneError(f"session_id: session {session_id!r} has finished")
+    st.service.sessions.heartbeat(tenant_id, session_id)
     return {"type": "session_heartbeat"}
 
 
@@ -104,10 +91,6 @@ async def finish_session(
     session_id: str, tenant_id: str = Depends(tenant), st: HttpState = Depends(state)
 ) -> dict[str, Any]:
     """Idempotent; the session's models stay, only their heartbeats stop."""
-    with st.ctx.session() as s:
-        row = queries.get_session(s, tenant_id, session_id)
-        if row is None:
-            raise NotFoundError(f"session_id: session {session_id!r} not found")
-        if row.ended_at is None:
-            row.ended_at = db.utcnow()
+    st.service.sessions.end(tenant_id, session_id)
+    st.finished_sessions.add((tenant_id, session_id))
     return {"session_id": session_id, "status": "finished"}

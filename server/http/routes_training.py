@@ -123,11 +123,12 @@ async def get_info(
     model_id = st.names.model_id(tenant_id, body.get("model_id"))
     info = st.service.models.info(tenant_id, model_id)
     directory = st.ctx.config.models.get(info.base_model)
+    arch = {m.name: m.arch for m in st.service.info.base_models()}.get(info.base_model)
     return {
         "type": "get_info",
         "model_id": body["model_id"],
         "model_data": {
-            "arch": _arch(directory),
+            "arch": arch,
             "model_name": info.base_model,
             "tokenizer_id": str(Path(directory).resolve()) if directory else None,
         },
@@ -135,17 +136,6 @@ async def get_info(
         "lora_rank": info.lora_rank if info.is_lora else None,
         "model_name": info.base_model,
     }
-
-
-def _arch(directory: Path | None) -> str | None:
-    import json
-
-    try:
-        config = json.loads((Path(directory) / "config.json").read_text()) if directory else {}
-    except (OSError, ValueError):
-        return None
-    archs = config.get("architectures") or [config.get("model_type")]
-    return str(archs[0]) if archs and archs[0] else None
 
 
 @router.post("/unload_model")

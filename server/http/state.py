@@ -21,6 +21,8 @@ class HttpState:
     ctx: ServerContext
     futures: Futures = field(default_factory=Futures)
     names: Names = field(default_factory=Names)
+    #: (tenant, session id) of sessions finished here: their heartbeats answer 410
+    finished_sessions: set[tuple[str, str]] = field(default_factory=set)
 
     @property
     def service(self) -> Service:

@@ -18,17 +18,21 @@ from __future__ import annotations
 from treadle.server.context import ServerContext
 from treadle.server.metering import CallMeter
 from treadle.server.service.checkpoints import CheckpointService
+from treadle.server.service.info import InfoService
 from treadle.server.service.models import ModelService
 from treadle.server.service.ordered import CallHandle, OrderedCalls
 from treadle.server.service.sampling import SamplingService
+from treadle.server.service.sessions import SessionService
 from treadle.server.service.training import TrainingService
 
 __all__ = [
     "CallHandle",
     "CheckpointService",
+    "InfoService",
     "ModelService",
     "SamplingService",
     "Service",
+    "SessionService",
     "TrainingService",
 ]
 
@@ -44,3 +48,5 @@ class Service:
         self.models = ModelService(ctx, self.checkpoints)
         self.training = TrainingService(ctx, OrderedCalls(ctx, self.meter), self.checkpoints)
         self.sampling = SamplingService(ctx, self.meter)
+        self.sessions = SessionService(ctx)
+        self.info = InfoService(ctx)

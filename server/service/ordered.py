@@ -152,8 +152,11 @@ class CallHandle(Generic[R]):
         async def run() -> R:
             try:
                 return await call(*args, admitted=admitted)
+            except BaseException as err:  # once admitted, only the task carries it
+                _fail(admitted, err)
+                raise
             finally:
-                if not admitted.done():  # ended before the pipeline looked at it
+                if not admitted.done():
                     admitted.set_result(None)
 
         return cls(asyncio.ensure_future(run()), admitted)

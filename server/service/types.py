@@ -126,3 +126,22 @@ class SamplerInfo:
     model_id: str  # "" for a base-model sampler
     version: int  # -1 when it follows the latest weights
     follows_latest: bool
+
+
+@dataclass(frozen=True)
+class SessionInfo:
+    session_id: str
+    heartbeat_interval_s: float
+    created_at: float  # unix seconds
+
+
+@dataclass(frozen=True)
+class BaseModelInfo:
+    """A base model this server serves."""
+
+    name: str
+    arch: str
+    vocab_size: int
+    max_context: int  # tokens of prompt and completion a sequence may hold
+    num_params: int
+    dtype: str  # the server's default compute dtype
