@@ -1,5 +1,5 @@
 # treadle server image (CPU). Build: docker build -t treadle .
-# Run:   docker run -p 50051:50051 -v $PWD/models:/models -v treadle-data:/data \
+# Run:   docker run -p 50051:50051 -p 8080:8080 -v $PWD/models:/models -v treadle-data:/data \
 #          treadle serve --model /models/my-model --host 0.0.0.0 --data-dir /data
 # A GPU worker image (vLLM) is a later target.
 FROM python:3.11-slim AS base
@@ -20,6 +20,6 @@ RUN pip install ".[server]"
 RUN useradd --create-home treadle && mkdir -p /data && chown treadle /data
 USER treadle
 VOLUME ["/data"]
-EXPOSE 50051
+EXPOSE 50051 8080
 ENTRYPOINT ["treadle"]
 CMD ["serve", "--host", "0.0.0.0", "--data-dir", "/data"]

@@ -42,7 +42,8 @@ def _serve(args: argparse.Namespace) -> int:
         )
         if ctx.http is not None:
             print(
-                f"treadle: tinker-compatible HTTP API on http://{config.host}:{ctx.http.port} "
+                f"treadle: tinker-compatible HTTP API on "
+                f"{'https' if config.tls else 'http'}://{config.host}:{ctx.http.port} "
                 "(TINKER_BASE_URL; the key as TINKER_API_KEY=tml-<key>)",
                 flush=True,
             )

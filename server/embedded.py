@@ -52,7 +52,8 @@ class EmbeddedServer:
     def http_url(self) -> str | None:
         """The base URL of the tinker-compatible HTTP API (TINKER_BASE_URL), if served."""
         http = self.ctx.http if self.ctx is not None else None
-        return f"http://{self.config.host}:{http.port}" if http is not None else None
+        scheme = "https" if self.config.tls else "http"
+        return f"{scheme}://{self.config.host}:{http.port}" if http is not None else None
 
     @property
     def api_key(self) -> str | None:

@@ -138,6 +138,9 @@ async def start_http(ctx: ServerContext, host: str, port: int) -> HttpServer:
         access_log=False,
         timeout_graceful_shutdown=2,
         timeout_keep_alive=75,
+        # the gRPC port's certificate, when it has one: keys never travel in the clear
+        ssl_certfile=str(ctx.config.tls_cert) if ctx.config.tls_cert else None,
+        ssl_keyfile=str(ctx.config.tls_key) if ctx.config.tls_key else None,
     )
     server = _Server(config)
     task = asyncio.ensure_future(server.serve())
