@@ -21,7 +21,7 @@ from treadle.server.http.auth import tenant
 from treadle.server.http.futures import Encoder
 from treadle.server.http.state import HttpState, state
 from treadle.server.service import CallHandle
-from treadle.server.service.types import CreateModel, OrderedCall, SamplerInfo, parse
+from treadle.server.service.types import CreateModel, OrderedCall, parse
 from treadle.workers.domain import ForwardBackwardOp, ForwardResult
 
 router = APIRouter(prefix="/api/v1")
@@ -325,7 +325,3 @@ async def load_weights(
         lambda _: {"type": "load_weights", "path": body["path"], "model_id": sdk_id},
     )
     return {"request_id": rid, "model_id": sdk_id}
-
-
-def sampler_answer(info: SamplerInfo) -> dict[str, Any]:
-    return {"sampling_session_id": info.sampler_id}
