@@ -13,6 +13,11 @@ Delay: the server stamps each HTTP future when its task finishes; the SDK's
 result poll is stamped when its answer arrives (the server is embedded in this
 process, so both clocks are one ``time.monotonic``). p50 target <= 5 ms:
 retrieve_future is answered the moment the result exists, with no poll interval.
+That same process holds the engine's threads, the server's event loop and the
+SDK's own loop thread, so the delay includes their turns at the GIL (Python's
+switch interval is 5 ms): with ``sys.setswitchinterval(0.0005)`` the p50 fell
+from ~20 ms to ~9 ms in one measurement on a loaded machine. A client in its own
+process does not wait for the server's threads.
 
     python benchmarks/tinker_api.py               # ~3 min on 2 idle CPU cores
     python benchmarks/tinker_api.py --rounds 6 --steps 4
