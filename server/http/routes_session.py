@@ -22,7 +22,6 @@ async def client_config() -> dict[str, Any]:
     return {
         "pjwt_auth_enabled": False,
         "proto_compress_fwdbwd": False,
-        "use_pyqwest_transport": False,
         "sample_use_retrieve_futures": False,
         "custom_loss_server_side": False,
         "sample_join_sampling_session": False,
