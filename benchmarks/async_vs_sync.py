@@ -101,6 +101,7 @@ def serve(config: ServerConfig, own_process: bool) -> Iterator[tuple[str, str]]:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     cmd = [sys.executable, "-m", "treadle.server.cli", "serve", "--port", str(port)]
+    cmd += ["--http-port", "-1"]  # the tinker HTTP API is not measured here
     cmd += ["--data-dir", str(config.data_dir), "--threads", str(config.threads)]
     cmd += ["--sampler-slots", str(config.sampler_slots)]
     cmd += ["--sampler-max-len", str(config.sampler_max_len)]

@@ -76,6 +76,8 @@ def start_server(tmp: Path, preset: str, threads: int) -> tuple[subprocess.Popen
             f"{BASE}={model}",
             "--port",
             "0",
+            "--http-port",
+            "-1",
             "--data-dir",
             tmp / "data",
             "--threads",

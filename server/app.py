@@ -201,6 +201,10 @@ async def create_server(
     port = bind_port(server, config)
     if port == 0:
         raise OSError(f"could not bind {config.host}:{config.port}")
+    if config.http_port is not None:  # the tinker-compatible API, in this event loop
+        from treadle.server.http.app import start_http
+
+        ctx.http = await start_http(ctx, config.host, config.http_port)
     if ctx.usage is not None:  # written to the database every usage_flush_s; closed at stop
         ctx.usage.start()
     if ctx.metrics is not None and config.metrics_port is not None:

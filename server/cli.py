@@ -40,6 +40,13 @@ def _serve(args: argparse.Namespace) -> int:
             f"(data in {config.data_dir.resolve()}, database {ctx.config.resolved_database_url})",
             flush=True,
         )
+        if ctx.http is not None:
+            print(
+                f"treadle: tinker-compatible HTTP API on "
+                f"{'https' if config.tls else 'http'}://{config.host}:{ctx.http.port} "
+                "(TINKER_BASE_URL; the key as TINKER_API_KEY=tml-<key>)",
+                flush=True,
+            )
         _print_key(ctx)
         if ctx.metrics is not None and ctx.metrics.endpoint is not None:
             print(
@@ -75,6 +82,8 @@ async def graceful_stop(server: grpc.aio.Server, ctx: ServerContext) -> None:
             flush=True,
         )
     idle, forced = await ctx.lifecycle.shutdown(timeout, lambda: server.stop(grace=2))
+    if ctx.http is not None:
+        await ctx.http.stop()
     for model_id in forced:
         print(
             f"treadle: model {model_id} was not idle after {timeout:g} s: checkpointed what "

@@ -30,6 +30,9 @@ class ServerConfig:
     models: Mapping[str, Path] = field(default_factory=dict)  # base model name -> HF directory
     host: str = "127.0.0.1"
     port: int = 50051  # 0 = any free port (tests)
+    #: the tinker-compatible HTTP API (/api/v1) on this port; 0 = any free port,
+    #: None = off (`treadle serve` turns it on at 8080: --http-port)
+    http_port: int | None = None
     database_url: str = ""  # "" = SQLite file in data_dir
     #: where the engine's tensors live: "cpu" or "cuda:N" (the flag's "auto" resolved)
     device: str = "cpu"
@@ -91,6 +94,8 @@ class ServerConfig:
             raise InvalidArgumentError(f"port: {self.port} is not a TCP port")
         if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
             raise InvalidArgumentError(f"metrics_port: {self.metrics_port} is not a TCP port")
+        if self.http_port is not None and not 0 <= self.http_port < 65536:
+            raise InvalidArgumentError(f"http_port: {self.http_port} is not a TCP port")
         check_engine_settings(self)
         for name, positive in (
             ("max_message_bytes", self.max_message_bytes >= 4 * 1024 * 1024),
@@ -190,6 +195,13 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data-dir", default=env("TREADLE_DATA_DIR", "treadle-data"))
     parser.add_argument("--host", default=env("TREADLE_HOST", "127.0.0.1"))
     parser.add_argument("--port", type=int, default=int(env("TREADLE_PORT", "50051")))
+    parser.add_argument(
+        "--http-port",
+        type=int,
+        default=int(env("TREADLE_HTTP_PORT", "8080")),
+        help="port of the tinker-compatible HTTP API (/api/v1, for the official tinker "
+        "SDK); -1 = off; env TREADLE_HTTP_PORT",
+    )
     parser.add_argument(
         "--database-url",
         default=env("TREADLE_DATABASE_URL", ""),
@@ -310,6 +322,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         models=parse_models(model_values),
         host=args.host,
         port=args.port,
+        http_port=None if args.http_port < 0 else args.http_port,
         database_url=args.database_url,
         **engine_settings(args),
         tls_cert=Path(args.tls_cert) if args.tls_cert else None,

@@ -24,6 +24,7 @@ from treadle.server.quotas import QuotaLimits, Quotas
 from treadle.server.usage import UsageMeter
 
 if TYPE_CHECKING:
+    from treadle.server.http.app import HttpServer
     from treadle.server.lifecycle import ModelLifecycle
     from treadle.server.metrics import ServerMetrics
     from treadle.server.restarts import RestorePoint
@@ -51,6 +52,8 @@ class ServerContext:
     restored: dict[str, RestorePoint] = field(default_factory=dict)
     #: Prometheus metrics (None: no --metrics-port)
     metrics: ServerMetrics | None = None
+    #: the tinker-compatible HTTP API, when it is served (``server.http``)
+    http: HttpServer | None = None
     #: idle clocks, TTL unloading and transparent restore
     lifecycle: ModelLifecycle = field(init=False)
     #: the transport-free service layer every transport calls (``server.service``)

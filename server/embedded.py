@@ -49,6 +49,13 @@ class EmbeddedServer:
         return f"{self.config.host}:{self.port}"
 
     @property
+    def http_url(self) -> str | None:
+        """The base URL of the tinker-compatible HTTP API (TINKER_BASE_URL), if served."""
+        http = self.ctx.http if self.ctx is not None else None
+        scheme = "https" if self.config.tls else "http"
+        return f"{scheme}://{self.config.host}:{http.port}" if http is not None else None
+
+    @property
     def api_key(self) -> str | None:
         """The default tenant's API key (None with auth off, or when its key file
         was removed or the key revoked)."""
@@ -84,6 +91,8 @@ class EmbeddedServer:
         else:
             if self.ctx is not None:
                 self._run(self.ctx.lifecycle.stop())
+            if self.ctx is not None and self.ctx.http is not None:
+                self._run(self.ctx.http.stop())
             if self.server is not None:
                 self._run(self.server.stop(grace=1))
             if self.ctx is not None and self.ctx.usage is not None:

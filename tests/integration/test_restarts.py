@@ -44,7 +44,7 @@ class Serve:
         self.starts += 1
         cmd = [
             *(sys.executable, "-m", "treadle.server.cli", "serve", "--no-auth"),
-            *("--model", f"tiny={self.model}", "--port", str(self.port)),
+            *("--model", f"tiny={self.model}", "--port", str(self.port), "--http-port", "-1"),
             *("--data-dir", str(self.tmp / "data"), "--threads", "1"),
             *("--gap-timeout", str(GAP_TIMEOUT_S), *self.extra),
         ]

@@ -70,7 +70,11 @@ def tls_server(
 ) -> Iterator[EmbeddedServer]:
     cert, key = certs
     srv = make_server(
-        tmp_path_factory.mktemp("tls-server"), {"tiny": tiny_model_dir}, tls_cert=cert, tls_key=key
+        tmp_path_factory.mktemp("tls-server"),
+        {"tiny": tiny_model_dir},
+        tls_cert=cert,
+        tls_key=key,
+        http_port=0,
     )
     yield srv
     srv.stop()
@@ -121,6 +125,20 @@ def test_untrusted_certificate_is_refused(tls_server: EmbeddedServer, tmp_path: 
     ):
         client.get_server_info()
     assert info.value.code == "UNAVAILABLE"
+
+
+def test_http_api_takes_the_same_certificate(
+    tls_server: EmbeddedServer, certs: tuple[Path, Path]
+) -> None:
+    """The tinker-compatible HTTP API is served over TLS with the gRPC port's
+    certificate; plaintext HTTP gets no answer."""
+    import httpx
+
+    url = tls_server.http_url
+    assert url is not None and url.startswith("https://")
+    assert httpx.get(f"{url}/api/v1/healthz", verify=str(certs[0])).status_code == 200
+    with pytest.raises(httpx.HTTPError):
+        httpx.get(url.replace("https://", "http://") + "/api/v1/healthz", timeout=10)
 
 
 def test_config_needs_both_files(tmp_path: Path, certs: tuple[Path, Path]) -> None:

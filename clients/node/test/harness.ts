@@ -51,6 +51,8 @@ export async function startServer(options: ServerOptions = {}): Promise<TestServ
       ...Object.keys(models).flatMap((name) => ["--model", `${name}=${join(tmp, "models", name)}`]),
       "--port",
       "0",
+      "--http-port",
+      "-1",
       "--data-dir",
       dataDir,
       // One engine thread: deterministic sums (the Python parity test compares bits)

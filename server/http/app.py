@@ -1,0 +1,154 @@
+"""The HTTP app (FastAPI) and its server (uvicorn), run in the event loop of the
+gRPC server so both transports share one service layer, one engine and one
+database, with no thread between them.
+
+``start_http(ctx, host, port)`` binds (port 0: any free port, for tests) and
+returns a handle with the bound port; ``await handle.stop()`` at shutdown.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import uvicorn
+from fastapi import FastAPI
+from fastapi.exceptions import RequestValidationError
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from treadle.errors import InvalidArgumentError, TreadleError
+from treadle.server.context import ServerContext
+from treadle.server.http import (
+    errors,
+    routes_futures,
+    routes_sampling,
+    routes_session,
+    routes_training,
+    routes_weights,
+)
+from treadle.server.http.state import HttpState
+
+log = logging.getLogger("treadle.server")
+
+#: the default port of the HTTP API (the gRPC port is 50051)
+DEFAULT_HTTP_PORT = 8080
+
+
+def create_app(ctx: ServerContext) -> FastAPI:
+    app = FastAPI(title="treadle tinker-compatible API", docs_url=None, redoc_url=None)
+    app.state.ctx = ctx
+    app.state.http = HttpState(ctx)
+    app.state.instance_id = ctx.instance_id
+    for module in (
+        routes_session,
+        routes_training,
+        routes_sampling,
+        routes_weights,
+        routes_futures,
+    ):
+        app.include_router(module.router)
+    app.add_exception_handler(TreadleError, errors.treadle_error_handler)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_middleware(BodyLimit, limit=ctx.config.max_message_bytes)
+    return app
+
+
+async def _validation_error(request: Request, err: Exception) -> JSONResponse:
+    assert isinstance(err, RequestValidationError)
+    where = ".".join(str(p) for p in err.errors()[0].get("loc", ())) if err.errors() else "body"
+    return errors.error_response(InvalidArgumentError(f"{where}: {err.errors()[0].get('msg')}"))
+
+
+class BodyLimit:
+    """413 for a request body over the server's message limit (the gRPC one),
+    counted as it arrives, before any of it is parsed."""
+
+    def __init__(self, app: ASGIApp, limit: int) -> None:
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.limit:
+            await self._too_large(scope, receive, send)
+            return
+        seen = 0
+
+        async def counted() -> Message:
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.limit:
+                raise _TooLarge
+            return message
+
+        try:
+            await self.app(scope, counted, send)
+        except _TooLarge:
+            await self._too_large(scope, receive, send)
+
+    async def _too_large(self, scope: Scope, receive: Receive, send: Send) -> None:
+        err = errors.PayloadTooLargeError(
+            f"body: over the server's limit of {self.limit} bytes (--max-message-bytes)"
+        )
+        await errors.error_response(err)(scope, receive, send)
+
+
+class _TooLarge(Exception):
+    pass
+
+
+class _Server(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield  # the treadle process owns its signals (graceful drain), not uvicorn
+
+
+@dataclass
+class HttpServer:
+    server: uvicorn.Server
+    task: asyncio.Task[None]
+    port: int
+    state: HttpState
+
+    async def stop(self) -> None:
+        self.state.futures.close()  # held retrieve_future calls answer at once
+        self.server.should_exit = True
+        with contextlib.suppress(asyncio.CancelledError):
+            await self.task
+
+
+async def start_http(ctx: ServerContext, host: str, port: int) -> HttpServer:
+    app = create_app(ctx)
+    config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        loop="none",
+        lifespan="off",
+        log_level="warning",
+        access_log=False,
+        timeout_graceful_shutdown=2,
+        timeout_keep_alive=75,
+        # the gRPC port's certificate, when it has one: keys never travel in the clear
+        ssl_certfile=str(ctx.config.tls_cert) if ctx.config.tls_cert else None,
+        ssl_keyfile=str(ctx.config.tls_key) if ctx.config.tls_key else None,
+    )
+    server = _Server(config)
+    task = asyncio.ensure_future(server.serve())
+    while not server.started:
+        if task.done():
+            task.result()  # the bind failed: raise it
+            raise OSError(f"could not bind the HTTP API to {host}:{port}")
+        await asyncio.sleep(0.01)
+    bound = server.servers[0].sockets[0].getsockname()[1]
+    log.info("tinker-compatible HTTP API on http://%s:%d/api/v1", host, bound)
+    return HttpServer(server, task, int(bound), app.state.http)

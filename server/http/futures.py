@@ -1,0 +1,128 @@
+"""The SDK's futures: a call that does work answers ``{request_id}`` at once and
+its result is fetched with ``retrieve_future``.
+
+``retrieve_future`` holds the request until the call's task finishes (up to
+``hold_s``, then ``try_again``, which the SDK follows with the next poll at
+once), so a result reaches the client the moment the engine has it: no polling
+interval. A request id the server does not know (expired, or made before a
+restart, or another tenant's) answers 410, on which the SDK resubmits the
+original request; its ``seq_id`` makes that resubmission exactly-once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from starlette.responses import JSONResponse, Response
+
+from treadle.server.http import errors
+from treadle.server.http.wire import PROTOBUF
+
+#: turns a call's result into the answer of retrieve_future: JSON (a dict) or protobuf (bytes)
+Encoder = Callable[[Any], "dict[str, Any] | bytes"]
+
+
+@dataclass
+class _Entry:
+    tenant: str
+    task: asyncio.Task[Any]
+    encode: Encoder
+    created: float = field(default_factory=time.monotonic)
+    finished: float | None = None
+
+
+class Futures:
+    def __init__(self, hold_s: float = 30.0, keep_s: float = 900.0) -> None:
+        self.hold_s = hold_s
+        self.keep_s = keep_s  # how long a finished result stays retrievable
+        self._entries: dict[str, _Entry] = {}
+        self._keys: dict[tuple[str, ...], str] = {}  # (tenant, *key) -> request id
+
+    def start(self, tenant: str, work: Awaitable[Any], encode: Encoder) -> str:
+        """Run ``work`` in a task; its request id."""
+        self._expire()
+        request_id = uuid.uuid4().hex
+        task = asyncio.ensure_future(work)
+        entry = _Entry(tenant, task, encode)
+        task.add_done_callback(lambda t: _finished(entry, t))
+        self._entries[request_id] = entry
+        return request_id
+
+    def once(
+        self,
+        tenant: str,
+        key: tuple[str, ...],
+        work: Callable[[], Awaitable[Any]],
+        encode: Encoder,
+    ) -> str:
+        """``start``, unless a call of this key was started already (a retried
+        create_model of the same session and ``model_seq_id``): its request id."""
+        if not key[-1]:
+            return self.start(tenant, work(), encode)
+        existing = self._keys.get((tenant, *key))
+        if existing is not None and existing in self._entries:
+            entry = self._entries[existing]
+            failed = entry.task.done() and (entry.task.cancelled() or entry.task.exception())
+            if not failed:
+                return existing
+        request_id = self.start(tenant, work(), encode)
+        self._keys[(tenant, *key)] = request_id
+        return request_id
+
+    async def retrieve(self, tenant: str, request_id: str) -> Response:
+        entry = self._entries.get(request_id)
+        if entry is None or entry.tenant != tenant:
+            raise errors.GoneError(
+                f"request_id: {request_id!r} is not held here; resubmit the request"
+            )
+        if not entry.task.done():
+            await asyncio.wait({entry.task}, timeout=self.hold_s)
+        if not entry.task.done():
+            return JSONResponse(
+                {"type": "try_again", "request_id": request_id, "queue_state": "active"}
+            )
+        if entry.task.cancelled():
+            return JSONResponse(
+                {"error": "CANCELLED: the request was cancelled", "category": "user"}
+            )
+        err = entry.task.exception()
+        if err is not None:
+            return JSONResponse(errors.failed_future(err))
+        body = entry.encode(entry.task.result())
+        if isinstance(body, bytes):
+            return Response(body, media_type=PROTOBUF)
+        return JSONResponse(body)
+
+    def cancel(self, tenant: str, request_id: str) -> bool:
+        entry = self._entries.get(request_id)
+        if entry is None or entry.tenant != tenant or entry.task.done():
+            return False
+        entry.task.cancel()
+        return True
+
+    def close(self) -> None:
+        for entry in self._entries.values():
+            entry.task.cancel()
+        self._entries.clear()
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        for rid in [
+            rid
+            for rid, e in self._entries.items()
+            if e.finished is not None and now - e.finished > self.keep_s
+        ]:
+            del self._entries[rid]
+
+
+def _finished(entry: _Entry, task: asyncio.Task[Any]) -> None:
+    entry.finished = time.monotonic()
+    if not task.cancelled():
+        with contextlib.suppress(BaseException):
+            task.exception()  # seen here: retrieve_future reports it

@@ -1,0 +1,86 @@
+"""tinker ids and paths <-> treadle's, per tenant.
+
+- Model ids: treadle's own; a model made by ``load_weights`` from a session is
+  also known by the id the SDK derives for it, ``<session_id>:train:<n>``.
+- ``tinker://<model_id>/weights/<name>`` is the tenant's checkpoint
+  ``treadle://<model_id>/state/<name>`` (weights and optimizer state).
+- ``tinker://<model_id>/sampler_weights/<name>`` is a published weight version,
+  ``treadle://<model_id>/v/<n>``; the name -> version table is kept by this
+  server process (a restart forgets the names; the versions stay).
+"""
+
+from __future__ import annotations
+
+from treadle.errors import InvalidArgumentError, NotFoundError
+from treadle.server.store import check_name, state_uri, weights_uri
+
+SCHEME = "tinker://"
+TREADLE = "treadle://"
+
+
+class Names:
+    def __init__(self) -> None:
+        self._aliases: dict[tuple[str, str], str] = {}  # (tenant, sdk id) -> model id
+        self._sampler_weights: dict[tuple[str, str, str], int] = {}
+
+    # ---- model ids
+    def alias(self, tenant: str, sdk_id: str, model_id: str) -> None:
+        self._aliases[(tenant, sdk_id)] = model_id
+
+    def model_id(self, tenant: str, value: object, field: str = "model_id") -> str:
+        if not isinstance(value, str) or not value:
+            raise InvalidArgumentError(f"{field}: required (a string)")
+        return self._aliases.get((tenant, value), value)
+
+    # ---- paths
+    def weights_path(self, model_id: str, name: str) -> str:
+        return f"{SCHEME}{model_id}/weights/{name}"
+
+    def sampler_path(self, tenant: str, model_id: str, name: str, version: int) -> str:
+        self._sampler_weights[(tenant, model_id, name)] = version
+        return f"{SCHEME}{model_id}/sampler_weights/{name}"
+
+    def split(self, tenant: str, path: object, field: str = "path") -> tuple[str, str, str]:
+        """``tinker://<model_id>/<kind>/<name>`` -> (model id, kind, name)."""
+        if not isinstance(path, str) or not path.startswith(SCHEME):
+            raise InvalidArgumentError(
+                f"{field}: {path!r} is not a tinker://<model_id>/weights/<name> path"
+            )
+        parts = path[len(SCHEME) :].split("/")
+        if len(parts) != 3 or not parts[0] or parts[1] not in ("weights", "sampler_weights"):
+            raise InvalidArgumentError(
+                f"{field}: {path!r} is not tinker://<model_id>/(weights|sampler_weights)/<name>"
+            )
+        return self.model_id(tenant, parts[0], field), parts[1], check_name(parts[2], field)
+
+    def state_uri(self, tenant: str, path: object, field: str = "path") -> str:
+        """The treadle checkpoint a training-state path names (treadle:// accepted too)."""
+        if isinstance(path, str) and path.startswith(TREADLE):
+            return path
+        model_id, kind, name = self.split(tenant, path, field)
+        if kind != "weights":
+            raise InvalidArgumentError(
+                f"{field}: {path!r} holds sampler weights only; load a "
+                "tinker://<model_id>/weights/<name> path (save_state / save_weights)"
+            )
+        return state_uri(model_id, name)
+
+    def sampler_weights_uri(self, tenant: str, path: object, field: str = "model_path") -> str:
+        """The treadle weight version a sampler path names (treadle:// accepted too)."""
+        if isinstance(path, str) and path.startswith(TREADLE):
+            return path
+        model_id, kind, name = self.split(tenant, path, field)
+        if kind != "sampler_weights":
+            raise InvalidArgumentError(
+                f"{field}: {path!r} is a training checkpoint; sample from "
+                "tinker://<model_id>/sampler_weights/<name> (save_weights_for_sampler)"
+            )
+        version = self._sampler_weights.get((tenant, model_id, name))
+        if version is None:
+            raise NotFoundError(f"{field}: {path!r} not found")
+        return weights_uri(model_id, version)
+
+    def tinker_from_state_uri(self, uri: str) -> str:
+        """treadle://<model_id>/state/<name> -> tinker://<model_id>/weights/<name>."""
+        model_id, _, name = uri[len(TREADLE) :].split("/")
+        return self.weights_path(model_id, name)

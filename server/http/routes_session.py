@@ -1,0 +1,95 @@
+"""Start-up and session routes: client config, sessions and their heartbeats
+(which keep the session's models loaded: ``server.lifecycle``), telemetry,
+health and the server's capabilities."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Depends, Request
+
+from treadle.server.http import wire
+from treadle.server.http.auth import tenant
+from treadle.server.http.errors import GoneError
+from treadle.server.http.state import HttpState, state
+
+router = APIRouter(prefix="/api/v1")
+
+
+@router.post("/client/config")
+async def client_config() -> dict[str, Any]:
+    """Every optional SDK feature off: the plain paths are the ones served here."""
+    return {
+        "pjwt_auth_enabled": False,
+        "proto_compress_fwdbwd": False,
+        "sample_use_retrieve_futures": False,
+        "custom_loss_server_side": False,
+        "sample_join_sampling_session": False,
+    }
+
+
+@router.post("/client/dynamic_config")
+async def client_dynamic_config() -> dict[str, Any]:
+    return {}
+
+
+@router.get("/healthz")
+async def healthz() -> dict[str, str]:
+    return {"status": "ok"}
+
+
+@router.get("/get_server_capabilities")
+async def capabilities(
+    tenant_id: str = Depends(tenant), st: HttpState = Depends(state)
+) -> dict[str, Any]:
+    return {
+        "supported_models": [
+            {
+                "model_name": m.name,
+                "max_context_length": m.max_context,
+                "trainable": True,
+                "sampleable": True,
+            }
+            for m in st.service.info.base_models()
+        ]
+    }
+
+
+@router.post("/telemetry")
+async def telemetry(tenant_id: str = Depends(tenant)) -> dict[str, str]:
+    """Accepted and dropped: treadle keeps no client telemetry."""
+    return {"status": "accepted"}
+
+
+@router.post("/create_session")
+async def create_session(
+    request: Request, tenant_id: str = Depends(tenant), st: HttpState = Depends(state)
+) -> dict[str, Any]:
+    body = wire.json_body(await request.body())
+    client = f"tinker-sdk {body.get('sdk_version') or ''}".strip()
+    info = st.service.sessions.create(tenant_id, client)
+    return {"type": "create_session", "session_id": info.session_id}
+
+
+@router.post("/session_heartbeat")
+async def session_heartbeat(
+    request: Request, tenant_id: str = Depends(tenant), st: HttpState = Depends(state)
+) -> dict[str, Any]:
+    """Keeps the session's models loaded (``server.lifecycle``). A session finished
+    through this API answers 410, on which the SDK stops its heartbeat loop."""
+    body = wire.json_body(await request.body())
+    session_id = wire.field(body, "session_id", str)
+    if (tenant_id, session_id) in st.finished_sessions:
+        raise GoneError(f"session_id: session {session_id!r} has finished")
+    st.service.sessions.heartbeat(tenant_id, session_id)
+    return {"type": "session_heartbeat"}
+
+
+@router.post("/sessions/{session_id}/finish")
+async def finish_session(
+    session_id: str, tenant_id: str = Depends(tenant), st: HttpState = Depends(state)
+) -> dict[str, Any]:
+    """Idempotent; the session's models stay, only their heartbeats stop."""
+    st.service.sessions.end(tenant_id, session_id)
+    st.finished_sessions.add((tenant_id, session_id))
+    return {"session_id": session_id, "status": "finished"}

@@ -1,0 +1,112 @@
+"""Training runs (treadle's models) and their checkpoints: list, get, delete, what
+a path holds (weights_info). Everything is the tenant's own: another tenant's
+ids answer 404."""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any
+
+from fastapi import APIRouter, Depends, Request
+
+from treadle.errors import InvalidArgumentError, UnimplementedError
+from treadle.server.http import wire
+from treadle.server.http.auth import tenant
+from treadle.server.http.state import HttpState, state
+from treadle.server.service.types import ModelInfo
+
+router = APIRouter(prefix="/api/v1")
+
+
+def _time(seconds: float) -> str:
+    return dt.datetime.fromtimestamp(seconds, dt.timezone.utc).isoformat()
+
+
+def _run(info: ModelInfo, tenant_id: str) -> dict[str, Any]:
+    return {
+        "training_run_id": info.model_id,
+        "base_model": info.base_model,
+        "model_owner": tenant_id,
+        "is_lora": info.is_lora,
+        "corrupted": info.status == "lost",
+        "lora_rank": info.lora_rank if info.is_lora else None,
+        "last_request_time": _time(info.created_at),
+    }
+
+
+@router.get("/training_runs")
+async def list_training_runs(
+    request: Request, tenant_id: str = Depends(tenant), st: HttpState = Depends(state)
+) -> dict[str, Any]:
+    try:
+        limit = int(request.query_params.get("limit", 20))
+        offset = int(request.query_params.get("offset", 0))
+    except ValueError as err:
+        raise InvalidArgumentError(f"limit, offset: integers ({err})") from err
+    runs = st.service.models.list(tenant_id)
+    page = runs[offset : offset + limit]
+    return {
+        "training_runs": [_run(m, tenant_id) for m in page],
+        "cursor": {"offset": offset, "limit": limit, "total_count": len(runs)},
+    }
+
+
+@router.get("/training_runs/{model_id}")
+async def get_training_run(
+    model_id: str, tenant_id: str = Depends(tenant), st: HttpState = Depends(state)
+) -> dict[str, Any]:
+    info = st.service.models.info(tenant_id, st.names.model_id(tenant_id, model_id))
+    return dict(_run(info, tenant_id), training_run_id=model_id)
+
+
+@router.get("/training_runs/{model_id}/checkpoints")
+async def list_checkpoints(
+    model_id: str, tenant_id: str = Depends(tenant), st: HttpState = Depends(state)
+) -> dict[str, Any]:
+    treadle_id = st.names.model_id(tenant_id, model_id)
+    out = []
+    for c in st.service.checkpoints.list(tenant_id, treadle_id):
+        out.append(
+            {
+                "checkpoint_id": f"weights/{c.name}",
+                "checkpoint_type": "training",
+                "time": _time(c.created_at),
+                "tinker_path": st.names.weights_path(model_id, c.name),
+                "size_bytes": c.size_bytes,
+                "public": False,
+            }
+        )
+    return {"checkpoints": out, "cursor": None}
+
+
+@router.delete("/training_runs/{model_id}/checkpoints/{kind}/{name}")
+async def delete_checkpoint(
+    model_id: str,
+    kind: str,
+    name: str,
+    tenant_id: str = Depends(tenant),
+    st: HttpState = Depends(state),
+) -> dict[str, Any]:
+    path = f"tinker://{model_id}/{kind}/{name}"
+    st.service.checkpoints.delete(tenant_id, st.names.state_uri(tenant_id, path))
+    return {}
+
+
+@router.post("/weights_info")
+async def weights_info(
+    request: Request, tenant_id: str = Depends(tenant), st: HttpState = Depends(state)
+) -> dict[str, Any]:
+    body = wire.json_body(await request.body())
+    path = body.get("tinker_path")
+    model_id, _, _ = st.names.split(tenant_id, path, "tinker_path")
+    info = st.service.models.info(tenant_id, model_id)
+    return {
+        "base_model": info.base_model,
+        "is_lora": info.is_lora,
+        "lora_rank": info.lora_rank if info.is_lora else None,
+    }
+
+
+@router.post("/copy_weights")
+async def copy_weights(tenant_id: str = Depends(tenant)) -> dict[str, Any]:
+    raise UnimplementedError("copy_weights: not supported by this server yet")

@@ -1,0 +1,113 @@
+"""The tinker wire <-> treadle domain conversion, against the tinker SDK's own
+encoders and decoders (our tinker_public.proto is written independently; these
+check that the bytes agree both ways)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+tinker = pytest.importorskip("tinker")
+zstandard = pytest.importorskip("zstandard")
+
+from tinker import types as T  # noqa: E402
+from tinker.proto import tinker_public_pb2 as sdk_pb  # noqa: E402
+from tinker.proto.request_conv import forward_backward_request_to_proto  # noqa: E402
+from tinker.proto.response_conv import (  # noqa: E402
+    deserialize_forward_backward_output,
+    deserialize_sample_response,
+)
+
+from treadle.errors import InvalidArgumentError  # noqa: E402
+from treadle.server.http import wire  # noqa: E402
+from treadle.workers.domain import (  # noqa: E402
+    ForwardBackwardOp,
+    ForwardLogprobsOp,
+    ForwardResult,
+    SampleResult,
+    SequenceResult,
+)
+
+
+def _request(**config: float) -> bytes:
+    datum = T.Datum(
+        model_input=T.ModelInput.from_ints([1, 2, 3]),
+        loss_fn_inputs={
+            "target_tokens": T.TensorData.from_numpy(np.array([2, 3, 4], np.int64)),
+            "logprobs": T.TensorData.from_numpy(np.array([-1, -2, -3], np.float32)),
+            "advantages": T.TensorData.from_numpy(np.array([0.5, 0, -0.5], np.float32)),
+        },
+    )
+    request = T.ForwardBackwardRequest(
+        model_id="m-1",
+        seq_id=4,
+        forward_backward_input=T.ForwardBackwardInput(
+            data=[datum], loss_fn="ppo", loss_fn_config=config or None
+        ),
+    )
+    return forward_backward_request_to_proto(request).SerializeToString()
+
+
+def test_sdk_request_parses_into_the_engine_op() -> None:
+    msg = wire.parse_forward_backward(_request(clip_low_threshold=0.8))
+    op = wire.forward_backward_op(msg)
+    assert isinstance(op, ForwardBackwardOp)
+    assert (msg.model_id, msg.seq_id, op.loss_fn) == ("m-1", 4, "ppo")
+    assert op.loss_config == {"clip_low_threshold": pytest.approx(0.8)}
+    d = op.data[0]
+    assert d.tokens.tolist() == [1, 2, 3]
+    assert d.inputs["target_tokens"].tolist() == [2, 3, 4]
+    assert d.inputs["advantages"].tolist() == [0.5, 0, -0.5]
+
+
+def test_zstd_bodies_and_forward_only() -> None:
+    body = zstandard.ZstdCompressor().compress(_request())
+    msg = wire.parse_forward_backward(wire.decompress(body, "zstd"))
+    msg.forward_only = True
+    op = wire.forward_backward_op(msg)
+    assert isinstance(op, ForwardLogprobsOp)
+    assert set(op.data[0].inputs) == {"target_tokens"}  # loss inputs stay on the client
+    with pytest.raises(InvalidArgumentError, match="Content-Encoding"):
+        wire.decompress(body, "br")
+
+
+@pytest.mark.parametrize(
+    ("mutate", "field"),
+    [
+        (lambda m: m.data[0].loss_fn_inputs["logprobs"].ClearField("dense"), "logprobs.shape"),
+        (lambda m: setattr(m.data[0].loss_fn_inputs["logprobs"], "dtype", 9), "logprobs.dtype"),
+        (lambda m: m.data[0].loss_fn_inputs["logprobs"].shape.append(7), "logprobs.shape"),
+        (lambda m: m.data[0].model_input.add().image.SetInParent(), "model_input.chunks[1]"),
+        (lambda m: m.ClearField("data"), "data: empty"),
+        (
+            lambda m: (
+                m.loss_fn_config_v2["mode"].SetInParent()
+                or setattr(m.loss_fn_config_v2["mode"], "text", "x")
+            ),
+            "loss_fn_config.mode",
+        ),
+    ],
+)
+def test_bad_requests_name_the_field(mutate, field) -> None:  # type: ignore[no-untyped-def]
+    msg = sdk_pb.ForwardBackwardRequest.FromString(_request())
+    mutate(msg)
+    ours = wire.parse_forward_backward(msg.SerializeToString())
+    with pytest.raises(InvalidArgumentError, match=field.replace("[", r"\[").replace("]", r"\]")):
+        wire.forward_backward_op(ours)
+
+
+def test_outputs_decode_in_the_sdk() -> None:
+    result = ForwardResult(
+        (np.array([-1.0, -2.0], np.float32), np.array([-0.5], np.float32)),
+        {"loss:sum": 3.5, "tokens": 3.0},
+    )
+    out = deserialize_forward_backward_output(wire.forward_output(result))
+    assert [o["logprobs"].tolist() for o in out.loss_fn_outputs] == [[-1.0, -2.0], [-0.5]]
+    assert out.metrics == {"loss:sum": 3.5, "tokens:sum": 3.0}
+    seq = SequenceResult(
+        np.array([5, 6, 7]), np.array([-0.1, -0.2, -0.3], np.float32), "length", ((0, 3, 2),)
+    )
+    sample = deserialize_sample_response(wire.sample_response(SampleResult((seq,))))
+    assert sample.sequences[0].tokens == [5, 6, 7]
+    assert sample.sequences[0].stop_reason == "length"
+    assert sample.sequences[0].logprobs == pytest.approx([-0.1, -0.2, -0.3])
