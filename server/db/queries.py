@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TypeVar
 
-from sqlalchemy import Connection, bindparam, insert, select, update
+from sqlalchemy import Connection, String, and_, bindparam, insert, or_, select, update
 from sqlalchemy.dialects.postgresql import insert as postgresql_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session
@@ -294,9 +294,23 @@ def finish_op(
 # ~0.15 ms a call on SQLite instead of ~0.8 ms.
 _OP_STATUS = select(Op.status).where(Op.model_id == bindparam("m"), Op.seq_id == bindparam("s"))
 _OP_INSERT = insert(Op)
+# A call that failed UNAVAILABLE may not have reached the model; the SDK sends it
+# again with its seq_id, and when that repeat is applied the row says so (and the
+# call is counted then, once).
 _OP_FINISH = (
     update(Op)
-    .where(Op.model_id == bindparam("m"), Op.seq_id == bindparam("s"), Op.status == "pending")
+    .where(
+        Op.model_id == bindparam("m"),
+        Op.seq_id == bindparam("s"),
+        or_(
+            Op.status == "pending",
+            and_(
+                Op.status == "failed",
+                Op.error_code == "UNAVAILABLE",
+                bindparam("st", type_=String) == "done",
+            ),
+        ),
+    )
     .values(status=bindparam("st"), error_code=bindparam("ec"), finished_at=bindparam("at"))
     .execution_options(synchronize_session=False)
 )
