@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import grpc
+from sqlalchemy.orm import object_session
 
 from treadle.errors import (
     FailedPreconditionError,
@@ -208,6 +209,9 @@ class TrainingServicer(training_pb2_grpc.TrainingServiceServicer):
         )
         if row.status == "unloaded":  # it comes back at its checkpoint, continuing after it
             info.next_seq_id = row.last_checkpoint_seq_id + 1
+        elif row.status == "lost" and (s := object_session(row)) is not None:
+            # its next call replays it to its last applied step (or a load_state places it)
+            info.next_seq_id = queries.last_applied_seq(s, row.id) + 1
         try:
             status = self.ctx.dispatcher.model_status(row.id)
         except NotFoundError:
@@ -265,18 +269,20 @@ class TrainingServicer(training_pb2_grpc.TrainingServiceServicer):
         try:
             result = await self.ctx.dispatcher.submit(request.model_id, request.seq_id, op, digest)
         except TreadleError as err:
-            self._finish(request, "failed", err.code)
+            self._finish(request, "failed", err.code, digest)
             raise
         finally:
             self.meter.release_ordered(request.model_id, request.seq_id, ticket)
-        if self._finish(request, "done", None):  # applied now, exactly once: count it
+        if self._finish(request, "done", None, digest):  # applied now, exactly once: count it
             self.meter.count_ordered(tenant, request.model_id, op, result)
         return result
 
-    def _finish(self, request: Any, status: str, code: str | None) -> bool:
+    def _finish(self, request: Any, status: str, code: str | None, digest: str) -> bool:
         """Record the call's end; whether this was the call that ended it."""
         with self.ctx.connection() as conn:
-            return queries.finish_pending_op(conn, request.model_id, request.seq_id, status, code)
+            return queries.finish_pending_op(
+                conn, request.model_id, request.seq_id, status, code, digest
+            )
 
     async def ForwardBackward(
         self, request: training_pb2.ForwardBackwardRequest, context: grpc.aio.ServicerContext

@@ -187,10 +187,12 @@ def test_a_call_failed_unavailable_and_applied_on_its_repeat_ends_done_once(
     assert q.finish_pending_op(conn, model.id, 2, "failed", "INVALID_ARGUMENT")
     # the repeat of 1 is not recorded again; applied, it ends the row, once
     assert not q.insert_op_if_new(conn, model.id, 1, "forward_backward", "sha256:aa")
-    assert not q.finish_pending_op(conn, model.id, 1, "failed", "ABORTED")
-    assert q.finish_pending_op(conn, model.id, 1, "done")
-    assert not q.finish_pending_op(conn, model.id, 1, "done")
-    assert not q.finish_pending_op(conn, model.id, 2, "done")  # refused: final
+    assert not q.finish_pending_op(conn, model.id, 1, "failed", "ABORTED", "sha256:aa")
+    # another call numbered 1 again (after a resync) does not end it
+    assert not q.finish_pending_op(conn, model.id, 1, "done", None, "sha256:cc")
+    assert q.finish_pending_op(conn, model.id, 1, "done", None, "sha256:aa")
+    assert not q.finish_pending_op(conn, model.id, 1, "done", None, "sha256:aa")
+    assert not q.finish_pending_op(conn, model.id, 2, "done", None, "sha256:bb")  # final
     session.commit()
     session.expunge_all()
     assert q.get_op(session, model.id, 1).status == "done"  # type: ignore[union-attr]
