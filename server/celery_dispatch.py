@@ -281,7 +281,7 @@ class CeleryDispatcher:
     async def sample(
         self, target: SamplerTarget, op: SampleOp, dedupe_key: tuple[str, int, str] | None
     ) -> SampleResult:
-        worker_id = self._worker_for_target(target, dedupe_key[0] if dedupe_key else None)
+        worker_id = await self._route(target, dedupe_key[0] if dedupe_key else None)
         return await self._call(worker_id, "sample", (target, op, dedupe_key), None)  # type: ignore[no-any-return]
 
     async def sample_stream(
@@ -291,7 +291,7 @@ class CeleryDispatcher:
         order on this server's reply queue), then once at the end. Closing the
         iterator early stops listening; the worker finishes the samples anyway
         (there is no cancel message)."""
-        worker_id = self._worker_for_target(target, None)
+        worker_id = await self._route(target, None)
         items: asyncio.Queue[StreamedSequence] = asyncio.Queue()
         call = asyncio.ensure_future(
             self._call(worker_id, "sample_stream", (target, op), None, on_item=items.put_nowait)
@@ -313,11 +313,11 @@ class CeleryDispatcher:
     ) -> SampleResult:
         """On the worker that sampled through ``sampler_id`` (it keeps the
         handles): resume through the sampler that returned them."""
-        worker_id = self._worker_for_target(target, sampler_id)
+        worker_id = await self._route(target, sampler_id)
         return await self._call(worker_id, "resume", (target, handles, params), None)  # type: ignore[no-any-return]
 
     async def check_sampler_target(self, target: SamplerTarget) -> int:
-        worker_id = self._worker_for_target(target, None)
+        worker_id = await self._route(target, None)
         return int(await self._call(worker_id, "check_target", (target,), None))
 
     def model_status(self, model_id: str) -> ModelStatus:
@@ -386,6 +386,17 @@ class CeleryDispatcher:
                 f"(no heartbeat for {self.worker_timeout_s:g} s); it stays at step {row.version}. "
                 f"Restore it from a checkpoint with load_state{hint}, or create a new model from one"
             )
+
+    async def _route(self, target: SamplerTarget, sampler_id: str | None) -> str:
+        """``_worker_for_target``; a sampler of a lost model brings the model back
+        (``_recover``) as its next training call would."""
+        try:
+            return self._worker_for_target(target, sampler_id)
+        except AbortedError:
+            if target.model_id is None:
+                raise
+            await self._recover(target.model_id)
+            return self._worker_for_target(target, sampler_id)
 
     def _worker_for_target(self, target: SamplerTarget, sampler_id: str | None) -> str:
         if target.model_id is not None:

@@ -505,6 +505,43 @@ def test_a_lost_model_is_replayed_to_its_last_applied_step(
     assert failed == [], failed
 
 
+def test_a_worker_killed_mid_sample(cluster: Cluster, tmp_path: Path) -> None:
+    """SIGKILL while a worker samples for a model's ``latest`` sampler: the samples
+    fail UNAVAILABLE (nothing else is lost: sampling changes no model); the
+    sampler's next sample brings the model back (from its creation state, its one
+    step replayed) on a live worker and samples what it sampled before the kill."""
+    c = cluster
+    doomed = _one_more_worker(c, "w6", tmp_path, drain_timeout_s=0.0)
+    alice = c.client("alice", max_retries=0)
+    tok = alice.get_tokenizer(BASE)
+    tc = _placed_on(c, alice, doomed, 61)
+    data = [_datum(tok.encode("12+3=15"))]
+    tc.forward_backward(data, "cross_entropy").result()
+    assert tc.optim_step(treadle.AdamParams(learning_rate=1e-2)).result().step == 1
+    sampler = tc.sync_weights()
+    prompt, params = tok.encode("4+4="), treadle.SamplingParams(max_tokens=6, seed=5)
+    reference = sampler.sample(prompt, 2, params).result().sequences
+
+    long = [
+        sampler.sample(prompt, 64, treadle.SamplingParams(max_tokens=256, seed=i)) for i in range(4)
+    ]
+    time.sleep(0.3)
+    cut = [f for f in long if not f.done()]
+    assert cut, "the samples ended before the kill: make them longer"
+    c.workers[doomed].send_signal(signal.SIGKILL)
+    for fut in cut:
+        with pytest.raises(UnavailableError, match="stopped answering"):
+            fut.result(timeout=60)
+    assert alice.get_model_info(tc.model_id).status == "lost"
+
+    again = sampler.sample(prompt, 2, params).result().sequences
+    for x, y in zip(reference, again, strict=True):
+        np.testing.assert_array_equal(x.tokens, y.tokens)
+    assert c.worker_of(tc.model_id) not in ("", doomed)
+    tc.forward_backward(data, "cross_entropy").result()
+    assert tc.optim_step(treadle.AdamParams(learning_rate=1e-2)).result().step == 2
+
+
 def _one_more_worker(c: Cluster, name: str, tmp: Path, *, drain_timeout_s: float) -> str:
     """Start another worker in the cluster, live when this returns; its id."""
     worker_id = f"{c.name}-{name}-{os.getpid()}"
