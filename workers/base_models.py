@@ -41,8 +41,12 @@ class BaseModel:
 
 
 class BaseModelRegistry:
-    def __init__(self, model_dirs: Mapping[str, str | Path]) -> None:
+    def __init__(
+        self, model_dirs: Mapping[str, str | Path], device: torch.device | None = None
+    ) -> None:
         self.model_dirs = {name: Path(p) for name, p in model_dirs.items()}
+        #: where the weights are loaded (``workers.device``)
+        self.device = device or torch.device("cpu")
         self._loaded: dict[tuple[str, torch.dtype], BaseModel] = {}
         self._configs: dict[str, ModelConfig] = {}
         self._lock = threading.Lock()
@@ -67,7 +71,7 @@ class BaseModelRegistry:
         with self._lock:
             key = (name, dtype)
             if key not in self._loaded:
-                cfg, params = load_checkpoint(path, dtype=dtype)
+                cfg, params = load_checkpoint(path, dtype=dtype, device=self.device)
                 params.requires_grad_(False)
                 self._loaded[key] = BaseModel(name, path, cfg, params, dtype)
             return self._loaded[key]

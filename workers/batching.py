@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from treadle.errors import InternalError, TreadleError
-from treadle.workers import trainer
+from treadle.workers import device, trainer
 from treadle.workers.domain import ForwardBackwardOp, ForwardLogprobsOp, ForwardResult
 from treadle.workers.model.llama import forward_hidden, lm_logits
 from treadle.workers.model.lora import LoraAdapter, LoraRows
@@ -98,6 +98,11 @@ def run_batch(calls: Sequence[BatchCall], check: Callable[[BatchableOp], None]) 
         return
     try:
         _run(fb, fl)
+    except torch.OutOfMemoryError as err:
+        # Like a bug below, no gradient was added; the pass's tensors are freed.
+        oom = device.out_of_memory("batched training pass", err, calls[0].model.params.device)
+        for call in [c for c, _ in fb] + [c for c, _ in fl]:
+            call.outcome = oom
     except Exception as err:  # a bug, not a user error: fail this batch, keep the engine
         log.error("batched pass failed: %s\n%s", err, traceback.format_exc())
         # No gradient was added (they are added all at once, last): every model

@@ -19,6 +19,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from treadle.errors import FailedPreconditionError, InvalidArgumentError, NotFoundError
+from treadle.workers import device
 from treadle.workers.domain import LoadResult, SaveResult
 from treadle.workers.trainer import TrainingModel
 
@@ -31,9 +32,9 @@ def save_state(model: TrainingModel, directory: str | Path, seq_id: int) -> Save
     tmp = final.with_name(final.name + f".tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    weights = {n: t.detach().contiguous().cpu() for n, t in model.trainable.items()}
+    weights = device.host_copies(model.trainable)
     save_file(weights, str(tmp / "weights.safetensors"))
-    optim = {n: t.contiguous().cpu() for n, t in model.optimizer.state_tensors().items()}
+    optim = device.host_copies(model.optimizer.state_tensors())
     save_file(optim, str(tmp / "optimizer.safetensors"))
     spec = model.spec
     manifest = {

@@ -19,6 +19,7 @@ import torch
 from safetensors.torch import save_file
 
 from treadle.errors import InvalidArgumentError
+from treadle.workers import device
 from treadle.workers.model.llama import LlamaParams
 from treadle.workers.model.loading import save_params
 from treadle.workers.trainer import TrainingModel
@@ -45,7 +46,7 @@ def export_peft(model: TrainingModel, out_dir: str | Path) -> list[Path]:
         )
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tensors = {n: t.detach().contiguous().cpu() for n, t in model.adapter.named_tensors()}
+    tensors = device.host_copies(dict(model.adapter.named_tensors()))
     save_file(tensors, str(out / ADAPTER_WEIGHTS), metadata={"format": "pt"})
     config = {
         **model.adapter.peft_config(),

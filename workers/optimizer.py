@@ -64,6 +64,11 @@ class AdamW:
         grads = [
             p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params.values()
         ]
+        chunks = _chunks([self.params[n] for n in names])
+        # Every large allocation of the step happens here, before anything changes:
+        # out of memory (a full GPU) then leaves weights, moments, gradients and the
+        # step count as they were, and the model at its last applied step.
+        scratch = _scratch([[self.params[names[i]] for i in idx] for idx in chunks])
         pre_clip = _global_norm(grads)
         if cfg.grad_clip_norm > 0:
             scale = min(1.0, cfg.grad_clip_norm / (pre_clip + 1e-6))
@@ -71,11 +76,12 @@ class AdamW:
                 torch._foreach_mul_(grads, scale)  # the accumulated gradients are consumed
         self.step_count += 1
         self.weights_moved = True
-        update_sq = 0.0
-        for idx in _chunks([self.params[n] for n in names]):
+        update_sq_t = torch.zeros((), dtype=torch.float64)
+        for idx in chunks:
             ps = [self.params[names[i]].detach() for i in idx]
-            before = [p.clone() for p in ps]
-            step_t = torch.tensor(float(self.step_count), dtype=torch.float32)
+            before = _copies(ps, scratch)
+            # the kernel reads the step on the weights' device (a host scalar on the CPU)
+            step_t = torch.tensor(float(self.step_count), dtype=torch.float32, device=ps[0].device)
             torch._fused_adamw_(
                 ps,
                 [grads[i] for i in idx],
@@ -94,12 +100,14 @@ class AdamW:
             # the fused kernel does not bump the tensors' version counters as in-place
             # ops do; caches keyed on them (``model.prepack``) must see the change
             increment_version(ps)
-            update_sq += sum(float(torch.dist(p, b)) ** 2 for p, b in zip(ps, before, strict=True))
+            # summed on the device: one host read per step, not one per tensor
+            moved = torch.stack([torch.dist(p, b) for p, b in zip(ps, before, strict=True)])
+            update_sq_t = update_sq_t + (moved.double() ** 2).sum()
             del before
         self.zero_grad()
         return {
             "grad_norm:value": pre_clip,
-            "update_norm:value": math.sqrt(update_sq),
+            "update_norm:value": math.sqrt(float(update_sq_t)),
             "learning_rate:value": cfg.learning_rate,
             "step:value": float(self.step_count),
             # 1: nothing to learn from (no gradient, or all zero), yet the momentum moved the weights
@@ -120,8 +128,12 @@ class AdamW:
     @torch.no_grad()
     def load_state_tensors(self, tensors: Mapping[str, torch.Tensor], step_count: int) -> None:
         for name, p in self.params.items():
-            self.exp_avg[name] = tensors[f"exp_avg.{name}"].to(dtype=p.dtype).clone()
-            self.exp_avg_sq[name] = tensors[f"exp_avg_sq.{name}"].to(dtype=p.dtype).clone()
+            self.exp_avg[name] = (
+                tensors[f"exp_avg.{name}"].to(dtype=p.dtype, device=p.device).clone()
+            )
+            self.exp_avg_sq[name] = (
+                tensors[f"exp_avg_sq.{name}"].to(dtype=p.dtype, device=p.device).clone()
+            )
         self.step_count = step_count
         self.weights_moved = True  # checkpoint.load_state replaces the weights with it
 
@@ -132,6 +144,28 @@ def _global_norm(tensors: list[torch.Tensor]) -> float:
         return 0.0
     norms = torch.stack(torch._foreach_norm(tensors)).double()
     return math.sqrt(float((norms * norms).sum()))
+
+
+def _scratch(chunks: list[list[torch.Tensor]]) -> torch.Tensor | None:
+    """One buffer that holds the largest chunk's copies (None: mixed dtypes or
+    devices, each chunk is cloned as it comes)."""
+    flat = [p for chunk in chunks for p in chunk]
+    if not flat or len({(p.dtype, p.device) for p in flat}) != 1:
+        return None
+    size = max(sum(p.numel() for p in chunk) for chunk in chunks)
+    return torch.empty(size, dtype=flat[0].dtype, device=flat[0].device)
+
+
+def _copies(ps: list[torch.Tensor], scratch: torch.Tensor | None) -> list[torch.Tensor]:
+    """Copies of ``ps`` (the weights before a chunk's update), in ``scratch`` when given."""
+    if scratch is None:
+        return [p.clone() for p in ps]
+    out, at = [], 0
+    for p in ps:
+        out.append(scratch[at : at + p.numel()].view_as(p))
+        at += p.numel()
+    torch._foreach_copy_(out, ps)
+    return out
 
 
 def _chunks(params: list[torch.Tensor]) -> list[list[int]]:

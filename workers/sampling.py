@@ -122,10 +122,11 @@ def _truncate(
     """
     R, V = probs_R_V.shape
     sorted_R_V, _ = torch.sort(probs_R_V, dim=-1, descending=True)
-    ks = torch.tensor([k if 0 < k < V else V for k in top_ks])
-    keep_R_V = torch.arange(V)[None, :] < ks[:, None]
-    ps = torch.tensor(list(top_ps), dtype=torch.float64)
-    if (ps < 1.0).any():
+    dev = probs_R_V.device  # every tensor of the step on the logits' device
+    ks = torch.tensor([k if 0 < k < V else V for k in top_ks], device=dev)
+    keep_R_V = torch.arange(V, device=dev)[None, :] < ks[:, None]
+    ps = torch.tensor(list(top_ps), dtype=torch.float64, device=dev)
+    if any(p < 1.0 for p in top_ps):  # decided on the host: no device read
         cum_before_R_V = sorted_R_V.cumsum(-1, dtype=torch.float64) - sorted_R_V
         keep_R_V &= cum_before_R_V < (ps * total_R)[:, None]
     keep_R_V[:, 0] = True

@@ -81,6 +81,7 @@ class TrainingModel:
                     train_unembed=spec.train_unembed,
                 ),
                 dtype=base.dtype,
+                device=base.params.device,
                 requires_grad=True,
             )
             trainable = dict(self.adapter.named_tensors())
@@ -103,7 +104,7 @@ class TrainingModel:
 
         ``copy`` makes a full fine-tune's copies (all tensors at once, by name;
         default: a clone of each), e.g. into one shared-memory buffer for a
-        sampler process (``sampler_process.shared_copy``)."""
+        sampler process (``SamplerBackend.copy_weights``)."""
         if self.adapter is not None:
             return WeightSnapshot(
                 self.spec.model_id, self.version, self.params, self.adapter.clone()
@@ -217,11 +218,11 @@ def _make_batch(data: Sequence[DatumData], pad_id: int, device: torch.device) ->
 
 
 def _flat_inputs(
-    data: Sequence[DatumData], keys: Sequence[str], dtype: torch.dtype
+    data: Sequence[DatumData], keys: Sequence[str], dtype: torch.dtype, device: torch.device
 ) -> dict[str, Tensor]:
     return {
         k: torch.from_numpy(np.concatenate([d.inputs[k] for d in data]).astype(np.float64)).to(
-            dtype
+            dtype=dtype, device=device
         )
         for k in keys
     }
@@ -349,7 +350,7 @@ def prepare_forward_backward(
     _check_memory(model, op.data)
     float_keys = [k for k in keys if k != "target_tokens"]
     batch = _make_batch(op.data, model.cfg.pad_token_id or 0, model.params.device)
-    inputs = _flat_inputs(op.data, float_keys, _loss_dtype(model))
+    inputs = _flat_inputs(op.data, float_keys, _loss_dtype(model), model.params.device)
     need_ref = losses.needs_reference(op.loss_fn, config) and "ref_logprobs" not in inputs
     return PreparedForwardBackward(batch, inputs, config, need_ref)
 

@@ -1,15 +1,14 @@
-"""The engine with its samplers in a process of their own (``sampler_process``):
-the same samples as on one thread while training runs beside them, an in-flight
-weight update that reaches a running request in the child, streamed sequences,
-cancellation, partial rollouts and their resumption, bad input, shutdown, and a
-child that dies. Driven through the engine's thread-safe API, against a real
-spawned child (nothing mocked)."""
+"""The engine with its samplers in a process of their own (``--sampler torch-process``):
+weights in shared memory, cancellation, shutdown, and a child that dies. Driven through the
+engine's thread-safe API, against a real spawned child (nothing mocked). What
+every backend does (in-flight updates, streams, partial rollouts, bad input) is
+checked for this one too by ``tests/integration/test_sampler_conformance.py``, and
+that it samples what the engine thread samples by ``test_sampler_hosts.py``."""
 
 from __future__ import annotations
 
 import os
 import signal
-import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
@@ -32,11 +31,11 @@ from treadle.workers.domain import (
     SampleResult,
     SamplerTarget,
     SamplingConfig,
-    SequenceResult,
     SyncWeightsOp,
 )
 from treadle.workers.engine import Engine, EngineConfig
-from treadle.workers.sampler_process import SamplerProcess, _flat, shared_copy
+from treadle.workers.sampler_process import ProcessTorchBackend
+from treadle.workers.shm import flatten
 
 torch.set_num_threads(1)
 pytestmark = pytest.mark.timeout(120)
@@ -54,12 +53,12 @@ def _config(model_dir: Path, **overrides: Any) -> EngineConfig:
 
 
 def _start(model_dir: Path, **overrides: Any) -> Engine:
-    return Engine(_config(model_dir, sampler_process=True, **overrides)).start()
+    return Engine(_config(model_dir, sampler="torch-process", **overrides)).start()
 
 
-def _child(engine: Engine) -> SamplerProcess:
-    assert engine.sampler_process is not None
-    return engine.sampler_process
+def _child(engine: Engine) -> ProcessTorchBackend:
+    assert isinstance(engine.sampler, ProcessTorchBackend)
+    return engine.sampler
 
 
 @pytest.fixture(scope="module")
@@ -127,107 +126,6 @@ def test_the_long_requests_fit(engine: Engine) -> None:
         engine.sample(SamplerTarget("tiny"), too_long).result(30)
 
 
-# ---- the same samples as on one thread ---------------------------------------------------
-
-
-def _ops() -> list[SampleOp]:
-    rng = np.random.default_rng(0)
-    return [
-        SampleOp(
-            rng.integers(3, 90, size=int(rng.integers(3, 12))),
-            int(rng.integers(1, 3)),
-            SamplingConfig(max_tokens=int(rng.integers(4, 20)), seed=i, temperature=0.8),
-        )
-        for i in range(6)
-    ]
-
-
-def _run(engine: Engine, model_id: str) -> list[SampleResult]:
-    """Samples of the base and of a pinned version while the model trains."""
-    seq = _train(engine, model_id, 1)
-    engine.submit(model_id, seq, SyncWeightsOp(), "sync").result(30)  # version 1
-    targets = [SamplerTarget("tiny"), SamplerTarget("tiny", model_id, version=1)]
-    futures = [engine.sample(targets[i % 2], op) for i, op in enumerate(_ops())]
-    seq += 1
-    for _ in range(3):  # training goes on beside the sampling
-        seq = _train(engine, model_id, seq)
-    engine.submit(model_id, seq, SyncWeightsOp(), "sync2").result(30)  # version 4
-    # sampling the latest (version 4: weights trained further, shipped again)
-    futures.append(engine.sample(SamplerTarget("tiny", model_id), _ops()[0]))
-    return [f.result(60) for f in futures]
-
-
-@pytest.mark.parametrize("rank", [4, 0], ids=["lora", "full"])
-def test_process_samples_what_one_thread_samples(
-    engine: Engine, tiny_model_dir: Path, rank: int
-) -> None:
-    model_id = f"same-{rank}"
-    one_thread = Engine(_config(tiny_model_dir)).start()
-    try:
-        _model(one_thread, model_id, rank)
-        want = _run(one_thread, model_id)
-    finally:
-        one_thread.stop()
-    _model(engine, model_id, rank)
-    got = _run(engine, model_id)
-    assert len(got) == len(want)
-    for a, b in zip(want, got, strict=True):
-        assert len(a.sequences) == len(b.sequences)
-        for x, y in zip(a.sequences, b.sequences, strict=True):
-            np.testing.assert_array_equal(x.tokens, y.tokens)
-            np.testing.assert_allclose(x.logprobs, y.logprobs, atol=1e-5)
-            assert x.versions == y.versions
-            assert x.stop_reason == y.stop_reason
-    # the pinned version is version 1, the latest version 4: each sampled as asked
-    assert {s.versions[0][2] for r in got[1:6:2] for s in r.sequences} == {1}
-    assert {s.versions[0][2] for s in got[-1].sequences} == {4}
-
-
-def test_shared_copy_is_shipped_without_a_second_copy() -> None:
-    """``shared_copy`` puts detached copies in one shared buffer, which ``_flat``
-    then passes as it is; other tensors are copied into a new one."""
-    src = {"a": torch.randn(3, 4, requires_grad=True), "b": torch.randn(5)}
-    shared = shared_copy(src)
-    for k, t in src.items():
-        assert torch.equal(shared[k], t) and not shared[k].requires_grad
-    storage = shared["a"].untyped_storage()
-    assert storage.is_shared() and shared["b"].untyped_storage().data_ptr() == storage.data_ptr()
-    with torch.no_grad():
-        src["a"].add_(1.0)  # the live weights move on; the copy does not
-    assert not torch.equal(shared["a"], src["a"])
-    buf, layout = _flat(shared)  # type: ignore[misc]
-    assert buf.untyped_storage().data_ptr() == storage.data_ptr()  # no copy
-    assert layout == [("a", (3, 4), 0), ("b", (5,), 12)]
-    # not one shared buffer (separate tensors, or out of order): copied
-    for named in ({k: t.detach() for k, t in src.items()}, {"b": shared["b"], "a": shared["a"]}):
-        buf2, _ = _flat(named)  # type: ignore[misc]
-        assert buf2.untyped_storage().data_ptr() != storage.data_ptr()
-        assert torch.equal(buf2[:5], named[next(iter(named))].reshape(-1)[:5])
-    mixed = shared_copy({"a": torch.ones(2), "i": torch.arange(3)})  # two dtypes: clones
-    assert torch.equal(mixed["i"], torch.arange(3)) and not mixed["a"].is_shared()
-
-
-def test_the_pool_reuses_only_free_buffers(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A buffer comes back only when the child returned it and nothing views it;
-    where torch does not count references, the pool keeps nothing at all."""
-    pool = sampler_process.ShmPool()
-    buf = pool.take(6, torch.float32)
-    ptr, view = buf.data_ptr(), buf[:3]
-    pool.lend(7, [buf])
-    del buf  # shipped: from here on only `view` reads it on this side
-    others = [pool.take(6, torch.float32)]  # held: never free while this test runs
-    assert others[0].data_ptr() != ptr  # lent: not reused
-    pool.returned([7])
-    others.append(pool.take(6, torch.float32))
-    assert others[1].data_ptr() != ptr  # returned, but still viewed
-    del view
-    assert pool.take(6, torch.float32).data_ptr() == ptr and pool.reused == 1
-    monkeypatch.setattr(sampler_process, "_SOLE", None)
-    kept = len(pool._bufs)
-    pool.take(6, torch.float32)
-    assert len(pool._bufs) == kept  # not remembered: it could never be freed
-
-
 def test_a_full_fine_tunes_versions_live_in_shared_memory(engine: Engine) -> None:
     """With a sampler process, a full fine-tune's published version is made once,
     in shared memory, and shipped to the child from there."""
@@ -239,12 +137,15 @@ def test_a_full_fine_tunes_versions_live_in_shared_memory(engine: Engine) -> Non
     live = engine.models["shm-full"].params.state_dict()
     for k, t in named.items():
         assert torch.equal(t, live[k]) and t.data_ptr() != live[k].data_ptr()
-    buf, _ = _flat(named)  # type: ignore[misc]
+    buf, _ = flatten(named)  # type: ignore[misc]
     assert buf.untyped_storage().is_shared()
     assert (
         buf.untyped_storage().data_ptr() == next(iter(named.values())).untyped_storage().data_ptr()
     )
-    seqs = engine.sample(SamplerTarget("tiny", "shm-full", version=1), _ops()[0]).result(60)
+    seqs = engine.sample(
+        SamplerTarget("tiny", "shm-full", version=1),
+        SampleOp(PROMPT, 2, SamplingConfig(max_tokens=8, seed=0)),
+    ).result(60)
     assert {s.versions[0][2] for s in seqs.sequences} == {1}
 
 
@@ -294,58 +195,6 @@ def test_version_buffers_are_reused_and_samples_stay_right(
     assert _child(engine).pool.reused > reused_before
 
 
-# ---- an in-flight update ------------------------------------------------------------------
-
-
-def test_inflight_update_reaches_a_running_latest_request(engine: Engine) -> None:
-    _model(engine, "infl")
-    seq = _train(engine, "infl", 1)  # version 1, trained but not published yet
-    latest = engine.sample(SamplerTarget("tiny", "infl"), _long_op(2, seed=7))
-    pinned = engine.sample(SamplerTarget("tiny", "infl", version=0), _long_op(1, seed=8))
-    base = engine.sample(SamplerTarget("tiny"), _long_op(1, seed=9))
-    _wait_running(engine, [latest, pinned, base])
-    engine.submit("infl", seq, SyncWeightsOp(inflight=True), "sync").result(30)
-    for s in latest.result(60).sequences:
-        (start, n0, v0), (cut, n1, v1) = s.versions  # (first token, count, version)
-        assert (start, v0, cut, v1) == (0, 0, n0, 1)
-        assert n0 >= 1 and n1 >= 1 and n0 + n1 == LONG
-        assert len(s.tokens) == LONG
-    # neither a pinned version nor the base follows the model's updates
-    assert pinned.result(60).sequences[0].versions == ((0, LONG, 0),)
-    assert base.result(60).sequences[0].versions == ((0, LONG, 0),)
-    # a request admitted after the update samples the new version from its start
-    after = engine.sample(SamplerTarget("tiny", "infl"), SampleOp(PROMPT, 1, SamplingConfig()))
-    assert after.result(60).sequences[0].versions[0][2] == 1
-
-
-# ---- streaming -----------------------------------------------------------------------------
-
-
-def test_streamed_sequences_are_the_result(engine: Engine) -> None:
-    seen: list[tuple[int, SequenceResult, float]] = []
-    lock = threading.Lock()
-
-    def on_sequence(index: int, seq: SequenceResult, seconds: float) -> None:
-        with lock:
-            seen.append((index, seq, seconds))
-
-    op = SampleOp(PROMPT, 4, SamplingConfig(max_tokens=24, seed=3, temperature=0.9))
-    result = engine.sample(SamplerTarget("tiny"), op, on_sequence=on_sequence).result(60)
-    with lock:
-        calls = list(seen)
-    assert sorted(i for i, _, _ in calls) == [0, 1, 2, 3]  # once per sample index
-    for index, seq, seconds in calls:
-        whole = result.sequences[index]
-        np.testing.assert_array_equal(seq.tokens, whole.tokens)
-        np.testing.assert_array_equal(seq.logprobs, whole.logprobs)
-        assert (seq.versions, seq.stop_reason) == (whole.versions, whole.stop_reason)
-        assert seconds >= 0.0
-    # the same sequences as unstreamed
-    plain = engine.sample(SamplerTarget("tiny"), op).result(60)
-    for x, y in zip(plain.sequences, result.sequences, strict=True):
-        np.testing.assert_array_equal(x.tokens, y.tokens)
-
-
 # ---- cancellation --------------------------------------------------------------------------
 
 
@@ -371,88 +220,6 @@ def test_cancelling_frees_the_rows_in_the_child(engine: Engine) -> None:
     # server whose clients cancel would otherwise grow without bound).
     kept = [rid for rid, p in _child(engine)._pending.items() if p.future in futures]
     assert kept == [], f"cancelled requests {kept} still pending in the parent"
-
-
-# ---- partial rollouts ----------------------------------------------------------------------
-
-
-def _partials(engine: Engine, model_id: str) -> dict[str, Any]:
-    """Sample partial rollouts, train, resume them, and try handles that must not
-    resume; what happened, comparable across engines."""
-    _model(engine, model_id)
-    mine = SamplerTarget("tiny", model_id, tenant_id="t")
-    budget = SamplingConfig(max_tokens=30, seed=4, token_budget=5, ignore_eos=True)
-    first = engine.sample(mine, SampleOp(PROMPT, 3, budget)).result(60).sequences
-    for s in first:
-        assert s.stop_reason == "partial" and len(s.tokens) == 5
-        assert s.resume_handle.startswith("rh-") and s.versions == ((0, 5, 0),)
-    handles = [s.resume_handle for s in first]
-    assert len(set(handles)) == 3
-    seq = _train(engine, model_id, 1)
-    engine.submit(model_id, seq, SyncWeightsOp(), "sync").result(30)  # version 1
-    rest = SamplingConfig(max_tokens=12, seed=5, ignore_eos=True)
-    errors: list[str] = []
-
-    def not_found(target: SamplerTarget, hs: list[str], hidden: str) -> None:
-        with pytest.raises(NotFoundError) as err:
-            engine.resume(target, hs, rest).result(30)
-        errors.append(str(err.value).replace(hidden[:48], "H"))
-
-    # another tenant, another model, the base: NOT_FOUND, and nothing consumed
-    not_found(SamplerTarget("tiny", model_id, tenant_id="u"), handles[:1], handles[0])
-    not_found(SamplerTarget("tiny", tenant_id="t"), handles[:1], handles[0])
-    not_found(mine, [handles[0], "rh-never-existed"], "rh-never-existed")  # all or nothing
-    resumed = engine.resume(mine, handles, rest).result(60)
-    assert resumed.resumed_tokens == 15
-    for part, whole in zip(first, resumed.sequences, strict=True):
-        np.testing.assert_array_equal(whole.tokens[:5], part.tokens)
-        np.testing.assert_array_equal(whole.logprobs[:5], part.logprobs)
-        assert len(whole.tokens) == 12 and whole.stop_reason == "length"
-        assert whole.versions == ((0, 5, 0), (5, 7, 1)) and whole.resume_handle == ""
-    # consumed now: NOT_FOUND exactly as a handle that never existed
-    not_found(mine, handles[1:2], handles[1])
-    not_found(mine, ["rh-never-existed"], "rh-never-existed")
-    assert errors[-1] == errors[-2]
-    with pytest.raises(InvalidArgumentError, match="resume_handles"):
-        engine.resume(mine, [], rest).result(30)
-    return {"first": first, "resumed": resumed.sequences, "errors": errors}
-
-
-def test_partial_rollouts_resume_as_on_a_sampler_thread(
-    engine: Engine, tiny_model_dir: Path
-) -> None:
-    threaded = Engine(_config(tiny_model_dir, sampler_thread=True)).start()
-    try:
-        want = _partials(threaded, "part")
-    finally:
-        threaded.stop()
-    got = _partials(engine, "part")
-    assert got["errors"] == want["errors"]
-    for key in ("first", "resumed"):
-        for x, y in zip(want[key], got[key], strict=True):
-            np.testing.assert_array_equal(x.tokens, y.tokens)
-            np.testing.assert_allclose(x.logprobs, y.logprobs, atol=1e-5)
-            assert (x.versions, x.stop_reason) == (y.versions, y.stop_reason)
-
-
-# ---- bad input -----------------------------------------------------------------------------
-
-
-def test_bad_input_is_reported_through_the_process(engine: Engine) -> None:
-    base = SamplerTarget("tiny")
-    with pytest.raises(InvalidArgumentError, match="top_p"):
-        engine.sample(base, SampleOp(PROMPT, 1, SamplingConfig(top_p=0.0))).result(30)
-    with pytest.raises(InvalidArgumentError, match="vocabulary"):
-        engine.sample(base, SampleOp(np.array([3, 10**6]), 1, SamplingConfig())).result(30)
-    with pytest.raises(InvalidArgumentError, match="num_samples"):
-        engine.sample(base, SampleOp(PROMPT, 9, SamplingConfig())).result(30)
-    with pytest.raises(InvalidArgumentError, match="token_budget"):
-        engine.sample(base, SampleOp(PROMPT, 1, SamplingConfig(token_budget=-1))).result(30)
-    with pytest.raises(NotFoundError, match="resume handle"):
-        engine.resume(base, ["rh-nope"], SamplingConfig()).result(30)
-    # and the child keeps serving
-    seqs = engine.sample(base, SampleOp(PROMPT, 1, SamplingConfig(max_tokens=3))).result(30)
-    assert len(seqs.sequences[0].tokens) <= 3
 
 
 # ---- shutdown and a dead child -----------------------------------------------------------------
@@ -484,7 +251,6 @@ def test_a_dead_child_is_restarted_for_the_next_request(
     """Past ``RESTART_EVERY_S`` the next request starts a new child: it samples
     (weights shipped again, a LoRA model's latest included) and the dead child's
     partial rollouts are NOT_FOUND."""
-    from treadle.workers import sampler_process
 
     monkeypatch.setattr(sampler_process, "RESTART_EVERY_S", 0.0)
     engine = _start(tiny_model_dir)
@@ -544,19 +310,3 @@ def test_a_dead_child_fails_pending_and_later_samples(tiny_model_dir: Path) -> N
         t0 = time.monotonic()
         engine.stop()
     assert time.monotonic() - t0 < 15
-
-
-def test_the_flag_reaches_the_engine_config(tmp_path: Path) -> None:
-    import argparse
-
-    from treadle.server.config import ServerConfig
-    from treadle.workers.engine_flags import add_engine_flags, engine_config, engine_settings
-
-    parser = argparse.ArgumentParser()
-    add_engine_flags(parser)
-    settings = engine_settings(parser.parse_args(["--sampler-process", "--sampler-threads", "1"]))
-    made = engine_config(ServerConfig(data_dir=tmp_path, **settings), {}, None)
-    assert (made.sampler_process, made.sampler_thread, made.sampler_threads) == (True, False, 1)
-    assert engine_settings(parser.parse_args([]))["sampler_process"] is False
-    with pytest.raises(InvalidArgumentError, match="sampler_process: give one of"):
-        ServerConfig(data_dir=tmp_path, sampler_thread=True, sampler_process=True)

@@ -1,7 +1,7 @@
-"""The engine with its samplers on a thread of their own (``sampler_thread``):
-the same samples as on one thread while training runs beside them, an in-flight
-weight update that lands between two decode steps, and a shutdown that fails
-what is still sampling. Driven through the engine's thread-safe API."""
+"""The engine with its samplers on a thread of their own (``--sampler torch-thread``):
+an in-flight weight update that lands between two decode steps, and a shutdown
+that fails what is still sampling. Driven through the engine's thread-safe API.
+That it samples what the engine thread samples: ``test_sampler_hosts.py``."""
 
 from __future__ import annotations
 
@@ -33,7 +33,10 @@ torch.set_num_threads(1)
 
 def _engine(model_dir: Path, *, threaded: bool) -> Engine:
     config = EngineConfig(
-        base_models={"tiny": model_dir}, sampler_slots=8, threads=1, sampler_thread=threaded
+        base_models={"tiny": model_dir},
+        sampler_slots=8,
+        threads=1,
+        sampler="torch-thread" if threaded else "torch",
     )
     engine = Engine(config).start()
     engine.create_model(ModelSpec("m", "t", "tiny", 4, 8.0, 3, "float32")).result(30)
@@ -49,46 +52,6 @@ def _train(engine: Engine, seq_id: int) -> int:
     return seq_id + 2
 
 
-def _ops() -> list[SampleOp]:
-    rng = np.random.default_rng(0)
-    return [
-        SampleOp(
-            rng.integers(3, 90, size=int(rng.integers(3, 12))),
-            int(rng.integers(1, 3)),
-            SamplingConfig(max_tokens=int(rng.integers(4, 20)), seed=i, temperature=0.8),
-        )
-        for i in range(6)
-    ]
-
-
-def _run(engine: Engine) -> list[SampleResult]:
-    """Samples of the base and of a pinned version while the model trains."""
-    seq = _train(engine, 1)
-    engine.submit("m", seq, SyncWeightsOp(), "sync").result(30)  # version 1
-    targets = [SamplerTarget("tiny"), SamplerTarget("tiny", "m", version=1)]
-    futures = [engine.sample(targets[i % 2], op) for i, op in enumerate(_ops())]
-    seq += 1
-    for _ in range(3):  # training goes on beside the sampling
-        seq = _train(engine, seq)
-    engine.submit("m", seq, SyncWeightsOp(), "sync2").result(30)
-    return [f.result(60) for f in futures]
-
-
-def test_threaded_engine_samples_what_one_thread_samples(tiny_model_dir: Path) -> None:
-    results = []
-    for threaded in (False, True):
-        engine = _engine(tiny_model_dir, threaded=threaded)
-        try:
-            results.append(_run(engine))
-        finally:
-            engine.stop()
-    for a, b in zip(*results, strict=True):
-        for x, y in zip(a.sequences, b.sequences, strict=True):
-            np.testing.assert_array_equal(x.tokens, y.tokens)
-            np.testing.assert_allclose(x.logprobs, y.logprobs, atol=1e-5)
-            assert x.versions == y.versions
-
-
 def test_inflight_update_lands_between_decode_steps(tiny_model_dir: Path) -> None:
     engine = _engine(tiny_model_dir, threaded=True)
     try:
@@ -98,7 +61,7 @@ def test_inflight_update_lands_between_decode_steps(tiny_model_dir: Path) -> Non
         def tick() -> None:  # posted work runs before each step: pause after 5 steps
             steps[0] += 1
             if steps[0] <= 5:
-                engine.sampler_loop.post(tick)
+                engine.sampler.loop.post(tick)
             else:
                 paused.set()
                 gate.wait(30)
@@ -108,7 +71,7 @@ def test_inflight_update_lands_between_decode_steps(tiny_model_dir: Path) -> Non
         # The engine thread takes calls in order: once this answers, the sample's
         # admission is posted to the sampler thread, ahead of the tick.
         engine.check_sampler_target(SamplerTarget("tiny")).result(30)
-        engine.sampler_loop.post(tick)
+        engine.sampler.loop.post(tick)
         assert paused.wait(30)
         seq = _train(engine, 1)
         engine.submit("m", seq, SyncWeightsOp(inflight=True), "sync").result(30)
@@ -124,7 +87,7 @@ def test_inflight_update_lands_between_decode_steps(tiny_model_dir: Path) -> Non
 def test_stopping_fails_what_is_still_sampling(tiny_model_dir: Path) -> None:
     engine = _engine(tiny_model_dir, threaded=True)
     gate = threading.Event()
-    engine.sampler_loop.post(lambda: gate.wait(30))  # hold the sampler thread
+    engine.sampler.loop.post(lambda: gate.wait(30))  # hold the sampler thread
     op = SampleOp(np.arange(5, 12), 1, SamplingConfig(max_tokens=40, ignore_eos=True))
     fut: Future[SampleResult] = engine.sample(SamplerTarget("tiny"), op)
     stopper = threading.Thread(target=engine.stop)

@@ -381,6 +381,7 @@ def forward_hidden(
     cache: KVCache | None = None,
     slots_B: Tensor | None = None,
     checkpoint_layers: bool = False,
+    kv_len: int | None = None,
 ) -> Tensor:
     """Final-norm hidden states ``[B, T, H]`` of ``tokens_B_T``.
 
@@ -404,6 +405,9 @@ def forward_hidden(
     input for the backward and recompute the layer there (activation
     checkpointing): about one more forward of time for a layer's worth of
     activations instead of all of them.
+
+    ``kv_len`` (with ``cache``): ``positions_B_T.max() + 1`` when the caller
+    knows it on the host, so a GPU step does not wait to read it back.
     """
     B, T = tokens_B_T.shape
     if positions_B_T is None:
@@ -415,7 +419,8 @@ def forward_hidden(
     if cache is not None:
         if slots_B is None:
             raise InvalidArgumentError("forward_hidden: slots_B is required with a cache")
-        kv_len = int(positions_B_T.max()) + 1
+        if kv_len is None:  # a caller that knows it (the sampler) saves a device read
+            kv_len = int(positions_B_T.max()) + 1
         if kv_len > cache.max_len:
             raise InvalidArgumentError(
                 f"forward_hidden: position {kv_len - 1} is beyond the cache (max_len "

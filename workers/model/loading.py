@@ -17,6 +17,7 @@ from safetensors.torch import save_file
 from torch import Tensor
 
 from treadle.errors import InvalidArgumentError
+from treadle.workers.device import host_copies
 from treadle.workers.model.config import ModelConfig
 from treadle.workers.model.llama import LlamaParams, param_shapes
 
@@ -101,7 +102,7 @@ def save_params(params: LlamaParams, cfg: ModelConfig, out_dir: str | Path) -> P
     ``load_checkpoint`` and transformers' ``from_pretrained`` read back."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tensors = {name: t.detach().contiguous().cpu() for name, t in params.named_tensors()}
+    tensors = host_copies(dict(params.named_tensors()))
     save_file(tensors, str(out / SINGLE_FILE), metadata={"format": "pt"})
     hf = cfg.to_hf_dict() | {"dtype": str(params.dtype).removeprefix("torch.")}
     (out / "config.json").write_text(json.dumps(hf, indent=2) + "\n")

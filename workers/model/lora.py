@@ -341,7 +341,10 @@ class LoraRows:
             if len(rows) == len(ids):
                 self.groups.append((self.adapters[adapter_id], None))
             else:
-                idx = torch.tensor(rows, dtype=torch.long, device=row_adapter_B.device)
+                # on the adapter's device (the row ids may be a host tensor)
+                idx = torch.tensor(
+                    rows, dtype=torch.long, device=_device_of(self.adapters[adapter_id])
+                )
                 self.groups.append((self.adapters[adapter_id], idx))
         self._masks: dict[tuple[int, ...], Tensor] = {}
         self.segments = self._equal_segments(ids)
@@ -440,3 +443,11 @@ def _pad_rank(t: Tensor, rank: int, dim: int) -> Tensor:
     if not missing:
         return t
     return F.pad(t, (0, missing) if dim == 1 else (0, 0, 0, missing))
+
+
+def _device_of(adapter: LoraAdapter) -> torch.device:
+    """Where an adapter's tensors live (the CPU for one that adapts nothing)."""
+    for layer in adapter.a:
+        for t in layer.values():
+            return t.device
+    return torch.device("cpu")
