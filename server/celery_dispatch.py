@@ -53,6 +53,7 @@ import uuid
 import zlib
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -135,6 +136,7 @@ class CeleryDispatcher:
     ) -> None:
         self.broker = broker
         self.replay = ReplayLog(sessions, replay_log_bytes)
+        self._records = ThreadPoolExecutor(1, thread_name_prefix="treadle-replay-log")
         self._recovering: dict[str, asyncio.Lock] = {}
         self._replaying: set[str] = set()  # models being replayed (their status is kept)
         self.store = store
@@ -271,12 +273,18 @@ class CeleryDispatcher:
         return result  # type: ignore[no-any-return]
 
     async def _keep(self, model_id: str, seq_id: int, op: OrderedOp) -> None:
-        """Into the replay log; a failure there leaves a hole (the model would come
-        back at its checkpoint), never fails the call, which was applied."""
-        try:
-            await asyncio.to_thread(self.replay.record, model_id, seq_id, op)
-        except Exception as err:
-            log.warning("model %s: seq_id %d not kept for replay: %s", model_id, seq_id, err)
+        """Into the replay log, on its own thread, in the order applied, without
+        holding up the answer (writing a large batch's payload takes PostgreSQL
+        a while). A failure there leaves a hole (the model would come back at its
+        checkpoint), never fails the call, which was applied."""
+
+        def record() -> None:
+            try:
+                self.replay.record(model_id, seq_id, op)
+            except Exception as err:
+                log.warning("model %s: seq_id %d not kept for replay: %s", model_id, seq_id, err)
+
+        self._records.submit(record)
 
     async def sample(
         self, target: SamplerTarget, op: SampleOp, dedupe_key: tuple[str, int, str] | None
@@ -351,6 +359,7 @@ class CeleryDispatcher:
 
     def close(self) -> None:
         self._stopping.set()
+        self._records.shutdown(wait=True, cancel_futures=False)
         self._watcher.join(5) if self._watcher.is_alive() else None
         self._consumer.join(5)
         with self._lock:
@@ -499,6 +508,8 @@ class CeleryDispatcher:
                 directory = ckpt.storage_path if ckpt is not None else None
                 source = ckpt.uri if ckpt is not None else "its creation state"
                 version = row.version
+            # every call answered so far is written first (the log's thread, in order)
+            await asyncio.wrap_future(self._records.submit(lambda: None))
             calls = self.replay.calls_since(model_id, start)
             if calls is None:
                 raise lost
