@@ -20,6 +20,15 @@ call is applied once in the model's history as the restarted server sees it.
 When the log does not reach back to the restore point (trimmed, or the model
 came back at an older checkpoint than the client's last ``save_state``) the
 error is raised as without ``auto_resync``.
+
+A call that fails UNAVAILABLE once its retries are spent (the server, the
+broker or the network was down) may or may not have reached the model, and the
+calls numbered after it wait for it there. So it is kept, and sent again with
+its own seq_id and payload just before the next ordered call of the model:
+applied by then, the repeat changes nothing (the engine answers a repeat with
+the recorded result); not applied, it is applied now, in its place. Either way
+it is applied exactly once and leaves no gap. Its caller has had the error; the
+answer of the repeat is dropped.
 """
 
 from __future__ import annotations
@@ -33,7 +42,7 @@ from functools import partial
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from treadle._rpc import FIRST_PENDING_KEY, INSTANCE_KEY, Caller, settle_once
-from treadle.errors import AbortedError, ServerRestartedError, TreadleError
+from treadle.errors import AbortedError, ServerRestartedError, TreadleError, UnavailableError
 
 if TYPE_CHECKING:
     import grpc
@@ -73,6 +82,8 @@ class OrderedCalls:
         self._log: OrderedDict[int, _Logged] = OrderedDict()
         self._log_size = 0
         self._floor = next_seq_id - 1  # every call numbered after it is in the log
+        #: seq_id -> its call, failed UNAVAILABLE: sent again before the next call
+        self._undelivered: dict[int, _Logged] = {}
         self.last: Future[Any] | None = None  # the latest ordered call sent
 
     def take(self) -> int:
@@ -96,6 +107,7 @@ class OrderedCalls:
         checkpoint of the model (``save_state``), before which the log is not needed."""
         if self.auto_resync:
             self._remember(method, request)
+        self._send_undelivered()
         fut = self._dispatch(method, request, convert)
         if commits and self.auto_resync:
             fut.add_done_callback(partial(self._committed, request.seq_id))
@@ -111,6 +123,7 @@ class OrderedCalls:
             self._instance = self._caller.server_instance
             stale = [(seq, f) for seq, f in self._pending.items() if f is not None]
             self._pending.clear()
+            self._undelivered.clear()
             self._log.clear()
             self._log_size = 0
             self._floor = next_seq_id - 1
@@ -137,24 +150,48 @@ class OrderedCalls:
         with self._lock:
             if seq in self._pending:  # not answered already
                 self._pending[seq] = fut
-        fut.add_done_callback(partial(self._answered, seq))
+        fut.add_done_callback(partial(self._answered, _Logged(method, request, 0)))
         return fut
 
     def _metadata(self, seq: int) -> tuple[tuple[str, str], ...]:
         with self._lock:
             if not self._instance:
                 return ()
-            first = min(self._pending, default=seq)
+            first = min([*self._pending, *self._undelivered], default=seq)
             return ((INSTANCE_KEY, self._instance), (FIRST_PENDING_KEY, str(first)))
 
-    def _answered(self, seq: int, fut: Future[Any]) -> None:
-        ok = not fut.cancelled() and fut.exception() is None
+    def _answered(self, call: _Logged, fut: Future[Any]) -> None:
+        seq = call.request.seq_id
+        error = None if fut.cancelled() else fut.exception()
+        ok = not fut.cancelled() and error is None
         with self._lock:
+            if self._pending.get(seq) is fut and isinstance(error, UnavailableError):
+                # maybe never delivered: the calls after it would wait for it
+                self._undelivered[seq] = call
             if self._pending.get(seq, fut) is fut:
                 self._pending.pop(seq, None)
             if ok and self._caller.server_instance:
                 # the server that answered took this numbering: it is the one to name
                 self._instance = self._caller.server_instance
+
+    def _send_undelivered(self) -> None:
+        """Send again, in order, the calls that failed UNAVAILABLE (``_answered``)."""
+        with self._lock:
+            again = [self._undelivered.pop(s) for s in sorted(self._undelivered)]
+            for call in again:
+                self._pending[call.request.seq_id] = None
+        if not again:
+            return
+        log.warning(
+            "treadle: model %s: sending seq_id %s again (failed UNAVAILABLE, maybe never "
+            "delivered); the model applies each once",
+            self.model_id,
+            ", ".join(str(c.request.seq_id) for c in again),
+        )
+        for call in again:
+            self._dispatch(call.method, call.request, lambda r: r).add_done_callback(
+                partial(self._replayed, call.request.seq_id)
+            )
 
     def _remember(self, method: Any, request: Any) -> None:
         size = request.ByteSize()
@@ -218,7 +255,7 @@ class OrderedCalls:
     def _replayed(self, seq: int, fut: Future[Any]) -> None:
         if not fut.cancelled() and fut.exception() is not None:
             log.warning(
-                "treadle: model %s: replayed seq_id %d failed: %s",
+                "treadle: model %s: seq_id %d, sent again, failed: %s",
                 self.model_id,
                 seq,
                 fut.exception(),

@@ -99,7 +99,9 @@ class S3Store:
     def commit(self, local_dir: Path, storage_path: str) -> int:
         """Upload the directory; the manifest goes last, so a reader that finds it
         finds every file it names. Objects of an older save of the same name that the
-        new one lacks are deleted. Returns the bytes uploaded."""
+        new one lacks are deleted. Returns the bytes uploaded. The local copy is
+        released once uploaded; after a failure it is left to the caller (to try
+        again, or release)."""
         key = self._key(storage_path)
         files = sorted(
             (p for p in Path(local_dir).iterdir() if p.is_file()), key=lambda p: p.name == MANIFEST
@@ -115,8 +117,7 @@ class S3Store:
             self._delete_keys(sorted(stale))
         except (ClientError, BotoCoreError) as err:
             raise UnavailableError(f"store: upload of {storage_path} failed: {err}") from None
-        finally:
-            self.release(local_dir, storage_path)
+        self.release(local_dir, storage_path)
         return size
 
     def fetch(self, storage_path: str) -> Path:

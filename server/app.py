@@ -146,6 +146,7 @@ async def create_context(
             BaseModelRegistry(config.models),
             worker_timeout_s=config.worker_timeout_s,
             store=store,
+            replay_log_bytes=config.replay_log_bytes,
         )
     if dispatcher is None:
         dispatcher = InProcessDispatcher(Engine(engine_config(config)).start(), store)

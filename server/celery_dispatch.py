@@ -22,6 +22,14 @@ later calls on it answer ABORTED naming how to restore it: ``load_state`` of a
 checkpoint places it again, on a live worker, at that checkpoint (or
 ``create_training_client_from_state`` makes a new model from it).
 
+Recovery. Every call a worker applies is also kept in the replay log
+(``treadle.server.replay_log``: payloads on the ops rows, since the model's last
+checkpoint, bounded per model). The next ordered call of a lost model restores
+its last checkpoint on a live worker and replays those calls onto it, in order,
+with their own seq_ids: the model continues at its last applied step, with the
+same weights and optimizer state. When the log does not hold every call since
+the checkpoint (over its bound, or off), the model stays lost as above.
+
 Draining. A worker stopping gracefully turns ``draining``: it gets no new
 model and still serves its own, and ``draining_models()`` names them; the
 server's lifecycle unloads each at its first idle moment (a checkpoint in the
@@ -45,6 +53,7 @@ import uuid
 import zlib
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -65,6 +74,7 @@ from treadle.errors import (
 )
 from treadle.server import convert
 from treadle.server.dispatch import stream_items
+from treadle.server.replay_log import APPLIED_ERRORS, Logged, ReplayLog
 from treadle.workers import codec
 from treadle.workers.base_models import BaseModelRegistry
 from treadle.workers.celery_app import (
@@ -123,8 +133,13 @@ class CeleryDispatcher:
         worker_timeout_s: float = 10.0,
         check_s: float | None = None,
         store: Store | None = None,
+        replay_log_bytes: int = 64 * 1024 * 1024,
     ) -> None:
         self.broker = broker
+        self.replay = ReplayLog(sessions, replay_log_bytes)
+        self._records = ThreadPoolExecutor(1, thread_name_prefix="treadle-replay-log")
+        self._recovering: dict[str, asyncio.Lock] = {}
+        self._replaying: set[str] = set()  # models being replayed (their status is kept)
         self.store = store
         self.app = make_celery(broker)
         self.server_id = f"srv-{socket.gethostname()}-{secrets.token_hex(4)}"
@@ -192,6 +207,7 @@ class CeleryDispatcher:
             self._lost.pop(model_id, None)
             self._status.pop(model_id, None)
             gone = worker_id in self._gone
+        self.replay.forget(model_id)
         if worker_id is None or gone:
             raise NotFoundError(f"model {model_id} not found")
         await self._call(worker_id, "delete", (model_id,), None)
@@ -245,15 +261,36 @@ class CeleryDispatcher:
         try:
             worker_id = self._worker_of(model_id)
         except AbortedError:
-            if not isinstance(op, LoadStateOp):
-                raise
-            return await self._restore(model_id, seq_id, op)
-        return await self._call(worker_id, "submit", (model_id, seq_id, op, digest), model_id)  # type: ignore[no-any-return]
+            if isinstance(op, LoadStateOp):
+                return await self._restore(model_id, seq_id, op)
+            worker_id = await self._recover(model_id)
+        try:
+            result = await self._call(worker_id, "submit", (model_id, seq_id, op, digest), model_id)
+        except TreadleError as err:
+            if err.code in APPLIED_ERRORS:  # refused in its turn: it took its seq_id
+                await self._keep(model_id, seq_id, op)
+            raise
+        await self._keep(model_id, seq_id, op)
+        return result  # type: ignore[no-any-return]
+
+    async def _keep(self, model_id: str, seq_id: int, op: OrderedOp) -> None:
+        """Into the replay log, on its own thread, in the order applied, without
+        holding up the answer (writing a large batch's payload takes PostgreSQL
+        a while). A failure there leaves a hole (the model would come back at its
+        checkpoint), never fails the call, which was applied."""
+
+        def record() -> None:
+            try:
+                self.replay.record(model_id, seq_id, op)
+            except Exception as err:
+                log.warning("model %s: seq_id %d not kept for replay: %s", model_id, seq_id, err)
+
+        self._records.submit(record)
 
     async def sample(
         self, target: SamplerTarget, op: SampleOp, dedupe_key: tuple[str, int, str] | None
     ) -> SampleResult:
-        worker_id = self._worker_for_target(target, dedupe_key[0] if dedupe_key else None)
+        worker_id = await self._route(target, dedupe_key[0] if dedupe_key else None)
         return await self._call(worker_id, "sample", (target, op, dedupe_key), None)  # type: ignore[no-any-return]
 
     async def sample_stream(
@@ -263,7 +300,7 @@ class CeleryDispatcher:
         order on this server's reply queue), then once at the end. Closing the
         iterator early stops listening; the worker finishes the samples anyway
         (there is no cancel message)."""
-        worker_id = self._worker_for_target(target, None)
+        worker_id = await self._route(target, None)
         items: asyncio.Queue[StreamedSequence] = asyncio.Queue()
         call = asyncio.ensure_future(
             self._call(worker_id, "sample_stream", (target, op), None, on_item=items.put_nowait)
@@ -285,11 +322,11 @@ class CeleryDispatcher:
     ) -> SampleResult:
         """On the worker that sampled through ``sampler_id`` (it keeps the
         handles): resume through the sampler that returned them."""
-        worker_id = self._worker_for_target(target, sampler_id)
+        worker_id = await self._route(target, sampler_id)
         return await self._call(worker_id, "resume", (target, handles, params), None)  # type: ignore[no-any-return]
 
     async def check_sampler_target(self, target: SamplerTarget) -> int:
-        worker_id = self._worker_for_target(target, None)
+        worker_id = await self._route(target, None)
         return int(await self._call(worker_id, "check_target", (target,), None))
 
     def model_status(self, model_id: str) -> ModelStatus:
@@ -323,6 +360,7 @@ class CeleryDispatcher:
 
     def close(self) -> None:
         self._stopping.set()
+        self._records.shutdown(wait=True, cancel_futures=False)
         self._watcher.join(5) if self._watcher.is_alive() else None
         self._consumer.join(5)
         with self._lock:
@@ -358,6 +396,17 @@ class CeleryDispatcher:
                 f"(no heartbeat for {self.worker_timeout_s:g} s); it stays at step {row.version}. "
                 f"Restore it from a checkpoint with load_state{hint}, or create a new model from one"
             )
+
+    async def _route(self, target: SamplerTarget, sampler_id: str | None) -> str:
+        """``_worker_for_target``; a sampler of a lost model brings the model back
+        (``_recover``) as its next training call would."""
+        try:
+            return self._worker_for_target(target, sampler_id)
+        except AbortedError:
+            if target.model_id is None:
+                raise
+            await self._recover(target.model_id)
+            return self._worker_for_target(target, sampler_id)
 
     def _worker_for_target(self, target: SamplerTarget, sampler_id: str | None) -> str:
         if target.model_id is not None:
@@ -439,6 +488,101 @@ class CeleryDispatcher:
         self._restored[(model_id, seq_id)] = result
         return result
 
+    async def _recover(self, model_id: str) -> str:
+        """Bring a lost model back at its last applied step on a live worker: its
+        last checkpoint, then the calls applied since (the replay log); the
+        worker it is on now. AbortedError (lost, as before) when the log does not
+        hold every call since the checkpoint."""
+        lock = self._recovering.setdefault(model_id, asyncio.Lock())
+        async with lock:
+            try:
+                return self._worker_of(model_id)  # another call recovered it meanwhile
+            except AbortedError as err:
+                lost = err
+            with self.sessions() as s:
+                row = s.get(db.Model, model_id)
+                if row is None:
+                    raise NotFoundError(f"model {model_id} not found")
+                spec = convert.model_spec(row)
+                ckpt = row.last_checkpoint
+                start = ckpt.seq_id if ckpt is not None else 0
+                directory = ckpt.storage_path if ckpt is not None else None
+                source = ckpt.uri if ckpt is not None else "its creation state"
+                version = row.version
+            # every call answered so far is written first (the log's thread, in order)
+            await asyncio.wrap_future(self._records.submit(lambda: None))
+            calls = self.replay.calls_since(model_id, start)
+            if calls is None:
+                raise lost
+            with self._lock:
+                dead = {w for w in (self._lost.get(model_id), self._placement.get(model_id)) if w}
+            last: TreadleError = lost
+            for worker_id in self._candidates(spec.base_model, exclude=dead):
+                try:
+                    status = await self._call(
+                        worker_id, "create", (spec, directory, start + 1), model_id
+                    )
+                except ResourceExhaustedError as err:
+                    last = err
+                    continue
+                with self._lock:
+                    self._replaying.add(model_id)
+                    self._status[model_id] = status
+                try:
+                    await self._replay(worker_id, model_id, calls, lost, source)
+                finally:
+                    with self._lock:
+                        self._replaying.discard(model_id)
+                with self._lock:
+                    status = self._status.get(model_id, status)
+                if status.version != version:
+                    log.warning(
+                        "model %s replayed to step %d, but the database says %d",
+                        model_id,
+                        status.version,
+                        version,
+                    )
+                with self.sessions() as s:
+                    wq.place_model(s, model_id, worker_id)
+                    s.commit()
+                with self._lock:
+                    self._placement[model_id] = worker_id
+                    self._lost.pop(model_id, None)
+                    self._status[model_id] = status
+                log.warning(
+                    "model %s, lost with its worker, recovered on worker %s at step %d: "
+                    "%s and %d call(s) replayed",
+                    model_id,
+                    worker_id,
+                    status.version,
+                    source,
+                    len(calls),
+                )
+                return worker_id
+            raise last
+
+    async def _replay(
+        self, worker_id: str, model_id: str, calls: list[Logged], lost: AbortedError, source: str
+    ) -> None:
+        """Submit the logged calls again, in order; on a failure the copy is
+        deleted and the model stays lost."""
+        for call in calls:
+            try:
+                await self._call(
+                    worker_id, "submit", (model_id, call.seq_id, call.op, call.digest), model_id
+                )
+            except TreadleError as err:
+                if err.code in APPLIED_ERRORS:  # refused in its turn, as the first time
+                    continue
+                with contextlib.suppress(TreadleError):
+                    await self._call(worker_id, "delete", (model_id,), None)
+                with self._lock:
+                    self._status.pop(model_id, None)
+                raise AbortedError(
+                    f"{lost.message}; replaying its calls since {source} failed at "
+                    f"seq_id {call.seq_id}: {err.message}"
+                ) from None
+
     # ---- calls and replies ---------------------------------------------------------------------
 
     async def _call(
@@ -513,7 +657,9 @@ class CeleryDispatcher:
             return
         with self._lock:
             pending = self._pending.pop(cid, None)
-            if isinstance(status, ModelStatus) and status.model_id in self._placement:
+            if isinstance(status, ModelStatus) and (
+                status.model_id in self._placement or status.model_id in self._replaying
+            ):
                 self._status[status.model_id] = status
         if pending is not None:
             _resolve_threadsafe(pending, value if ok else _as_error(value))

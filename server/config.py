@@ -75,6 +75,10 @@ class ServerConfig:
     s3_endpoint_url: str = ""  # S3-compatible stores (MinIO, Ceph, moto)
     #: a worker whose heartbeat is older than this is dead and its models are lost
     worker_timeout_s: float = 15.0
+    #: distributed mode: the calls applied since a model's last checkpoint are kept in
+    #: the database (at most this many bytes per model; 0 = none), so a model lost
+    #: with its worker is replayed to its last applied step on another
+    replay_log_bytes: int = 64 * 1024 * 1024
     #: API keys are required; off (--no-auth) only on a loopback address (dev)
     auth: bool = True
     auth_cache_s: float = 5.0  # a revoked key stops working within this many seconds
@@ -161,6 +165,8 @@ class ServerConfig:
             )
         if self.worker_timeout_s <= 0:
             raise InvalidArgumentError(f"worker_timeout_s: out of range ({self.worker_timeout_s})")
+        if self.replay_log_bytes < 0:
+            raise InvalidArgumentError(f"replay_log_bytes: out of range ({self.replay_log_bytes})")
 
     @property
     def checkpoint_root(self) -> Path:
@@ -254,6 +260,13 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
         default=float(env("TREADLE_WORKER_TIMEOUT_S", "15")),
         help="seconds without a heartbeat after which a worker is dead and its models lost",
     )
+    parser.add_argument(
+        "--replay-log-bytes",
+        type=int,
+        default=int(env("TREADLE_REPLAY_LOG_BYTES", str(64 * 1024 * 1024))),
+        help="per model, the bytes of calls kept since its last checkpoint, to replay a model "
+        "lost with its worker to its last applied step (0 = keep none: back at the checkpoint)",
+    )
 
 
 def add_tenancy_flags(parser: argparse.ArgumentParser) -> None:
@@ -335,4 +348,5 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         worker_timeout_s=args.worker_timeout,
         metrics_port=metrics_port_of(args),
         metrics_host=args.metrics_host,
+        replay_log_bytes=args.replay_log_bytes,
     )

@@ -18,6 +18,7 @@ to the engine (the embedded hot path pays nothing).
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
@@ -25,7 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from treadle.common.futures import outcome_of, settle
-from treadle.errors import InternalError, TreadleError
+from treadle.errors import InternalError, TreadleError, UnavailableError
 from treadle.workers.domain import (
     ForwardLogprobsOp,
     LoadStateOp,
@@ -56,6 +57,10 @@ class StagedEngine:
         self.engine = engine
         self.store = store
         self._io = ThreadPoolExecutor(io_threads, thread_name_prefix="treadle-store")
+        #: (model_id, seq_id) -> the staged copy of an applied save whose upload
+        #: failed: a repeat of that call uploads it (the engine does not write again)
+        self._unsent: dict[tuple[str, int], Path] = {}
+        self._unsent_lock = threading.Lock()
 
     def stop(self) -> None:
         self.engine.stop()
@@ -125,9 +130,15 @@ class StagedEngine:
             # it as weights); a local store hands over the directory itself.
             self._on_io(lambda: self.store.fetch(ref.directory), out, fetched_ref)
         elif isinstance(op, SaveStateOp):
-            staged = self.store.staging_dir(op.directory)
+            with self._unsent_lock:
+                kept = self._unsent.pop((model_id, seq_id), None)
+            staged = kept or self.store.staging_dir(op.directory)
             inner = self.engine.submit(model_id, seq_id, replace(op, directory=str(staged)), digest)
-            self._chain(inner, out, upload=lambda r: self._upload_save(r, staged, op.directory))
+            self._chain(
+                inner,
+                out,
+                upload=lambda r: self._upload_save(r, staged, op.directory, (model_id, seq_id)),
+            )
         else:
             inner = self.engine.submit(model_id, seq_id, op, digest)
             inner.add_done_callback(lambda f: self._after_step(f, out))
@@ -151,7 +162,11 @@ class StagedEngine:
         inner = self.engine.export_weights(model_id, staged, merged=merged)
 
         def upload(names: list[str]) -> list[str]:
-            self.store.commit(staged, path)
+            try:
+                self.store.commit(staged, path)
+            except Exception:
+                self.store.release(staged, path)
+                raise
             return names
 
         self._chain(inner, out, upload=upload)
@@ -159,11 +174,34 @@ class StagedEngine:
 
     # ---- plumbing ------------------------------------------------------------------------
 
-    def _upload_save(self, result: Any, staged: Path, path: str) -> Any:
-        if not staged.exists():  # a repeat of an applied save: the first call uploaded it
+    def _upload_save(
+        self, result: Any, staged: Path, path: str, key: tuple[str, int] | None = None
+    ) -> Any:
+        if not staged.exists():  # a repeat of an applied save: an earlier call uploaded it
             self.store.release(staged, path)
+            try:
+                manifest = self.store.read_manifest(path)
+            except TreadleError as err:
+                raise UnavailableError(
+                    f"store: the state was saved but never uploaded to {path}, and its staged "
+                    f"copy is gone; save it again ({err.message})"
+                ) from None
+            step = getattr(result, "step", None)
+            if step is not None and manifest.get("step", step) != step:
+                raise UnavailableError(
+                    f"store: {path} holds step {manifest.get('step')}, not the step {step} "
+                    "saved and never uploaded; save it again"
+                )
             return result
-        size = self.store.commit(staged, path)
+        try:
+            size = self.store.commit(staged, path)
+        except Exception:
+            if key is not None:  # kept for a repeat of the call (same seq_id) to upload
+                with self._unsent_lock:
+                    self._unsent[key] = staged
+            else:
+                self.store.release(staged, path)
+            raise
         return replace(result, size_bytes=size) if isinstance(result, SaveResult) else result
 
     def _after_step(self, inner: Future[OpResult], out: Future[OpResult]) -> None:
@@ -189,7 +227,11 @@ class StagedEngine:
             return
 
         def upload() -> OpResult:
-            self.store.commit(moved, path)
+            try:
+                self.store.commit(moved, path)
+            except Exception:
+                self.store.release(moved, path)
+                raise
             return replace(result, auto_checkpoint=replace(auto, directory=path))
 
         self._on_io(upload, out, lambda r: settle(out, r))

@@ -17,6 +17,7 @@ from sqlalchemy import (
     DateTime,
     Dialect,
     ForeignKey,
+    LargeBinary,
     MetaData,
     String,
     Text,
@@ -225,6 +226,9 @@ class Op(Base):
     error_code: Mapped[str | None] = mapped_column(String(64))
     created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
     finished_at: Mapped[dt.datetime | None]
+    #: the call itself (codec bytes) while the model's replay log keeps it
+    #: (applied since its last checkpoint: ``treadle.server.replay_log``)
+    payload: Mapped[bytes | None] = mapped_column(LargeBinary, deferred=True)
 
 
 class Worker(Base):

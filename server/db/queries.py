@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TypeVar
 
-from sqlalchemy import Connection, bindparam, insert, select, update
+from sqlalchemy import Connection, String, and_, bindparam, func, insert, or_, select, update
 from sqlalchemy.dialects.postgresql import insert as postgresql_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session
@@ -293,9 +293,25 @@ def finish_op(
 # ~0.15 ms a call on SQLite instead of ~0.8 ms.
 _OP_STATUS = select(Op.status).where(Op.model_id == bindparam("m"), Op.seq_id == bindparam("s"))
 _OP_INSERT = insert(Op)
+# A call that failed UNAVAILABLE may not have reached the model; the SDK sends it
+# again with its seq_id and payload, and when that repeat is applied the row says
+# so (and the call is counted then, once). Another call in that seq_id (numbered
+# again after resync()) leaves the row as it was.
 _OP_FINISH = (
     update(Op)
-    .where(Op.model_id == bindparam("m"), Op.seq_id == bindparam("s"), Op.status == "pending")
+    .where(
+        Op.model_id == bindparam("m"),
+        Op.seq_id == bindparam("s"),
+        or_(
+            Op.status == "pending",
+            and_(
+                Op.status == "failed",
+                Op.error_code == "UNAVAILABLE",
+                Op.payload_digest == bindparam("d", type_=String),
+                bindparam("st", type_=String) == "done",
+            ),
+        ),
+    )
     .values(status=bindparam("st"), error_code=bindparam("ec"), finished_at=bindparam("at"))
     .execution_options(synchronize_session=False)
 )
@@ -330,15 +346,41 @@ def insert_op_if_new(conn: Connection, model_id: str, seq_id: int, kind: str, di
     return getattr(result, "rowcount", 0) == 1
 
 
+#: error codes of calls the engine refused in their turn (they took their seq_id)
+APPLIED_ERROR_CODES = ("INVALID_ARGUMENT", "FAILED_PRECONDITION")
+
+
+def last_applied_seq(s: Session, model_id: str) -> int:
+    """The highest seq_id the ops log says a worker applied (0: none)."""
+    seq = s.scalar(
+        select(func.max(Op.seq_id)).where(
+            Op.model_id == model_id,
+            or_(
+                Op.status == "done",
+                and_(Op.status == "failed", Op.error_code.in_(APPLIED_ERROR_CODES)),
+            ),
+        )
+    )
+    return int(seq or 0)
+
+
 def finish_pending_op(
     s: Session | Connection,
     model_id: str,
     seq_id: int,
     status: str,
     error_code: str | None = None,
+    digest: str | None = None,
 ) -> bool:
     """End a pending op in one UPDATE (the hot path's write); whether this call
     ended it (False: unknown, or already ended by an earlier call)."""
-    params = {"m": model_id, "s": seq_id, "st": status, "ec": error_code, "at": utcnow()}
+    params = {
+        "m": model_id,
+        "s": seq_id,
+        "st": status,
+        "ec": error_code,
+        "at": utcnow(),
+        "d": digest,
+    }
     result = s.execute(_OP_FINISH, params)
     return getattr(result, "rowcount", 0) == 1

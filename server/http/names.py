@@ -11,8 +11,8 @@
 
 from __future__ import annotations
 
+from treadle.common.store import check_name, state_uri, weights_uri
 from treadle.errors import InvalidArgumentError, NotFoundError
-from treadle.server.store import check_name, state_uri, weights_uri
 
 SCHEME = "tinker://"
 TREADLE = "treadle://"

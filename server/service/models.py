@@ -13,6 +13,8 @@ import shutil
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+from sqlalchemy.orm import object_session
+
 from treadle.common.db import models as db
 from treadle.common.store import copy_checkpoint
 from treadle.errors import InvalidArgumentError, NotFoundError, TreadleError
@@ -176,6 +178,9 @@ class ModelService:
         next_seq_id = 0
         if row.status == "unloaded":  # it comes back at its checkpoint, continuing after it
             next_seq_id = row.last_checkpoint_seq_id + 1
+        elif row.status == "lost" and (s := object_session(row)) is not None:
+            # its next call replays it to its last applied step (or a load_state places it)
+            next_seq_id = queries.last_applied_seq(s, row.id) + 1
         info = ModelInfo(
             model_id=row.id,
             base_model=row.base_model,

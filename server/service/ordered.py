@@ -109,9 +109,12 @@ class OrderedCalls:
         return result
 
     def _finish(self, call: OrderedCall, status: str, code: str | None) -> bool:
-        """Record the call's end; whether this was the call that ended it."""
+        """Record the call's end; whether this was the call that ended it (a call
+        that failed UNAVAILABLE ends done when its repeat, same payload, is applied)."""
         with self.ctx.connection() as conn:
-            return queries.finish_pending_op(conn, call.model_id, call.seq_id, status, code)
+            return queries.finish_pending_op(
+                conn, call.model_id, call.seq_id, status, code, call.digest
+            )
 
 
 def _fail(admitted: Admission | None, err: BaseException) -> None:

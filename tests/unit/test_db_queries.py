@@ -172,3 +172,28 @@ def test_ops_log(session: Session) -> None:
     session.expunge_all()
     with pytest.raises(IntegrityError):  # (model_id, seq_id) is recorded once
         q.record_op(session, model.id, 1, "FORWARD_BACKWARD", "sha256:aa")
+
+
+def test_a_call_failed_unavailable_and_applied_on_its_repeat_ends_done_once(
+    session: Session,
+) -> None:
+    tenant = q.ensure_tenant(session, "alice")
+    model = _model(session, tenant.id)
+    session.commit()
+    conn = session.connection()
+    assert q.insert_op_if_new(conn, model.id, 1, "forward_backward", "sha256:aa")
+    assert q.insert_op_if_new(conn, model.id, 2, "forward_backward", "sha256:bb")
+    assert q.finish_pending_op(conn, model.id, 1, "failed", "UNAVAILABLE")
+    assert q.finish_pending_op(conn, model.id, 2, "failed", "INVALID_ARGUMENT")
+    # the repeat of 1 is not recorded again; applied, it ends the row, once
+    assert not q.insert_op_if_new(conn, model.id, 1, "forward_backward", "sha256:aa")
+    assert not q.finish_pending_op(conn, model.id, 1, "failed", "ABORTED", "sha256:aa")
+    # another call numbered 1 again (after a resync) does not end it
+    assert not q.finish_pending_op(conn, model.id, 1, "done", None, "sha256:cc")
+    assert q.finish_pending_op(conn, model.id, 1, "done", None, "sha256:aa")
+    assert not q.finish_pending_op(conn, model.id, 1, "done", None, "sha256:aa")
+    assert not q.finish_pending_op(conn, model.id, 2, "done", None, "sha256:bb")  # final
+    session.commit()
+    session.expunge_all()
+    assert q.get_op(session, model.id, 1).status == "done"  # type: ignore[union-attr]
+    assert q.get_op(session, model.id, 2).status == "failed"  # type: ignore[union-attr]

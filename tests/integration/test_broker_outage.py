@@ -1,0 +1,179 @@
+"""A broker outage during training, for real: one server and one ``treadle worker``
+over a private Redis (started here on a free port, so the shared one is never
+touched) and PostgreSQL. Redis stops for a few seconds while a model trains: the
+call in flight fails UNAVAILABLE; once Redis is back, the model's next calls
+succeed at once, with nothing applied twice and no gap left behind."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from sqlalchemy import create_engine, text
+
+import treadle
+from treadle.errors import UnavailableError
+from treadle.server.config import ServerConfig
+from treadle.server.embedded import EmbeddedServer
+
+from .services import free_port, fresh_postgres, port_open, wait_for_workers
+from .test_distributed import _create_tenant, _datum
+
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
+
+BASE = "tiny"
+#: long enough that a call waiting for a seq_id that never comes cannot pass for a slow one
+GAP_TIMEOUT_S = 30.0
+
+
+class PrivateRedis:
+    """A redis-server of this test alone, without persistence (a restart loses
+    every queued message, as a broker restart may)."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.port = free_port()
+        self.tmp = tmp
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        binary = shutil.which("redis-server")
+        if binary is None:
+            pytest.skip("redis-server is not installed")
+        self.proc = subprocess.Popen(
+            [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", ""]
+            + ["--appendonly", "no", "--dir", str(self.tmp)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + 20
+        while not port_open("127.0.0.1", self.port):
+            assert self.proc.poll() is None and time.monotonic() < deadline, "redis did not start"
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(20)
+        self.proc = None
+
+
+@dataclass
+class Single:
+    server: EmbeddedServer
+    redis: PrivateRedis
+    worker: subprocess.Popen[bytes]
+    log: Path
+    key: str
+    database_url: str
+
+    def log_tail(self) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-20:])
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Iterator[Single]:
+    tmp = tmp_path_factory.mktemp("outage")
+    redis = PrivateRedis(tmp)
+    redis.start()
+    store = str(tmp / "store")  # one directory both processes reach
+    worker: subprocess.Popen[bytes] | None = None
+    try:
+        with fresh_postgres() as database_url:
+            config = ServerConfig(
+                data_dir=tmp / "server",
+                models={BASE: tiny_model_dir},
+                port=0,
+                threads=1,
+                database_url=database_url,
+                broker=redis.url,
+                store=store,
+                worker_timeout_s=10.0,
+            )
+            server = EmbeddedServer(config).start()
+            log = tmp / "worker.log"
+            cmd = [
+                *(sys.executable, "-m", "treadle.server.cli", "worker"),
+                *("--model", f"{BASE}={tiny_model_dir}", "--broker", redis.url),
+                *("--database-url", database_url, "--store", store),
+                *("--data-dir", str(tmp / "worker"), "--worker-id", f"outage-w-{os.getpid()}"),
+                *("--heartbeat", "0.5", "--threads", "1", "--drain-timeout", "0"),
+                *("--gap-timeout", str(GAP_TIMEOUT_S)),
+            ]
+            with open(log, "wb") as out:
+                worker = subprocess.Popen(
+                    cmd,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    env=dict(os.environ, OMP_NUM_THREADS="1"),
+                )
+            try:
+                wait_for_workers(database_url, [f"outage-w-{os.getpid()}"], timeout_s=120)
+                key = _create_tenant(database_url, "alice")
+                yield Single(server, redis, worker, log, key, database_url)
+            finally:
+                worker.terminate()
+                try:
+                    worker.wait(20)
+                except subprocess.TimeoutExpired:
+                    worker.kill()
+                server.stop()
+    finally:
+        redis.stop()
+
+
+def test_a_broker_outage_leaves_no_gap(single: Single) -> None:
+    s = single
+    service = treadle.ServiceClient(s.server.address, api_key=s.key, max_retries=3)
+    try:
+        tok = service.get_tokenizer(BASE)
+        data = [_datum(tok.encode("12+3=15")), _datum(tok.encode("7+8=15"))]
+        adam = treadle.AdamParams(learning_rate=1e-2)
+        tc = service.create_lora_training_client(BASE, rank=4, seed=7)
+        for step in (1, 2):
+            tc.forward_backward(data, "cross_entropy").result()
+            assert tc.optim_step(adam).result().step == step
+
+        s.redis.stop()
+        try:
+            with pytest.raises(UnavailableError):  # the call in flight: fails, retryable
+                tc.forward_backward(data, "cross_entropy").result(timeout=120)
+        finally:
+            s.redis.start()  # the same port: back after a few seconds
+
+        # The next calls succeed, the failed one included in order exactly once.
+        tc.forward_backward(data, "cross_entropy").result(timeout=120)
+        assert tc.optim_step(adam).result(timeout=120).step == 3, s.log_tail()
+        info = tc.get_info()
+        assert info.status == "active" and info.version == 3
+        tc.forward_backward(data, "cross_entropy").result(timeout=60)
+        assert tc.optim_step(adam).result(timeout=60).step == 4
+        # the ops log agrees: the call that failed UNAVAILABLE was applied (once) later
+        engine = create_engine(s.database_url)
+        try:
+            with engine.connect() as conn:
+                rows = conn.execute(
+                    text(
+                        "SELECT seq_id, kind, status FROM ops WHERE model_id = :m ORDER BY seq_id"
+                    ),
+                    {"m": tc.model_id},
+                ).all()
+        finally:
+            engine.dispose()
+        assert [tuple(r) for r in rows] == [
+            (i + 1, kind, "done")
+            for i, kind in enumerate(
+                ["forward_backward", "optim_step"] * 2
+                + ["forward_backward"] * 2
+                + ["optim_step", "forward_backward", "optim_step"]
+            )
+        ]
+    finally:
+        service.close()
