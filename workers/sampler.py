@@ -34,7 +34,6 @@ from __future__ import annotations
 import bisect
 import contextlib
 import logging
-import math
 import os
 import secrets
 import time
@@ -60,6 +59,7 @@ from treadle.workers.domain import SampleOp, SampleResult, SamplingConfig, Seque
 from treadle.workers.model import prepack
 from treadle.workers.model.kv_cache import KVCache
 from treadle.workers.model.llama import LlamaParams, forward_hidden, lm_logits
+from treadle.workers.sample_checks import check_sample_op
 from treadle.workers.sampler_state import (
     Partial,
     Request,
@@ -81,7 +81,6 @@ log = logging.getLogger("treadle.sampler")
 
 __all__ = ["SamplerLimits", "SamplerStats", "TorchSampler"]
 
-MAX_STOP_STRING_CHARS = 256
 #: A queued request waits for one being prefilled when it could then reuse this
 #: many more prompt tokens (the wait is at most that request's prefill).
 MIN_PREFIX_WAIT = 16
@@ -143,60 +142,13 @@ class TorchSampler:
     # ---- admission -----------------------------------------------------------------
 
     def validate(self, op: SampleOp) -> None:
-        p = op.params
-        prompt = op.prompt
-        if prompt.ndim != 1 or prompt.size == 0:
-            raise InvalidArgumentError("prompt: must be a non-empty 1-D token sequence")
-        if prompt.dtype.kind not in "iu":
-            raise InvalidArgumentError("prompt: token ids must be integers")
-        bad = (prompt < 0) | (prompt >= self.cfg.vocab_size)
-        if bad.any():
-            raise InvalidArgumentError(
-                f"prompt: token id {int(prompt[bad][0])} is outside the vocabulary [0, {self.cfg.vocab_size})"
-            )
-        if prompt.size >= self.max_len:
-            raise InvalidArgumentError(
-                f"prompt: {prompt.size} tokens leave no room in the context of {self.max_len}"
-            )
-        if not 1 <= op.num_samples <= self.cache.num_slots:
-            raise InvalidArgumentError(
-                f"num_samples: must be in 1..{self.cache.num_slots}, got {op.num_samples}"
-            )
-        if p.token_budget < 0:
-            raise InvalidArgumentError(
-                f"token_budget: must be >= 0 (0 = none), got {p.token_budget}"
-            )
-        if p.max_tokens < 0:
-            raise InvalidArgumentError(f"max_tokens: must be >= 0, got {p.max_tokens}")
-        if prompt.size + p.max_tokens > self.max_len:
-            raise InvalidArgumentError(
-                f"max_tokens: prompt ({prompt.size}) + max_tokens ({p.max_tokens}) exceeds the context of {self.max_len}"
-            )
-        if not (math.isfinite(p.temperature) and p.temperature >= 0):
-            raise InvalidArgumentError(
-                f"temperature: must be >= 0 (0 = greedy; unset = 1), got {p.temperature}"
-            )
-        if not (0 < p.top_p <= 1):
-            raise InvalidArgumentError(
-                f"top_p: must be in (0, 1], got {p.top_p}; leave it unset (or 1) for no "
-                "nucleus truncation"
-            )
-        if p.top_k < -1:
-            raise InvalidArgumentError(
-                f"top_k: must be >= 0 (0 or -1 = off, as unset), got {p.top_k}"
-            )
-        for s in p.stop_strings:
-            if not s or len(s) > MAX_STOP_STRING_CHARS:
-                raise InvalidArgumentError(
-                    f"stop: stop strings must have 1..{MAX_STOP_STRING_CHARS} characters"
-                )
-        if p.stop_strings and self.tokenizer is None:
-            raise InvalidArgumentError(
-                "stop: this base model has no tokenizer.json; use stop token ids"
-            )
-        for t in p.stop_token_ids:
-            if not 0 <= t < self.cfg.vocab_size:
-                raise InvalidArgumentError(f"stop: stop token id {t} is outside the vocabulary")
+        check_sample_op(
+            op,
+            self.cfg,
+            max_len=self.max_len,
+            max_samples=self.cache.num_slots,
+            has_tokenizer=self.tokenizer is not None,
+        )
 
     def submit(
         self,
