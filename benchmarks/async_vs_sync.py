@@ -11,9 +11,9 @@ runs the server as a ``treadle serve`` process of its own.
 
 Variants, each from the same warmed-up state, the same prompt stream, the same
 number of train steps and the same thread budget (one torch thread for the
-trainer, one for the sampler on a thread of its own, ``EngineConfig.sampler_thread``;
+trainer, one for the sampler on a thread of its own, ``--sampler torch-thread``;
 ``--one-thread`` puts both on the engine thread, ``--sampler-process`` the sampler in
-a process of its own, ``EngineConfig.sampler_process``):
+a process of its own, ``--sampler torch-process``):
 
 * rung 0 ``sync_loop``: the batch waits for its long group, decoded with the
   rest of the slots idle;
@@ -105,10 +105,7 @@ def serve(config: ServerConfig, own_process: bool) -> Iterator[tuple[str, str]]:
     cmd += ["--sampler-slots", str(config.sampler_slots)]
     cmd += ["--sampler-max-len", str(config.sampler_max_len)]
     cmd += [f"--model={name}={path}" for name, path in config.models.items()]
-    if config.sampler_thread:
-        cmd += ["--sampler-thread", "--sampler-threads", str(config.sampler_threads)]
-    if config.sampler_process:
-        cmd += ["--sampler-process", "--sampler-threads", str(config.sampler_threads)]
+    cmd += ["--sampler", config.sampler, "--sampler-threads", str(config.sampler_threads)]
     env = dict(os.environ, TREADLE_API_KEY="")  # the server's own default key
     proc = subprocess.Popen(
         cmd,
@@ -265,7 +262,7 @@ def main() -> int:
     ap.add_argument(
         "--sampler-process",
         action="store_true",
-        help="the sampler steps in a process of its own (`--sampler-process`: no GIL shared "
+        help="the sampler steps in a process of its own (`--sampler torch-process`: no GIL shared "
         "with training) instead of on a thread of its own",
     )
     ap.add_argument(
@@ -287,8 +284,9 @@ def main() -> int:
         threads=THREADS,
         sampler_slots=args.groups_per_step * args.group_size * 2,
         sampler_max_len=LONG + 16,
-        sampler_thread=not args.one_thread and not args.sampler_process,
-        sampler_process=args.sampler_process,
+        sampler="torch-process"
+        if args.sampler_process
+        else ("torch" if args.one_thread else "torch-thread"),
         sampler_threads=THREADS,
     )
     G, P = args.group_size, args.groups_per_step

@@ -1,5 +1,5 @@
 """What a decoding sampler costs the trainer beside it: on a thread of the same
-process (``--sampler-thread``, sharing the GIL) or in a process of its own.
+process (``--sampler torch-thread``, sharing the GIL) or in a process of its own.
 
 The async rungs of ``async_vs_sync.py`` need the trainer and the sampler to run
 at the same time. This measures the two CPU engines' parts directly, without

@@ -5,7 +5,7 @@ Every published version of a full fine-tune goes to the sampler process in
 one shared-memory buffer. A fresh buffer pays its page faults on the first
 write; a reused one (whose old version neither process reads any more) does
 not. Both sides run here, one after the other, each on an embedded server of
-its own (``sampler_process=True``, one torch thread): the baseline with reuse
+its own (``sampler="torch-process"``, one torch thread): the baseline with reuse
 turned off (``sampler_process._SOLE = None``, what a torch without storage
 reference counts gets), then as shipped. Each side does ``--syncs`` rounds of
 ``optim_step`` + ``sync_weights(inflight=True)`` with a ``latest`` sampler
@@ -64,7 +64,7 @@ def side(model_dir: Path, syncs: int, reuse: bool) -> tuple[float, float, int]:
         threads=1,
         sampler_slots=16,
         sampler_max_len=64,
-        sampler_process=True,
+        sampler="torch-process",
         sampler_threads=1,
     )
     try:
@@ -97,7 +97,7 @@ def side(model_dir: Path, syncs: int, reuse: bool) -> tuple[float, float, int]:
 def service_pool_reuses(server: EmbeddedServer) -> int:
     """Buffers the embedded engine's pool reused."""
     engine = server.ctx.dispatcher.engine
-    return int(engine.sampler_process.pool.reused)
+    return int(engine.sampler.pool.reused)
 
 
 def main() -> None:

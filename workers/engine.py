@@ -1,12 +1,15 @@
-"""The worker engine: owns the base models, every training model, the sampler
-and the scheduler, and runs them on one thread (or two: ``sampler_thread``
-steps the samplers on their own, ``workers.sampler_loop``; or in a process of
-their own: ``sampler_process``, ``workers.sampler_process``).
+"""The worker engine: owns the base models, every training model, the
+scheduler and one sampler backend (``workers.sampler_backend``; which one:
+``EngineConfig.sampler``, ``workers.sampler_backends``), and runs training on
+one thread. The backend samples where its host runs it; the engine hands it
+requests, weight versions and in-flight updates, and never asks which it is.
 
 Callers (the in-process dispatcher, or a Celery task) hand work over through
 thread-safe methods that return ``concurrent.futures.Future`` at once; nothing
 ever blocks waiting for ``seq_id`` order outside this thread. The loop is
-vLLM's: ``schedule()`` -> execute -> ``complete()``, then one sampler step.
+vLLM's: ``schedule()`` -> execute -> ``complete()``, then the tasks a backend
+asked to run between rounds (``run_between_calls``: the inline torch sampler's
+step).
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from treadle.errors import (
     UnavailableError,
 )
 from treadle.workers import checkpoint, export, reference, trainer
-from treadle.workers.base_models import BaseModelRegistry, parse_dtype
+from treadle.workers.base_models import BaseModel, BaseModelRegistry, parse_dtype
 from treadle.workers.batching import BatchCall, batch_key, batchable, run_batch
 from treadle.workers.domain import (
     AutoCheckpoint,
@@ -61,9 +64,14 @@ from treadle.workers.domain import (
     SyncWeightsOp,
 )
 from treadle.workers.pass_stats import PassCounter, PassStats
-from treadle.workers.sampler import SamplerLimits, SamplerStats, TorchSampler
-from treadle.workers.sampler_loop import SamplerLoop
-from treadle.workers.sampler_process import SamplerProcess
+from treadle.workers.sampler_backend import (
+    Requester,
+    ResumeRequest,
+    SamplerBackend,
+    SampleRequest,
+)
+from treadle.workers.sampler_backends import BackendSettings, make_backend
+from treadle.workers.sampler_state import SamplerLimits, SamplerStats
 from treadle.workers.scheduler import Admission, OrderedCall, Scheduler, WorkUnit
 from treadle.workers.thread_choice import ThreadChoice
 from treadle.workers.trainer import TrainingModel
@@ -78,13 +86,14 @@ class EngineConfig:
     base_models: Mapping[str, str | Path]
     default_dtype: str = "float32"
     threads: int = 0  # 0: leave torch's default
-    #: step the samplers on a thread of their own, so sampling overlaps training
-    #: (``workers.sampler_loop``); off: between ordered calls on the engine thread
-    sampler_thread: bool = False
-    sampler_threads: int = 0  # torch threads of that sampler thread; 0: ``threads``
-    #: step the samplers in a process of their own (``workers.sampler_process``):
-    #: like ``sampler_thread``, without sharing the interpreter lock with training
-    sampler_process: bool = False
+    #: the sampler backend (``workers.sampler_backends``): "torch" (on the engine
+    #: thread, between ordered calls), "torch-thread" (a thread of its own, so
+    #: sampling overlaps training), "torch-process" (a process of its own: no
+    #: interpreter lock shared with training), "vllm"
+    sampler: str = "torch"
+    sampler_threads: int = 0  # torch threads of the sampler's thread or process; 0: ``threads``
+    #: backend-specific settings (``BackendSettings.options``)
+    sampler_options: Mapping[str, Any] = field(default_factory=dict)
     gap_timeout_s: float = 60.0
     keep_versions: int = 4
     sampler_slots: int = 64
@@ -128,7 +137,6 @@ class Engine:
         self.threads = ThreadChoice(config.training_threads)
         self.passes = PassCounter()
         self.models: dict[str, TrainingModel] = {}
-        self.samplers: dict[tuple[str, torch.dtype], TorchSampler] = {}
         self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="treadle-engine", daemon=True)
@@ -141,30 +149,20 @@ class Engine:
             OrderedDict()
         )
         self._sample_lock = threading.Lock()
-        self._sampler_stats: dict[tuple[str, torch.dtype], SamplerStats] = {}
-        self._stats_lock = threading.Lock()
-        self._stats_at = 0.0
-        self.sampler_loop = SamplerLoop(
-            self._step_samplers,
-            lambda: any(s.has_work() for s in self.samplers.values()),
-            threaded=config.sampler_thread and not config.sampler_process,
+        #: (has_work, run_once) tasks of backends that share this thread
+        self._between_calls: list[tuple[Callable[[], bool], Callable[[], None]]] = []
+        settings = BackendSettings(
+            self._sampler_limits(),
             torch_threads=config.sampler_threads or config.threads,
+            options=config.sampler_options,
         )
-        self.sampler_process: SamplerProcess | None = None
-        if config.sampler_process:
-            self.sampler_process = SamplerProcess(
-                self._sampler_limits(),
-                torch_threads=config.sampler_threads or config.threads,
-                on_stats=self._on_process_stats,
-            )
+        self.sampler: SamplerBackend = make_backend(config.sampler, settings)
 
     # ---- lifecycle ---------------------------------------------------------------------
 
     def start(self) -> Engine:
-        if self.sampler_process is not None:
-            self.sampler_process.start()
+        self.sampler.start(self)
         self._thread.start()
-        self.sampler_loop.start()
         return self
 
     def stop(self, timeout: float = 10.0) -> None:
@@ -172,9 +170,12 @@ class Engine:
         self._inbox.put(lambda: None)
         if self._thread.is_alive():
             self._thread.join(timeout)
-        self.sampler_loop.stop(timeout)
-        if self.sampler_process is not None:
-            self.sampler_process.stop(UnavailableError("the engine is shutting down"), timeout)
+        self.sampler.close(UnavailableError("the engine is shutting down"), timeout)
+
+    def run_between_calls(self, has_work: Callable[[], bool], run_once: Callable[[], None]) -> None:
+        """``EngineThread``: run ``run_once`` on this engine's thread between two
+        rounds of ordered calls, whenever ``has_work()`` (call before ``start``)."""
+        self._between_calls.append((has_work, run_once))
 
     # ---- thread-safe API ---------------------------------------------------------------
 
@@ -270,23 +271,10 @@ class Engine:
         return fut
 
     def sampler_metrics(self) -> list[SamplerStats]:
-        """The latest stats of every sampler (thread-safe; refreshed as they step, and
-        with a sampler thread, refreshed now: it answers between two steps)."""
-        if self.sampler_process is not None:
-            self.sampler_process.refresh_stats(1.0)
-        elif self.sampler_loop.running:
-            fresh = threading.Event()
-
-            def publish() -> None:
-                for key, sampler in self.samplers.items():
-                    self._publish_stats(key, sampler, force=True)
-                fresh.set()
-
-            self.sampler_loop.post(publish)
-            fresh.wait(1.0)
+        """The latest stats of every sampler (thread-safe; as fresh as the backend
+        can tell without waiting on a step)."""
+        stats = self.sampler.stats()
         now = time.monotonic()
-        with self._stats_lock:
-            stats = list(self._sampler_stats.values())
         # A sampler that has not decoded for a while generates nothing now.
         return [s if now - s.last_step_at < 5.0 else replace(s, tokens_per_s=0.0) for s in stats]
 
@@ -347,24 +335,17 @@ class Engine:
                     record=False,
                 )
             self._execute_units(out.units)
-            if not self.sampler_loop.threaded:
-                self._step_samplers()
+            for has_work, run_once in self._between_calls:
+                if has_work():
+                    try:
+                        run_once()
+                    except Exception:  # a backend handles its own failures; this is a bug
+                        log.exception("engine: a sampler task failed")
         self._shutdown()
 
-    def _step_samplers(self) -> None:
-        """One step of every sampler with work (on the sampler loop's thread, if any)."""
-        for key, sampler in list(self.samplers.items()):
-            if sampler.has_work():
-                try:
-                    sampler.step()
-                except Exception as err:
-                    log.error("sampler step failed: %s\n%s", err, traceback.format_exc())
-                    self._fail_sampler(sampler, err)
-                self._publish_stats(key, sampler)
-
     def _drain_inbox(self) -> None:
-        idle = not self.scheduler.has_ready_work() and (
-            self.sampler_loop.threaded or not any(s.has_work() for s in self.samplers.values())
+        idle = not self.scheduler.has_ready_work() and not any(
+            has_work() for has_work, _ in self._between_calls
         )
         timeout = None
         if idle:
@@ -385,33 +366,7 @@ class Engine:
         err = UnavailableError("the engine is shutting down")
         for call in list(self.scheduler.waiting_calls()):
             self._resolve(call, err, record=False)
-
-        def fail_all() -> None:
-            for sampler in self.samplers.values():
-                self._fail_sampler(sampler, err)
-
-        self.sampler_loop.post(fail_all)
-
-    def _publish_stats(
-        self, key: tuple[str, torch.dtype], sampler: TorchSampler, *, force: bool = False
-    ) -> None:
-        """Refresh the stats GetServerInfo reads: at most 4 times a second while
-        busy, and once more when the sampler goes idle (or now, ``force``)."""
-        now = time.monotonic()
-        if not force and sampler.has_work() and now - self._stats_at < 0.25:
-            return
-        self._stats_at = now
-        stats = sampler.stats()
-        with self._stats_lock:
-            self._sampler_stats[key] = stats
-
-    def _on_process_stats(self, key: tuple[str, str], stats: SamplerStats) -> None:
-        with self._stats_lock:
-            self._sampler_stats[(key[0], parse_dtype(key[1]))] = stats
-
-    def _fail_sampler(self, sampler: TorchSampler, err: Exception) -> None:
-        error = err if isinstance(err, TreadleError) else InternalError(str(err))
-        sampler.fail_all(error)
+        self.sampler.fail_all(err)
 
     # ---- models ---------------------------------------------------------------------------
 
@@ -424,7 +379,7 @@ class Engine:
         model = TrainingModel(
             spec,
             base,
-            max_context=self._sampler_limits().context_of(base.cfg),
+            max_context=self.sampler.max_context(base.cfg),
             checkpoint_activations=self.config.activation_checkpointing,
             memory_limit_bytes=self.config.train_memory_limit_bytes,
         )
@@ -433,7 +388,7 @@ class Engine:
             model.last_checkpoint_seq_id = next_seq_id - 1
         self.models[spec.model_id] = model
         self.scheduler.add_model(spec.model_id, spec.tenant_id, next_seq_id)
-        self.versions.publish(self._snapshot_of(model))
+        self._publish(model, inflight=False)
         return self._update_status(spec.model_id)
 
     def _delete_model(self, model_id: str) -> None:
@@ -442,7 +397,10 @@ class Engine:
         self._clean_seq.pop(model_id, None)
         for call in self.scheduler.remove_model(model_id):
             self._resolve(call, NotFoundError(f"model {model_id} was deleted"), record=False)
+        kept = self.versions.versions(model_id)
         self.versions.drop(model_id)
+        if kept:
+            self.sampler.release(model_id, kept)
         with self._status_lock:
             self._status.pop(model_id, None)
 
@@ -612,12 +570,7 @@ class Engine:
         if isinstance(op, OptimStepOp):
             return self._auto_checkpoint(model, seq_id, model.optim_step(op.adam))
         if isinstance(op, SyncWeightsOp):
-            snapshot = self._snapshot_of(model)
-            self.versions.publish(snapshot)
-            if op.inflight and self.sampler_process is not None:
-                self.sampler_process.swap_weights(model.base, snapshot)
-            elif op.inflight:  # PipelineRL: running latest rows continue under it
-                self.sampler_loop.post(lambda: self._swap_weights(snapshot))
+            self._publish(model, inflight=op.inflight)
             return SyncResult(version=model.version)
         if isinstance(op, SaveStateOp):
             result = checkpoint.save_state(model, op.directory, seq_id)
@@ -627,11 +580,16 @@ class Engine:
             return checkpoint.load_state(model, op.directory)
         raise InternalError(f"unknown op {type(op).__name__}")
 
-    def _snapshot_of(self, model: TrainingModel) -> WeightSnapshot:
-        """The model's weights as a version; in shared memory when a sampler process
-        will read them (one copy, not a clone and then a shared one)."""
-        sp = self.sampler_process
-        return model.snapshot(None if sp is None else sp.shared_copy)
+    def _publish(self, model: TrainingModel, *, inflight: bool) -> None:
+        """Publish the model's weights as its current version (copied the way the
+        backend reads them: e.g. into shared memory for a sampler process, one
+        copy, not a clone and then a shared one), and tell the backend; with
+        ``inflight`` (PipelineRL) its latest requests continue under them."""
+        snapshot = model.snapshot(self.sampler.copy_weights())
+        released = self.versions.publish(snapshot)
+        self.sampler.publish(model.base, snapshot, inflight=inflight)
+        if released:
+            self.sampler.release(model.spec.model_id, released)
 
     def _auto_checkpoint(
         self, model: TrainingModel, seq_id: int, result: OptimStepResult
@@ -659,23 +617,19 @@ class Engine:
             raise NotFoundError(f"model {target.model_id} not found")
         return self.versions.get(target.model_id, target.version)
 
-    def _snapshot_for(self, target: SamplerTarget, fut: Future[Any]) -> WeightSnapshot | None:
-        """The weights a request admitted now samples with; None (its future failed
-        or already cancelled) when there is nothing to admit."""
+    def _weights_for(
+        self, target: SamplerTarget, fut: Future[Any]
+    ) -> tuple[BaseModel, WeightSnapshot] | None:
+        """The base and weights a request admitted now samples with; None (its
+        future failed or already cancelled) when there is nothing to admit."""
         if fut.cancelled():
             return None
         try:
-            return self._snapshot(target)
+            snapshot = self._snapshot(target)
+            return self.bases.get(target.base_model, snapshot.params.dtype), snapshot
         except TreadleError as err:
             fut.set_exception(err)
             return None
-
-    def _sampler_for(self, base_model: str, dtype: torch.dtype) -> TorchSampler:
-        key = (base_model, dtype)
-        if key not in self.samplers:
-            base = self.bases.get(base_model, dtype)
-            self.samplers[key] = TorchSampler(base, limits=self._sampler_limits())
-        return self.samplers[key]
 
     def _sampler_limits(self) -> SamplerLimits:
         c = self.config
@@ -688,10 +642,6 @@ class Engine:
             log_every_s=c.metrics_log_every_s,
         )
 
-    def _swap_weights(self, snapshot: WeightSnapshot) -> None:
-        for sampler in self.samplers.values():
-            sampler.swap_weights(snapshot)
-
     def _admit_sample(
         self,
         target: SamplerTarget,
@@ -699,31 +649,12 @@ class Engine:
         fut: Future[SampleResult],
         on_sequence: Callable[[int, SequenceResult, float], None] | None = None,
     ) -> None:
-        snapshot = self._snapshot_for(target, fut)
-        if snapshot is None:
+        resolved = self._weights_for(target, fut)
+        if resolved is None:
             return
-        if self.sampler_process is not None:
-            self.sampler_process.submit(
-                self.bases.get(target.base_model, snapshot.params.dtype),
-                op,
-                snapshot,
-                fut,
-                on_sequence=on_sequence,
-                **_who(target),
-            )
-            return
-
-        def submit() -> None:
-            sampler = self._sampler_for(target.base_model, snapshot.params.dtype)
-            sampler.submit(
-                op,
-                snapshot,
-                fut,
-                on_sequence=on_sequence,
-                **_who(target),
-            )
-
-        self.sampler_loop.post(lambda: _reporting(submit, fut, "sample admission"))
+        base, snapshot = resolved
+        request = SampleRequest(base, op, snapshot, Requester.of(target), on_sequence)
+        self.sampler.submit(request, fut)
 
     def _admit_resume(
         self,
@@ -732,66 +663,16 @@ class Engine:
         params: SamplingConfig,
         fut: Future[SampleResult],
     ) -> None:
-        snapshot = self._snapshot_for(target, fut)
-        if snapshot is None:
+        resolved = self._weights_for(target, fut)
+        if resolved is None:
             return
-        if self.sampler_process is not None:
-            self.sampler_process.resume(
-                self.bases.get(target.base_model, snapshot.params.dtype),
-                handles,
-                params,
-                snapshot,
-                fut,
-                **_who(target),
-            )
-            return
-        self.sampler_loop.post(
-            lambda: _reporting(
-                lambda: self._resume_on(target, snapshot, handles, params, fut),
-                fut,
-                "resume admission",
-            )
-        )
-
-    def _resume_on(
-        self,
-        target: SamplerTarget,
-        snapshot: WeightSnapshot,
-        handles: tuple[str, ...],
-        params: SamplingConfig,
-        fut: Future[SampleResult],
-    ) -> None:
-        """``resume``'s admission, where the samplers live (``SamplerLoop.post``)."""
-        sampler = self._sampler_for(target.base_model, snapshot.params.dtype)
-        sampler.resume(
-            handles,
-            params,
-            snapshot,
-            fut,
-            **_who(target),
+        base, snapshot = resolved
+        self.sampler.resume(
+            ResumeRequest(base, handles, params, snapshot, Requester.of(target)), fut
         )
 
 
 _FORWARD_OPS = (ForwardBackwardOp, ForwardLogprobsOp)
-
-
-def _reporting(fn: Callable[[], None], fut: Future[Any], what: str) -> None:
-    """Run ``fn``; an error it raises fails ``fut`` (a bug is logged first)."""
-    try:
-        fn()
-    except TreadleError as err:
-        fut.set_exception(err)
-    except Exception as err:
-        log.error("%s failed: %s\n%s", what, err, traceback.format_exc())
-        fut.set_exception(InternalError(str(err)))
-
-
-def _who(target: SamplerTarget) -> dict[str, Any]:
-    """A request's tenant (fair queueing), the model whose in-flight updates it
-    takes (``latest_of``), and who may resume its partial rollouts (``owner``:
-    the tenant, on the same model or base)."""
-    owner = (target.tenant_id, target.model_id or f"base:{target.base_model}")
-    return {"tenant": target.tenant_id, "latest_of": target.latest_of, "owner": owner}
 
 
 def _holds_gradients(model: TrainingModel) -> bool:

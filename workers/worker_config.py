@@ -28,9 +28,9 @@ class WorkerConfig:
     #: at once, and the models still here are lost)
     drain_timeout_s: float = 60.0
     threads: int = 0  # torch threads of the engine; 0 = torch's default
-    sampler_thread: bool = False  # the sampler steps on its own thread (overlaps training)
-    sampler_process: bool = False  # ... or in a process of its own (no shared GIL)
-    sampler_threads: int = 0  # torch threads of that thread; 0 = threads
+    #: the sampler backend: torch | torch-thread | torch-process | vllm (``--sampler``)
+    sampler: str = "torch"
+    sampler_threads: int = 0  # torch threads of the sampler's thread or process; 0 = threads
     training_threads: str = "measure"  # forward passes: "measure" | "all" | "one"
     max_quantum_tokens: int = 0  # a tenant's tokens a scheduling round at most; 0 = no cap
     default_dtype: str = "float32"

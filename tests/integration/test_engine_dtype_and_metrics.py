@@ -76,7 +76,7 @@ def test_bf16_trains_and_samples_in_one_dtype(
     result = sampler.sample(prompt, 3, params).result()
     rollouts = [rl.Rollout.from_sequence(prompt, s) for s in result.sequences]
     assert all(len(r.completion_tokens) > 0 for r in rollouts)
-    assert {dtype for _, dtype in engine.samplers} == {torch.bfloat16}
+    assert {dtype for _, dtype in engine.sampler.core.samplers} == {torch.bfloat16}
 
     datums = rl.build_datums(rollouts, [0.0] * len(rollouts), include_logprobs=False)
     probe = [

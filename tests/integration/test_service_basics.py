@@ -332,7 +332,7 @@ def test_cancelled_sample_frees_its_rows(
 
     slots = server.config.sampler_slots
     fut = sampler.sample(prompt, slots, treadle.SamplingParams(max_tokens=1000, temperature=0))
-    (torch_sampler,) = engine.samplers.values()
+    (torch_sampler,) = engine.sampler.core.samplers.values()
     deadline = time.monotonic() + 20
     while torch_sampler.stats().running_rows < slots:
         assert time.monotonic() < deadline, "the long request never started"

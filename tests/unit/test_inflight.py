@@ -50,7 +50,7 @@ def _train_step(engine: Engine, seq_id: int) -> int:
 
 
 def _sampler(engine: Engine) -> TorchSampler:
-    (sampler,) = engine.samplers.values()
+    (sampler,) = engine.sampler.core.samplers.values()
     return sampler
 
 

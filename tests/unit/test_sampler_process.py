@@ -1,4 +1,4 @@
-"""The engine with its samplers in a process of their own (``sampler_process``):
+"""The engine with its samplers in a process of their own (``--sampler torch-process``):
 the same samples as on one thread while training runs beside them, an in-flight
 weight update that reaches a running request in the child, streamed sequences,
 cancellation, partial rollouts and their resumption, bad input, shutdown, and a
@@ -36,7 +36,7 @@ from treadle.workers.domain import (
     SyncWeightsOp,
 )
 from treadle.workers.engine import Engine, EngineConfig
-from treadle.workers.sampler_process import SamplerProcess, _flat, shared_copy
+from treadle.workers.sampler_process import ProcessTorchBackend, _flat, shared_copy
 
 torch.set_num_threads(1)
 pytestmark = pytest.mark.timeout(120)
@@ -54,12 +54,12 @@ def _config(model_dir: Path, **overrides: Any) -> EngineConfig:
 
 
 def _start(model_dir: Path, **overrides: Any) -> Engine:
-    return Engine(_config(model_dir, sampler_process=True, **overrides)).start()
+    return Engine(_config(model_dir, sampler="torch-process", **overrides)).start()
 
 
-def _child(engine: Engine) -> SamplerProcess:
-    assert engine.sampler_process is not None
-    return engine.sampler_process
+def _child(engine: Engine) -> ProcessTorchBackend:
+    assert isinstance(engine.sampler, ProcessTorchBackend)
+    return engine.sampler
 
 
 @pytest.fixture(scope="module")
@@ -421,7 +421,7 @@ def _partials(engine: Engine, model_id: str) -> dict[str, Any]:
 def test_partial_rollouts_resume_as_on_a_sampler_thread(
     engine: Engine, tiny_model_dir: Path
 ) -> None:
-    threaded = Engine(_config(tiny_model_dir, sampler_thread=True)).start()
+    threaded = Engine(_config(tiny_model_dir, sampler="torch-thread")).start()
     try:
         want = _partials(threaded, "part")
     finally:
@@ -544,19 +544,3 @@ def test_a_dead_child_fails_pending_and_later_samples(tiny_model_dir: Path) -> N
         t0 = time.monotonic()
         engine.stop()
     assert time.monotonic() - t0 < 15
-
-
-def test_the_flag_reaches_the_engine_config(tmp_path: Path) -> None:
-    import argparse
-
-    from treadle.server.config import ServerConfig
-    from treadle.workers.engine_flags import add_engine_flags, engine_config, engine_settings
-
-    parser = argparse.ArgumentParser()
-    add_engine_flags(parser)
-    settings = engine_settings(parser.parse_args(["--sampler-process", "--sampler-threads", "1"]))
-    made = engine_config(ServerConfig(data_dir=tmp_path, **settings), {}, None)
-    assert (made.sampler_process, made.sampler_thread, made.sampler_threads) == (True, False, 1)
-    assert engine_settings(parser.parse_args([]))["sampler_process"] is False
-    with pytest.raises(InvalidArgumentError, match="sampler_process: give one of"):
-        ServerConfig(data_dir=tmp_path, sampler_thread=True, sampler_process=True)

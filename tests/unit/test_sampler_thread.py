@@ -1,4 +1,4 @@
-"""The engine with its samplers on a thread of their own (``sampler_thread``):
+"""The engine with its samplers on a thread of their own (``--sampler torch-thread``):
 the same samples as on one thread while training runs beside them, an in-flight
 weight update that lands between two decode steps, and a shutdown that fails
 what is still sampling. Driven through the engine's thread-safe API."""
@@ -33,7 +33,10 @@ torch.set_num_threads(1)
 
 def _engine(model_dir: Path, *, threaded: bool) -> Engine:
     config = EngineConfig(
-        base_models={"tiny": model_dir}, sampler_slots=8, threads=1, sampler_thread=threaded
+        base_models={"tiny": model_dir},
+        sampler_slots=8,
+        threads=1,
+        sampler="torch-thread" if threaded else "torch",
     )
     engine = Engine(config).start()
     engine.create_model(ModelSpec("m", "t", "tiny", 4, 8.0, 3, "float32")).result(30)
@@ -98,7 +101,7 @@ def test_inflight_update_lands_between_decode_steps(tiny_model_dir: Path) -> Non
         def tick() -> None:  # posted work runs before each step: pause after 5 steps
             steps[0] += 1
             if steps[0] <= 5:
-                engine.sampler_loop.post(tick)
+                engine.sampler.loop.post(tick)
             else:
                 paused.set()
                 gate.wait(30)
@@ -108,7 +111,7 @@ def test_inflight_update_lands_between_decode_steps(tiny_model_dir: Path) -> Non
         # The engine thread takes calls in order: once this answers, the sample's
         # admission is posted to the sampler thread, ahead of the tick.
         engine.check_sampler_target(SamplerTarget("tiny")).result(30)
-        engine.sampler_loop.post(tick)
+        engine.sampler.loop.post(tick)
         assert paused.wait(30)
         seq = _train(engine, 1)
         engine.submit("m", seq, SyncWeightsOp(inflight=True), "sync").result(30)
@@ -124,7 +127,7 @@ def test_inflight_update_lands_between_decode_steps(tiny_model_dir: Path) -> Non
 def test_stopping_fails_what_is_still_sampling(tiny_model_dir: Path) -> None:
     engine = _engine(tiny_model_dir, threaded=True)
     gate = threading.Event()
-    engine.sampler_loop.post(lambda: gate.wait(30))  # hold the sampler thread
+    engine.sampler.loop.post(lambda: gate.wait(30))  # hold the sampler thread
     op = SampleOp(np.arange(5, 12), 1, SamplingConfig(max_tokens=40, ignore_eos=True))
     fut: Future[SampleResult] = engine.sample(SamplerTarget("tiny"), op)
     stopper = threading.Thread(target=engine.stop)
