@@ -62,6 +62,45 @@ def service(server: EmbeddedServer) -> Iterator[treadle.ServiceClient]:
     client.close()
 
 
+def vllm_skip_reason() -> str | None:
+    """Why the vLLM backend's tests cannot run here (None: they can)."""
+    from treadle.errors import TreadleError
+    from treadle.workers.sampler_backends import check_available
+
+    try:
+        check_available("vllm")
+    except TreadleError as err:
+        return f"the vllm sampler backend cannot run here: {err}"
+    return None
+
+
+@pytest.fixture(scope="session")
+def vllm_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The 5m preset (head_dim 32, which vLLM's CPU attention takes), built once."""
+    return build_tiny_model(tmp_path_factory.mktemp("models") / "5m", preset="5m", seed=0)
+
+
+@pytest.fixture(scope="session")
+def vllm_server(
+    tmp_path_factory: pytest.TempPathFactory, vllm_model_dir: Path
+) -> Iterator[EmbeddedServer]:
+    """One server with ``--sampler vllm`` for the whole session: a vLLM engine takes
+    15 s to minutes to start on 2 busy cores, so every vLLM test shares this one."""
+    reason = vllm_skip_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    srv = make_server(
+        tmp_path_factory.mktemp("vllm-server"),
+        {"m5": vllm_model_dir},
+        sampler="vllm",
+        sampler_slots=32,
+        sampler_max_len=256,
+        sampler_options={"max_lora_rank": 8, "max_loras": 4},
+    )
+    yield srv
+    srv.stop()
+
+
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption(
         "--long",

@@ -142,7 +142,7 @@ class VllmBackend:
         self._pending_lock = threading.Lock()
         self._stats: dict[EngineKey, SamplerStats] = {}
         self._stats_lock = threading.Lock()
-        self._loop = SamplerLoop(self._step_all, self._has_work, threaded=True)
+        self._loop = SamplerLoop(self._step_all, self._has_work)
 
     # ---- SamplerBackend ------------------------------------------------------------------
 

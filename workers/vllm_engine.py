@@ -13,7 +13,6 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -21,57 +20,11 @@ import torch
 from treadle.errors import InvalidArgumentError
 from treadle.workers.base_models import BaseModel
 from treadle.workers.vllm_params import LOGPROBS_MODE
+from treadle.workers.vllm_settings import VllmSettings
 
 log = logging.getLogger("treadle.vllm")
 
-#: the max LoRA ranks vLLM accepts
-LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 _DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
-
-
-@dataclass(frozen=True)
-class VllmSettings:
-    """The vLLM engine's settings (``--vllm-*`` flags).
-
-    ``gpu_memory_utilization``: the share of the GPU's memory vLLM may take, or
-    on a CPU host the share of host RAM (0 = the default: 0.9 on a GPU, 0.2 on
-    CPU, where the trainer needs the rest). ``kv_cache_gib``: the KV cache's
-    size (0 = vLLM's choice on GPU, 1 GiB on CPU). ``max_lora_rank`` /
-    ``max_loras``: the largest adapter rank served, and how many adapters may
-    share one batch. ``enforce_eager``: no torch.compile / CUDA graphs (starts
-    about a minute faster on CPU; compiled decodes ~10% faster on the 110m preset).
-    ``reserved_cpus``: cores vLLM keeps off its CPU worker (0 = none; vLLM's
-    default reserves one, which leaves one core of two for decoding here).
-    """
-
-    gpu_memory_utilization: float = 0.0
-    kv_cache_gib: float = 0.0
-    max_lora_rank: int = 16
-    max_loras: int = 8
-    enforce_eager: bool = True
-    reserved_cpus: int = 0
-
-    @staticmethod
-    def from_options(options: dict[str, Any]) -> VllmSettings:
-        known = VllmSettings.__dataclass_fields__
-        unknown = [k for k in options if k not in known]
-        if unknown:
-            raise InvalidArgumentError(f"vllm: unknown settings {unknown}; known: {list(known)}")
-        s = VllmSettings(**options)
-        if not 0 <= s.gpu_memory_utilization <= 1:
-            raise InvalidArgumentError(
-                f"vllm_gpu_memory_utilization: must be in (0, 1] (0 = default), "
-                f"got {s.gpu_memory_utilization}"
-            )
-        if s.kv_cache_gib < 0:
-            raise InvalidArgumentError(f"vllm_kv_cache_gib: must be >= 0, got {s.kv_cache_gib}")
-        if s.max_lora_rank not in LORA_RANKS:
-            raise InvalidArgumentError(
-                f"vllm_max_lora_rank: vLLM takes one of {LORA_RANKS}, got {s.max_lora_rank}"
-            )
-        if s.max_loras < 1:
-            raise InvalidArgumentError(f"vllm_max_loras: must be >= 1, got {s.max_loras}")
-        return s
 
 
 def vllm_installed() -> bool:
