@@ -27,67 +27,56 @@ The choice is inverse-CDF sampling with *one* uniform per row and token, drawn
 from a counter-based hash of (request seed, sample index, token index): no
 generator state, no ``torch.multinomial``, and a seeded request reproduces its
 tokens whatever else shares the batch and whenever it is scheduled.
+
+Around the step, one module each: ``sampler_validation`` (what a request must
+satisfy), ``fair_queue`` (the order requests are admitted in), ``prefix_cache``
+(the staging slots and prefix reuse), ``prepack_policy`` (when decode runs on
+prepacked weights), ``partials`` (partial rollouts and their resumption).
 """
 
 from __future__ import annotations
 
-import bisect
 import contextlib
 import logging
 import os
-import secrets
 import time
-import weakref
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from dataclasses import replace
 
 import numpy as np
 import torch
 from tokenizers import Tokenizer
 from torch import Tensor
 
-from treadle.errors import (
-    InvalidArgumentError,
-    NotFoundError,
-    ResourceExhaustedError,
-    TreadleError,
-)
+from treadle.errors import ResourceExhaustedError, TreadleError
 from treadle.workers.base_models import BaseModel
 from treadle.workers.domain import SampleOp, SampleResult, SamplingConfig, SequenceResult
+from treadle.workers.fair_queue import FairQueue
 from treadle.workers.model import prepack
 from treadle.workers.model.kv_cache import KVCache
-from treadle.workers.model.llama import LlamaParams, forward_hidden, lm_logits
-from treadle.workers.sample_checks import check_sample_op
+from treadle.workers.model.llama import forward_hidden, lm_logits
+from treadle.workers.partials import PartialStore, gather, resume_op
+from treadle.workers.prefix_cache import PrefixCache
+from treadle.workers.prepack_policy import PrepackPolicy
 from treadle.workers.sampler_state import (
     Partial,
     Request,
     Row,
     SamplerLimits,
     SamplerStats,
-    Staged,
     charge,
-    common_prefix,
     lora_for,
     prefill_batches,
     sequence_of,
-    start_tag,
 )
+from treadle.workers.sampler_validation import validate
 from treadle.workers.sampling import row_keys, row_uniforms, sample_tokens
 from treadle.workers.versions import WeightSnapshot
 
 log = logging.getLogger("treadle.sampler")
 
 __all__ = ["SamplerLimits", "SamplerStats", "TorchSampler"]
-
-#: A queued request waits for one being prefilled when it could then reuse this
-#: many more prompt tokens (the wait is at most that request's prefill).
-MIN_PREFIX_WAIT = 16
-#: partial rollouts kept for resumption per sampler; beyond it the oldest are forgotten
-MAX_PARTIALS = 65536
-#: weight versions kept prepacked per sampler (each is a second copy of the weights)
-MAX_PACKED = 2
 
 
 class TorchSampler:
@@ -106,27 +95,19 @@ class TorchSampler:
         self.max_len = lim.context_of(self.cfg)
         try:
             self.cache = KVCache(self.cfg, lim.num_slots, self.max_len, dtype=base.dtype)
-            self.stage = KVCache(
-                self.cfg, max(1, lim.prefill_slots), self.max_len, dtype=base.dtype
-            )
+            stage = KVCache(self.cfg, max(1, lim.prefill_slots), self.max_len, dtype=base.dtype)
         except (RuntimeError, MemoryError) as err:
             raise ResourceExhaustedError(
                 f"sampler: cannot allocate the KV cache ({lim.num_slots} slots x "
                 f"{self.max_len} tokens): {err}"
             ) from None
-        self.staged = [Staged() for _ in range(self.stage.num_slots)]
-        self.queue: deque[Request] = deque()  # in start-tag order (fair across tenants)
-        self._vtime = 0.0  # start tag of the request admitted last
-        self._finish_tags: dict[str, float] = {}  # tenant -> finish tag of its last request
+        self.prefix = PrefixCache(stage)
+        self.queue = FairQueue()
         self.prefilling: list[Request] = []
         self.running: list[Row] = []  # running[i].slot == i
         self.reserved = 0  # main slots promised to prefilling requests
-        self.partials: OrderedDict[str, Partial] = OrderedDict()  # resume handle -> rollout
-        self._packed: OrderedDict[int, weakref.ref[LlamaParams]] = OrderedDict()  # prepacked
-        self._pack_method: str | None = None  # prepack.method_for the decode width
-        self._pack_min_rows = 0  # prepack.min_rows: smaller decode batches run plain
-        self._pack_after = 0  # prepack.pack_after: decode steps before weights are packed
-        self._decoded: dict[int, tuple[weakref.ref[LlamaParams], int]] = {}
+        self.partials = PartialStore()
+        self.packing = PrepackPolicy(lim.prepack, lim.num_slots)
         tok_path = base.path / "tokenizer.json"
         self.tokenizer = Tokenizer.from_file(str(tok_path)) if tok_path.exists() else None
         self.eos_ids = frozenset(self.cfg.eos_token_ids)
@@ -142,11 +123,12 @@ class TorchSampler:
     # ---- admission -----------------------------------------------------------------
 
     def validate(self, op: SampleOp) -> None:
-        check_sample_op(
+        """INVALID_ARGUMENT naming the field, unless this sampler can run ``op``."""
+        validate(
             op,
-            self.cfg,
+            vocab_size=self.cfg.vocab_size,
             max_len=self.max_len,
-            max_samples=self.cache.num_slots,
+            num_slots=self.cache.num_slots,
             has_tokenizer=self.tokenizer is not None,
         )
 
@@ -169,13 +151,7 @@ class TorchSampler:
         with (sample index, sequence, engine seconds since its previous call) the
         moment each row finishes (not for cancelled rows). ``owner``: who may
         resume its partial rows; ``prefix``: the partial rollout it continues.
-
-        The queue is fair across tenants, never first-come-first-served between
-        them: start-time fair queueing by tokens (Goyal et al.). A request's start
-        tag is the later of the last admitted tag and its tenant's previous finish
-        tag; its finish tag adds its tokens (prompt + samples x max_tokens). Requests
-        are admitted in start-tag order, so a tenant with 100 queued requests and
-        one with 1 take turns, and each tenant's own requests keep their order.
+        The queue is fair across tenants (``workers.fair_queue``).
         """
         self.validate(op)
         if len(self.queue) >= self.limits.max_queued:
@@ -211,38 +187,7 @@ class TorchSampler:
             self._report(request.rows)
             self._finish_request(request)
             return
-        self._enqueue(request)
-
-    def _enqueue(self, request: Request) -> None:
-        cost = request.prompt.size + request.op.num_samples * request.op.params.max_tokens
-        start = max(self._vtime, self._finish_tags.get(request.tenant, 0.0))
-        self._finish_tags[request.tenant] = start + cost
-        if len(self._finish_tags) > 1024:  # forget tenants with nothing queued ahead
-            self._finish_tags = {t: f for t, f in self._finish_tags.items() if f > self._vtime}
-        request.tag = start
-        self.queue.insert(bisect.bisect_right(self.queue, start, key=start_tag), request)
-
-    def take_partials(self, owner: tuple[str, str], handles: Sequence[str]) -> list[Partial]:
-        """The partial rollouts of ``handles``, removed (each resumes once).
-
-        All or nothing: a handle that never existed, was consumed (or forgotten,
-        beyond ``MAX_PARTIALS``), or belongs to another tenant or model is
-        NOT_FOUND, with the same message, and then no handle is consumed.
-        """
-        if not handles:
-            raise InvalidArgumentError("resume_handles: give at least one")
-        if len(set(handles)) != len(handles):
-            raise InvalidArgumentError("resume_handles: a handle is given twice")
-        for h in handles:
-            kept = self.partials.get(h)
-            if kept is None or kept.owner != owner:
-                raise NotFoundError(f"resume handle {h[:48]!r} not found")
-        return [self.partials.pop(h) for h in handles]
-
-    def give_back_partials(self, handles: Sequence[str], partials: Sequence[Partial]) -> None:
-        """Undo ``take_partials`` (the resume was refused before it started)."""
-        for h, kept in zip(handles, partials, strict=True):
-            self.partials[h] = kept
+        self.queue.push(request)
 
     def resume(
         self,
@@ -261,19 +206,11 @@ class TorchSampler:
         sequences whole, earlier parts first. Refused as a whole (nothing
         consumed) when a handle is unknown or another owner's (NOT_FOUND), a
         ``max_tokens`` leaves no room, or the queue is full."""
-        kept = self.take_partials(owner, handles)
+        kept = self.partials.take(owner, handles)
         ops: list[SampleOp] = []
         try:
             for handle, part in zip(handles, kept, strict=True):
-                done = len(part.tokens)
-                if params.max_tokens <= done:
-                    raise InvalidArgumentError(
-                        f"max_tokens: counts the whole sequence, and resume handle "
-                        f"{handle[:48]!r} has {done} tokens already; give more than "
-                        f"{done} (got {params.max_tokens})"
-                    )
-                prompt = np.concatenate([part.prompt, np.asarray(part.tokens, np.int64)])
-                op = SampleOp(prompt, 1, replace(params, max_tokens=params.max_tokens - done))
+                op = resume_op(handle, part, params)
                 self.validate(op)
                 ops.append(op)
             if len(self.queue) + len(ops) > self.limits.max_queued:
@@ -282,27 +219,12 @@ class TorchSampler:
                     retry_after_s=1.0,
                 )
         except TreadleError:
-            self.give_back_partials(handles, kept)  # refused: nothing consumed
+            self.partials.give_back(handles, kept)  # refused: nothing consumed
             raise
         parts: list[Future[SampleResult]] = [Future() for _ in ops]
-        _gather(parts, future, resumed=sum(len(p.tokens) for p in kept))
+        gather(parts, future, resumed=sum(len(p.tokens) for p in kept))
         for op, part, sub in zip(ops, kept, parts, strict=True):
             self.submit(op, snapshot, sub, tenant, latest_of=latest_of, owner=owner, prefix=part)
-
-    def _keep_partial(self, row: Row) -> str:
-        prefix = row.request.prefix
-        kept = Partial(
-            owner=row.request.owner,
-            prompt=row.request.prompt if prefix is None else prefix.prompt,
-            tokens=(prefix.tokens if prefix else []) + row.tokens,
-            logprobs=(prefix.logprobs if prefix else []) + row.logprobs,
-            versions=(prefix.versions if prefix else []) + row.versions,
-        )
-        handle = "rh-" + secrets.token_urlsafe(18)
-        self.partials[handle] = kept
-        while len(self.partials) > MAX_PARTIALS:  # the oldest are forgotten
-            self.partials.popitem(last=False)
-        return handle
 
     def swap_weights(self, snapshot: WeightSnapshot) -> int:
         """An in-flight weight update (PipelineRL): every request following the
@@ -364,7 +286,7 @@ class TorchSampler:
                 req.future.set_exception(error)
         self.running.clear()
         for req in self.prefilling:
-            self.staged[req.stage_slot] = Staged()
+            self.prefix.forget(req)
         self.prefilling.clear()
         self.queue.clear()
         self.reserved = 0
@@ -389,10 +311,9 @@ class TorchSampler:
         self._maybe_log()
 
     def _drop_cancelled(self) -> None:
-        if any(r.cancelled for r in self.queue):
-            self.queue = deque(r for r in self.queue if not r.cancelled)
+        self.queue.drop_cancelled()
         for req in [r for r in self.prefilling if r.cancelled]:
-            self._release_stage(req)
+            self.prefix.release(req)
             self.prefilling.remove(req)
             self.reserved -= req.op.num_samples
         gone = [r for r in self.running if r.request.cancelled]
@@ -404,64 +325,16 @@ class TorchSampler:
     def _admit(self) -> None:
         """Move queued requests into prefill while their rows fit in the main cache."""
         while self.queue:
-            request = self.queue[0]
+            request = self.queue.peek()
             need = request.op.num_samples
             if len(self.running) + self.reserved + need > self.cache.num_slots:
                 return
-            slot = self._stage_slot_for(request)
-            if slot < 0:
+            if self.prefix.slot_for(request, self._clock) < 0:
                 return
-            self.queue.popleft()
-            self._vtime = max(self._vtime, request.tag)
+            self.queue.pop()
+            self.prefix_reused_tokens += request.reused
             self.reserved += need
             self.prefilling.append(request)
-
-    def _stage_slot_for(self, request: Request) -> int:
-        """A free staging slot for ``request``, seeded with the longest cached prefix."""
-        free = [i for i, s in enumerate(self.staged) if s.owner is None]
-        if not free:
-            return -1
-        prompt = request.prompt
-        best, best_len = -1, 0
-        for i, staged in enumerate(self.staged):
-            n = min(staged.tokens.size, prompt.size)
-            if n <= best_len or not staged.computed_by(request.snapshot):
-                continue
-            common = common_prefix(staged.tokens[:n], prompt[:n])
-            if common > best_len:
-                best, best_len = i, common
-        for staged in self.staged:
-            # A request with the same prompt is being prefilled right now (G samples
-            # sent as separate requests): wait for it, then copy instead of recompute.
-            owner = staged.owner
-            if owner is not None and staged.computed_by(request.snapshot):
-                n = min(owner.prompt.size, prompt.size)
-                if common_prefix(owner.prompt[:n], prompt[:n]) >= best_len + MIN_PREFIX_WAIT:
-                    return -1
-        if best >= 0 and self.staged[best].owner is None:
-            slot = best
-        else:
-            slot = min(free, key=lambda i: self.staged[i].last_used)
-            if best >= 0:
-                self.stage.move([best], [slot], best_len)
-        # The last prompt token is always computed: its logits choose the first token.
-        reuse = min(best_len, prompt.size - 1)
-        snap = request.snapshot
-        self.staged[slot] = Staged(
-            tokens=prompt[:reuse].copy(),
-            params=weakref.ref(snap.params),
-            adapter=None if snap.adapter is None else weakref.ref(snap.adapter),
-            owner=request,
-            last_used=self._clock,
-        )
-        request.stage_slot, request.prefilled, request.reused = slot, reuse, reuse
-        self.prefix_reused_tokens += reuse
-        return slot
-
-    def _release_stage(self, request: Request) -> None:
-        staged = self.staged[request.stage_slot]
-        staged.owner = None
-        staged.tokens = request.prompt[: request.prefilled].copy()
 
     # ---- prefill -----------------------------------------------------------------------
 
@@ -497,7 +370,7 @@ class TorchSampler:
             tokens_B_T,
             positions_B_T,
             lora=lora_for([s.adapter for s in snaps]),
-            cache=self.stage,
+            cache=self.prefix.stage,
             slots_B=torch.tensor([req.stage_slot for req, _ in batch]),
         )
         charge(batch, time.perf_counter() - t0)
@@ -505,9 +378,7 @@ class TorchSampler:
         for b, (req, n) in enumerate(batch):
             req.prefilled += n
             self.prompt_tokens += n
-            staged = self.staged[req.stage_slot]
-            staged.tokens = req.prompt[: req.prefilled].copy()
-            staged.last_used = self._clock
+            self.prefix.advanced(req, self._clock)
             if req.prefilled == req.prompt.size:
                 finished.append((req, hidden_B_T_H[b, n - 1]))
         if finished:
@@ -521,8 +392,8 @@ class TorchSampler:
         """The prompt is in: copy its KV to G consecutive main slots and draw first tokens."""
         G, P = request.op.num_samples, request.prompt.size
         first = len(self.running)
-        self.cache.copy_from(self.stage, request.stage_slot, first, G, P)
-        self._release_stage(request)
+        self.cache.copy_from(self.prefix.stage, request.stage_slot, first, G, P)
+        self.prefix.release(request)
         self.reserved -= G
         keys = row_keys(request.seed, G)
         snap = request.snapshot
@@ -549,7 +420,7 @@ class TorchSampler:
             positions = [r.position for r in rows]
             slots = [r.slot for r in rows]
             adapters = [r.snapshot.adapter for r in rows]
-            pad = self._pad_rows(params, len(rows))
+            pad = self.packing.pad_rows(params, len(rows), len(self.running))
             if pad:
                 # Filler rows in free slots at position 0 (overwritten before any
                 # real row reads them), so the batch has the packed width.
@@ -559,7 +430,8 @@ class TorchSampler:
                 slots += range(free, free + pad)
                 adapters += [adapters[0]] * pad
             t0 = time.perf_counter()
-            packed = prepack.decoding() if self._packs_for(len(rows)) else contextlib.nullcontext()
+            packs = self.packing.packs_for(len(rows))
+            packed = prepack.decoding() if packs else contextlib.nullcontext()
             with packed:
                 lora = lora_for(adapters)
                 hidden_B_1_H = forward_hidden(
@@ -582,62 +454,6 @@ class TorchSampler:
         while len(self._window) > 64:
             self._window.popleft()
         self._compact()
-
-    def _pad_rows(self, params: LlamaParams, rows: int) -> int:
-        """Prepack ``params`` for a decode batch of ``rows`` rows when it pays, and
-        return the filler rows to add (``workers.model.prepack``). oneDNN's packed
-        weights serve any batch up to the slot count: no filler. MKL's serve only
-        the slot count: filler up to it when the batch is at most 1/8 short
-        (filler rows cost every other op of the step, the packed matmuls save
-        ~20-30% of theirs) and is every running row (so the free slots are the
-        filler's); else the plain product, no filler."""
-        width = self.cache.num_slots
-        if self._pack_method is None:  # one base model and dtype: decided once
-            on = self.limits.prepack and prepack.available(params)
-            self._pack_method = prepack.method_for(params, width) if on else "plain"
-            self._pack_min_rows = prepack.min_rows(params, width) if on else width
-            self._pack_after = prepack.pack_after(params, width) if on else 0
-        if self._pack_method == "plain":  # off, or measured: no packed copy is faster
-            return 0
-        if prepack.packed_rows(params) is None and self._steps_with(params) < self._pack_after:
-            return 0  # not (yet) worth packing: these weights may not last
-        if self._pack_method == "onednn":
-            if rows >= self._pack_min_rows:
-                self._ensure_packed(params, width)
-            return 0
-        if rows < width - width // 8 or rows != len(self.running):
-            return 0
-        self._ensure_packed(params, width)
-        return width - rows
-
-    def _steps_with(self, params: LlamaParams) -> int:
-        """Decode steps taken with ``params`` so far, this one included."""
-        key = id(params)
-        known = self._decoded.get(key)
-        steps = 1 if known is None or known[0]() is not params else known[1] + 1
-        self._decoded[key] = (weakref.ref(params), steps)
-        if len(self._decoded) > 64:  # forget weights that are gone
-            self._decoded = {k: v for k, v in self._decoded.items() if v[0]() is not None}
-        return steps
-
-    def _packs_for(self, rows: int) -> bool:
-        """Whether a decode batch of ``rows`` real rows multiplies with packed copies
-        (below oneDNN's measured crossover the plain product is faster)."""
-        return self._pack_method != "onednn" or rows >= self._pack_min_rows
-
-    def _ensure_packed(self, params: LlamaParams, width: int) -> None:
-        """``params`` packed for ``width`` rows; the last ``MAX_PACKED`` weights
-        decoded stay packed, older ones are unpacked."""
-        key = id(params)
-        known = self._packed.pop(key, None)
-        if known is None or known() is not params:
-            while len(self._packed) >= MAX_PACKED:
-                oldest = self._packed.popitem(last=False)[1]()
-                if oldest is not None:
-                    prepack.unpack(oldest)
-        if prepack.packed_rows(params) != width:
-            prepack.prepack(params, width)
-        self._packed[key] = weakref.ref(params)  # the newest
 
     # ---- choosing tokens -----------------------------------------------------------------
 
@@ -670,7 +486,7 @@ class TorchSampler:
                 row.stop_reason = "length"
             elif p.token_budget and len(row.tokens) >= p.token_budget:
                 row.stop_reason = "partial"
-                row.handle = self._keep_partial(row)
+                row.handle = self.partials.keep(row)
         self.tokens_generated += len(rows)
 
     def _hit_stop_string(self, row: Row) -> bool:
@@ -743,31 +559,3 @@ class TorchSampler:
             s.tokens_generated,
             s.prefix_reused_tokens,
         )
-
-
-def _gather(parts: list[Future[SampleResult]], out: Future[SampleResult], resumed: int) -> None:
-    """Resolve ``out`` with the one sequence of each part, in order; cancelling
-    ``out`` cancels the parts."""
-
-    def done(_: Future[SampleResult]) -> None:
-        if out.done():
-            return
-        for part in parts:
-            if part.done() and not part.cancelled() and part.exception() is not None:
-                for other in parts:
-                    other.cancel()
-                out.set_exception(part.exception())  # type: ignore[arg-type]
-                return
-        if all(p.done() and not p.cancelled() for p in parts):
-            results = [p.result() for p in parts]
-            out.set_result(
-                SampleResult(
-                    tuple(r.sequences[0] for r in results),
-                    compute_s=sum(r.compute_s for r in results),
-                    resumed_tokens=resumed,
-                )
-            )
-
-    for part in parts:
-        part.add_done_callback(done)
-    out.add_done_callback(lambda f: [p.cancel() for p in parts] if f.cancelled() else None)

@@ -56,7 +56,6 @@ from treadle.errors import (
 from treadle.workers.base_models import BaseModel
 from treadle.workers.domain import SampleOp, SampleResult, SequenceResult, version_spans
 from treadle.workers.model.config import ModelConfig
-from treadle.workers.sample_checks import check_sample_op
 from treadle.workers.sampler_backend import (
     EngineThread,
     OnSequence,
@@ -67,6 +66,7 @@ from treadle.workers.sampler_backend import (
 )
 from treadle.workers.sampler_loop import SamplerLoop
 from treadle.workers.sampler_state import Partial, SamplerLimits, SamplerStats
+from treadle.workers.sampler_validation import validate
 from treadle.workers.sampling import row_keys
 from treadle.workers.versions import WeightSnapshot
 from treadle.workers.vllm_adapters import AdapterRegistry, VllmAdapter
@@ -163,13 +163,7 @@ class VllmBackend:
     def submit(self, request: SampleRequest, future: Future[SampleResult]) -> None:
         try:
             self._check(request.base, request.weights, request.op.params)
-            check_sample_op(
-                request.op,
-                request.base.cfg,
-                max_len=self.max_context(request.base.cfg),
-                max_samples=self.limits.num_slots,
-                has_tokenizer=(request.base.path / "tokenizer.json").exists(),
-            )
+            self._validate(request.base, request.op)
             self._reserve(1)
         except TreadleError as err:
             future.set_exception(err)
@@ -203,13 +197,7 @@ class VllmBackend:
                     )
                 prompt = np.concatenate([part.prompt, np.asarray(part.tokens, np.int64)])
                 rows_args.append((prompt, request.params.max_tokens - done, part))
-                check_sample_op(
-                    SampleOp(prompt, 1, request.params),
-                    request.base.cfg,
-                    max_len=self.max_context(request.base.cfg),
-                    max_samples=self.limits.num_slots,
-                    has_tokenizer=(request.base.path / "tokenizer.json").exists(),
-                )
+                self._validate(request.base, SampleOp(prompt, 1, request.params))
             self._reserve(1)
         except TreadleError as err:
             if kept:
@@ -263,6 +251,15 @@ class VllmBackend:
                 "(--vllm-max-lora-rank)"
             )
         check_supported(params, base.cfg.vocab_size)
+
+    def _validate(self, base: BaseModel, op: SampleOp) -> None:
+        validate(
+            op,
+            vocab_size=base.cfg.vocab_size,
+            max_len=self.max_context(base.cfg),
+            num_slots=self.limits.num_slots,
+            has_tokenizer=(base.path / "tokenizer.json").exists(),
+        )
 
     def _reserve(self, n: int) -> None:
         with self._pending_lock:

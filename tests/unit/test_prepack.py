@@ -98,7 +98,7 @@ def _sample(
         futures.append(fut)
     while sampler.has_work():
         sampler.step()
-    assert (len(sampler._packed) > 0) == (on if packs is None else packs)
+    assert (sampler.packing.packed > 0) == (on if packs is None else packs)
     return [f.result() for f in futures]
 
 

@@ -1,5 +1,9 @@
-"""The checks every sampler backend makes on a sample request before it queues it,
-so each backend refuses bad input alike (INVALID_ARGUMENT naming the field)."""
+"""What a sample request must satisfy before a torch sampler queues it.
+
+Each refusal is INVALID_ARGUMENT with a message that starts with the field it
+is about (``prompt``, ``num_samples``, ``max_tokens``, ``temperature``,
+``top_p``, ``top_k``, ``token_budget``, ``stop``), as every backend answers.
+"""
 
 from __future__ import annotations
 
@@ -7,33 +11,33 @@ import math
 
 from treadle.errors import InvalidArgumentError
 from treadle.workers.domain import SampleOp
-from treadle.workers.model.config import ModelConfig
 
 MAX_STOP_STRING_CHARS = 256
 
 
-def check_sample_op(
-    op: SampleOp, cfg: ModelConfig, *, max_len: int, max_samples: int, has_tokenizer: bool
+def validate(
+    op: SampleOp, *, vocab_size: int, max_len: int, num_slots: int, has_tokenizer: bool
 ) -> None:
+    """Refuse ``op`` (INVALID_ARGUMENT naming the field) unless a sampler with a
+    context of ``max_len`` and ``num_slots`` rows over a vocabulary of
+    ``vocab_size`` can run it; stop strings need the base's tokenizer."""
     p = op.params
     prompt = op.prompt
     if prompt.ndim != 1 or prompt.size == 0:
         raise InvalidArgumentError("prompt: must be a non-empty 1-D token sequence")
     if prompt.dtype.kind not in "iu":
         raise InvalidArgumentError("prompt: token ids must be integers")
-    bad = (prompt < 0) | (prompt >= cfg.vocab_size)
+    bad = (prompt < 0) | (prompt >= vocab_size)
     if bad.any():
         raise InvalidArgumentError(
-            f"prompt: token id {int(prompt[bad][0])} is outside the vocabulary [0, {cfg.vocab_size})"
+            f"prompt: token id {int(prompt[bad][0])} is outside the vocabulary [0, {vocab_size})"
         )
     if prompt.size >= max_len:
         raise InvalidArgumentError(
             f"prompt: {prompt.size} tokens leave no room in the context of {max_len}"
         )
-    if not 1 <= op.num_samples <= max_samples:
-        raise InvalidArgumentError(
-            f"num_samples: must be in 1..{max_samples}, got {op.num_samples}"
-        )
+    if not 1 <= op.num_samples <= num_slots:
+        raise InvalidArgumentError(f"num_samples: must be in 1..{num_slots}, got {op.num_samples}")
     if p.token_budget < 0:
         raise InvalidArgumentError(f"token_budget: must be >= 0 (0 = none), got {p.token_budget}")
     if p.max_tokens < 0:
@@ -63,5 +67,5 @@ def check_sample_op(
             "stop: this base model has no tokenizer.json; use stop token ids"
         )
     for t in p.stop_token_ids:
-        if not 0 <= t < cfg.vocab_size:
+        if not 0 <= t < vocab_size:
             raise InvalidArgumentError(f"stop: stop token id {t} is outside the vocabulary")
