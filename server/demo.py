@@ -60,6 +60,7 @@ class DemoOptions:
     quick: bool = False
     seed: int = 0
     out: Path | None = None
+    sampler: str = "torch"  # the sampler backend (``--sampler``)
 
 
 @dataclass(frozen=True)
@@ -288,6 +289,7 @@ def run_demo(opts: DemoOptions) -> int:
         threads=ENGINE_THREADS,
         sampler_slots=plan.prompts_per_step * plan.group_size,  # a whole step's rollouts at once
         sampler_max_len=32,
+        sampler=opts.sampler,
     )
     rng = random.Random(opts.seed)
     t_start = time.perf_counter()

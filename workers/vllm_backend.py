@@ -382,6 +382,9 @@ class VllmBackend:
             self._unload(eng)
             if not eng.rows:
                 continue
+            if not eng.llm.has_unfinished_requests():  # never reached vLLM: do not wait on it
+                self._engine_died(eng, RuntimeError("rows without vLLM requests"))
+                continue
             t0 = time.perf_counter()
             try:
                 outputs = eng.llm.step()

@@ -142,7 +142,7 @@ def test_three_tenants_adapters_at_different_versions_in_one_batch(
         for sa, sb in zip(a.sequences, b.sequences, strict=True):
             assert sa.tokens == sb.tokens
             assert np.allclose(sa.logprobs, sb.logprobs, atol=TOLERANCE)
-            assert [s.version for s in sb.version_spans] == [i + 1]
+            assert [s.version for s in sb.versions] == [i + 1]
     # different adapters really sample differently
     assert alone[0].sequences[0].tokens != alone[2].sequences[0].tokens or (
         alone[0].sequences[0].logprobs != alone[2].sequences[0].logprobs
@@ -192,7 +192,7 @@ def test_engine_level_budget_resume_and_inflight_spans(vllm_server: EmbeddedServ
     assert handles
     resumed = sampler.resume(handles, treadle.SamplingParams(max_tokens=20, seed=11)).result()
     for seq in resumed.sequences:
-        assert len(seq.tokens) > 6 and [s.version for s in seq.version_spans] == [0]
+        assert len(seq.tokens) > 6 and [s.version for s in seq.versions] == [0]
 
     engine = vllm_server.ctx.dispatcher.engine  # type: ignore[union-attr]
     backend = engine.sampler
