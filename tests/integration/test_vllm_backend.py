@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import Future
+from typing import Any
 
 import numpy as np
 import pytest
@@ -194,25 +195,62 @@ def test_engine_level_budget_resume_and_inflight_spans(vllm_server: EmbeddedServ
     for seq in resumed.sequences:
         assert len(seq.tokens) > 6 and [s.version for s in seq.versions] == [0]
 
+    # the in-flight update, on the backend itself: version 1 is published (plainly)
+    # first, so the update lands the moment the running sequence has a few tokens
+    _train(tc, 1)
+    tc.sync_weights()
     engine = vllm_server.ctx.dispatcher.engine  # type: ignore[union-attr]
     backend = engine.sampler
-    base = engine.bases.get("m5", engine.models[tc.model_id].base.dtype)
+    base = engine.models[tc.model_id].base
     from treadle.workers.domain import SampleOp, SamplerTarget, SamplingConfig
     from treadle.workers.sampler_backend import Requester, SampleRequest
 
-    old = engine.versions.get(tc.model_id, None)
-    target = SamplerTarget("m5", tc.model_id, None, "t")
-    fut: Future[treadle.SampleResponse] = Future()
-    op = SampleOp(np.asarray(prompt), 1, SamplingConfig(max_tokens=200, ignore_eos=True, seed=1))
-    backend.submit(SampleRequest(base, op, old, Requester.of(target)), fut)  # type: ignore[arg-type]
+    v0, v1 = (engine.versions.get(tc.model_id, v) for v in (0, 1))
+    who = Requester.of(SamplerTarget("m5", tc.model_id, None, "t"))  # follows latest
+    fut: Future[Any] = Future()
+    op = SampleOp(np.asarray(prompt), 1, SamplingConfig(max_tokens=240, ignore_eos=True, seed=1))
     before = sum(s.tokens_generated for s in backend.stats())
-    deadline = time.monotonic() + 120
-    while sum(s.tokens_generated for s in backend.stats()) < before + 5:
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
-    _train(tc, 1)
-    tc.sync_weights(inflight=True)  # version 1: the running sequence takes it
-    seq = fut.result(timeout=300).sequences[0]  # type: ignore[attr-defined]
-    versions = [v for _, _, v in seq.versions]
-    assert versions == [0, 1], seq.versions
-    assert len(seq.tokens) == 200
+    backend.submit(SampleRequest(base, op, v0, who), fut)
+    deadline = time.monotonic() + 300
+    while sum(s.tokens_generated for s in backend.stats()) < before + 3:
+        assert time.monotonic() < deadline and not fut.done()
+        time.sleep(0.002)
+    backend.publish(base, v1, inflight=True)
+    seq = fut.result(timeout=300).sequences[0]
+    assert [v for _, _, v in seq.versions] == [0, 1], seq.versions
+    assert len(seq.tokens) == 240
+    # a pinned request is not moved
+    pinned: Future[Any] = Future()
+    pinned_who = Requester.of(SamplerTarget("m5", tc.model_id, 0, "t"))
+    backend.submit(SampleRequest(base, op, v0, pinned_who), pinned)
+    backend.publish(base, v1, inflight=True)
+    assert [v for _, _, v in pinned.result(timeout=300).sequences[0].versions] == [0]
+
+
+def test_a_dead_engine_fails_its_requests_unavailable_and_restarts(
+    vllm_server: EmbeddedServer,
+) -> None:
+    """Kill vLLM's engine process mid-request: the request fails UNAVAILABLE, the
+    worker lives, and the next request starts a new engine. (Last in the module:
+    it costs an engine start.)"""
+    import os
+    import signal
+
+    import psutil
+
+    from treadle.errors import UnavailableError
+
+    service = treadle.ServiceClient(vllm_server.address, api_key=vllm_server.api_key)
+    sampler = service.create_sampling_client(base_model="m5")
+    params = treadle.SamplingParams(max_tokens=240, ignore_eos=True, seed=1)
+    sampler.sample([1, 5, 6], 1, params).result(timeout=300)  # the engine is up
+    running = sampler.sample([1, 5, 6], 8, params)
+    ours = psutil.Process().children(recursive=True)
+    cores = [p for p in ours if "EngineCore" in " ".join(p.cmdline()) + p.name()]
+    assert cores, [p.name() for p in ours]
+    for p in cores:
+        os.kill(p.pid, signal.SIGKILL)
+    with pytest.raises(UnavailableError, match="vLLM engine for m5 failed"):
+        running.result(timeout=300)
+    again = sampler.sample([1, 5, 6], 2, treadle.SamplingParams(max_tokens=4, seed=2))
+    assert [len(s.tokens) for s in again.result(timeout=900).sequences] == [4, 4]
