@@ -1,15 +1,14 @@
 """The engine with its samplers in a process of their own (``--sampler torch-process``):
-the same samples as on one thread while training runs beside them, an in-flight
-weight update that reaches a running request in the child, streamed sequences,
-cancellation, partial rollouts and their resumption, bad input, shutdown, and a
-child that dies. Driven through the engine's thread-safe API, against a real
-spawned child (nothing mocked)."""
+the same samples as on one thread while training runs beside them, weights in
+shared memory, cancellation, shutdown, and a child that dies. Driven through the
+engine's thread-safe API, against a real spawned child (nothing mocked). What
+every backend does (in-flight updates, streams, partial rollouts, bad input) is
+checked for this one too by ``tests/integration/test_sampler_conformance.py``."""
 
 from __future__ import annotations
 
 import os
 import signal
-import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
@@ -32,7 +31,6 @@ from treadle.workers.domain import (
     SampleResult,
     SamplerTarget,
     SamplingConfig,
-    SequenceResult,
     SyncWeightsOp,
 )
 from treadle.workers.engine import Engine, EngineConfig
@@ -294,58 +292,6 @@ def test_version_buffers_are_reused_and_samples_stay_right(
     assert _child(engine).pool.reused > reused_before
 
 
-# ---- an in-flight update ------------------------------------------------------------------
-
-
-def test_inflight_update_reaches_a_running_latest_request(engine: Engine) -> None:
-    _model(engine, "infl")
-    seq = _train(engine, "infl", 1)  # version 1, trained but not published yet
-    latest = engine.sample(SamplerTarget("tiny", "infl"), _long_op(2, seed=7))
-    pinned = engine.sample(SamplerTarget("tiny", "infl", version=0), _long_op(1, seed=8))
-    base = engine.sample(SamplerTarget("tiny"), _long_op(1, seed=9))
-    _wait_running(engine, [latest, pinned, base])
-    engine.submit("infl", seq, SyncWeightsOp(inflight=True), "sync").result(30)
-    for s in latest.result(60).sequences:
-        (start, n0, v0), (cut, n1, v1) = s.versions  # (first token, count, version)
-        assert (start, v0, cut, v1) == (0, 0, n0, 1)
-        assert n0 >= 1 and n1 >= 1 and n0 + n1 == LONG
-        assert len(s.tokens) == LONG
-    # neither a pinned version nor the base follows the model's updates
-    assert pinned.result(60).sequences[0].versions == ((0, LONG, 0),)
-    assert base.result(60).sequences[0].versions == ((0, LONG, 0),)
-    # a request admitted after the update samples the new version from its start
-    after = engine.sample(SamplerTarget("tiny", "infl"), SampleOp(PROMPT, 1, SamplingConfig()))
-    assert after.result(60).sequences[0].versions[0][2] == 1
-
-
-# ---- streaming -----------------------------------------------------------------------------
-
-
-def test_streamed_sequences_are_the_result(engine: Engine) -> None:
-    seen: list[tuple[int, SequenceResult, float]] = []
-    lock = threading.Lock()
-
-    def on_sequence(index: int, seq: SequenceResult, seconds: float) -> None:
-        with lock:
-            seen.append((index, seq, seconds))
-
-    op = SampleOp(PROMPT, 4, SamplingConfig(max_tokens=24, seed=3, temperature=0.9))
-    result = engine.sample(SamplerTarget("tiny"), op, on_sequence=on_sequence).result(60)
-    with lock:
-        calls = list(seen)
-    assert sorted(i for i, _, _ in calls) == [0, 1, 2, 3]  # once per sample index
-    for index, seq, seconds in calls:
-        whole = result.sequences[index]
-        np.testing.assert_array_equal(seq.tokens, whole.tokens)
-        np.testing.assert_array_equal(seq.logprobs, whole.logprobs)
-        assert (seq.versions, seq.stop_reason) == (whole.versions, whole.stop_reason)
-        assert seconds >= 0.0
-    # the same sequences as unstreamed
-    plain = engine.sample(SamplerTarget("tiny"), op).result(60)
-    for x, y in zip(plain.sequences, result.sequences, strict=True):
-        np.testing.assert_array_equal(x.tokens, y.tokens)
-
-
 # ---- cancellation --------------------------------------------------------------------------
 
 
@@ -371,88 +317,6 @@ def test_cancelling_frees_the_rows_in_the_child(engine: Engine) -> None:
     # server whose clients cancel would otherwise grow without bound).
     kept = [rid for rid, p in _child(engine)._pending.items() if p.future in futures]
     assert kept == [], f"cancelled requests {kept} still pending in the parent"
-
-
-# ---- partial rollouts ----------------------------------------------------------------------
-
-
-def _partials(engine: Engine, model_id: str) -> dict[str, Any]:
-    """Sample partial rollouts, train, resume them, and try handles that must not
-    resume; what happened, comparable across engines."""
-    _model(engine, model_id)
-    mine = SamplerTarget("tiny", model_id, tenant_id="t")
-    budget = SamplingConfig(max_tokens=30, seed=4, token_budget=5, ignore_eos=True)
-    first = engine.sample(mine, SampleOp(PROMPT, 3, budget)).result(60).sequences
-    for s in first:
-        assert s.stop_reason == "partial" and len(s.tokens) == 5
-        assert s.resume_handle.startswith("rh-") and s.versions == ((0, 5, 0),)
-    handles = [s.resume_handle for s in first]
-    assert len(set(handles)) == 3
-    seq = _train(engine, model_id, 1)
-    engine.submit(model_id, seq, SyncWeightsOp(), "sync").result(30)  # version 1
-    rest = SamplingConfig(max_tokens=12, seed=5, ignore_eos=True)
-    errors: list[str] = []
-
-    def not_found(target: SamplerTarget, hs: list[str], hidden: str) -> None:
-        with pytest.raises(NotFoundError) as err:
-            engine.resume(target, hs, rest).result(30)
-        errors.append(str(err.value).replace(hidden[:48], "H"))
-
-    # another tenant, another model, the base: NOT_FOUND, and nothing consumed
-    not_found(SamplerTarget("tiny", model_id, tenant_id="u"), handles[:1], handles[0])
-    not_found(SamplerTarget("tiny", tenant_id="t"), handles[:1], handles[0])
-    not_found(mine, [handles[0], "rh-never-existed"], "rh-never-existed")  # all or nothing
-    resumed = engine.resume(mine, handles, rest).result(60)
-    assert resumed.resumed_tokens == 15
-    for part, whole in zip(first, resumed.sequences, strict=True):
-        np.testing.assert_array_equal(whole.tokens[:5], part.tokens)
-        np.testing.assert_array_equal(whole.logprobs[:5], part.logprobs)
-        assert len(whole.tokens) == 12 and whole.stop_reason == "length"
-        assert whole.versions == ((0, 5, 0), (5, 7, 1)) and whole.resume_handle == ""
-    # consumed now: NOT_FOUND exactly as a handle that never existed
-    not_found(mine, handles[1:2], handles[1])
-    not_found(mine, ["rh-never-existed"], "rh-never-existed")
-    assert errors[-1] == errors[-2]
-    with pytest.raises(InvalidArgumentError, match="resume_handles"):
-        engine.resume(mine, [], rest).result(30)
-    return {"first": first, "resumed": resumed.sequences, "errors": errors}
-
-
-def test_partial_rollouts_resume_as_on_a_sampler_thread(
-    engine: Engine, tiny_model_dir: Path
-) -> None:
-    threaded = Engine(_config(tiny_model_dir, sampler="torch-thread")).start()
-    try:
-        want = _partials(threaded, "part")
-    finally:
-        threaded.stop()
-    got = _partials(engine, "part")
-    assert got["errors"] == want["errors"]
-    for key in ("first", "resumed"):
-        for x, y in zip(want[key], got[key], strict=True):
-            np.testing.assert_array_equal(x.tokens, y.tokens)
-            np.testing.assert_allclose(x.logprobs, y.logprobs, atol=1e-5)
-            assert (x.versions, x.stop_reason) == (y.versions, y.stop_reason)
-
-
-# ---- bad input -----------------------------------------------------------------------------
-
-
-def test_bad_input_is_reported_through_the_process(engine: Engine) -> None:
-    base = SamplerTarget("tiny")
-    with pytest.raises(InvalidArgumentError, match="top_p"):
-        engine.sample(base, SampleOp(PROMPT, 1, SamplingConfig(top_p=0.0))).result(30)
-    with pytest.raises(InvalidArgumentError, match="vocabulary"):
-        engine.sample(base, SampleOp(np.array([3, 10**6]), 1, SamplingConfig())).result(30)
-    with pytest.raises(InvalidArgumentError, match="num_samples"):
-        engine.sample(base, SampleOp(PROMPT, 9, SamplingConfig())).result(30)
-    with pytest.raises(InvalidArgumentError, match="token_budget"):
-        engine.sample(base, SampleOp(PROMPT, 1, SamplingConfig(token_budget=-1))).result(30)
-    with pytest.raises(NotFoundError, match="resume handle"):
-        engine.resume(base, ["rh-nope"], SamplingConfig()).result(30)
-    # and the child keeps serving
-    seqs = engine.sample(base, SampleOp(PROMPT, 1, SamplingConfig(max_tokens=3))).result(30)
-    assert len(seqs.sequences[0].tokens) <= 3
 
 
 # ---- shutdown and a dead child -----------------------------------------------------------------

@@ -1,0 +1,41 @@
+"""Every sampler backend the conformance suite runs against
+(``tests/integration/test_sampler_conformance.py``).
+
+Adding a backend is one line in ``BACKENDS``: its ``--sampler`` name, the
+server settings it runs with in tests, the logprob agreement with the trainer
+it is held to, and the Python package it needs (missing: its cases skip, with
+the reason).
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class BackendCase:
+    name: str  # the --sampler value
+    #: ServerConfig fields it is served with in tests (on top of the suite's own)
+    settings: Mapping[str, Any] = field(default_factory=dict)
+    #: the largest |sampler logprob - forward_logprobs| allowed (CPU float32)
+    logprob_tolerance: float = 1e-4
+    needs: str = ""  # a package that must import, or ""
+
+    def skip_reason(self) -> str | None:
+        if not self.needs:
+            return None
+        try:
+            importlib.import_module(self.needs)
+        except Exception as err:
+            return f"--sampler {self.name} needs {self.needs!r}: {type(err).__name__}: {err}"
+        return None
+
+
+BACKENDS: tuple[BackendCase, ...] = (
+    BackendCase("torch"),
+    BackendCase("torch-thread", {"sampler_threads": 1}),
+    BackendCase("torch-process", {"sampler_threads": 1}),
+)
