@@ -70,7 +70,7 @@ from treadle.workers.sampler_validation import validate
 from treadle.workers.sampling import row_keys
 from treadle.workers.versions import WeightSnapshot
 from treadle.workers.vllm_adapters import AdapterRegistry, VllmAdapter
-from treadle.workers.vllm_engine import VllmSettings, start_engine
+from treadle.workers.vllm_engine import VllmSettings, engine_dead, start_engine, wake_if_dead
 from treadle.workers.vllm_params import check_supported, sampling_kwargs, stop_reason_of
 
 log = logging.getLogger("treadle.vllm")
@@ -143,13 +143,19 @@ class VllmBackend:
         self._stats: dict[EngineKey, SamplerStats] = {}
         self._stats_lock = threading.Lock()
         self._loop = SamplerLoop(self._step_all, self._has_work)
+        self._closing = threading.Event()
+        self._watchdog = threading.Thread(
+            target=self._watch, name="treadle-vllm-watch", daemon=True
+        )
 
     # ---- SamplerBackend ------------------------------------------------------------------
 
     def start(self, engine: EngineThread) -> None:
         self._loop.start()
+        self._watchdog.start()
 
     def close(self, error: TreadleError, timeout: float = 10.0) -> None:
+        self._closing.set()
         self._loop.post(lambda: self._fail_everything(error))
         self._loop.post(self._shutdown_engines)
         self._loop.stop(timeout)
@@ -162,8 +168,8 @@ class VllmBackend:
 
     def submit(self, request: SampleRequest, future: Future[SampleResult]) -> None:
         try:
+            self._validate(request.base, request.op)  # first: the torch backend's answers
             self._check(request.base, request.weights, request.op.params)
-            self._validate(request.base, request.op)
             self._reserve(1)
         except TreadleError as err:
             future.set_exception(err)
@@ -184,7 +190,6 @@ class VllmBackend:
     def resume(self, request: ResumeRequest, future: Future[SampleResult]) -> None:
         kept: list[Partial] = []
         try:
-            self._check(request.base, request.weights, request.params)
             kept = self._take_partials(request.requester.owner, request.handles)
             rows_args = []
             for handle, part in zip(request.handles, kept, strict=True):
@@ -198,6 +203,7 @@ class VllmBackend:
                 prompt = np.concatenate([part.prompt, np.asarray(part.tokens, np.int64)])
                 rows_args.append((prompt, request.params.max_tokens - done, part))
                 self._validate(request.base, SampleOp(prompt, 1, request.params))
+            self._check(request.base, request.weights, request.params)
             self._reserve(1)
         except TreadleError as err:
             if kept:
@@ -376,11 +382,23 @@ class VllmBackend:
         eng.rows[row.vid] = row
         eng.llm.add_request(row.vid, {"prompt_token_ids": ids}, sp, lora_request=lora)
 
+    def _watch(self) -> None:
+        """Wake the loop out of a ``step()`` on an engine whose process died."""
+        woken: set[int] = set()
+        while not self._closing.wait(0.5):
+            for eng in list(self._engines.values()):
+                llm = eng.llm
+                if llm is not None and id(llm) not in woken and wake_if_dead(llm):
+                    woken.add(id(llm))
+
     def _step_all(self) -> None:
         for eng in list(self._engines.values()):
             self._drop_cancelled(eng)
             self._unload(eng)
             if not eng.rows:
+                continue
+            if engine_dead(eng.llm):
+                self._engine_died(eng, RuntimeError("its process exited"))
                 continue
             if not eng.llm.has_unfinished_requests():  # never reached vLLM: do not wait on it
                 self._engine_died(eng, RuntimeError("rows without vLLM requests"))

@@ -73,3 +73,27 @@ def start_engine(base: BaseModel, settings: VllmSettings, *, max_len: int, max_s
     )
     log.info("vllm: starting an engine for %s (%s, %s)", base.name, dtype, "gpu" if gpu else "cpu")
     return LLMEngine.from_engine_args(args)
+
+
+def engine_dead(llm: Any) -> bool:
+    """Whether the engine's core process died (vLLM's client marks it so)."""
+    resources = getattr(getattr(llm, "engine_core", None), "resources", None)
+    return bool(getattr(resources, "engine_dead", False))
+
+
+def wake_if_dead(llm: Any) -> bool:
+    """Unblock a ``step()`` waiting on a dead engine; whether it was dead.
+
+    vLLM 0.32's in-process client (``SyncMPClient``) notices a dead core
+    process and shuts down, but its output thread then exits without a word,
+    so a ``step()`` already waiting for outputs would wait forever. Putting the
+    error vLLM would have raised into the queue that ``step()`` reads ends the
+    wait with it."""
+    if not engine_dead(llm):
+        return False
+    queue = getattr(getattr(llm, "engine_core", None), "outputs_queue", None)
+    if queue is not None:
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        queue.put_nowait(EngineDeadError("the vLLM engine core process died"))
+    return True

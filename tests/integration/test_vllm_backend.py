@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 
 import treadle
+from tests.conftest import VLLM_BASE
 from treadle import rl
 from treadle.errors import FailedPreconditionError, InvalidArgumentError
 from treadle.server.auth import generate_key, hash_key
@@ -32,6 +33,7 @@ from treadle.server.embedded import EmbeddedServer
 
 pytestmark = pytest.mark.slow
 
+BASE = VLLM_BASE  # the 5m preset
 TOLERANCE = 1e-4
 PROMPTS = ("12+3=", "4*5=", "Hello", "x")
 GROUP = 4
@@ -103,11 +105,11 @@ def _max_diff(
 
 
 def test_logprobs_keep_the_temperature_contract(service: treadle.ServiceClient) -> None:
-    tc = service.create_lora_training_client("m5", rank=4, seed=2)
+    tc = service.create_lora_training_client(BASE, rank=4, seed=2)
     _train(tc, 3)
     tok = tc.get_tokenizer()
     sampler = tc.sync_weights()
-    base = service.create_sampling_client(base_model="m5")
+    base = service.create_sampling_client(base_model=BASE)
     for temperature in (1.0, 0.7):
         rollouts = _rollouts(sampler, tok, temperature)
         diff = _max_diff(tc, rollouts, temperature)
@@ -128,7 +130,7 @@ def test_three_tenants_adapters_at_different_versions_in_one_batch(
     samplers = []
     for i, steps in enumerate((1, 2, 3)):
         client = _tenant(vllm_server, f"vllm-tenant-{i}")
-        tc = client.create_lora_training_client("m5", rank=4, seed=10 + i)
+        tc = client.create_lora_training_client(BASE, rank=4, seed=10 + i)
         _train(tc, steps, lr=2e-2)
         samplers.append((tc.get_tokenizer(), tc.sync_weights()))
     params = treadle.SamplingParams(max_tokens=12, seed=7)
@@ -153,21 +155,21 @@ def test_three_tenants_adapters_at_different_versions_in_one_batch(
 def test_what_vllm_cannot_do_is_refused_naming_the_field(
     service: treadle.ServiceClient,
 ) -> None:
-    base = service.create_sampling_client(base_model="m5")
+    base = service.create_sampling_client(base_model=BASE)
     with pytest.raises(InvalidArgumentError, match="top_p: 0.9 is not supported by the vllm"):
         base.sample([1, 2, 3], 2, treadle.SamplingParams(temperature=0.7, top_p=0.9)).result()
     with pytest.raises(InvalidArgumentError, match="top_k: 5 is not supported"):
         base.sample([1, 2, 3], 2, treadle.SamplingParams(top_k=5)).result()
     # greedy ignores truncation: allowed
     base.sample([1, 2, 3], 1, treadle.SamplingParams(temperature=0, top_k=5, max_tokens=2)).result()
-    with pytest.raises(InvalidArgumentError, match="prompt: 300 tokens leave no room"):
-        base.sample([5] * 300, 1).result()
+    with pytest.raises(InvalidArgumentError, match="prompt: 1030 tokens leave no room"):
+        base.sample([5] * 1030, 1).result()
     with pytest.raises(InvalidArgumentError, match=r"max_tokens: prompt \(10\) \+ max_tokens"):
-        base.sample([5] * 10, 1, treadle.SamplingParams(max_tokens=250)).result()
-    big = service.create_lora_training_client("m5", rank=32)
+        base.sample([5] * 10, 1, treadle.SamplingParams(max_tokens=1020)).result()
+    big = service.create_lora_training_client(BASE, rank=32)
     with pytest.raises(InvalidArgumentError, match="rank: the model's LoRA rank 32 is above"):
         big.sync_weights().sample([1, 2, 3], 1).result()
-    full = service.create_training_client("m5", seed=1)
+    full = service.create_training_client(BASE, seed=1)
     _train(full, 1, lr=1e-3)
     with pytest.raises(FailedPreconditionError, match="full fine-tune"):
         full.sync_weights().sample([1, 2, 3], 1).result()
@@ -177,7 +179,7 @@ def test_engine_level_budget_resume_and_inflight_spans(vllm_server: EmbeddedServ
     """Partial rollouts resume to the same tokens as one uninterrupted call, and an
     in-flight update moves a running sequence to the new version mid-way."""
     service = treadle.ServiceClient(vllm_server.address, api_key=vllm_server.api_key)
-    tc = service.create_lora_training_client("m5", rank=4, seed=4)
+    tc = service.create_lora_training_client(BASE, rank=4, seed=4)
     tok = tc.get_tokenizer()
     sampler = tc.sync_weights()
     prompt = tok.encode("12+3=")
@@ -206,9 +208,9 @@ def test_engine_level_budget_resume_and_inflight_spans(vllm_server: EmbeddedServ
     from treadle.workers.sampler_backend import Requester, SampleRequest
 
     v0, v1 = (engine.versions.get(tc.model_id, v) for v in (0, 1))
-    who = Requester.of(SamplerTarget("m5", tc.model_id, None, "t"))  # follows latest
+    who = Requester.of(SamplerTarget(BASE, tc.model_id, None, "t"))  # follows latest
     fut: Future[Any] = Future()
-    op = SampleOp(np.asarray(prompt), 1, SamplingConfig(max_tokens=240, ignore_eos=True, seed=1))
+    op = SampleOp(np.asarray(prompt), 1, SamplingConfig(max_tokens=60, ignore_eos=True, seed=1))
     before = sum(s.tokens_generated for s in backend.stats())
     backend.submit(SampleRequest(base, op, v0, who), fut)
     deadline = time.monotonic() + 300
@@ -218,10 +220,10 @@ def test_engine_level_budget_resume_and_inflight_spans(vllm_server: EmbeddedServ
     backend.publish(base, v1, inflight=True)
     seq = fut.result(timeout=300).sequences[0]
     assert [v for _, _, v in seq.versions] == [0, 1], seq.versions
-    assert len(seq.tokens) == 240
+    assert len(seq.tokens) == 60
     # a pinned request is not moved
     pinned: Future[Any] = Future()
-    pinned_who = Requester.of(SamplerTarget("m5", tc.model_id, 0, "t"))
+    pinned_who = Requester.of(SamplerTarget(BASE, tc.model_id, 0, "t"))
     backend.submit(SampleRequest(base, op, v0, pinned_who), pinned)
     backend.publish(base, v1, inflight=True)
     assert [v for _, _, v in pinned.result(timeout=300).sequences[0].versions] == [0]
@@ -241,16 +243,16 @@ def test_a_dead_engine_fails_its_requests_unavailable_and_restarts(
     from treadle.errors import UnavailableError
 
     service = treadle.ServiceClient(vllm_server.address, api_key=vllm_server.api_key)
-    sampler = service.create_sampling_client(base_model="m5")
+    sampler = service.create_sampling_client(base_model=BASE)
     params = treadle.SamplingParams(max_tokens=240, ignore_eos=True, seed=1)
-    sampler.sample([1, 5, 6], 1, params).result(timeout=300)  # the engine is up
+    sampler.sample([1, 5, 6], 1, treadle.SamplingParams(max_tokens=2)).result(timeout=300)
     running = sampler.sample([1, 5, 6], 8, params)
     ours = psutil.Process().children(recursive=True)
     cores = [p for p in ours if "EngineCore" in " ".join(p.cmdline()) + p.name()]
     assert cores, [p.name() for p in ours]
     for p in cores:
         os.kill(p.pid, signal.SIGKILL)
-    with pytest.raises(UnavailableError, match="vLLM engine for m5 failed"):
+    with pytest.raises(UnavailableError, match="vLLM engine for tiny failed"):
         running.result(timeout=300)
     again = sampler.sample([1, 5, 6], 2, treadle.SamplingParams(max_tokens=4, seed=2))
     assert [len(s.tokens) for s in again.result(timeout=900).sequences] == [4, 4]
