@@ -169,8 +169,9 @@ def _add_vllm_flags(parser: argparse.ArgumentParser) -> None:
     vllm.add_argument(
         "--vllm-reserved-cpus",
         type=int,
-        default=int(env("TREADLE_VLLM_RESERVED_CPUS", "0")),
-        help="CPU cores vLLM keeps off its CPU worker (VLLM_CPU_NUM_OF_RESERVED_CPU; default 0)",
+        default=int(env("TREADLE_VLLM_RESERVED_CPUS", "1")),
+        help="CPU cores vLLM's CPU worker leaves to training (VLLM_CPU_NUM_OF_RESERVED_CPU; "
+        "default 1)",
     )
 
 
