@@ -160,7 +160,7 @@ def main() -> None:
     ap.add_argument("--workloads", default="uniform,longtail")
     ap.add_argument("--skip", default="", help="rows to leave out: raw,vllm,torch,hf")
     args = ap.parse_args()
-    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")  # as --sampler vllm
 
     from treadle.workers.model.loading import load_config
 

@@ -200,7 +200,7 @@ def test_engine_level_budget_resume_and_inflight_spans(vllm_server: EmbeddedServ
     # the in-flight update, on the backend itself: version 1 is published (plainly)
     # first, so the update lands the moment the running sequence has a few tokens
     _train(tc, 1)
-    tc.sync_weights()
+    assert tc.sync_weights().version == 1
     engine = vllm_server.ctx.dispatcher.engine  # type: ignore[union-attr]
     backend = engine.sampler
     base = engine.models[tc.model_id].base
