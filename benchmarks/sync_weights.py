@@ -6,7 +6,7 @@ one shared-memory buffer. A fresh buffer pays its page faults on the first
 write; a reused one (whose old version neither process reads any more) does
 not. Both sides run here, one after the other, each on an embedded server of
 its own (``sampler="torch-process"``, one torch thread): the baseline with reuse
-turned off (``sampler_process._SOLE = None``, what a torch without storage
+turned off (``shm._SOLE = None``, what a torch without storage
 reference counts gets), then as shipped. Each side does ``--syncs`` rounds of
 ``optim_step`` + ``sync_weights(inflight=True)`` with a ``latest`` sampler
 open; the median of the last half is reported (the pool fills first): the
@@ -34,7 +34,7 @@ import treadle  # noqa: E402
 from treadle.server.config import ServerConfig  # noqa: E402
 from treadle.server.embedded import EmbeddedServer  # noqa: E402
 from treadle.workers import engine as engine_mod  # noqa: E402
-from treadle.workers import sampler_process  # noqa: E402
+from treadle.workers import shm  # noqa: E402
 from treadle.workers.model.tiny import build_tiny_model  # noqa: E402
 
 SYNC_TIMES: list[float] = []
@@ -53,9 +53,9 @@ def _timed_apply(original: Any) -> Any:
 
 def side(model_dir: Path, syncs: int, reuse: bool) -> tuple[float, float, int]:
     """(engine ms, client ms) medians over the last half of ``syncs``, and the reuses."""
-    sole = sampler_process._SOLE
+    sole = shm._SOLE
     if not reuse:
-        sampler_process._SOLE = None
+        shm._SOLE = None
     data = Path(tempfile.mkdtemp(prefix="treadle-bench-sync-"))
     config = ServerConfig(
         data_dir=data,
@@ -91,7 +91,7 @@ def side(model_dir: Path, syncs: int, reuse: bool) -> tuple[float, float, int]:
             reused,
         )
     finally:
-        sampler_process._SOLE = sole
+        shm._SOLE = sole
 
 
 def service_pool_reuses(server: EmbeddedServer) -> int:

@@ -107,9 +107,13 @@ def bind_port(server: grpc.aio.Server, config: ServerConfig) -> int:
     return server.add_secure_port(address, credentials)
 
 
-async def create_server(
+async def create_context(
     config: ServerConfig, dispatcher: Dispatcher | None = None
-) -> tuple[grpc.aio.Server, int, ServerContext]:
+) -> ServerContext:
+    """Everything but the transports: the database (migrated), the default tenant,
+    the store, the engine's dispatcher and every live model restored. Its
+    ``service`` is what the transports call; the caller starts ``usage`` and
+    ``lifecycle`` (``create_server`` does)."""
     config.data_dir.mkdir(parents=True, exist_ok=True)
     db_engine = make_engine(config.resolved_database_url)
     upgrade_to_head(db_engine)
@@ -158,7 +162,13 @@ async def create_server(
     restored = await restore_models(ctx)
     if restored:
         log.info("restored %d model(s) from their last checkpoints", restored)
+    return ctx
 
+
+async def create_server(
+    config: ServerConfig, dispatcher: Dispatcher | None = None
+) -> tuple[grpc.aio.Server, int, ServerContext]:
+    ctx = await create_context(config, dispatcher)
     server = grpc.aio.server(
         # ErrorInterceptor first: it answers for whatever the ones after it raise.
         # DecodeInterceptor last: a request that does not parse is refused after auth.
@@ -183,6 +193,7 @@ async def create_server(
     port = bind_port(server, config)
     if port == 0:
         raise OSError(f"could not bind {config.host}:{config.port}")
-    usage.start()  # written to the database every usage_flush_s; usage.close() at stop
+    if ctx.usage is not None:  # written to the database every usage_flush_s; closed at stop
+        ctx.usage.start()
     ctx.lifecycle.start()  # the idle-model sweeper (stopped by ctx.lifecycle.stop())
     return server, port, ctx

@@ -26,6 +26,7 @@ from treadle.server.usage import UsageMeter
 if TYPE_CHECKING:
     from treadle.server.lifecycle import ModelLifecycle
     from treadle.server.restarts import RestorePoint
+    from treadle.server.service import Service
 
 
 @dataclass
@@ -49,11 +50,15 @@ class ServerContext:
     restored: dict[str, RestorePoint] = field(default_factory=dict)
     #: idle clocks, TTL unloading and transparent restore
     lifecycle: ModelLifecycle = field(init=False)
+    #: the transport-free service layer every transport calls (``server.service``)
+    service: Service = field(init=False)
 
     def __post_init__(self) -> None:
         from treadle.server.lifecycle import ModelLifecycle
+        from treadle.server.service import Service
 
         self.lifecycle = ModelLifecycle(self)
+        self.service = Service(self)
 
     def tenant(self, context: grpc.aio.ServicerContext) -> str:
         """The caller's tenant, as ``AuthInterceptor`` established it for this RPC

@@ -8,12 +8,22 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
 from treadle._tensor import from_wire, to_wire
 from treadle.errors import InvalidArgumentError
+from treadle.server import restarts
 from treadle.server.db import models as db
+from treadle.server.service.types import (
+    CheckpointInfo,
+    CreateModel,
+    ModelInfo,
+    OrderedCall,
+    SamplerInfo,
+    SamplerSource,
+)
 from treadle.v1 import common_pb2, sampling_pb2, training_pb2
 from treadle.workers.domain import (
     AdamConfig,
@@ -43,6 +53,76 @@ def digest(request: object) -> str:
     """A stable digest of a request's payload, for seq_id de-duplication."""
     data = request.SerializeToString(deterministic=True)  # type: ignore[attr-defined]
     return hashlib.blake2b(data, digest_size=16).hexdigest()
+
+
+def ordered_call(request: Any, metadata: Sequence[tuple[str, Any]] | None) -> OrderedCall:
+    """An ordered call's identity: ``model_id`` and ``seq_id`` of the request, the
+    digest of its payload, and the client's numbering from the call's metadata."""
+    return OrderedCall(
+        model_id=request.model_id,
+        seq_id=request.seq_id,
+        digest=digest(request),
+        numbering=restarts.client_numbering(metadata),
+    )
+
+
+def create_model(req: training_pb2.CreateModelRequest) -> CreateModel:
+    return CreateModel(
+        base_model=req.base_model,
+        lora_rank=req.lora_rank,
+        lora_alpha=req.lora_alpha,
+        seed=req.seed,
+        dtype=req.dtype,
+        modules=lora_modules(req),
+        from_state=req.from_state,
+        session_id=req.session_id,
+    )
+
+
+def model_info(info: ModelInfo) -> training_pb2.ModelInfo:
+    return training_pb2.ModelInfo(
+        model_id=info.model_id,
+        base_model=info.base_model,
+        is_lora=info.is_lora,
+        lora_rank=info.lora_rank,
+        dtype=info.dtype,
+        version=info.version,
+        next_seq_id=info.next_seq_id,
+        last_checkpoint_seq_id=info.last_checkpoint_seq_id,
+        status=info.status,
+        created_at=info.created_at,
+        session_id=info.session_id,
+    )
+
+
+def checkpoint(c: CheckpointInfo) -> training_pb2.Checkpoint:
+    return training_pb2.Checkpoint(
+        path=c.path,
+        name=c.name,
+        seq_id=c.seq_id,
+        step=c.step,
+        created_at=c.created_at,
+        size_bytes=c.size_bytes,
+    )
+
+
+def sampler_source(req: sampling_pb2.CreateSamplerRequest) -> SamplerSource:
+    which = req.WhichOneof("target")
+    if which == "base_model":
+        return SamplerSource(base_model=req.base_model)
+    if which == "weights":
+        return SamplerSource(weights=req.weights)
+    return SamplerSource()
+
+
+def sampler_info(info: SamplerInfo) -> sampling_pb2.SamplerInfo:
+    return sampling_pb2.SamplerInfo(
+        sampler_id=info.sampler_id,
+        base_model=info.base_model,
+        model_id=info.model_id,
+        version=info.version,
+        follows_latest=info.follows_latest,
+    )
 
 
 def model_spec(row: db.Model) -> ModelSpec:

@@ -1,19 +1,17 @@
-"""ServerService: what the server serves, and tokenizer files for local tokenization."""
+"""ServerService over gRPC: what the server serves (``server.service.info``), its
+live sampler and training-pass metrics, and tokenizer files for local tokenization."""
 
 from __future__ import annotations
 
 import asyncio
-import sys
 from collections.abc import AsyncIterator
 
 import grpc
 
 import treadle
-from treadle.errors import NotFoundError
 from treadle.server.context import ServerContext
 from treadle.v1 import server_pb2, server_pb2_grpc
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 CHUNK_BYTES = 1 << 20
 FEATURES = ("lora", "full_finetune", "version_spans", "reference_logprobs", "seq_dedupe")
 
@@ -21,31 +19,28 @@ FEATURES = ("lora", "full_finetune", "version_spans", "reference_logprobs", "seq
 class InfoServicer(server_pb2_grpc.ServerServiceServicer):
     def __init__(self, ctx: ServerContext) -> None:
         self.ctx = ctx
+        self.info = ctx.service.info
 
     async def GetServerInfo(
         self, request: server_pb2.GetServerInfoRequest, context: grpc.aio.ServicerContext
     ) -> server_pb2.ServerInfo:
         tenant = self.ctx.tenant(context)
         d = self.ctx.dispatcher
-        # what one request may hold: the engine's limit, or the caller's quota if lower
-        quota = self.ctx.quotas.limits(tenant).max_tokens_per_request
-        max_tokens = min(self.ctx.config.max_tokens_per_call, quota or sys.maxsize)
         info = server_pb2.ServerInfo(
             server_version=treadle.__version__,
             api_version="treadle.v1",
             max_message_bytes=self.ctx.config.max_message_bytes,
-            max_tokens_per_request=max_tokens,
+            max_tokens_per_request=self.info.max_tokens_per_request(tenant),
             features=list(FEATURES),
         )
-        for name in d.base_model_names():
-            cfg = d.base_model_config(name)
+        for b in self.info.base_models():
             info.base_models.add(
-                name=name,
-                arch=cfg.arch,
-                vocab_size=cfg.vocab_size,
-                max_context=min(cfg.max_position_embeddings, self.ctx.config.sampler_max_len),
-                num_params=cfg.num_params(),
-                dtype=self.ctx.config.default_dtype,
+                name=b.name,
+                arch=b.arch,
+                vocab_size=b.vocab_size,
+                max_context=b.max_context,
+                num_params=b.num_params,
+                dtype=b.dtype,
             )
         # off the event loop: with a sampler thread this waits for its current step
         for m in await asyncio.to_thread(d.sampler_metrics):
@@ -81,21 +76,11 @@ class InfoServicer(server_pb2_grpc.ServerServiceServicer):
         self, request: server_pb2.GetTokenizerRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[server_pb2.TokenizerChunk]:
         self.ctx.tenant(context)
-        if request.base_model not in self.ctx.dispatcher.base_model_names():
-            raise NotFoundError(f"base_model {request.base_model!r} is not served here")
-        directory = self.ctx.dispatcher.base_model_path(request.base_model)
-        sent = False
-        for name in TOKENIZER_FILES:
-            path = directory / name
-            if not path.exists():
-                continue
+        for path in self.info.tokenizer_files(request.base_model):
             data = path.read_bytes()
             for offset in range(0, max(len(data), 1), CHUNK_BYTES):
                 piece = data[offset : offset + CHUNK_BYTES]
                 last = offset + CHUNK_BYTES >= len(data)
                 yield server_pb2.TokenizerChunk(
-                    file_name=name, offset=offset, data=piece, last=last
+                    file_name=path.name, offset=offset, data=piece, last=last
                 )
-            sent = True
-        if not sent:
-            raise NotFoundError(f"base_model {request.base_model!r} has no tokenizer files")

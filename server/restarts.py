@@ -33,6 +33,16 @@ from treadle.workers.domain import ModelStatus
 
 
 @dataclass(frozen=True)
+class ClientNumbering:
+    """How the client numbered its calls: the server instance its seq_ids were
+    made against and its lowest pending seq_id of the model. Empty when the
+    client does not say (it is then never told of a restart)."""
+
+    instance: str = ""
+    first_pending: int | None = None
+
+
+@dataclass(frozen=True)
 class RestorePoint:
     """Where this server instance loaded a model back from a checkpoint."""
 
@@ -54,15 +64,34 @@ def check_numbering(
     a checkpoint here) expects a seq_id below the client's lowest pending call:
     every call below that one was answered, so the ones the model still expects
     were answered by the old server and are lost."""
+    check_client_numbering(instance, restored, client_numbering(metadata), model_id, seq_id, status)
+
+
+def client_numbering(metadata: Sequence[tuple[str, Any]] | None) -> ClientNumbering:
+    """What the SDK's metadata says of its numbering (an unreadable lowest
+    pending seq_id reads as none: the call's own seq_id stands for it)."""
     md = {str(k): str(v) for k, v in (metadata or ())}
-    seen = md.get(INSTANCE_KEY, "")
+    try:
+        first: int | None = int(md.get(FIRST_PENDING_KEY) or "")
+    except ValueError:
+        first = None
+    return ClientNumbering(md.get(INSTANCE_KEY, ""), first)
+
+
+def check_client_numbering(
+    instance: str,
+    restored: dict[str, RestorePoint],
+    numbering: ClientNumbering,
+    model_id: str,
+    seq_id: int,
+    status: Callable[[], ModelStatus],
+) -> None:
+    """``check_numbering`` for a transport that has read the client's numbering."""
+    seen = numbering.instance
     point = restored.get(model_id)
     if not seen or seen == instance or point is None:
         return
-    try:
-        first = int(md.get(FIRST_PENDING_KEY) or seq_id)
-    except ValueError:
-        first = seq_id
+    first = seq_id if numbering.first_pending is None else numbering.first_pending
     now = status()
     if first <= now.next_seq_id:
         return  # the client's own pending calls continue where the model is

@@ -38,7 +38,7 @@ class SamplerLimits:
     log_every_s: float = 30.0
     #: decode with weights prepacked for ``num_slots`` rows (fp32, or bf16 where the
     #: CPU multiplies it natively; a second copy of the weights of each of the last
-    #: ``sampler.MAX_PACKED`` versions decoded)
+    #: ``prepack_policy.MAX_PACKED`` versions decoded)
     prepack: bool = True
 
     def context_of(self, cfg: ModelConfig) -> int:

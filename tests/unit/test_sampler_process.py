@@ -1,9 +1,9 @@
 """The engine with its samplers in a process of their own (``--sampler torch-process``):
-the same samples as on one thread while training runs beside them, weights in
-shared memory, cancellation, shutdown, and a child that dies. Driven through the
+weights in shared memory, cancellation, shutdown, and a child that dies. Driven through the
 engine's thread-safe API, against a real spawned child (nothing mocked). What
 every backend does (in-flight updates, streams, partial rollouts, bad input) is
-checked for this one too by ``tests/integration/test_sampler_conformance.py``."""
+checked for this one too by ``tests/integration/test_sampler_conformance.py``, and
+that it samples what the engine thread samples by ``test_sampler_hosts.py``."""
 
 from __future__ import annotations
 
@@ -34,7 +34,8 @@ from treadle.workers.domain import (
     SyncWeightsOp,
 )
 from treadle.workers.engine import Engine, EngineConfig
-from treadle.workers.sampler_process import ProcessTorchBackend, _flat, shared_copy
+from treadle.workers.sampler_process import ProcessTorchBackend
+from treadle.workers.shm import flatten
 
 torch.set_num_threads(1)
 pytestmark = pytest.mark.timeout(120)
@@ -125,107 +126,6 @@ def test_the_long_requests_fit(engine: Engine) -> None:
         engine.sample(SamplerTarget("tiny"), too_long).result(30)
 
 
-# ---- the same samples as on one thread ---------------------------------------------------
-
-
-def _ops() -> list[SampleOp]:
-    rng = np.random.default_rng(0)
-    return [
-        SampleOp(
-            rng.integers(3, 90, size=int(rng.integers(3, 12))),
-            int(rng.integers(1, 3)),
-            SamplingConfig(max_tokens=int(rng.integers(4, 20)), seed=i, temperature=0.8),
-        )
-        for i in range(6)
-    ]
-
-
-def _run(engine: Engine, model_id: str) -> list[SampleResult]:
-    """Samples of the base and of a pinned version while the model trains."""
-    seq = _train(engine, model_id, 1)
-    engine.submit(model_id, seq, SyncWeightsOp(), "sync").result(30)  # version 1
-    targets = [SamplerTarget("tiny"), SamplerTarget("tiny", model_id, version=1)]
-    futures = [engine.sample(targets[i % 2], op) for i, op in enumerate(_ops())]
-    seq += 1
-    for _ in range(3):  # training goes on beside the sampling
-        seq = _train(engine, model_id, seq)
-    engine.submit(model_id, seq, SyncWeightsOp(), "sync2").result(30)  # version 4
-    # sampling the latest (version 4: weights trained further, shipped again)
-    futures.append(engine.sample(SamplerTarget("tiny", model_id), _ops()[0]))
-    return [f.result(60) for f in futures]
-
-
-@pytest.mark.parametrize("rank", [4, 0], ids=["lora", "full"])
-def test_process_samples_what_one_thread_samples(
-    engine: Engine, tiny_model_dir: Path, rank: int
-) -> None:
-    model_id = f"same-{rank}"
-    one_thread = Engine(_config(tiny_model_dir)).start()
-    try:
-        _model(one_thread, model_id, rank)
-        want = _run(one_thread, model_id)
-    finally:
-        one_thread.stop()
-    _model(engine, model_id, rank)
-    got = _run(engine, model_id)
-    assert len(got) == len(want)
-    for a, b in zip(want, got, strict=True):
-        assert len(a.sequences) == len(b.sequences)
-        for x, y in zip(a.sequences, b.sequences, strict=True):
-            np.testing.assert_array_equal(x.tokens, y.tokens)
-            np.testing.assert_allclose(x.logprobs, y.logprobs, atol=1e-5)
-            assert x.versions == y.versions
-            assert x.stop_reason == y.stop_reason
-    # the pinned version is version 1, the latest version 4: each sampled as asked
-    assert {s.versions[0][2] for r in got[1:6:2] for s in r.sequences} == {1}
-    assert {s.versions[0][2] for s in got[-1].sequences} == {4}
-
-
-def test_shared_copy_is_shipped_without_a_second_copy() -> None:
-    """``shared_copy`` puts detached copies in one shared buffer, which ``_flat``
-    then passes as it is; other tensors are copied into a new one."""
-    src = {"a": torch.randn(3, 4, requires_grad=True), "b": torch.randn(5)}
-    shared = shared_copy(src)
-    for k, t in src.items():
-        assert torch.equal(shared[k], t) and not shared[k].requires_grad
-    storage = shared["a"].untyped_storage()
-    assert storage.is_shared() and shared["b"].untyped_storage().data_ptr() == storage.data_ptr()
-    with torch.no_grad():
-        src["a"].add_(1.0)  # the live weights move on; the copy does not
-    assert not torch.equal(shared["a"], src["a"])
-    buf, layout = _flat(shared)  # type: ignore[misc]
-    assert buf.untyped_storage().data_ptr() == storage.data_ptr()  # no copy
-    assert layout == [("a", (3, 4), 0), ("b", (5,), 12)]
-    # not one shared buffer (separate tensors, or out of order): copied
-    for named in ({k: t.detach() for k, t in src.items()}, {"b": shared["b"], "a": shared["a"]}):
-        buf2, _ = _flat(named)  # type: ignore[misc]
-        assert buf2.untyped_storage().data_ptr() != storage.data_ptr()
-        assert torch.equal(buf2[:5], named[next(iter(named))].reshape(-1)[:5])
-    mixed = shared_copy({"a": torch.ones(2), "i": torch.arange(3)})  # two dtypes: clones
-    assert torch.equal(mixed["i"], torch.arange(3)) and not mixed["a"].is_shared()
-
-
-def test_the_pool_reuses_only_free_buffers(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A buffer comes back only when the child returned it and nothing views it;
-    where torch does not count references, the pool keeps nothing at all."""
-    pool = sampler_process.ShmPool()
-    buf = pool.take(6, torch.float32)
-    ptr, view = buf.data_ptr(), buf[:3]
-    pool.lend(7, [buf])
-    del buf  # shipped: from here on only `view` reads it on this side
-    others = [pool.take(6, torch.float32)]  # held: never free while this test runs
-    assert others[0].data_ptr() != ptr  # lent: not reused
-    pool.returned([7])
-    others.append(pool.take(6, torch.float32))
-    assert others[1].data_ptr() != ptr  # returned, but still viewed
-    del view
-    assert pool.take(6, torch.float32).data_ptr() == ptr and pool.reused == 1
-    monkeypatch.setattr(sampler_process, "_SOLE", None)
-    kept = len(pool._bufs)
-    pool.take(6, torch.float32)
-    assert len(pool._bufs) == kept  # not remembered: it could never be freed
-
-
 def test_a_full_fine_tunes_versions_live_in_shared_memory(engine: Engine) -> None:
     """With a sampler process, a full fine-tune's published version is made once,
     in shared memory, and shipped to the child from there."""
@@ -237,12 +137,15 @@ def test_a_full_fine_tunes_versions_live_in_shared_memory(engine: Engine) -> Non
     live = engine.models["shm-full"].params.state_dict()
     for k, t in named.items():
         assert torch.equal(t, live[k]) and t.data_ptr() != live[k].data_ptr()
-    buf, _ = _flat(named)  # type: ignore[misc]
+    buf, _ = flatten(named)  # type: ignore[misc]
     assert buf.untyped_storage().is_shared()
     assert (
         buf.untyped_storage().data_ptr() == next(iter(named.values())).untyped_storage().data_ptr()
     )
-    seqs = engine.sample(SamplerTarget("tiny", "shm-full", version=1), _ops()[0]).result(60)
+    seqs = engine.sample(
+        SamplerTarget("tiny", "shm-full", version=1),
+        SampleOp(PROMPT, 2, SamplingConfig(max_tokens=8, seed=0)),
+    ).result(60)
     assert {s.versions[0][2] for s in seqs.sequences} == {1}
 
 
@@ -348,7 +251,6 @@ def test_a_dead_child_is_restarted_for_the_next_request(
     """Past ``RESTART_EVERY_S`` the next request starts a new child: it samples
     (weights shipped again, a LoRA model's latest included) and the dead child's
     partial rollouts are NOT_FOUND."""
-    from treadle.workers import sampler_process
 
     monkeypatch.setattr(sampler_process, "RESTART_EVERY_S", 0.0)
     engine = _start(tiny_model_dir)

@@ -1,7 +1,7 @@
 """The engine with its samplers on a thread of their own (``--sampler torch-thread``):
-the same samples as on one thread while training runs beside them, an in-flight
-weight update that lands between two decode steps, and a shutdown that fails
-what is still sampling. Driven through the engine's thread-safe API."""
+an in-flight weight update that lands between two decode steps, and a shutdown
+that fails what is still sampling. Driven through the engine's thread-safe API.
+That it samples what the engine thread samples: ``test_sampler_hosts.py``."""
 
 from __future__ import annotations
 
@@ -50,46 +50,6 @@ def _train(engine: Engine, seq_id: int) -> int:
     engine.submit("m", seq_id, ForwardBackwardOp((datum,), "cross_entropy", {}), f"fb{seq_id}")
     engine.submit("m", seq_id + 1, OptimStepOp(AdamConfig(learning_rate=5e-2)), f"o{seq_id}")
     return seq_id + 2
-
-
-def _ops() -> list[SampleOp]:
-    rng = np.random.default_rng(0)
-    return [
-        SampleOp(
-            rng.integers(3, 90, size=int(rng.integers(3, 12))),
-            int(rng.integers(1, 3)),
-            SamplingConfig(max_tokens=int(rng.integers(4, 20)), seed=i, temperature=0.8),
-        )
-        for i in range(6)
-    ]
-
-
-def _run(engine: Engine) -> list[SampleResult]:
-    """Samples of the base and of a pinned version while the model trains."""
-    seq = _train(engine, 1)
-    engine.submit("m", seq, SyncWeightsOp(), "sync").result(30)  # version 1
-    targets = [SamplerTarget("tiny"), SamplerTarget("tiny", "m", version=1)]
-    futures = [engine.sample(targets[i % 2], op) for i, op in enumerate(_ops())]
-    seq += 1
-    for _ in range(3):  # training goes on beside the sampling
-        seq = _train(engine, seq)
-    engine.submit("m", seq, SyncWeightsOp(), "sync2").result(30)
-    return [f.result(60) for f in futures]
-
-
-def test_threaded_engine_samples_what_one_thread_samples(tiny_model_dir: Path) -> None:
-    results = []
-    for threaded in (False, True):
-        engine = _engine(tiny_model_dir, threaded=threaded)
-        try:
-            results.append(_run(engine))
-        finally:
-            engine.stop()
-    for a, b in zip(*results, strict=True):
-        for x, y in zip(a.sequences, b.sequences, strict=True):
-            np.testing.assert_array_equal(x.tokens, y.tokens)
-            np.testing.assert_allclose(x.logprobs, y.logprobs, atol=1e-5)
-            assert x.versions == y.versions
 
 
 def test_inflight_update_lands_between_decode_steps(tiny_model_dir: Path) -> None:

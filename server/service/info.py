@@ -1,0 +1,52 @@
+"""What this server serves: its base models and the limits a caller works within."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from treadle.errors import NotFoundError
+from treadle.server.context import ServerContext
+from treadle.server.service.types import BaseModelInfo
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+class InfoService:
+    def __init__(self, ctx: ServerContext) -> None:
+        self.ctx = ctx
+
+    def base_models(self) -> list[BaseModelInfo]:
+        """The served base models; ``max_context`` is the model's, or the
+        sampler's sequence limit if that is lower."""
+        d, config = self.ctx.dispatcher, self.ctx.config
+        out = []
+        for name in d.base_model_names():
+            cfg = d.base_model_config(name)
+            out.append(
+                BaseModelInfo(
+                    name=name,
+                    arch=cfg.arch,
+                    vocab_size=cfg.vocab_size,
+                    max_context=min(cfg.max_position_embeddings, config.sampler_max_len),
+                    num_params=cfg.num_params(),
+                    dtype=config.default_dtype,
+                )
+            )
+        return out
+
+    def max_tokens_per_request(self, tenant: str) -> int:
+        """What one request of the tenant may hold: the engine's limit, or the
+        tenant's quota if lower."""
+        quota = self.ctx.quotas.limits(tenant).max_tokens_per_request
+        return min(self.ctx.config.max_tokens_per_call, quota or sys.maxsize)
+
+    def tokenizer_files(self, base_model: str) -> list[Path]:
+        """The tokenizer files of a served base model, for tokenizing on the client."""
+        if base_model not in self.ctx.dispatcher.base_model_names():
+            raise NotFoundError(f"base_model {base_model!r} is not served here")
+        directory = self.ctx.dispatcher.base_model_path(base_model)
+        files = [directory / name for name in TOKENIZER_FILES if (directory / name).exists()]
+        if not files:
+            raise NotFoundError(f"base_model {base_model!r} has no tokenizer files")
+        return files

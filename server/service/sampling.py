@@ -1,0 +1,183 @@
+"""A tenant's samplers and the samples they draw, for any transport.
+
+A sampler is a tenant resource like a model: another tenant's sampler answers
+NOT_FOUND. Every sample runs under the tenant's quota (its worst case reserved,
+settled with what it generated) and is counted once: a repeat of a sample
+with a ``seq_id`` gets the first call's result and is not charged again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import replace
+
+import numpy as np
+
+from treadle.errors import InvalidArgumentError, NotFoundError
+from treadle.server.context import ServerContext
+from treadle.server.db import queries
+from treadle.server.metering import CallMeter
+from treadle.server.service.types import Parsed, SamplerInfo, SamplerSource, unwrap
+from treadle.server.store import parse_weights_uri
+from treadle.workers.domain import (
+    SampleOp,
+    SampleResult,
+    SamplerTarget,
+    SamplingConfig,
+    SequenceResult,
+    StreamedSequence,
+)
+
+
+class SamplingService:
+    def __init__(self, ctx: ServerContext, meter: CallMeter) -> None:
+        self.ctx = ctx
+        self.meter = meter
+        self._targets: dict[str, tuple[str, SamplerTarget]] = {}  # sampler_id -> (tenant, target)
+
+    async def create_sampler(self, tenant: str, source: SamplerSource) -> SamplerInfo:
+        ctx = self.ctx
+        if source.base_model is not None:
+            if source.base_model not in ctx.dispatcher.base_model_names():
+                raise NotFoundError(f"base_model {source.base_model!r} is not served here")
+            target = SamplerTarget(base_model=source.base_model)
+            mode = "base"
+        elif source.weights is not None:
+            ref = parse_weights_uri(source.weights)
+            with ctx.session() as s:
+                row = queries.get_model(s, tenant, ref.model_id)
+                if row is None:
+                    raise NotFoundError(f"weights {source.weights!r} not found")
+                target = SamplerTarget(
+                    base_model=row.base_model, model_id=row.id, version=ref.version
+                )
+            mode = "latest" if ref.version is None else "version"
+        else:
+            raise InvalidArgumentError("target: give base_model or weights")
+        if target.model_id is not None:  # brings an unloaded model back
+            async with ctx.lifecycle.using(tenant, target.model_id):
+                version = await ctx.dispatcher.check_sampler_target(target)
+        else:
+            version = await ctx.dispatcher.check_sampler_target(target)
+        with ctx.session() as s:
+            row_s = queries.create_sampler(
+                s,
+                tenant_id=tenant,
+                base_model=target.base_model,
+                mode=mode,
+                model_id=target.model_id,
+                pinned_version=target.version,
+            )
+            sampler_id = row_s.id
+        self._targets[sampler_id] = (tenant, target)
+        return SamplerInfo(
+            sampler_id=sampler_id,
+            base_model=target.base_model,
+            model_id=target.model_id or "",
+            version=-1 if target.follows_latest else version,
+            follows_latest=target.follows_latest,
+        )
+
+    def target(self, tenant: str, sampler_id: str) -> SamplerTarget:
+        """What the tenant's sampler reads (NOT_FOUND for another tenant's)."""
+        cached = self._targets.get(sampler_id)
+        if cached is None:
+            with self.ctx.session() as s:
+                row = queries.get_sampler(s, tenant, sampler_id)
+                if row is None:
+                    raise NotFoundError(f"sampler {sampler_id!r} not found")
+                target = SamplerTarget(row.base_model, row.model_id, row.pinned_version)
+                cached = (row.tenant_id, target)
+            self._targets[sampler_id] = cached
+        owner, target = cached
+        if owner != tenant:
+            raise NotFoundError(f"sampler {sampler_id!r} not found")
+        return target
+
+    async def sample(
+        self,
+        tenant: str,
+        sampler_id: str,
+        op: Parsed[SampleOp],
+        seq_id: int = 0,
+        digest: str = "",
+    ) -> SampleResult:
+        """``num_samples`` completions of the prompt. With ``seq_id`` > 0 the call
+        may be repeated: ``(sampler_id, seq_id, digest)`` identifies it."""
+        target = self.target(tenant, sampler_id)
+        parsed = unwrap(op)
+        key = (sampler_id, seq_id, digest) if seq_id > 0 else None
+        if target.model_id is None:
+            return await self._sample(tenant, target, parsed, key)
+        # a call on the model: restores it if it was unloaded, resets its idle clock
+        async with self.ctx.lifecycle.using(tenant, target.model_id):
+            return await self._sample(tenant, target, parsed, key)
+
+    async def _sample(
+        self,
+        tenant: str,
+        target: SamplerTarget,
+        op: SampleOp,
+        key: tuple[str, int, str] | None,
+    ) -> SampleResult:
+        """Dispatch under the tenant's quota (its worst case reserved, settled with
+        what it generated), counting its usage."""
+        ticket = self.meter.admit_sample(tenant, op)
+        result: SampleResult | None = None
+        try:
+            # The engine's sampler queues each tenant's requests fairly against the rest.
+            result = await self.ctx.dispatcher.sample(replace(target, tenant_id=tenant), op, key)
+            return result
+        finally:
+            self.meter.end_sample(tenant, target, op, ticket, result, key)
+
+    async def resume(
+        self,
+        tenant: str,
+        sampler_id: str,
+        handles: tuple[str, ...],
+        params: SamplingConfig,
+    ) -> SampleResult:
+        """Continue partial rollouts under the weights the sampler reads now; the
+        sequences come back whole (earlier parts first)."""
+        target = replace(self.target(tenant, sampler_id), tenant_id=tenant)
+        # the quota reserves the new tokens; the re-prefilled ones settle as prompt
+        op = SampleOp(np.zeros(0, dtype=np.int64), max(1, len(handles)), params)
+        async with contextlib.AsyncExitStack() as stack:
+            if target.model_id is not None:
+                await stack.enter_async_context(self.ctx.lifecycle.using(tenant, target.model_id))
+            ticket = self.meter.admit_sample(tenant, op)
+            result: SampleResult | None = None
+            try:
+                result = await self.ctx.dispatcher.resume(target, sampler_id, handles, params)
+            finally:
+                self.meter.end_sample(tenant, target, op, ticket, result)
+        return result
+
+    async def sample_stream(
+        self, tenant: str, sampler_id: str, op: Parsed[SampleOp]
+    ) -> AsyncIterator[StreamedSequence]:
+        """Each sequence the moment it finishes; closing the iterator early cancels
+        the samples still generating. Usage counts what was delivered."""
+        target = self.target(tenant, sampler_id)
+        parsed = unwrap(op)
+        async with contextlib.AsyncExitStack() as stack:
+            if target.model_id is not None:  # restores an unloaded model, resets its idle clock
+                await stack.enter_async_context(self.ctx.lifecycle.using(tenant, target.model_id))
+            ticket = self.meter.admit_sample(tenant, parsed)
+            done: list[SequenceResult] = []
+            compute_s = 0.0
+            try:
+                stream = self.ctx.dispatcher.sample_stream(
+                    replace(target, tenant_id=tenant), parsed
+                )
+                async with contextlib.aclosing(stream):
+                    async for item in stream:
+                        done.append(item.sequence)
+                        compute_s += item.compute_s
+                        yield item
+            finally:
+                # Usage counts what was generated and delivered, cancelled or not.
+                result = SampleResult(tuple(done), compute_s=compute_s) if done else None
+                self.meter.end_sample(tenant, target, parsed, ticket, result)

@@ -1,0 +1,42 @@
+"""A tenant's client sessions: an SDK opens one and heart-beats while it runs;
+the models created in it stay loaded while the beats come (``server.lifecycle``)."""
+
+from __future__ import annotations
+
+from treadle.errors import NotFoundError
+from treadle.server.context import ServerContext
+from treadle.server.db import models as db
+from treadle.server.db import queries
+from treadle.server.service.types import SessionInfo
+
+
+class SessionService:
+    def __init__(self, ctx: ServerContext) -> None:
+        self.ctx = ctx
+
+    def create(self, tenant: str, client: str = "") -> SessionInfo:
+        """``client`` says what opened it (an SDK and its version), for operators."""
+        with self.ctx.session() as s:
+            row = queries.create_session(s, tenant, client)
+            return SessionInfo(
+                session_id=row.id,
+                heartbeat_interval_s=self.ctx.config.heartbeat_interval_s,
+                created_at=row.created_at.timestamp(),
+            )
+
+    def heartbeat(self, tenant: str, session_id: str) -> None:
+        """NOT_FOUND for an ended session, another tenant's, or none."""
+        with self.ctx.session() as s:
+            row = queries.get_session(s, tenant, session_id)
+            if row is None or row.ended_at is not None:
+                raise NotFoundError(f"session_id: session {session_id!r} not found")
+            row.last_heartbeat_at = db.utcnow()
+
+    def end(self, tenant: str, session_id: str) -> None:
+        """Idempotent. The session's models stay; only their heartbeats stop."""
+        with self.ctx.session() as s:
+            row = queries.get_session(s, tenant, session_id)
+            if row is None:
+                raise NotFoundError(f"session_id: session {session_id!r} not found")
+            if row.ended_at is None:
+                row.ended_at = db.utcnow()

@@ -1,0 +1,218 @@
+"""The ordered training calls of a tenant's model, for any transport.
+
+Each method takes the caller's tenant, the call's identity (``OrderedCall``)
+and its parsed input, runs it through the one pipeline (``OrderedCalls``), and
+does what must follow once the engine has applied it (weight versions,
+checkpoint rows, the model's progress). Every method also takes ``admitted``
+so ``CallHandle.start`` can run it in a task and learn when it is queued.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import cast
+
+from treadle.errors import InvalidArgumentError
+from treadle.server import references
+from treadle.server.context import ServerContext
+from treadle.server.db import models as db
+from treadle.server.db import queries
+from treadle.server.service.checkpoints import CheckpointService
+from treadle.server.service.ordered import Admission, OrderedCalls
+from treadle.server.service.types import OrderedCall, Parsed, SavedState, SyncOutcome, unwrap
+from treadle.server.store import check_name, state_uri, weights_uri
+from treadle.workers.domain import (
+    AdamConfig,
+    ForwardBackwardOp,
+    ForwardLogprobsOp,
+    ForwardResult,
+    LoadResult,
+    LoadStateOp,
+    OptimStepOp,
+    OptimStepResult,
+    OrderedOp,
+    SaveResult,
+    SaveStateOp,
+    SyncResult,
+    SyncWeightsOp,
+)
+
+
+class TrainingService:
+    def __init__(
+        self, ctx: ServerContext, calls: OrderedCalls, checkpoints: CheckpointService
+    ) -> None:
+        self.ctx = ctx
+        self.calls = calls
+        self.checkpoints = checkpoints
+
+    async def forward_backward(
+        self,
+        tenant: str,
+        call: OrderedCall,
+        op: Parsed[ForwardBackwardOp],
+        *,
+        admitted: Admission | None = None,
+    ) -> ForwardResult:
+        """Gradients of the loss (a sum over tokens), added to those accumulated."""
+        result = await self.calls.run(
+            tenant, call, lambda: unwrap(op), "forward_backward", admitted=admitted
+        )
+        return cast(ForwardResult, result)
+
+    async def forward_logprobs(
+        self,
+        tenant: str,
+        call: OrderedCall,
+        op: Parsed[ForwardLogprobsOp],
+        reference_path: str = "",
+        *,
+        admitted: Admission | None = None,
+    ) -> ForwardResult:
+        """Per-token logprobs under the model's weights, the base model's
+        (``op.reference``), or a checkpoint or weight version of the tenant's
+        (``reference_path``)."""
+
+        def build() -> OrderedOp:
+            parsed = unwrap(op)
+            if not reference_path:
+                return parsed
+            if parsed.reference:
+                raise InvalidArgumentError(
+                    "reference_path: give reference=true (the base model) or a "
+                    "reference_path, not both"
+                )
+            with self.ctx.session() as s:
+                model = self.ctx.model_row(s, tenant, call.model_id)
+                ref = references.resolve(s, tenant, model, reference_path)
+            return dataclasses.replace(parsed, reference_weights=ref)
+
+        result = await self.calls.run(tenant, call, build, "forward_logprobs", admitted=admitted)
+        return cast(ForwardResult, result)
+
+    async def optim_step(
+        self,
+        tenant: str,
+        call: OrderedCall,
+        adam: Parsed[AdamConfig],
+        *,
+        admitted: Admission | None = None,
+    ) -> OptimStepResult:
+        """One optimizer step (a barrier); records an auto-checkpoint it wrote."""
+        result = cast(
+            OptimStepResult,
+            await self.calls.run(
+                tenant, call, lambda: OptimStepOp(unwrap(adam)), "optim_step", admitted=admitted
+            ),
+        )
+        with self.ctx.session() as s:
+            queries.update_model_progress(s, call.model_id, version=result.step)
+            auto = result.auto_checkpoint
+            if auto is not None:
+                row = self.checkpoints.record(
+                    s,
+                    tenant,
+                    call.model_id,
+                    "auto",
+                    auto.directory,
+                    auto.seq_id,
+                    auto.step,
+                    "auto",
+                    auto.size_bytes,
+                )
+                queries.update_model_progress(s, call.model_id, last_checkpoint=row)
+        return result
+
+    async def sync_weights(
+        self,
+        tenant: str,
+        call: OrderedCall,
+        inflight: bool = False,
+        create_sampler: bool = False,
+        *,
+        admitted: Admission | None = None,
+    ) -> SyncOutcome:
+        """Publish the current weights as a new version (a barrier); the oldest
+        versions past the configured count are released. ``inflight``: samplers
+        following the model's latest weights take them mid-sequence.
+        ``create_sampler``: also a sampler pinned to the new version."""
+
+        def build() -> SyncWeightsOp:
+            if inflight:
+                with self.ctx.session() as s:
+                    if not queries.has_latest_sampler(s, tenant, call.model_id):
+                        raise InvalidArgumentError(
+                            f"inflight: model {call.model_id} has no sampler following "
+                            "its latest weights, so no sequence could take the update in "
+                            f"flight; create one from treadle://{call.model_id}/latest "
+                            "first, or sync without inflight"
+                        )
+            return SyncWeightsOp(inflight=inflight)
+
+        result = cast(
+            SyncResult, await self.calls.run(tenant, call, build, "sync_weights", admitted=admitted)
+        )
+        uri = weights_uri(call.model_id, result.version)
+        sampler_id = ""
+        with self.ctx.session() as s:
+            if s.get(db.WeightVersion, (call.model_id, result.version)) is None:
+                queries.add_weight_version(s, call.model_id, result.version, uri)
+            queries.release_weight_versions(s, call.model_id, self.ctx.config.keep_versions)
+            if create_sampler:
+                row = self.ctx.model_row(s, tenant, call.model_id)
+                sampler = queries.create_sampler(
+                    s,
+                    tenant_id=tenant,
+                    base_model=row.base_model,
+                    mode="version",
+                    model_id=call.model_id,
+                    pinned_version=result.version,
+                )
+                sampler_id = sampler.id
+        return SyncOutcome(result.version, uri, sampler_id)
+
+    async def save_state(
+        self, tenant: str, call: OrderedCall, name: str, *, admitted: Admission | None = None
+    ) -> SavedState:
+        """Checkpoint weights and optimizer state under ``name`` (a barrier); the
+        model comes back there after a restart."""
+
+        def build() -> OrderedOp:
+            checked = check_name(name)
+            return SaveStateOp(checked, self.ctx.store.state_path(tenant, call.model_id, checked))
+
+        result = cast(
+            SaveResult, await self.calls.run(tenant, call, build, "save_state", admitted=admitted)
+        )
+        with self.ctx.session() as s:
+            directory = self.ctx.store.state_path(tenant, call.model_id, name)
+            row = self.checkpoints.record(
+                s,
+                tenant,
+                call.model_id,
+                name,
+                directory,
+                result.seq_id,
+                result.step,
+                "state",
+                result.size_bytes,
+            )
+            queries.update_model_progress(s, call.model_id, last_checkpoint=row)
+        return SavedState(state_uri(call.model_id, name), result.seq_id, result.step)
+
+    async def load_state(
+        self, tenant: str, call: OrderedCall, path: str, *, admitted: Admission | None = None
+    ) -> LoadResult:
+        """Load weights and optimizer state from the tenant's checkpoint ``path``
+        (a barrier)."""
+
+        def build() -> OrderedOp:
+            with self.ctx.session() as s:
+                return LoadStateOp(self.checkpoints.resolve(s, tenant, path, "path"))
+
+        result = cast(
+            LoadResult, await self.calls.run(tenant, call, build, "load_state", admitted=admitted)
+        )
+        with self.ctx.session() as s:
+            queries.update_model_progress(s, call.model_id, version=result.step)
+        return result

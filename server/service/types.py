@@ -1,0 +1,147 @@
+"""The service layer's own request and result types (frozen dataclasses).
+
+Transports build these from their wire messages and turn the results back into
+wire messages (``server.convert`` for gRPC); the service never sees either
+wire. The engine's op and result types (``treadle.workers.domain``) are used as
+they are where they already say what is meant.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TypeVar, Union
+
+from treadle.errors import TreadleError
+from treadle.server.restarts import ClientNumbering
+
+T = TypeVar("T")
+
+#: what a transport parsed from its request: the value, or the error that names
+#: the field that was wrong. An ordered call's bad input still takes its seq_id
+#: (the model's later calls must not wait for it), so the service, not the
+#: transport, decides when such an error is raised.
+Parsed = Union[T, TreadleError]  # noqa: UP007 (a generic alias, subscripted below)
+
+
+def parse(build: Callable[[], T]) -> T | TreadleError:
+    """Run a transport's conversion, keeping its ``TreadleError`` as the value."""
+    try:
+        return build()
+    except TreadleError as err:
+        return err
+
+
+def unwrap(value: T | TreadleError) -> T:
+    """The parsed value, or its error raised."""
+    if isinstance(value, TreadleError):
+        raise value
+    return value
+
+
+@dataclass(frozen=True)
+class OrderedCall:
+    """The identity of one ordered call on a training model.
+
+    ``digest`` is a stable digest of the call's payload, computed by the
+    transport from its own encoding: a repeat of ``(model_id, seq_id)`` with the
+    same digest gets the recorded result, with another one FAILED_PRECONDITION.
+    ``numbering``: what the client said of its numbering (``server.restarts``)."""
+
+    model_id: str
+    seq_id: int
+    digest: str
+    numbering: ClientNumbering = ClientNumbering()
+
+
+@dataclass(frozen=True)
+class CreateModel:
+    """A new training model: LoRA (``lora_rank`` > 0) or a full fine-tune (0), or,
+    with ``from_state``, a copy of a checkpoint's model (its settings then
+    override every other field)."""
+
+    base_model: str = ""
+    lora_rank: int = 0
+    lora_alpha: float = 0.0  # 0: the rank
+    seed: int = 0
+    dtype: str = ""  # "": the server's default
+    modules: tuple[bool, bool, bool] = (True, True, True)  # attn, mlp, unembed
+    from_state: str = ""  # treadle://<model_id>/state/<name> of the same tenant
+    session_id: str = ""
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    model_id: str
+    base_model: str
+    is_lora: bool
+    lora_rank: int
+    dtype: str
+    version: int
+    next_seq_id: int  # 0: unknown (the model is neither loaded nor unloaded)
+    last_checkpoint_seq_id: int
+    status: str  # "active" | "unloaded" | "lost"
+    created_at: float  # unix seconds
+    session_id: str
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    path: str  # treadle://<model_id>/state/<name>
+    name: str
+    seq_id: int
+    step: int
+    created_at: float
+    size_bytes: int
+
+
+@dataclass(frozen=True)
+class SyncOutcome:
+    version: int
+    weights_uri: str  # treadle://<model_id>/v/<version>
+    sampler_id: str = ""  # set when the call asked for a sampler pinned to it
+
+
+@dataclass(frozen=True)
+class SavedState:
+    path: str  # treadle://<model_id>/state/<name>
+    seq_id: int
+    step: int
+
+
+@dataclass(frozen=True)
+class SamplerSource:
+    """What a new sampler reads: a served base model, or a model's weights
+    (``treadle://<model_id>/latest`` follows each sync, ``.../v/<n>`` is pinned).
+    Exactly one is given (None: not given)."""
+
+    base_model: str | None = None
+    weights: str | None = None
+
+
+@dataclass(frozen=True)
+class SamplerInfo:
+    sampler_id: str
+    base_model: str
+    model_id: str  # "" for a base-model sampler
+    version: int  # -1 when it follows the latest weights
+    follows_latest: bool
+
+
+@dataclass(frozen=True)
+class SessionInfo:
+    session_id: str
+    heartbeat_interval_s: float
+    created_at: float  # unix seconds
+
+
+@dataclass(frozen=True)
+class BaseModelInfo:
+    """A base model this server serves."""
+
+    name: str
+    arch: str
+    vocab_size: int
+    max_context: int  # tokens of prompt and completion a sequence may hold
+    num_params: int
+    dtype: str  # the server's default compute dtype
