@@ -149,6 +149,7 @@ def _demo(args: argparse.Namespace) -> int:
             quick=args.quick,
             seed=args.seed,
             out=Path(args.out) if args.out else None,
+            sampler=args.sampler,
         )
     )
 
@@ -199,6 +200,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("--quick", action="store_true", help="a shorter run (for tests)")
     demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument(
+        "--sampler",
+        default="torch",
+        help="the sampler backend: torch (default), torch-thread or torch-process (the demo "
+        "trains a full fine-tune, which --sampler vllm does not serve); see docs/backends.md",
+    )
     demo.set_defaults(fn=_demo)
 
     from treadle.server.admin import add_admin_parser

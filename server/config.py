@@ -41,6 +41,8 @@ class ServerConfig:
     #: the sampler backend: torch | torch-thread | torch-process | vllm (``--sampler``)
     sampler: str = "torch"
     sampler_threads: int = 0  # torch threads of the sampler's thread or process; 0 = threads
+    #: backend-specific settings (``--vllm-*`` for vllm)
+    sampler_options: Mapping[str, Any] = field(default_factory=dict)
     training_threads: str = "measure"  # forward passes: "measure" | "all" | "one"
     max_quantum_tokens: int = 0  # a tenant's tokens a scheduling round at most; 0 = no cap
     gap_timeout_s: float = 60.0

@@ -60,6 +60,7 @@ class DemoOptions:
     quick: bool = False
     seed: int = 0
     out: Path | None = None
+    sampler: str = "torch"  # the sampler backend (``--sampler``)
 
 
 @dataclass(frozen=True)
@@ -279,6 +280,14 @@ def run_demo(opts: DemoOptions) -> int:
     from treadle.server.config import ServerConfig
     from treadle.server.embedded import EmbeddedServer
 
+    if opts.sampler == "vllm":
+        print(
+            "treadle demo: the demo trains a full fine-tune, which the vllm sampler backend "
+            "does not serve (it serves base models and LoRA models); use --sampler torch, "
+            "torch-thread or torch-process",
+            file=sys.stderr,
+        )
+        return 2
     plan = QUICK if opts.quick else FULL
     data_dir = Path(opts.data_dir)
     config = ServerConfig(
@@ -288,6 +297,7 @@ def run_demo(opts: DemoOptions) -> int:
         threads=ENGINE_THREADS,
         sampler_slots=plan.prompts_per_step * plan.group_size,  # a whole step's rollouts at once
         sampler_max_len=32,
+        sampler=opts.sampler,
     )
     rng = random.Random(opts.seed)
     t_start = time.perf_counter()

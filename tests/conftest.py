@@ -65,6 +65,56 @@ def service(server: EmbeddedServer) -> Iterator[treadle.ServiceClient]:
     client.close()
 
 
+def vllm_skip_reason() -> str | None:
+    """Why the vLLM backend's tests cannot run here (None: they can)."""
+    from treadle.errors import TreadleError
+    from treadle.workers.sampler_backends import check_available
+
+    try:
+        check_available("vllm")
+    except TreadleError as err:
+        return f"the vllm sampler backend cannot run here: {err}"
+    return None
+
+
+@pytest.fixture(scope="session")
+def vllm_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The 5m preset (head_dim 32, which vLLM's CPU attention takes), built once."""
+    return build_tiny_model(tmp_path_factory.mktemp("models") / "5m", preset="5m", seed=0)
+
+
+#: what the session's vLLM server serves: the 5m preset under the name the backend
+#: conformance suite samples ("tiny"; the tiny preset's head_dim 16 is not one vLLM's
+#: CPU attention is known to take), with the suite's sizes
+VLLM_BASE = "tiny"
+VLLM_SETTINGS: dict[str, object] = {
+    "sampler": "vllm",
+    "sampler_slots": 16,
+    "sampler_max_len": 1024,
+    "sampler_options": {"max_lora_rank": 8, "max_loras": 4},
+}
+
+
+@pytest.fixture(scope="session")
+def vllm_server(
+    tmp_path_factory: pytest.TempPathFactory, vllm_model_dir: Path
+) -> Iterator[EmbeddedServer]:
+    """One server with ``--sampler vllm`` for the whole session, its engine started
+    here: a vLLM engine takes 15 s to minutes to start on 2 busy cores, so every
+    vLLM test (the conformance suite's vllm case too) shares this one."""
+    reason = vllm_skip_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    srv = make_server(
+        tmp_path_factory.mktemp("vllm-server"), {VLLM_BASE: vllm_model_dir}, **VLLM_SETTINGS
+    )
+    with treadle.ServiceClient(srv.address, api_key=srv.api_key) as client:
+        warm = client.create_sampling_client(base_model=VLLM_BASE).sample([1, 2], 1)
+        warm.result(timeout=900)
+    yield srv
+    srv.stop()
+
+
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption(
         "--long",

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 from treadle.errors import InvalidArgumentError
 from treadle.workers.sampler_backends import SAMPLERS, check_available
 from treadle.workers.thread_choice import POLICIES
+from treadle.workers.vllm_settings import VllmSettings
 
 if TYPE_CHECKING:
     from treadle.workers.engine import EngineConfig
@@ -33,6 +34,7 @@ ENGINE_FIELDS = (
     "threads",
     "sampler",
     "sampler_threads",
+    "sampler_options",
     "training_threads",
     "gap_timeout_s",
     "keep_versions",
@@ -136,6 +138,53 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--sampler-max-len", type=int, default=int(env("TREADLE_SAMPLER_MAX_LEN", "1024"))
     )
+    _add_vllm_flags(parser)
+
+
+def _add_vllm_flags(parser: argparse.ArgumentParser) -> None:
+    """``--sampler vllm``'s settings (``workers.vllm_settings.VllmSettings``)."""
+    env = os.environ.get
+    vllm = parser.add_argument_group("vLLM sampler backend (--sampler vllm)")
+    vllm.add_argument(
+        "--vllm-gpu-memory-utilization",
+        type=float,
+        default=float(env("TREADLE_VLLM_GPU_MEMORY_UTILIZATION", "0")),
+        help="share of the GPU's memory vLLM takes, or on a CPU host the share of host RAM "
+        "(0 = default: 0.9 on a GPU, 0.2 on CPU, where training needs the rest)",
+    )
+    vllm.add_argument(
+        "--vllm-kv-cache-gib",
+        type=float,
+        default=float(env("TREADLE_VLLM_KV_CACHE_GIB", "0")),
+        help="vLLM's KV cache in GiB (0 = default: vLLM's choice on a GPU, 1 GiB on CPU)",
+    )
+    vllm.add_argument(
+        "--vllm-max-lora-rank",
+        type=int,
+        default=int(env("TREADLE_VLLM_MAX_LORA_RANK", "16")),
+        help="the largest LoRA rank served (one of 1, 8, 16, 32, 64, ...); a model above it "
+        "is refused",
+    )
+    vllm.add_argument(
+        "--vllm-max-loras",
+        type=int,
+        default=int(env("TREADLE_VLLM_MAX_LORAS", "8")),
+        help="adapters (model versions) in one vLLM batch at most",
+    )
+    vllm.add_argument(
+        "--vllm-compile",
+        action="store_true",
+        default=env("TREADLE_VLLM_COMPILE", "") not in ("", "0"),
+        help="torch.compile / CUDA graphs (default: eager; compiling starts about a minute "
+        "slower on CPU)",
+    )
+    vllm.add_argument(
+        "--vllm-reserved-cpus",
+        type=int,
+        default=int(env("TREADLE_VLLM_RESERVED_CPUS", "1")),
+        help="CPU cores vLLM's CPU worker leaves to training (VLLM_CPU_NUM_OF_RESERVED_CPU; "
+        "default 1)",
+    )
 
 
 def _sampler_from_old_env() -> str:
@@ -160,6 +209,7 @@ def engine_settings(args: argparse.Namespace) -> dict[str, Any]:
         "threads": args.threads,
         "sampler": args.sampler,
         "sampler_threads": args.sampler_threads,
+        "sampler_options": _sampler_options(args),
         "training_threads": args.training_threads,
         "gap_timeout_s": args.gap_timeout,
         "keep_versions": args.keep_versions,
@@ -169,6 +219,20 @@ def engine_settings(args: argparse.Namespace) -> dict[str, Any]:
         "max_quantum_tokens": args.max_quantum_tokens,
         "activation_checkpointing": args.activation_checkpointing,
         "train_memory_limit_bytes": args.train_memory_limit_bytes,
+    }
+
+
+def _sampler_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The backend-specific settings of ``args.sampler`` (only vllm has any)."""
+    if args.sampler != "vllm":
+        return {}
+    return {
+        "gpu_memory_utilization": args.vllm_gpu_memory_utilization,
+        "kv_cache_gib": args.vllm_kv_cache_gib,
+        "max_lora_rank": args.vllm_max_lora_rank,
+        "max_loras": args.vllm_max_loras,
+        "enforce_eager": not args.vllm_compile,
+        "reserved_cpus": args.vllm_reserved_cpus,
     }
 
 
@@ -182,6 +246,8 @@ def check_engine_settings(config: Any) -> None:
             f"training_threads: {config.training_threads!r}; choose from {TRAINING_THREADS}"
         )
     check_available(config.sampler)
+    if config.sampler == "vllm":
+        VllmSettings.from_options(dict(config.sampler_options))
     for name, ok in (
         ("threads", config.threads >= 0),
         ("sampler_threads", config.sampler_threads >= 0),

@@ -22,6 +22,7 @@ from treadle.errors import InvalidArgumentError
 from treadle.workers import device
 from treadle.workers.model.llama import LlamaParams
 from treadle.workers.model.loading import save_params
+from treadle.workers.model.lora import LoraAdapter
 from treadle.workers.trainer import TrainingModel
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -44,13 +45,19 @@ def export_peft(model: TrainingModel, out_dir: str | Path) -> list[Path]:
         raise InvalidArgumentError(
             "merged: the model is a full fine-tune and has no adapter; export it with merged=True"
         )
+    return write_peft(model.adapter, out_dir, model.spec.base_model)
+
+
+@torch.no_grad()
+def write_peft(adapter: LoraAdapter, out_dir: str | Path, base_model: str) -> list[Path]:
+    """One adapter as a PEFT directory (also how the vLLM sampler backend loads a version)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tensors = device.host_copies(dict(model.adapter.named_tensors()))
+    tensors = device.host_copies(dict(adapter.named_tensors()))
     save_file(tensors, str(out / ADAPTER_WEIGHTS), metadata={"format": "pt"})
     config = {
-        **model.adapter.peft_config(),
-        "base_model_name_or_path": model.spec.base_model,
+        **adapter.peft_config(),
+        "base_model_name_or_path": base_model,
         "inference_mode": True,
     }
     (out / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")

@@ -52,9 +52,9 @@ def _torch_process(settings: BackendSettings) -> SamplerBackend:
 
 def _vllm(settings: BackendSettings) -> SamplerBackend:
     check_available("vllm")
-    raise FailedPreconditionError(
-        "sampler: the vllm backend is not part of this build; use --sampler torch"
-    )
+    from treadle.workers.vllm_backend import make_vllm_backend
+
+    return make_vllm_backend(settings.limits, settings.options)
 
 
 #: --sampler NAME -> its factory

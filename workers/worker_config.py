@@ -8,6 +8,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from treadle.errors import InvalidArgumentError
 from treadle.workers.engine_flags import (
@@ -37,6 +38,8 @@ class WorkerConfig:
     #: the sampler backend: torch | torch-thread | torch-process | vllm (``--sampler``)
     sampler: str = "torch"
     sampler_threads: int = 0  # torch threads of the sampler's thread or process; 0 = threads
+    #: backend-specific settings (``--vllm-*`` for vllm)
+    sampler_options: Mapping[str, Any] = field(default_factory=dict)
     training_threads: str = "measure"  # forward passes: "measure" | "all" | "one"
     max_quantum_tokens: int = 0  # a tenant's tokens a scheduling round at most; 0 = no cap
     #: where the engine's tensors live: "cpu" or "cuda:N" (the flag's "auto" resolved)

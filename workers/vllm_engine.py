@@ -1,0 +1,99 @@
+"""Starting one vLLM engine for one base model: its settings, sane on CPU and GPU.
+
+vLLM is imported here only when an engine starts (``start_engine``), never at
+module import, so importing treadle's workers stays cheap and safe where vLLM
+is absent or broken. vLLM's engine core runs in a child process started with
+*spawn*: that child re-imports the ``__main__`` module of the program, so a
+program that starts an engine must guard its entry point
+(``if __name__ == "__main__":``); ``treadle serve`` and ``treadle worker`` do.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+from typing import Any
+
+import torch
+
+from treadle.errors import InvalidArgumentError
+from treadle.workers.base_models import BaseModel
+from treadle.workers.vllm_params import LOGPROBS_MODE
+from treadle.workers.vllm_settings import VllmSettings
+
+log = logging.getLogger("treadle.vllm")
+
+_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def vllm_installed() -> bool:
+    return importlib.util.find_spec("vllm") is not None
+
+
+def on_gpu() -> bool:
+    return torch.cuda.is_available()
+
+
+def start_engine(base: BaseModel, settings: VllmSettings, *, max_len: int, max_seqs: int) -> Any:
+    """A started ``vllm.LLMEngine`` serving ``base`` (its own HF directory, its dtype),
+    with prefix caching, multi-LoRA and the behaviour-logprob mode on."""
+    gpu = on_gpu()
+    if not gpu:
+        kv = settings.kv_cache_gib or 1.0
+        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, round(kv)))
+        os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] = str(settings.reserved_cpus)
+    from vllm import EngineArgs, LLMEngine
+
+    dtype = _DTYPES.get(base.dtype)
+    if dtype is None:
+        raise InvalidArgumentError(
+            f"dtype: the vllm sampler backend serves float32, bfloat16 or float16, not {base.dtype}"
+        )
+    util = settings.gpu_memory_utilization or (0.9 if gpu else 0.2)
+    kwargs: dict[str, Any] = {}
+    if gpu and settings.kv_cache_gib:
+        kwargs["kv_cache_memory_bytes"] = int(settings.kv_cache_gib * 2**30)
+    has_tokenizer = (base.path / "tokenizer.json").exists()
+    kwargs.update(dtype=dtype, max_lora_rank=settings.max_lora_rank)
+    args = EngineArgs(
+        model=str(base.path),
+        max_model_len=max_len,
+        max_num_seqs=max_seqs,
+        seed=0,
+        enable_prefix_caching=True,
+        enable_lora=True,
+        max_loras=settings.max_loras,
+        gpu_memory_utilization=util,
+        enforce_eager=settings.enforce_eager,
+        logprobs_mode=LOGPROBS_MODE,
+        skip_tokenizer_init=not has_tokenizer,
+        disable_log_stats=False,
+        **kwargs,
+    )
+    log.info("vllm: starting an engine for %s (%s, %s)", base.name, dtype, "gpu" if gpu else "cpu")
+    return LLMEngine.from_engine_args(args)
+
+
+def engine_dead(llm: Any) -> bool:
+    """Whether the engine's core process died (vLLM's client marks it so)."""
+    resources = getattr(getattr(llm, "engine_core", None), "resources", None)
+    return bool(getattr(resources, "engine_dead", False))
+
+
+def wake_if_dead(llm: Any) -> bool:
+    """Unblock a ``step()`` waiting on a dead engine; whether it was dead.
+
+    vLLM 0.32's in-process client (``SyncMPClient``) notices a dead core
+    process and shuts down, but its output thread then exits without a word,
+    so a ``step()`` already waiting for outputs would wait forever. Putting the
+    error vLLM would have raised into the queue that ``step()`` reads ends the
+    wait with it."""
+    if not engine_dead(llm):
+        return False
+    queue = getattr(getattr(llm, "engine_core", None), "outputs_queue", None)
+    if queue is not None:
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        queue.put_nowait(EngineDeadError("the vLLM engine core process died"))
+    return True
