@@ -109,9 +109,9 @@ class EngineConfig:
     metrics_log_every_s: float = 30.0
     #: run the forward calls of LoRA models on one base as one batched pass
     batch_across_models: bool = True
-    #: the most tokens a tenant spends in one scheduling round (0: one call of each
-    #: of its ready models, the most batching; 1: one call, the shortest wait for
-    #: another tenant): ``Scheduler.max_quantum_tokens``
+    #: the most tokens a tenant spends in one scheduling round, what it borrows
+    #: ahead of its share included (0: one call of each of its ready models, the
+    #: most batching; 1: one call, no borrowing): ``Scheduler.max_quantum_tokens``
     max_quantum_tokens: int = 0
     max_tokens_per_call: int = 262_144
     #: training models recompute each layer in the backward instead of keeping its

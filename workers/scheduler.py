@@ -9,19 +9,28 @@ in a unit may be executed together and nothing overtakes a barrier.
 
 Fair share across tenants is deficit round robin (Shreedhar & Varghese) by
 tokens: a call costs the tokens in its batch (barriers cost nothing), each
-backlogged tenant earns a quantum per round and spends it on its calls; a
-tenant whose queue empties loses what it had saved. The quantum is by default
-the largest sum, over one tenant, of its models' head-call costs: the tenant
-with the most ready work affords one call of each of its models a round, and
-every other tenant earns the same tokens (so a tenant with 8 runs gets one
-tenant's share, not 8), spent in the same round. A tenant's share is thus
-spent in as few rounds, hence batched passes, as possible: a researcher's
-sweep of 8 models runs one call of each in one pass, not one call a pass. A tenant that just became backlogged is served first, in a round of its
-own (FQ-CoDel's "new flows" list; never two such rounds in a row, so sparse
-tenants cannot starve the rest), so a light tenant waits behind at most the
-round already executing, not behind a heavy tenant's backlog, and its calls are
-not batched with that backlog. Within a tenant its models take turns, one call
-each at a time, so its quantum covers as many of its models as it can pay for.
+backlogged tenant earns a quantum per round (by default the largest head-call
+cost among backlogged tenants: one call's worth, so everyone affords a call a
+round) and spends it on its calls; a tenant whose queue empties loses what it
+had saved (but not what it owes, below). A tenant that just became backlogged
+is served first, in a round of its own (FQ-CoDel's "new flows" list; never two
+such rounds in a row, so sparse tenants cannot starve the rest), so a light
+tenant waits behind at most the round already executing, not behind a heavy
+tenant's backlog.
+
+Borrowing, so a tenant's many models (a sweep) share passes: a tenant that
+pays for a call of one model may spend ahead, one call of each of its other
+ready models, in the same round (one batched pass), and repays by sitting out
+rounds until its deficit covers a call again. Over a long window it gets one
+tenant's share, not one per model; the share is spent in as few passes as
+possible. It borrows only while no other tenant is new to the backlog or was
+served in the round before and has nothing queued now (a tenant sending one
+call at a time): such a tenant's next call would wait behind the borrowed
+pass, so the borrower runs one call and the other's call goes in the very next
+round. ``max_quantum_tokens`` caps what a tenant spends in a round, borrowing
+included (never below one call). Alone, a borrower's debt is skipped through
+at once (the rounds nobody else wanted); a debt it still owes when its queue
+empties is kept for its return.
 ``policy="fcfs"`` is the first-come-first-served baseline the fairness benchmark
 measures against; nothing serves it.
 
@@ -122,9 +131,9 @@ class Scheduler:
         self.results_kept = results_kept
         #: tokens a backlogged tenant earns per round; 0 = the largest head-call cost
         self.quantum_tokens = quantum_tokens
-        #: a cap on the default quantum (0 = none): the most a tenant spends a round,
-        #: hence how long a light tenant may wait behind the round running; never
-        #: below one head call (1 = one call a round, as before sweeps batched)
+        #: the most a tenant spends in a round, borrowing included (0 = no cap:
+        #: one call of each of its ready models); never below one call (1 = one
+        #: call a round: no borrowing, so no batching of a sweep's own calls)
         self.max_quantum_tokens = max_quantum_tokens
         self.policy = policy
         self._models: dict[str, _ModelQueue] = {}
@@ -132,6 +141,7 @@ class Scheduler:
         self._new: deque[str] = deque()  # just became backlogged: served first
         self._old: deque[str] = deque()  # backlogged, already had a turn
         self._new_only_last = False  # the last round served only new tenants
+        self._served_last: set[str] = set()  # tenants with units in the last round
 
     # ---- models ---------------------------------------------------------------
 
@@ -151,6 +161,7 @@ class Scheduler:
             tenant.models.remove(model_id)
             if not tenant.models:
                 del self._tenants[queue.tenant_id]
+                self._served_last.discard(queue.tenant_id)
                 for active in (self._new, self._old):
                     if queue.tenant_id in active:
                         active.remove(queue.tenant_id)
@@ -223,29 +234,28 @@ class Scheduler:
 
     # ---- internals ------------------------------------------------------------
 
-    def _heads(self) -> tuple[dict[str, int], dict[str, int]]:
-        """Backlogged tenants: tenant -> cost of its cheapest runnable head call,
-        and tenant -> the summed cost of its models' runnable head calls (what
-        it could run in one round with one call per model)."""
-        cheapest: dict[str, int] = {}
-        ready: dict[str, int] = {}
+    def _heads(self) -> dict[str, int]:
+        """Backlogged tenants: tenant -> cost of its cheapest runnable head call."""
+        heads: dict[str, int] = {}
         for queue in self._models.values():
             call = queue.head()
             if call is not None:
                 cost = max(call.cost, 0)
-                cheapest[queue.tenant_id] = min(cost, cheapest.get(queue.tenant_id, cost))
-                ready[queue.tenant_id] = ready.get(queue.tenant_id, 0) + cost
-        return cheapest, ready
+                heads[queue.tenant_id] = min(cost, heads.get(queue.tenant_id, cost))
+        return heads
 
     def _drr_round(self) -> list[WorkUnit]:
-        heads, ready = self._heads()
+        heads = self._heads()
         for active in (self._new, self._old):
             for tenant_id in [t for t in active if t not in heads]:
-                active.remove(tenant_id)  # its queue emptied: it keeps no savings
-                self._tenants[tenant_id].deficit = 0
+                active.remove(tenant_id)  # its queue emptied: its savings go, a debt stays
+                tenant = self._tenants[tenant_id]
+                tenant.deficit = min(tenant.deficit, 0)
         for tenant_id in heads:
             if tenant_id not in self._new and tenant_id not in self._old:
-                self._new.append(tenant_id)
+                # A borrower back with a debt is no sparse tenant: no round of its own.
+                in_debt = self._tenants[tenant_id].deficit < 0
+                (self._old if in_debt else self._new).append(tenant_id)
         if not heads:
             return []
         # Tenants new to the backlog get a round of their own, so the engine runs
@@ -254,24 +264,27 @@ class Scheduler:
         new_only = bool(self._new) and bool(self._old) and not self._new_only_last
         self._new_only_last = new_only
         serving = list(self._new) if new_only else [*self._new, *self._old]
-        # One quantum for everyone (fairness), large enough for the readiest
-        # tenant's models to run one call each in this round (few passes).
-        quantum = self.quantum_tokens or max(ready.values())
-        if not self.quantum_tokens and self.max_quantum_tokens:
-            quantum = max(max(heads.values()), min(quantum, self.max_quantum_tokens))
+        # Whose next call would wait behind a borrowed pass: the tenants new to
+        # the backlog, and those served last round with nothing queued now (one
+        # call at a time: the next is on its way).
+        waiting_on = set(self._new) | (self._served_last - heads.keys())
+        quantum = self.quantum_tokens or max(heads.values())
         if quantum > 0:
             # Skip the rounds in which nobody could afford a call (a fixed quantum
-            # smaller than the calls): as if they had run, in O(1).
-            rounds = min(
-                max(1, -(-(heads[t] - self._tenants[t].deficit) // quantum)) for t in serving
-            )
+            # smaller than the calls, a borrower repaying alone): as if they had
+            # run, in O(1).
+            rounds = min(self._rounds_to_afford(t, heads[t], quantum) for t in serving)
             for tenant_id in serving:
                 self._tenants[tenant_id].deficit += (rounds - 1) * quantum
         units: list[WorkUnit] = []
+        served: set[str] = set()
         for tenant_id in serving:
             tenant = self._tenants[tenant_id]
             tenant.deficit += quantum
-            units += self._take_runs(tenant)
+            taken = self._take_runs(tenant, borrow=not (waiting_on - {tenant_id}))
+            if taken:
+                served.add(tenant_id)
+            units += taken
             tenant.models.rotate(-1)  # the next round starts at its next model
             # It had its turn: to the back of the old tenants (it leaves the
             # backlog, and its savings, at the next round if it has nothing left).
@@ -280,24 +293,43 @@ class Scheduler:
             else:
                 self._old.remove(tenant_id)
             self._old.append(tenant_id)
+        self._served_last = served
         return units
 
-    def _take_runs(self, tenant: _Tenant) -> list[WorkUnit]:
-        """The tenant's models' next calls, up to each one's next barrier, that its
-        deficit pays for: one call of each model in turn, then a second of each,
-        and so on, so the quantum reaches as many models as it can (they run in
-        one batched pass) and none of them takes it all."""
+    def _rounds_to_afford(self, tenant_id: str, cheapest: int, quantum: int) -> int:
+        """Rounds of earning until the tenant can pay for its cheapest head call
+        (a free call, a barrier, runs at once, even in debt)."""
+        if cheapest == 0:
+            return 1
+        return max(1, -(-(cheapest - self._tenants[tenant_id].deficit) // quantum))
+
+    def _take_runs(self, tenant: _Tenant, *, borrow: bool) -> list[WorkUnit]:
+        """The tenant's models' next calls, up to each one's next barrier, that it
+        pays for: one call of each model in turn, then a second of each, and so
+        on, so its deficit reaches as many models as it can (they run in one
+        batched pass) and none of them takes it all. Once it has paid for a call,
+        ``borrow`` lets it also take the first call of each of its other ready
+        models on credit (up to ``max_quantum_tokens`` spent in the round)."""
         runs: dict[str, list[OrderedCall]] = {}
         open_ = [m for m in tenant.models if not self._models[m].running]
+        cap = self.max_quantum_tokens
+        spent = 0
+        paid = False  # it afforded a call from its deficit this round
         while open_:
             still: list[str] = []
             for model_id in open_:
                 queue = self._models[model_id]
                 taken = runs.setdefault(model_id, [])
                 call = queue.waiting.get(queue.next_seq_id + len(taken))
-                if call is None or max(call.cost, 0) > tenant.deficit:
+                if call is None:
                     continue
-                tenant.deficit -= max(call.cost, 0)
+                cost = max(call.cost, 0)
+                if cost == 0 or cost <= tenant.deficit:
+                    paid = paid or cost > 0
+                elif not (borrow and paid and not taken and (not cap or spent + cost <= cap)):
+                    continue
+                tenant.deficit -= cost
+                spent += cost
                 taken.append(call)
                 if not call.is_barrier:
                     still.append(model_id)
