@@ -25,9 +25,11 @@ README = Path(__file__).resolve().parents[2] / "README.md"
 ADDRESS = '"localhost:50051"'
 #: Mean reward of the last 3 GRPO steps minus the first 3 (each a share of
 #: 400 answers: the difference's noise is about 0.02). Measured with this
-#: recipe (15 steps, lr 1e-3, 4 minibatches): +0.078, +0.091, +0.093 in three
-#: runs (different warm-up draws, unseeded sampling); 0.04 leaves about two
-#: standard deviations of margin below the smallest.
+#: recipe (25 steps, lr 1e-3, 4 minibatches): +0.068, +0.075, +0.076, +0.155,
+#: +0.185 in five runs (different warm-up draws, unseeded sampling). With 15
+#: steps the rise was +0.035 to +0.107 (+0.028 once in a full-suite run): the
+#: first steps often dip below the warm-up's share, so 15 were too few to
+#: clear 0.04 reliably.
 MIN_RISE = 0.04
 
 
@@ -87,7 +89,7 @@ def test_readme_quickstart_runs_and_learns(
     steps = [int(s) for s, _, _ in rows]
     rewards = np.array([float(r) for _, r, _ in rows])
     versions = [int(v) for _, _, v in rows]
-    assert steps == list(range(15)), out
+    assert steps == list(range(25)), out
     assert versions == [10 * len(warm) + 4 * (s + 1) for s in steps], out  # 4 minibatches a step
     rise = rewards[-3:].mean() - rewards[:3].mean()
     print(f"quickstart rewards {rewards.round(3).tolist()} rise {rise:.3f}")
