@@ -10,7 +10,9 @@ How treadle's sampling maps onto vLLM:
   Prefix caching is on, so the group's prompt KV is shared.
 * Weights: the base model is vLLM's model; every published LoRA version is a
   vLLM adapter (``workers.vllm_adapters``), new id per version, unloaded once
-  released and unused. Full fine-tunes are refused (FAILED_PRECONDITION): one
+  released and unused. On the CPU, base-model rows run under an all-zero
+  adapter of their own (``AdapterRegistry.base_adapter``: vLLM 0.32's CPU LoRA
+  ops would give them the last slot's adapter). Full fine-tunes are refused (FAILED_PRECONDITION): one
   vLLM engine holds one set of base weights, and swapping whole models in and
   out of it per request (``collective_rpc``/weight-transfer API) is not done.
 * Every token records the version of the adapter that produced it. An
@@ -70,7 +72,13 @@ from treadle.workers.sampler_validation import validate
 from treadle.workers.sampling import row_keys
 from treadle.workers.versions import WeightSnapshot
 from treadle.workers.vllm_adapters import AdapterRegistry, VllmAdapter
-from treadle.workers.vllm_engine import VllmSettings, engine_dead, start_engine, wake_if_dead
+from treadle.workers.vllm_engine import (
+    VllmSettings,
+    engine_dead,
+    on_gpu,
+    start_engine,
+    wake_if_dead,
+)
 from treadle.workers.vllm_params import check_supported, sampling_kwargs, stop_reason_of
 
 log = logging.getLogger("treadle.vllm")
@@ -338,6 +346,9 @@ class VllmBackend:
                     row.adapter = eng.adapters.adapter_for(
                         row.weights.model_id or "", row.weights.version, row.weights.adapter
                     )
+                elif not on_gpu():  # see AdapterRegistry.base_adapter
+                    row.adapter = eng.adapters.base_adapter(base.cfg)
+                if row.adapter is not None:
                     row.adapter.users += 1
             for row in req.rows:
                 if row.max_tokens == 0:

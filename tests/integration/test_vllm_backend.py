@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 import treadle
-from tests.conftest import VLLM_BASE
+from tests.conftest import VLLM_BASE, VLLM_SETTINGS
 from treadle import rl
 from treadle.errors import FailedPreconditionError, InvalidArgumentError
 from treadle.server.auth import generate_key, hash_key
@@ -150,6 +150,27 @@ def test_three_tenants_adapters_at_different_versions_in_one_batch(
     assert alone[0].sequences[0].tokens != alone[2].sequences[0].tokens or (
         alone[0].sequences[0].logprobs != alone[2].sequences[0].logprobs
     )
+
+
+def test_base_rows_are_exact_after_every_lora_slot_held_a_trained_adapter(
+    service: treadle.ServiceClient,
+) -> None:
+    """vLLM 0.32's CPU LoRA ops index the adapter slots with a base row's ``-1``
+    (the last slot), and an unloaded adapter's weights stay in its slot: once a
+    trained adapter had sat in slot ``max_loras - 1``, base-model rows read it
+    (seen as a 0.16-0.38 logprob gap). Fill every slot, then sample the base."""
+    trainers = []
+    for i in range(VLLM_SETTINGS["sampler_options"]["max_loras"]):  # type: ignore[index]
+        tc = service.create_lora_training_client(BASE, rank=4, seed=30 + i)
+        _train(tc, 2, lr=2e-2)
+        trainers.append(tc)
+    tok = trainers[0].get_tokenizer()
+    for tc in trainers:  # each adapter loaded into its own slot
+        _rollouts(tc.sync_weights(), tok, 1.0)
+    base = service.create_sampling_client(base_model=BASE)
+    base_diff = _max_diff(trainers[0], _rollouts(base, tok, 1.0), 1.0, reference=True)
+    print(f"\nvllm base after {len(trainers)} adapters: max |sampler - base| = {base_diff:.2e}")
+    assert base_diff <= TOLERANCE
 
 
 def test_what_vllm_cannot_do_is_refused_naming_the_field(
