@@ -33,8 +33,7 @@ import numpy as np  # noqa: E402
 import treadle  # noqa: E402
 from treadle.server.config import ServerConfig  # noqa: E402
 from treadle.server.embedded import EmbeddedServer  # noqa: E402
-from treadle.workers import engine as engine_mod  # noqa: E402
-from treadle.workers import shm  # noqa: E402
+from treadle.workers import ordered_executor, shm  # noqa: E402
 from treadle.workers.model.tiny import build_tiny_model  # noqa: E402
 
 SYNC_TIMES: list[float] = []
@@ -105,7 +104,7 @@ def main() -> None:
     ap.add_argument("--syncs", type=int, default=60)
     ap.add_argument("--presets", nargs="+", default=["demo", "5m"])
     args = ap.parse_args()
-    engine_mod.Engine._apply = _timed_apply(engine_mod.Engine._apply)  # type: ignore[method-assign]
+    ordered_executor.OrderedExecutor.apply = _timed_apply(ordered_executor.OrderedExecutor.apply)  # type: ignore[method-assign]
     rows = []
     for preset in args.presets:
         path = build_tiny_model(Path(tempfile.mkdtemp()) / preset, preset=preset, seed=0)

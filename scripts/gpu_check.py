@@ -220,9 +220,8 @@ class Run:
             futs: list[Future[SampleResult]] = []
             for i in range(batch):
                 params = SamplingConfig(max_tokens=new, seed=i, ignore_eos=True)
-                fut: Future[SampleResult] = Future()
-                engine._admit_sample(SamplerTarget(name), SampleOp(prompts[i], 1, params), fut)
-                futs.append(fut)
+                futs.append(engine.sample(SamplerTarget(name), SampleOp(prompts[i], 1, params)))
+            engine.step(between_calls=False)  # admitted, not stepped
             while engine.sampler.core.has_work():
                 engine.sampler.core.step_all()
             for fut in futs:
@@ -277,7 +276,7 @@ class Run:
         dtype = str(self.dtype).removeprefix("torch.")
         engine = self.engine(name)
         rank = 32 if mode == "lora" else 0
-        engine._create_model(ModelSpec("m", "t", name, rank, float(rank), 0, dtype), None, 1)
+        checks._create(engine, ModelSpec("m", "t", name, rank, float(rank), 0, dtype))
         model = engine.models["m"]
         vocab = model.cfg.vocab_size
         rng = np.random.default_rng(0)
@@ -291,8 +290,8 @@ class Run:
         seq = iter(range(1, 10**6))
 
         def engine_step() -> None:
-            engine._apply(model, next(seq), fb)
-            engine._apply(model, next(seq), OptimStepOp(adam))
+            engine.executor.apply(model, next(seq), fb)
+            engine.executor.apply(model, next(seq), OptimStepOp(adam))
 
         self.reset_peak()
         mine = self.timed(engine_step, self.args.reps)
@@ -337,7 +336,7 @@ class Run:
         rng = np.random.default_rng(0)
         ops, models = [], []
         for i in range(4):
-            engine._create_model(ModelSpec(f"m{i}", f"t{i}", name, 8, 8.0, i, dtype), None, 1)
+            checks._create(engine, ModelSpec(f"m{i}", f"t{i}", name, 8, 8.0, i, dtype))
             models.append(engine.models[f"m{i}"])
             vocab = models[-1].cfg.vocab_size
             toks = rng.integers(3, min(vocab, 30_000), size=(s.tenant_rows, s.tenant_len + 1))

@@ -95,9 +95,16 @@ def _drive(engine: Engine, futs: list[Future[SampleResult]]) -> list[SampleResul
 
 
 def _sample(engine: Engine, target: SamplerTarget, op: SampleOp) -> Future[SampleResult]:
-    fut: Future[SampleResult] = Future()
-    engine._admit_sample(target, op, fut)  # admitted at once: no sampler thread
+    fut = engine.sample(target, op)
+    engine.step(between_calls=False)  # admitted, not stepped: the caller steps the sampler
     return fut
+
+
+def _create(engine: Engine, spec: ModelSpec) -> None:
+    """Create a model on an engine whose thread is not started."""
+    fut = engine.create_model(spec)
+    engine.step(between_calls=False)
+    fut.result(timeout=0)
 
 
 def _sft_datum(rng: np.random.Generator, length: int, vocab: int) -> DatumData:
@@ -111,7 +118,7 @@ def _sft_datum(rng: np.random.Generator, length: int, vocab: int) -> DatumData:
 def check_logprob_agreement(ctx: Ctx, dtype: str) -> str:
     """Sampled tokens' logprobs (KV-cached decode) equal the trainer's forward's."""
     engine = _engine(ctx, dtype)
-    engine._create_model(_spec("m", dtype), None, 1)
+    _create(engine, _spec("m", dtype))
     prompt = np.arange(5, 17)
     params = SamplingConfig(max_tokens=24, seed=11, ignore_eos=True, temperature=0.9)
     fut = _sample(engine, SamplerTarget("tiny", "m"), SampleOp(prompt, 4, params))
@@ -120,7 +127,9 @@ def check_logprob_agreement(ctx: Ctx, dtype: str) -> str:
     for seq in result.sequences:
         full = np.concatenate([prompt, seq.tokens])
         datum = DatumData(full[:-1], {"target_tokens": full[1:]})
-        res = engine._apply(engine.models["m"], 1, ForwardLogprobsOp((datum,), temperature=0.9))
+        res = engine.executor.apply(
+            engine.models["m"], 1, ForwardLogprobsOp((datum,), temperature=0.9)
+        )
         ref = np.asarray(res.logprobs[0])[prompt.size - 1 :]
         diff = np.abs(np.asarray(seq.logprobs, np.float64) - ref)
         worst, total, n = max(worst, float(diff.max())), total + float(diff.sum()), n + diff.size
@@ -163,7 +172,7 @@ def check_remote_equals_local(ctx: Ctx, loss: str, steps: int = 3) -> str:
     """A full fine-tune's ``steps`` optimizer steps (two ForwardBackward calls each)
     through the engine equal the same steps in plain torch on the same device."""
     engine = _engine(ctx, "float32")
-    engine._create_model(_spec("m", "float32", rank=0), None, 1)
+    _create(engine, _spec("m", "float32", rank=0))
     model = engine.models["m"]
     ref = _hf_model(ctx)
     adam = AdamConfig(learning_rate=1e-3, eps=1e-5, weight_decay=0.01)
@@ -198,7 +207,7 @@ def check_remote_equals_local(ctx: Ctx, loss: str, steps: int = 3) -> str:
                 {"clip_low_threshold": 0.8, "clip_high_threshold": 1.28} if loss == "ppo" else {}
             )
             op = ForwardBackwardOp(tuple(data), "ppo" if loss == "ppo" else "cross_entropy", config)
-            got = engine._apply(model, seq, op)
+            got = engine.executor.apply(model, seq, op)
             seq += 1
             want = torch.zeros((), device=ctx.device)
             for d in data:
@@ -208,7 +217,7 @@ def check_remote_equals_local(ctx: Ctx, loss: str, steps: int = 3) -> str:
             want_f = float(want.detach())
             rel = abs(got.metrics["loss:sum"] - want_f) / max(1.0, abs(want_f))
             worst_loss = max(worst_loss, rel)
-        engine._apply(model, seq, OptimStepOp(adam))
+        engine.executor.apply(model, seq, OptimStepOp(adam))
         seq += 1
         opt.step()
     mine = dict(model.params.named_tensors())
@@ -232,7 +241,7 @@ def check_multi_lora_batched(ctx: Ctx, dtype: str, tenants: int = 4) -> str:
     rng = np.random.default_rng(1)
     ops = []
     for i in range(tenants):
-        engine._create_model(_spec(f"m{i}", dtype, rank=4 + 4 * i, seed=i), None, 1)
+        _create(engine, _spec(f"m{i}", dtype, rank=4 + 4 * i, seed=i))
         vocab = engine.models[f"m{i}"].cfg.vocab_size
         data = tuple(_sft_datum(rng, int(rng.integers(6, 24)), vocab) for _ in range(2))
         ops.append(ForwardBackwardOp(data, "cross_entropy", {}))
@@ -302,7 +311,7 @@ def check_inflight_spans(ctx: Ctx, dtype: str) -> str:
     """A ``latest`` request running across an in-flight SyncWeights reports two
     version spans; a pinned one stays on its version."""
     engine = _engine(ctx, dtype)
-    engine._create_model(_spec("m", dtype), None, 1)
+    _create(engine, _spec("m", dtype))
     prompt = np.arange(5, 17)
     op = SampleOp(prompt, 2, SamplingConfig(max_tokens=12, seed=7, ignore_eos=True))
     latest = _sample(engine, SamplerTarget("tiny", "m"), op)
@@ -317,9 +326,11 @@ def check_inflight_spans(ctx: Ctx, dtype: str) -> str:
     model = engine.models["m"]
     rng = np.random.default_rng(2)
     data = (_sft_datum(rng, 20, model.cfg.vocab_size),)
-    engine._apply(model, 1, ForwardBackwardOp(data, "cross_entropy", {}))
-    engine._apply(model, 2, OptimStepOp(AdamConfig(learning_rate=5e-2)))
-    engine._apply(model, 3, SyncWeightsOp(inflight=True))  # swaps at once: no sampler thread
+    engine.executor.apply(model, 1, ForwardBackwardOp(data, "cross_entropy", {}))
+    engine.executor.apply(model, 2, OptimStepOp(AdamConfig(learning_rate=5e-2)))
+    engine.executor.apply(
+        model, 3, SyncWeightsOp(inflight=True)
+    )  # swaps at once: no sampler thread
     a, b = _drive(engine, [latest, pinned])
     for s in a.sequences:
         assert s.versions == ((0, 4, 0), (4, 8, 1)), s.versions

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 import torch
 
-from treadle.errors import InvalidArgumentError
+from treadle.errors import InternalError, InvalidArgumentError
 from treadle.workers import batching, trainer
-from treadle.workers import engine as engine_mod
+from treadle.workers import ordered_executor as engine_mod
 from treadle.workers.base_models import BaseModel, BaseModelRegistry
 from treadle.workers.batching import BatchCall, run_batch
 from treadle.workers.domain import (
@@ -325,13 +325,13 @@ def test_a_call_that_fails_in_its_backward_keeps_the_earlier_gradients(
     engine.models["m0"] = m0
     engine.scheduler.add_model("m0", "t0", 1)
     fut: Any = engine.submit("m0", 1, op, "d")
-    engine._drain_inbox()
-    engine._execute_units(engine.scheduler.schedule(0.0).units)
-    with pytest.raises(engine_mod.InternalError):
+    report = engine.step(0.0)
+    assert [(c.model_id, c.seq_id, c.ran) for c in report.calls] == [("m0", 1, True)]
+    with pytest.raises(InternalError):
         fut.result(0)
     batch = [BatchCall(m0, op), BatchCall(m1, op)]
     run_batch(batch, lambda _: None)
-    assert all(isinstance(c.outcome, engine_mod.InternalError) for c in batch)
+    assert all(isinstance(c.outcome, InternalError) for c in batch)
     monkeypatch.undo()
     _assert_grads(_snapshot_grads([m0, m1]), before)
     trainer.forward_backward(m0, op)  # and accumulation goes on from there
@@ -368,9 +368,10 @@ def test_training_threads_are_chosen_per_call_and_restored(
             engine.scheduler.add_model("m0", "t0", 1)
             futures = [engine.submit("m0", 1, bad, "bad")]
             futures += [engine.submit("m0", i, op, str(i)) for i in range(2, 6)]
-            engine._drain_inbox()
+            ran = [c.seq_id for c in engine.step(0.0).calls]
             while engine.scheduler.has_ready_work():
-                engine._execute_units(engine.scheduler.schedule(0.0).units)
+                ran += [c.seq_id for c in engine.step(0.0).calls]
+            assert ran == [1, 2, 3, 4, 5]
             with pytest.raises(InvalidArgumentError):
                 futures[0].result(0)
             for fut in futures[1:]:

@@ -17,8 +17,11 @@ from treadle.workers.domain import (
     DatumData,
     ForwardBackwardOp,
     ForwardLogprobsOp,
+    ForwardResult,
     ModelSpec,
+    OpResult,
     OptimStepOp,
+    OrderedOp,
     SampleOp,
     SampleResult,
     SamplerTarget,
@@ -35,18 +38,27 @@ torch.set_num_threads(1)
 @pytest.fixture()
 def engine(tiny_model_dir: Path) -> Engine:
     eng = Engine(EngineConfig(base_models={"tiny": tiny_model_dir}, sampler_slots=8))
-    eng._create_model(ModelSpec("m", "t", "tiny", 4, 8.0, 3, "float32"), None, 1)
+    fut = eng.create_model(ModelSpec("m", "t", "tiny", 4, 8.0, 3, "float32"))
+    eng.step(between_calls=False)
+    fut.result(timeout=0)
     return eng
 
 
-def _train_step(engine: Engine, seq_id: int) -> int:
+def _apply(engine: Engine, op: OrderedOp) -> OpResult:
+    """Run one ordered call on model m now, at its next seq_id, without a sampler step."""
+    seq_id = engine.model_status("m").next_seq_id
+    fut = engine.submit("m", seq_id, op, f"d{seq_id}")
+    report = engine.step(between_calls=False)
+    assert [(c.seq_id, c.ran) for c in report.calls] == [(seq_id, True)]
+    return fut.result(timeout=0)
+
+
+def _train_step(engine: Engine) -> None:
     """One forward_backward + optim_step on model m (large lr: the weights move)."""
-    model = engine.models["m"]
     toks = np.arange(3, 27)
     datum = DatumData(toks[:-1], {"target_tokens": toks[1:], "weights": np.ones(23, np.float32)})
-    engine._apply(model, seq_id, ForwardBackwardOp((datum,), "cross_entropy", {}))
-    engine._apply(model, seq_id + 1, OptimStepOp(AdamConfig(learning_rate=5e-2)))
-    return seq_id + 2
+    _apply(engine, ForwardBackwardOp((datum,), "cross_entropy", {}))
+    _apply(engine, OptimStepOp(AdamConfig(learning_rate=5e-2)))
 
 
 def _sampler(engine: Engine) -> TorchSampler:
@@ -57,17 +69,18 @@ def _sampler(engine: Engine) -> TorchSampler:
 def _submit(
     engine: Engine, target: SamplerTarget, op: SampleOp, seen: list | None = None
 ) -> Future[SampleResult]:
-    fut: Future[SampleResult] = Future()
     cb = None if seen is None else (lambda i, s, _t: seen.append((i, s)))
-    engine._admit_sample(target, op, fut, cb)
+    fut = engine.sample(target, op, on_sequence=cb)
+    engine.step(between_calls=False)  # admitted, not stepped
     return fut
 
 
-def _logprobs(engine: Engine, seq_id: int, prompt: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+def _logprobs(engine: Engine, prompt: np.ndarray, tokens: np.ndarray) -> np.ndarray:
     """The trainer's logprobs of ``tokens`` after ``prompt`` under model m's current weights."""
     full = np.concatenate([prompt, tokens])
     datum = DatumData(full[:-1], {"target_tokens": full[1:]})
-    res = engine._apply(engine.models["m"], seq_id, ForwardLogprobsOp((datum,)))
+    res = _apply(engine, ForwardLogprobsOp((datum,)))
+    assert isinstance(res, ForwardResult)
     return np.asarray(res.logprobs[0])[prompt.size - 1 :]
 
 
@@ -86,11 +99,9 @@ def test_inflight_update_switches_running_latest_rows(engine: Engine) -> None:
     while not latest_rows() or len(latest_rows()[0].tokens) < 4:
         sampler.step()  # one decode step: one token per running row
     assert [len(r.tokens) for r in latest_rows()] == [4, 4]
-    seq = 1
-    lp_v0 = [_logprobs(engine, seq, prompt, np.asarray(r.tokens)) for r in latest_rows()]
-    seq = _train_step(engine, seq + 1)
-    engine._apply(engine.models["m"], seq, SyncWeightsOp(inflight=True))
-    seq += 1
+    lp_v0 = [_logprobs(engine, prompt, np.asarray(r.tokens)) for r in latest_rows()]
+    _train_step(engine)
+    _apply(engine, SyncWeightsOp(inflight=True))
     while sampler.has_work():
         sampler.step()
     for s in f_latest.result().sequences:
@@ -115,8 +126,8 @@ def test_plain_sync_leaves_running_rows_on_their_version(engine: Engine) -> None
     fut = _submit(engine, SamplerTarget("tiny", "m"), op)
     sampler = _sampler(engine)
     sampler.step()
-    seq = _train_step(engine, 1)
-    engine._apply(engine.models["m"], seq, SyncWeightsOp())
+    _train_step(engine)
+    _apply(engine, SyncWeightsOp())
     later = _submit(engine, SamplerTarget("tiny", "m"), op)
     while sampler.has_work():
         sampler.step()
@@ -127,8 +138,8 @@ def test_plain_sync_leaves_running_rows_on_their_version(engine: Engine) -> None
 def test_inflight_update_reaches_queued_and_prefilling_requests(engine: Engine) -> None:
     op = SampleOp(np.arange(5, 12), 1, SamplingConfig(max_tokens=3, seed=1, ignore_eos=True))
     fut = _submit(engine, SamplerTarget("tiny", "m"), op)  # queued, not stepped yet
-    seq = _train_step(engine, 1)
-    engine._apply(engine.models["m"], seq, SyncWeightsOp(inflight=True))
+    _train_step(engine)
+    _apply(engine, SyncWeightsOp(inflight=True))
     sampler = _sampler(engine)
     while sampler.has_work():
         sampler.step()
@@ -168,8 +179,8 @@ def _drive(engine: Engine, fut: Future[SampleResult]) -> SampleResult:
 
 
 def _resume(engine: Engine, target: SamplerTarget, handles: list[str], params: SamplingConfig):
-    fut: Future[SampleResult] = Future()
-    engine._admit_resume(target, tuple(handles), params, fut)
+    fut = engine.resume(target, handles, params)
+    engine.step(between_calls=False)  # admitted, not stepped
     return fut
 
 
@@ -182,8 +193,8 @@ def test_a_resumed_partial_rollout_continues_the_same_sequence(engine: Engine) -
         assert s.stop_reason == "partial" and s.resume_handle
         assert s.tokens.size == 5 and s.versions == ((0, 5, 0),)
     # the trainer moves on and publishes v1; the resumed rows continue under it
-    seq = _train_step(engine, 1)
-    engine._apply(engine.models["m"], seq, SyncWeightsOp())
+    _train_step(engine)
+    _apply(engine, SyncWeightsOp())
     handles = [s.resume_handle for s in first.sequences]
     params = SamplingConfig(max_tokens=12, seed=4, ignore_eos=True)
     done = _drive(engine, _resume(engine, latest, handles, params))
@@ -196,7 +207,7 @@ def test_a_resumed_partial_rollout_continues_the_same_sequence(engine: Engine) -
         assert whole.versions == ((0, 5, 0), (5, 7, 1))
         # the continuation was prefilled and sampled under v1: the trainer's v1
         # logprobs of the whole sequence agree on its tokens
-        ref = _logprobs(engine, seq + 1, prompt, whole.tokens)
+        ref = _logprobs(engine, prompt, whole.tokens)
         np.testing.assert_allclose(whole.logprobs[5:], ref[5:], atol=2e-4)
 
 

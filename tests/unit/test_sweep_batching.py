@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from treadle.workers import engine as engine_mod
+from treadle.workers import ordered_executor as engine_mod
 from treadle.workers import sampler as sampler_mod
 from treadle.workers.base_models import BaseModelRegistry
 from treadle.workers.domain import (
