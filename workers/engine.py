@@ -39,7 +39,7 @@ from treadle.errors import (
     TreadleError,
     UnavailableError,
 )
-from treadle.workers import checkpoint, device, export, reference, trainer
+from treadle.workers import checkpoint, device, export, memory_budget, reference, trainer
 from treadle.workers.base_models import BaseModel, BaseModelRegistry, parse_dtype
 from treadle.workers.batching import BatchCall, batch_key, batchable, run_batch
 from treadle.workers.call_stats import CallStats
@@ -101,7 +101,8 @@ class EngineConfig:
     sampler_options: Mapping[str, Any] = field(default_factory=dict)
     gap_timeout_s: float = 60.0
     keep_versions: int = 4
-    sampler_slots: int = 64
+    sampler_slots: int = 0  # 0: sized by memory (``workers.memory_budget``)
+    kv_cache_memory_fraction: float = 0.0  # of free memory, for sampler_slots 0; 0: default
     sampler_max_len: int = 1024
     sampler_prefill_slots: int = 8  # prompts prefilled at once, kept for prefix reuse
     sampler_max_prefill_tokens: int = 512  # prompt tokens computed per step, at most
@@ -390,6 +391,7 @@ class Engine:
     ) -> ModelStatus:
         if spec.model_id in self.models:
             raise FailedPreconditionError(f"model {spec.model_id} already exists on this worker")
+        memory_budget.check_model(spec, self.bases, self.config.keep_versions)
         base = self.bases.get(spec.base_model, parse_dtype(spec.dtype))
         model = TrainingModel(
             spec,
@@ -673,6 +675,7 @@ class Engine:
             max_prefill_tokens=c.sampler_max_prefill_tokens,
             max_queued=c.sampler_max_queued,
             log_every_s=c.metrics_log_every_s,
+            kv_memory_fraction=c.kv_cache_memory_fraction,
         )
 
     def _admit_sample(
