@@ -48,7 +48,8 @@ class ServerConfig:
     gap_timeout_s: float = 60.0
     keep_versions: int = 4
     auto_checkpoint_steps: int = 0  # 0 = off; else checkpoint every N optimizer steps
-    sampler_slots: int = 64
+    sampler_slots: int = 0  # rows decoding together; 0 = sized by memory (--sampler-slots)
+    kv_cache_memory_fraction: float = 0.0  # of free memory, for sampler_slots 0; 0 = default
     sampler_max_len: int = 1024
     max_message_bytes: int = MAX_MESSAGE_BYTES
     max_tokens_per_call: int = 262_144

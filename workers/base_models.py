@@ -66,6 +66,11 @@ class BaseModelRegistry:
                 self._configs[name] = load_config(path)
             return self._configs[name]
 
+    def loaded(self, name: str, dtype: torch.dtype) -> bool:
+        """Whether ``name``'s weights in ``dtype`` are in memory already."""
+        with self._lock:
+            return (name, dtype) in self._loaded
+
     def get(self, name: str, dtype: torch.dtype) -> BaseModel:
         path = self.path(name)
         with self._lock:

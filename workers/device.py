@@ -106,6 +106,16 @@ def host_copies(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
+def upload(host: torch.Tensor, where: torch.device) -> torch.Tensor:
+    """``host`` (a CPU tensor the caller no longer changes) on ``where``, without the
+    host waiting for the device: on CUDA it is staged in pinned memory and copied
+    asynchronously, in stream order (a plain ``.to(device)`` of pageable memory
+    waits for the stream to drain first). On the CPU ``host`` itself."""
+    if where.type == "cpu":
+        return host
+    return host.pin_memory().to(where, non_blocking=True)
+
+
 def is_oom(err: BaseException) -> bool:
     """``err`` is the device running out of memory (CUDA's, or the allocator's)."""
     return isinstance(err, torch.OutOfMemoryError)

@@ -36,7 +36,7 @@ from treadle.errors import (
     TreadleError,
     UnavailableError,
 )
-from treadle.workers import checkpoint, device, export
+from treadle.workers import checkpoint, device, export, memory_budget
 from treadle.workers.base_models import BaseModel, BaseModelRegistry, parse_dtype
 from treadle.workers.domain import (
     ModelSpec,
@@ -358,6 +358,7 @@ class Engine:
     ) -> ModelStatus:
         if spec.model_id in self.models:
             raise FailedPreconditionError(f"model {spec.model_id} already exists on this worker")
+        memory_budget.check_model(spec, self.bases, self.config.keep_versions)
         base = self.bases.get(spec.base_model, parse_dtype(spec.dtype))
         model = TrainingModel(
             spec,
@@ -451,6 +452,7 @@ class Engine:
             max_prefill_tokens=c.sampler_max_prefill_tokens,
             max_queued=c.sampler_max_queued,
             log_every_s=c.metrics_log_every_s,
+            kv_memory_fraction=c.kv_cache_memory_fraction,
         )
 
     def _admit_sample(

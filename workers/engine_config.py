@@ -27,7 +27,8 @@ class EngineConfig:
     sampler_options: Mapping[str, Any] = field(default_factory=dict)
     gap_timeout_s: float = 60.0
     keep_versions: int = 4
-    sampler_slots: int = 64
+    sampler_slots: int = 0  # 0: sized by memory (``workers.memory_budget``)
+    kv_cache_memory_fraction: float = 0.0  # of free memory, for sampler_slots 0; 0: default
     sampler_max_len: int = 1024
     sampler_prefill_slots: int = 8  # prompts prefilled at once, kept for prefix reuse
     sampler_max_prefill_tokens: int = 512  # prompt tokens computed per step, at most

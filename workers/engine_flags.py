@@ -39,6 +39,7 @@ ENGINE_FIELDS = (
     "gap_timeout_s",
     "keep_versions",
     "sampler_slots",
+    "kv_cache_memory_fraction",
     "sampler_max_len",
     "max_tokens_per_call",
     "auto_checkpoint_steps",
@@ -125,7 +126,19 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
         "gradients would need more; 0 = the device's available memory",
     )
     parser.add_argument(
-        "--sampler-slots", type=int, default=int(env("TREADLE_SAMPLER_SLOTS", "64"))
+        "--sampler-slots",
+        type=int,
+        default=int(env("TREADLE_SAMPLER_SLOTS", "0")),
+        help="rows the torch sampler decodes together (its KV cache slots); 0 (default) = as "
+        "many as --kv-cache-memory-fraction of the device's free memory holds, at most 1024 "
+        "on a GPU and 64 on the CPU",
+    )
+    parser.add_argument(
+        "--kv-cache-memory-fraction",
+        type=float,
+        default=float(env("TREADLE_KV_CACHE_MEMORY_FRACTION", "0")),
+        help="share of the free device memory (on the CPU: available RAM) the torch sampler's "
+        "KV cache takes when --sampler-slots is 0; 0 (default) = 0.4 on a GPU, 0.25 on the CPU",
     )
     parser.add_argument(
         "--max-quantum-tokens",
@@ -215,6 +228,7 @@ def engine_settings(args: argparse.Namespace) -> dict[str, Any]:
         "keep_versions": args.keep_versions,
         "auto_checkpoint_steps": args.auto_checkpoint_steps,
         "sampler_slots": args.sampler_slots,
+        "kv_cache_memory_fraction": args.kv_cache_memory_fraction,
         "sampler_max_len": args.sampler_max_len,
         "max_quantum_tokens": args.max_quantum_tokens,
         "activation_checkpointing": args.activation_checkpointing,
@@ -253,7 +267,8 @@ def check_engine_settings(config: Any) -> None:
         ("sampler_threads", config.sampler_threads >= 0),
         ("gap_timeout_s", config.gap_timeout_s > 0),
         ("keep_versions", config.keep_versions >= 1),
-        ("sampler_slots", config.sampler_slots >= 1),
+        ("sampler_slots", config.sampler_slots >= 0),
+        ("kv_cache_memory_fraction", 0.0 <= config.kv_cache_memory_fraction < 1.0),
         ("sampler_max_len", config.sampler_max_len >= 2),
         ("max_tokens_per_call", config.max_tokens_per_call >= 1),
         ("auto_checkpoint_steps", config.auto_checkpoint_steps >= 0),

@@ -31,7 +31,9 @@ tokens whatever else shares the batch and whenever it is scheduled.
 Around the step, one module each: ``sampler_validation`` (what a request must
 satisfy), ``fair_queue`` (the order requests are admitted in), ``prefix_cache``
 (the staging slots and prefix reuse), ``prepack_policy`` (when decode runs on
-prepacked weights), ``partials`` (partial rollouts and their resumption).
+prepacked weights; the CPU only), ``partials`` (partial rollouts and their
+resumption), ``token_choice`` (tokens chosen on the device, one read per step),
+``memory_budget`` (the KV cache sized by free memory), ``step_window`` (rates).
 """
 
 from __future__ import annotations
@@ -40,7 +42,6 @@ import contextlib
 import logging
 import os
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 
@@ -50,11 +51,11 @@ from tokenizers import Tokenizer
 from torch import Tensor
 
 from treadle.errors import ResourceExhaustedError, TreadleError
+from treadle.workers import memory_budget
 from treadle.workers.base_models import BaseModel
 from treadle.workers.domain import SampleOp, SampleResult, SamplingConfig, SequenceResult
 from treadle.workers.fair_queue import FairQueue
 from treadle.workers.model import prepack
-from treadle.workers.model.kv_cache import KVCache
 from treadle.workers.model.llama import forward_hidden, lm_logits
 from treadle.workers.partials import PartialStore, gather, resume_op
 from treadle.workers.prefix_cache import PrefixCache
@@ -66,12 +67,16 @@ from treadle.workers.sampler_state import (
     SamplerLimits,
     SamplerStats,
     charge,
+    compact,
     lora_for,
     prefill_batches,
     sequence_of,
+    swap_weights,
 )
 from treadle.workers.sampler_validation import validate
-from treadle.workers.sampling import row_keys, row_uniforms, sample_tokens
+from treadle.workers.sampling import row_keys
+from treadle.workers.step_window import StepWindow, log_stats
+from treadle.workers.token_choice import choose, record, step_inputs, to_host
 from treadle.workers.versions import WeightSnapshot
 
 log = logging.getLogger("treadle.sampler")
@@ -95,29 +100,14 @@ class TorchSampler:
         self.max_len = lim.context_of(self.cfg)
         #: where the cache, the step's inputs and the sampling live: the weights' device
         self.device = base.params.device
-        try:
-            self.cache = KVCache(
-                self.cfg, lim.num_slots, self.max_len, dtype=base.dtype, device=self.device
-            )
-            stage = KVCache(
-                self.cfg,
-                max(1, lim.prefill_slots),
-                self.max_len,
-                dtype=base.dtype,
-                device=self.device,
-            )
-        except (RuntimeError, MemoryError) as err:  # torch.OutOfMemoryError too
-            raise ResourceExhaustedError(
-                f"sampler: cannot allocate the KV cache ({lim.num_slots} slots x "
-                f"{self.max_len} tokens): {err}"
-            ) from None
+        self.cache, stage = memory_budget.sampler_caches(base, lim, self.max_len)
         self.prefix = PrefixCache(stage)
         self.queue = FairQueue()
         self.prefilling: list[Request] = []
         self.running: list[Row] = []  # running[i].slot == i
         self.reserved = 0  # main slots promised to prefilling requests
         self.partials = PartialStore()
-        self.packing = PrepackPolicy(lim.prepack, lim.num_slots)
+        self.packing = PrepackPolicy(lim.prepack, self.cache.num_slots)
         tok_path = base.path / "tokenizer.json"
         self.tokenizer = Tokenizer.from_file(str(tok_path)) if tok_path.exists() else None
         self.eos_ids = frozenset(self.cfg.eos_token_ids)
@@ -127,7 +117,7 @@ class TorchSampler:
         self.prefix_reused_tokens = 0
         self.decode_steps = 0
         self._clock = 0
-        self._window: deque[tuple[float, int, int]] = deque()  # (time, tokens, rows)
+        self._window = StepWindow()
         self._last_log = time.monotonic()
 
     # ---- admission -----------------------------------------------------------------
@@ -237,38 +227,15 @@ class TorchSampler:
             self.submit(op, snapshot, sub, tenant, latest_of=latest_of, owner=owner, prefix=part)
 
     def swap_weights(self, snapshot: WeightSnapshot) -> int:
-        """An in-flight weight update (PipelineRL): every request following the
-        latest weights of ``snapshot.model_id`` continues under ``snapshot``.
-
-        Running rows decode their next token with it (their KV cache, computed
-        under the old weights, is kept); requests still prefilling take it after
-        their first token; queued ones prefill with it. Returns the running rows
-        switched.
-        """
-        model_id = snapshot.model_id
-        switched = 0
-        for row in self.running:
-            if row.request.latest_of == model_id and row.stop_reason is None:
-                row.snapshot = snapshot
-                switched += 1
-        for req in self.prefilling:
-            if req.latest_of == model_id:
-                req.swap_to = snapshot
-        for req in self.queue:
-            if req.latest_of == model_id:
-                req.snapshot = snapshot
-        return switched
+        """An in-flight weight update (PipelineRL): ``sampler_state.swap_weights``;
+        the running rows switched."""
+        return swap_weights(self.running, self.prefilling, self.queue, snapshot)
 
     def has_work(self) -> bool:
         return bool(self.queue or self.prefilling or self.running)
 
     def stats(self) -> SamplerStats:
         window = self._window
-        rows = sum(r for _, _, r in window)
-        steps = len(window)
-        rate = 0.0
-        if steps > 1 and time.monotonic() - window[-1][0] < 5.0:
-            rate = (window[-1][1] - window[0][1]) / max(window[-1][0] - window[0][0], 1e-9)
         return SamplerStats(
             running_rows=len(self.running),
             queued_requests=len(self.queue),
@@ -279,11 +246,11 @@ class TorchSampler:
             prompt_tokens=self.prompt_tokens,
             prefix_reused_tokens=self.prefix_reused_tokens,
             decode_steps=self.decode_steps,
-            tokens_per_s=rate,
-            occupancy=rows / (steps * self.cache.num_slots) if steps else 0.0,
+            tokens_per_s=window.tokens_per_s(),
+            occupancy=window.occupancy(self.cache.num_slots),
             base_model=self.base.name,
             dtype=str(self.base.dtype).removeprefix("torch."),
-            last_step_at=window[-1][0] if window else 0.0,
+            last_step_at=window.last_step_at(),
         )
 
     def fail_all(self, error: TreadleError) -> None:
@@ -423,9 +390,12 @@ class TorchSampler:
     # ---- decode ------------------------------------------------------------------------
 
     def _decode(self) -> None:
+        """Every running row advances one token: a forward per set of base weights,
+        each sampled on the device, then one read of all their tokens (``token_choice``)."""
         groups: dict[int, list[Row]] = {}
         for row in self.running:
             groups.setdefault(id(row.snapshot.params), []).append(row)
+        chosen: list[tuple[list[Row], Tensor, Tensor]] = []
         for rows in groups.values():
             params = rows[0].snapshot.params
             tokens = [r.next_input for r in rows]
@@ -446,93 +416,55 @@ class TorchSampler:
             packed = prepack.decoding() if packs else contextlib.nullcontext()
             with packed:
                 lora = lora_for(adapters)
-                dev = self.device
+                tokens_B_1, positions_B_1, slots_B, span = step_inputs(
+                    tokens, positions, slots, self.device
+                )
                 hidden_B_1_H = forward_hidden(
                     self.cfg,
                     params,
-                    torch.tensor(tokens, device=dev)[:, None],
-                    torch.tensor(positions, device=dev)[:, None],
+                    tokens_B_1,
+                    positions_B_1,
                     lora=lora,
                     cache=self.cache,
-                    slots_B=torch.tensor(slots, device=dev),
+                    slots_B=slots_B,
                     kv_len=max(positions) + 1,  # known here: no device read
+                    slot_span=span,
                 )
                 logits_B_V = lm_logits(self.cfg, params, hidden_B_1_H[:, -1], lora=lora)
                 logits_B_V = logits_B_V[: len(rows)]
             for r in rows:
                 r.position += 1
             charge([(r.request, 1) for r in rows], time.perf_counter() - t0)
-            self._emit(rows, logits_B_V)
+            chosen.append((rows, *choose(rows, logits_B_V)))
+        tokens_N, logprobs_N = to_host([c[1] for c in chosen], [c[2] for c in chosen])
+        done = 0
+        for rows, _, _ in chosen:
+            n = len(rows)
+            record(rows, tokens_N[done : done + n], logprobs_N[done : done + n], *self._recorders)
+            done += n
+        self.tokens_generated += done
         self.decode_steps += 1
-        self._window.append((time.monotonic(), self.tokens_generated, len(self.running)))
-        while len(self._window) > 64:
-            self._window.popleft()
+        self._window.record(self.tokens_generated, len(self.running))
         self._compact()
 
     # ---- choosing tokens -----------------------------------------------------------------
 
+    @property
+    def _recorders(self) -> tuple[PartialStore, Tokenizer | None]:
+        return self.partials, self.tokenizer
+
     def _emit(self, rows: Sequence[Row], logits_B_V: Tensor) -> None:
         """Choose one token per row, record it, and mark rows that stop."""
-        params = [r.request.op.params for r in rows]
-        uniforms_B = row_uniforms(
-            np.array([r.key for r in rows], dtype=np.uint64),
-            np.array([len(r.tokens) for r in rows], dtype=np.uint64),
-        )
-        tokens_B, logprobs_B = sample_tokens(
-            logits_B_V,
-            [p.temperature for p in params],
-            [p.top_k for p in params],
-            [p.top_p for p in params],
-            uniforms_B,
-        )
-        # one copy to the host per step (token ids are exact in float64); the stop
-        # checks below read it, not the device
-        host_2_B = torch.stack([tokens_B.to(torch.float64), logprobs_B.to(torch.float64)]).cpu()
-        tokens, logprobs = [int(t) for t in host_2_B[0].tolist()], host_2_B[1].tolist()
-        for row, p, tok, lp in zip(rows, params, tokens, logprobs, strict=True):
-            row.tokens.append(tok)
-            row.logprobs.append(lp)
-            row.versions.append(row.snapshot.version)
-            row.next_input = tok
-            if tok in row.request.stop_ids:  # EOS (unless ignore_eos) or a stop token id
-                row.stop_reason = "stop_token" if tok in p.stop_token_ids else "stop"
-            elif p.stop_strings and self._hit_stop_string(row):
-                row.stop_reason = "stop_string"
-            elif len(row.tokens) >= p.max_tokens:
-                row.stop_reason = "length"
-            elif p.token_budget and len(row.tokens) >= p.token_budget:
-                row.stop_reason = "partial"
-                row.handle = self.partials.keep(row)
+        tokens_B, logprobs_B = choose(rows, logits_B_V)
+        tokens, logprobs = to_host([tokens_B], [logprobs_B])
+        record(rows, tokens, logprobs, *self._recorders)
         self.tokens_generated += len(rows)
 
-    def _hit_stop_string(self, row: Row) -> bool:
-        stops = row.request.op.params.stop_strings
-        if self.tokenizer is None:
-            return False
-        longest = max(len(s) for s in stops)
-        tail = self.tokenizer.decode(row.tokens[-(longest + 1) :], skip_special_tokens=False)
-        return any(s in tail for s in stops)
-
     def _compact(self) -> None:
-        """Drop finished rows; move rows from the end into the holes they leave.
-
-        Keeps ``running[i].slot == i``: the next decode reads slots ``0..n-1``
-        in place. One batched copy moves every displaced row.
-        """
+        """Drop finished rows (``sampler_state.compact``) and resolve what they end."""
         if all(r.stop_reason is None for r in self.running):
             return
-        done = [r for r in self.running if r.stop_reason is not None]
-        live = [r for r in self.running if r.stop_reason is None]
-        n = len(live)
-        holes = sorted(r.slot for r in done if r.slot < n)
-        movers = [r for r in live if r.slot >= n]
-        if movers:
-            length = max(r.position for r in movers)
-            self.cache.move([r.slot for r in movers], holes, length)
-            for r, hole in zip(movers, holes, strict=True):
-                r.slot = hole
-        live.sort(key=lambda r: r.slot)
-        self.running = live
+        self.running, done = compact(self.running, self.cache)
         self._report(done)
         for req in {id(r.request): r.request for r in done}.values():
             if all(r.stop_reason is not None for r in req.rows):
@@ -558,20 +490,6 @@ class TorchSampler:
 
     def _maybe_log(self) -> None:
         now = time.monotonic()
-        if now - self._last_log < self.limits.log_every_s:
-            return
-        self._last_log = now
-        s = self.stats()
-        log.info(
-            "sampler %s: %.1f tok/s, %d/%d slots decoding (occupancy %.0f%%), "
-            "%d prefilling, %d queued, %d tokens generated, %d prefix tokens reused",
-            self.base.name,
-            s.tokens_per_s,
-            s.running_rows,
-            s.num_slots,
-            100 * s.occupancy,
-            s.prefilling_requests,
-            s.queued_requests,
-            s.tokens_generated,
-            s.prefix_reused_tokens,
-        )
+        if now - self._last_log >= self.limits.log_every_s:
+            self._last_log = now
+            log_stats(self.stats())

@@ -5,15 +5,15 @@ pure helpers over them (``workers.sampler`` steps them)."""
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import numpy as np
-import torch
 
 from treadle.workers.domain import SampleOp, SampleResult, SequenceResult, version_spans
 from treadle.workers.model.config import ModelConfig
+from treadle.workers.model.kv_cache import KVCache
 from treadle.workers.model.llama import LlamaParams
 from treadle.workers.model.lora import LoraAdapter, LoraRows
 from treadle.workers.versions import WeightSnapshot
@@ -23,8 +23,9 @@ from treadle.workers.versions import WeightSnapshot
 class SamplerLimits:
     """Sizes of one sampler (one per base model and dtype).
 
-    ``num_slots`` rows decode together at most (the batch); ``max_len`` is the
-    context; ``prefill_slots`` prompts prefill at once and stay cached for
+    ``num_slots`` rows decode together at most (the batch; 0: as many as
+    ``kv_memory_fraction`` of the device's free memory holds, ``workers.memory_budget``);
+    ``max_len`` is the context; ``prefill_slots`` prompts prefill at once and stay cached for
     prefix reuse; ``max_prefill_tokens`` caps prompt tokens computed per step
     (so a decode step is never delayed by more than that much prefill);
     ``max_queued`` requests wait at most, beyond that RESOURCE_EXHAUSTED.
@@ -36,6 +37,9 @@ class SamplerLimits:
     max_prefill_tokens: int = 512
     max_queued: int = 4096
     log_every_s: float = 30.0
+    #: share of free device memory an auto-sized (``num_slots`` 0) KV cache takes
+    #: (0: the device's default, ``memory_budget.DEFAULT_FRACTION``)
+    kv_memory_fraction: float = 0.0
     #: decode with weights prepacked for ``num_slots`` rows (fp32, or bf16 where the
     #: CPU multiplies it natively; a second copy of the weights of each of the last
     #: ``prepack_policy.MAX_PACKED`` versions decoded)
@@ -217,4 +221,54 @@ def lora_for(adapters: Sequence[LoraAdapter | None]) -> LoraAdapter | LoraRows |
         return None
     if len(unique) == 1 and -1 not in row_ids:
         return unique[0]
-    return LoraRows(unique, torch.tensor(row_ids))
+    return LoraRows(unique, row_ids)  # host ids: no device read to build it
+
+
+def swap_weights(
+    running: Sequence[Row],
+    prefilling: Sequence[Request],
+    queue: Iterable[Request],
+    snapshot: WeightSnapshot,
+) -> int:
+    """An in-flight weight update (PipelineRL): every request following the
+    latest weights of ``snapshot.model_id`` continues under ``snapshot``.
+
+    Running rows decode their next token with it (their KV cache, computed
+    under the old weights, is kept); requests still prefilling take it after
+    their first token; queued ones prefill with it. Returns the running rows
+    switched.
+    """
+    model_id = snapshot.model_id
+    switched = 0
+    for row in running:
+        if row.request.latest_of == model_id and row.stop_reason is None:
+            row.snapshot = snapshot
+            switched += 1
+    for req in prefilling:
+        if req.latest_of == model_id:
+            req.swap_to = snapshot
+    for req in queue:
+        if req.latest_of == model_id:
+            req.snapshot = snapshot
+    return switched
+
+
+def compact(running: Sequence[Row], cache: KVCache) -> tuple[list[Row], list[Row]]:
+    """The running rows without the finished ones, and the finished ones; rows from
+    the end move into the holes the finished leave.
+
+    Keeps ``running[i].slot == i``: the next decode reads slots ``0..n-1`` in
+    place. One batched copy moves every displaced row's KV.
+    """
+    done = [r for r in running if r.stop_reason is not None]
+    live = [r for r in running if r.stop_reason is None]
+    n = len(live)
+    holes = sorted(r.slot for r in done if r.slot < n)
+    movers = [r for r in live if r.slot >= n]
+    if movers:
+        length = max(r.position for r in movers)
+        cache.move([r.slot for r in movers], holes, length)
+        for r, hole in zip(movers, holes, strict=True):
+            r.slot = hole
+    live.sort(key=lambda r: r.slot)
+    return live, done

@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from treadle.workers.device import upload
+
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 
 
@@ -63,23 +65,24 @@ def sample_tokens(
     logits = logits_B_V.float()
     temps = [t if t > 0 else 1.0 for t in temperatures]
     if any(t != 1.0 for t in temps):
-        logits = logits / torch.tensor(temps, dtype=logits.dtype, device=logits.device)[:, None]
+        logits = logits / upload(torch.tensor(temps, dtype=logits.dtype), logits.device)[:, None]
     probs_B_V = torch.softmax(logits, dim=-1)
     truncate = [b for b in range(B) if (0 < top_ks[b] < V) or top_ps[b] < 1.0]
     weights_B_V = probs_B_V
     if truncate:
         weights_B_V = probs_B_V.clone()
-        rows = torch.tensor(truncate, device=logits.device)
+        rows = upload(torch.tensor(truncate), logits.device)
         weights_B_V[rows] = _truncate(
             probs_B_V[rows],
             probs_B_V[rows].sum(-1, dtype=torch.float64),
             [top_ks[b] for b in truncate],
             [top_ps[b] for b in truncate],
         )
-    tokens_B = _inverse_cdf(weights_B_V, uniforms_B.to(device=logits.device))
+    tokens_B = _inverse_cdf(weights_B_V, upload(uniforms_B, logits.device))
     greedy = [b for b in range(B) if temperatures[b] <= 0]
     if greedy:
-        tokens_B[greedy] = logits_B_V[greedy].argmax(-1)
+        rows_G = upload(torch.tensor(greedy), logits.device)
+        tokens_B[rows_G] = logits_B_V[rows_G].argmax(-1)
     logprobs_B = probs_B_V.gather(-1, tokens_B[:, None]).squeeze(-1).log()
     return tokens_B, logprobs_B
 
@@ -123,9 +126,9 @@ def _truncate(
     R, V = probs_R_V.shape
     sorted_R_V, _ = torch.sort(probs_R_V, dim=-1, descending=True)
     dev = probs_R_V.device  # every tensor of the step on the logits' device
-    ks = torch.tensor([k if 0 < k < V else V for k in top_ks], device=dev)
+    ks = upload(torch.tensor([k if 0 < k < V else V for k in top_ks]), dev)
     keep_R_V = torch.arange(V, device=dev)[None, :] < ks[:, None]
-    ps = torch.tensor(list(top_ps), dtype=torch.float64, device=dev)
+    ps = upload(torch.tensor(list(top_ps), dtype=torch.float64), dev)
     if any(p < 1.0 for p in top_ps):  # decided on the host: no device read
         cum_before_R_V = sorted_R_V.cumsum(-1, dtype=torch.float64) - sorted_R_V
         keep_R_V &= cum_before_R_V < (ps * total_R)[:, None]

@@ -42,7 +42,7 @@ import traceback
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -640,4 +640,6 @@ def _sequence_of(row: _Row) -> SequenceResult:
 
 
 def make_vllm_backend(limits: SamplerLimits, options: dict[str, Any]) -> VllmBackend:
+    # vLLM sizes its own KV cache (gpu_memory_utilization): slots "auto" = 64 sequences
+    limits = limits if limits.num_slots else replace(limits, num_slots=64)
     return VllmBackend(limits, VllmSettings.from_options(dict(options)))

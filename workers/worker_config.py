@@ -47,7 +47,8 @@ class WorkerConfig:
     default_dtype: str = "float32"
     gap_timeout_s: float = 60.0
     keep_versions: int = 4
-    sampler_slots: int = 64
+    sampler_slots: int = 0  # as ServerConfig's
+    kv_cache_memory_fraction: float = 0.0  # as ServerConfig's
     sampler_max_len: int = 1024
     max_tokens_per_call: int = 262_144
     activation_checkpointing: bool = False  # as ServerConfig's

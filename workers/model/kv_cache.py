@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from treadle.errors import InvalidArgumentError
+from treadle.workers.device import upload
 from treadle.workers.model.config import ModelConfig
 
 
@@ -125,8 +126,8 @@ class KVCache:
         """
         if not src_slots or length <= 0:
             return
-        src = torch.as_tensor(list(src_slots), dtype=torch.long, device=self.device)
-        dst = torch.as_tensor(list(dst_slots), dtype=torch.long, device=self.device)
+        src = upload(torch.tensor(list(src_slots), dtype=torch.long), self.device)
+        dst = upload(torch.tensor(list(dst_slots), dtype=torch.long), self.device)
         for cache in (self.k_L_S_H_T_D, self.v_L_S_H_T_D):
             cache[:, dst, :, :length] = cache[:, src, :, :length]
 

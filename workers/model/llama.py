@@ -382,6 +382,7 @@ def forward_hidden(
     slots_B: Tensor | None = None,
     checkpoint_layers: bool = False,
     kv_len: int | None = None,
+    slot_span: slice | None = None,
 ) -> Tensor:
     """Final-norm hidden states ``[B, T, H]`` of ``tokens_B_T``.
 
@@ -407,7 +408,9 @@ def forward_hidden(
     activations instead of all of them.
 
     ``kv_len`` (with ``cache``): ``positions_B_T.max() + 1`` when the caller
-    knows it on the host, so a GPU step does not wait to read it back.
+    knows it on the host, so a GPU step does not wait to read it back;
+    ``slot_span``: ``slots_B`` as a slice when the caller knows them consecutive
+    (attention reads the cache in place, with no device read to find out).
     """
     B, T = tokens_B_T.shape
     if positions_B_T is None:
@@ -439,7 +442,7 @@ def forward_hidden(
             positions_B_T,
             kv_len,
             mask_B_1_T_L,
-            _slot_span(slots_B),
+            slot_span if slot_span is not None else _slot_span(slots_B),
             cache.flat_index(slots_B, positions_B_T),
         )
 

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from treadle.errors import InvalidArgumentError
+from treadle.workers.device import upload
 from treadle.workers.model.config import ModelConfig
 from treadle.workers.model.llama import LlamaParams
 from treadle.workers.model.low_rank import low_rank_add
@@ -324,8 +325,15 @@ class LoraRows:
 
     DENSE_MAX_RANK = 256
 
-    def __init__(self, adapters: Sequence[LoraAdapter], row_adapter_B: Tensor) -> None:
-        ids = [int(i) for i in row_adapter_B.tolist()]
+    def __init__(
+        self, adapters: Sequence[LoraAdapter], row_adapter_B: Tensor | Sequence[int]
+    ) -> None:
+        # the ids as host ints (a list given stays on the host: no device read)
+        if isinstance(row_adapter_B, Tensor):
+            ids = [int(i) for i in row_adapter_B.tolist()]
+        else:
+            ids = [int(i) for i in row_adapter_B]
+            row_adapter_B = torch.tensor(ids, dtype=torch.long)
         bad = [i for i in ids if not -1 <= i < len(adapters)]
         if bad:
             raise InvalidArgumentError(
@@ -342,9 +350,8 @@ class LoraRows:
                 self.groups.append((self.adapters[adapter_id], None))
             else:
                 # on the adapter's device (the row ids may be a host tensor)
-                idx = torch.tensor(
-                    rows, dtype=torch.long, device=_device_of(self.adapters[adapter_id])
-                )
+                where = _device_of(self.adapters[adapter_id])
+                idx = upload(torch.tensor(rows, dtype=torch.long), where)
                 self.groups.append((self.adapters[adapter_id], idx))
         self._masks: dict[tuple[int, ...], Tensor] = {}
         self.segments = self._equal_segments(ids)
@@ -398,7 +405,7 @@ class LoraRows:
         scales = [a.scale for a in adapters]
         scale: float | Tensor = scales[0]
         if len(set(scales)) > 1:
-            scale = torch.tensor(scales, dtype=y_B_T_O.dtype, device=y_B_T_O.device).view(n, 1, 1)
+            scale = upload(torch.tensor(scales, dtype=y_B_T_O.dtype), y_B_T_O.device).view(n, 1, 1)
         out = low_rank_add(
             y_B_T_O.reshape(n, -1, out_dim),
             x_B_T_I.reshape(n, -1, x_B_T_I.shape[-1]),
@@ -432,7 +439,7 @@ class LoraRows:
             for b, i in enumerate(self.row_ids):
                 if i in cols:
                     mask[b, :, cols[i][0] : cols[i][1]] = self.adapters[i].scale
-            mask = mask.to(dtype=like.dtype, device=like.device)
+            mask = upload(mask.to(dtype=like.dtype), like.device)
             self._masks[present] = mask
         return mask
 

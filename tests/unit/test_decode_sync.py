@@ -1,0 +1,112 @@
+"""The torch sampler's decode step reads the device once per step.
+
+On CUDA every read of a device value (``.cpu()``, ``.tolist()``, ``.item()``,
+``bool()``/``int()`` of a tensor, ``torch.equal``) makes the host wait for the
+GPU. The step must choose every row's token on the device and read all of them
+back in one copy, whatever the batch mixes (several sets of base weights, LoRA
+rows beside base rows, greedy and truncated sampling). The same code runs on
+the CPU, so the reads are counted here, on the CPU, with a torch function mode;
+reads of the step's own host copy (its values once on the host) are not device
+reads and are not counted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch.overrides import TorchFunctionMode
+
+from treadle.workers.base_models import BaseModelRegistry
+from treadle.workers.domain import SampleOp, SampleResult, SamplingConfig
+from treadle.workers.model.lora import LoraAdapter
+from treadle.workers.sampler import TorchSampler
+from treadle.workers.sampler_state import SamplerLimits
+from treadle.workers.versions import WeightSnapshot
+
+torch.set_num_threads(1)
+
+#: the tensor methods and functions that read a value back to the host
+READS = frozenset(
+    {"cpu", "tolist", "item", "numpy", "__bool__", "__int__", "__float__", "__index__", "equal"}
+)
+
+
+class DeviceReads(TorchFunctionMode):
+    """Counts host reads of tensors, except of tensors that already are a read's
+    result (or views and conversions of one: the host copy)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads: list[str] = []
+        self._host: dict[int, torch.Tensor] = {}
+
+    def __torch_function__(
+        self, func: Callable[..., Any], types: Any, args: Any = (), kwargs: Any = None
+    ) -> Any:
+        out = func(*args, **(kwargs or {}))
+        name = getattr(func, "__name__", "")
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        from_host = any(id(t) in self._host for t in tensors)
+        # ``.to("cpu")`` reads back; ``.to(device)`` moves to the step's own device
+        # (a no-op there), which on the CPU cannot be told from a read: not counted
+        to_cpu = name == "to" and "cpu" in [*args[1:], (kwargs or {}).get("device")]
+        if (name in READS or to_cpu) and not from_host:
+            self.reads.append(name)
+        if isinstance(out, torch.Tensor) and (from_host or name in READS or to_cpu):
+            self._host[id(out)] = out  # kept alive so the id is not reused
+        return out
+
+
+def test_a_decode_step_reads_the_device_once(tiny_model_dir: Path) -> None:
+    base = BaseModelRegistry({"tiny": tiny_model_dir}).get("tiny", torch.float32)
+    limits = SamplerLimits(num_slots=16, max_len=96, prepack=False)  # prepacking: the CPU only
+    sampler = TorchSampler(base, limits=limits)
+    adapter = LoraAdapter(base.cfg, 4, 8.0, seed=1, requires_grad=False)
+    for b in adapter.b:  # a non-zero update, so the LoRA rows differ from the base ones
+        for t in b.values():
+            t.normal_(0, 0.05)
+    snapshots = [
+        WeightSnapshot(None, 0, base.params, None),  # base rows
+        WeightSnapshot("lora", 1, base.params, adapter),  # LoRA rows in the same forward
+        WeightSnapshot("full", 2, base.params.clone(), None),  # other weights: another forward
+    ]
+    params = [
+        SamplingConfig(max_tokens=40, seed=1, ignore_eos=True),
+        SamplingConfig(max_tokens=40, seed=2, ignore_eos=True, top_k=5, top_p=0.9),
+        SamplingConfig(max_tokens=40, temperature=0.0, ignore_eos=True),
+    ]
+    futures = []
+    rng = np.random.default_rng(0)
+    for snap, p in zip(snapshots, params, strict=True):
+        for _ in range(2):
+            fut: Future[SampleResult] = Future()
+            prompt = rng.integers(3, base.cfg.vocab_size, 6)
+            sampler.submit(SampleOp(prompt, 2, p), snap, fut)
+            futures.append(fut)
+    while sampler.queue or sampler.prefilling:
+        sampler.step()
+    rows = len(sampler.running)
+    assert rows == 12
+    for _ in range(5):
+        before = [len(r.tokens) for r in sampler.running]
+        with DeviceReads() as mode:
+            sampler.step()
+        assert [len(r.tokens) for r in sampler.running] == [n + 1 for n in before]
+        assert mode.reads == ["cpu"], mode.reads  # one copy for all 12 rows, 2 forwards
+    while sampler.has_work():
+        sampler.step()
+    for fut in futures:
+        assert all(s.tokens.size == 40 for s in fut.result(0).sequences)
+
+
+def test_the_counter_sees_a_per_row_read() -> None:
+    """The mode catches what the test guards against (else it could not fail)."""
+    logits_B_V = torch.randn(4, 10)
+    with DeviceReads() as mode:
+        tokens = [int(row.argmax()) for row in logits_B_V]
+    assert len(tokens) == 4 and mode.reads == ["__int__"] * 4

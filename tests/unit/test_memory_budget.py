@@ -1,0 +1,120 @@
+"""Sizing by memory with an injected reading: the KV cache's auto slots, the
+model-size estimate, and a model refused before anything is allocated."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from treadle.errors import ResourceExhaustedError
+from treadle.workers import memory_budget
+from treadle.workers.base_models import BaseModel, BaseModelRegistry
+from treadle.workers.domain import ModelSpec
+from treadle.workers.engine import Engine, EngineConfig
+from treadle.workers.sampler import TorchSampler
+from treadle.workers.sampler_state import SamplerLimits
+from treadle.workers.trainer import TrainingModel
+
+torch.set_num_threads(1)
+MAX_LEN = 64
+
+
+@pytest.fixture(scope="module")
+def base(tiny_model_dir: Path) -> BaseModel:
+    return BaseModelRegistry({"tiny": tiny_model_dir}).get("tiny", torch.float32)
+
+
+def reading(monkeypatch: pytest.MonkeyPatch, free: int) -> None:
+    monkeypatch.setattr(memory_budget, "free_bytes", lambda device: free)
+
+
+def test_slot_bytes_are_what_the_cache_holds(base: BaseModel) -> None:
+    sampler = TorchSampler(base, limits=SamplerLimits(num_slots=3, max_len=MAX_LEN))
+    per_slot = memory_budget.kv_slot_bytes(base.cfg, MAX_LEN, torch.float32)
+    assert sampler.cache.nbytes() == 3 * per_slot
+
+
+def test_auto_slots_take_the_fraction_of_free_memory(
+    base: BaseModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    per_slot = memory_budget.kv_slot_bytes(base.cfg, MAX_LEN, torch.float32)
+    # half the memory holds 10 main slots and the 2 prefill slots, with room to spare
+    reading(monkeypatch, 2 * (12 * per_slot + per_slot // 2))
+    limits = SamplerLimits(num_slots=0, max_len=MAX_LEN, prefill_slots=2, kv_memory_fraction=0.5)
+    assert TorchSampler(base, limits=limits).cache.num_slots == 10
+    # the CPU's default share, a quarter of 25 slots' worth: 6 slots, 2 of them prefill
+    default = SamplerLimits(num_slots=0, max_len=MAX_LEN, prefill_slots=2)
+    assert TorchSampler(base, limits=default).cache.num_slots == 6 - 2
+
+
+def test_auto_slots_keep_the_cpu_default_on_a_small_model(
+    base: BaseModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    reading(monkeypatch, 64 * 2**30)
+    limits = SamplerLimits(num_slots=0, max_len=MAX_LEN)
+    assert TorchSampler(base, limits=limits).cache.num_slots == 64  # today's default
+
+
+def test_an_explicit_slot_count_wins(base: BaseModel, monkeypatch: pytest.MonkeyPatch) -> None:
+    reading(monkeypatch, 1)  # nothing free by the reading: the explicit count is not checked
+    limits = SamplerLimits(num_slots=5, max_len=MAX_LEN, kv_memory_fraction=0.5)
+    assert TorchSampler(base, limits=limits).cache.num_slots == 5
+
+
+def test_no_room_for_one_row_is_resource_exhausted(
+    base: BaseModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    per_slot = memory_budget.kv_slot_bytes(base.cfg, MAX_LEN, torch.float32)
+    reading(monkeypatch, 4 * per_slot)
+    limits = SamplerLimits(num_slots=0, max_len=MAX_LEN, prefill_slots=8)
+    with pytest.raises(ResourceExhaustedError, match=r"MiB free on cpu.*kv-cache-memory-fraction"):
+        TorchSampler(base, limits=limits)
+
+
+@pytest.mark.parametrize("rank", [0, 4])
+def test_the_estimate_counts_what_a_model_allocates(base: BaseModel, rank: int) -> None:
+    spec = ModelSpec("m", "t", "tiny", rank, float(rank), 0, "float32")
+    model = TrainingModel(spec, base)
+    trainable = sum(t.numel() for t in model.trainable.values())
+    need = memory_budget.model_bytes(
+        base.cfg, torch.float32, lora_rank=rank, keep_versions=2, base_loaded=True
+    )
+    assert need == trainable * 4 * (4 + 2)  # weights, gradients, 2 moments, 2 versions
+    fresh = memory_budget.model_bytes(
+        base.cfg, torch.float32, lora_rank=rank, keep_versions=2, base_loaded=False
+    )
+    assert fresh - need == base.cfg.num_params() * 4
+
+
+def _spec(model_id: str, rank: int) -> ModelSpec:
+    return ModelSpec(model_id, "t", "tiny", rank, float(rank), 0, "float32")
+
+
+def test_a_model_that_does_not_fit_is_refused_before_allocating(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine = Engine(EngineConfig({"tiny": tiny_model_dir}, threads=1, keep_versions=2)).start()
+    try:
+        cfg = engine.bases.config("tiny")
+        full = memory_budget.model_bytes(
+            cfg, torch.float32, lora_rank=0, keep_versions=2, base_loaded=False
+        )
+        reading(monkeypatch, full - 1)
+        with pytest.raises(ResourceExhaustedError, match=r"needs about [\d.,]+ MiB .* MiB is free"):
+            engine.create_model(_spec("big", 0)).result(timeout=30)
+        assert not engine.bases.loaded("tiny", torch.float32)  # not even the base weights
+        assert not engine.has_model("big")
+        # the worker keeps serving: a LoRA model fits the same memory, and works
+        engine.create_model(_spec("small", 4)).result(timeout=30)
+        assert engine.has_model("small")
+        # the base is loaded now: a full fine-tune needs only its own tensors
+        with_base = memory_budget.model_bytes(
+            cfg, torch.float32, lora_rank=0, keep_versions=2, base_loaded=True
+        )
+        reading(monkeypatch, with_base)
+        engine.create_model(_spec("big", 0)).result(timeout=30)
+        assert engine.has_model("big")
+    finally:
+        engine.stop()
