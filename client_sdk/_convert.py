@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Sequence
 
@@ -151,10 +152,26 @@ def prompt_to_wire(prompt: ModelInput, out: common_pb2.Tensor) -> None:
 
 
 def sample_response_from_wire(msg: sampling_pb2.SampleResponse) -> SampleResponse:
+    prompt: list[float | None] | None = None
+    if msg.HasField("prompt_logprobs"):
+        lps = from_wire(msg.prompt_logprobs, "prompt_logprobs").reshape(-1)
+        prompt = [None if math.isnan(x) else float(x) for x in lps.tolist()]
+    topk: list[list[tuple[int, float]] | None] | None = None
+    if msg.HasField("topk_prompt_logprobs"):
+        ids_P_K = from_wire(msg.topk_prompt_token_ids, "topk_prompt_token_ids")
+        lps_P_K = from_wire(msg.topk_prompt_logprobs, "topk_prompt_logprobs")
+        topk = [
+            None
+            if row_ids.size == 0 or row_ids[0] < 0
+            else [(int(t), float(x)) for t, x in zip(row_ids, row_lps, strict=True) if t >= 0]
+            for row_ids, row_lps in zip(ids_P_K, lps_P_K, strict=True)
+        ]
     return SampleResponse(
         sequences=[
             sequence_from_wire(seq, f"sequences[{i}]") for i, seq in enumerate(msg.sequences)
-        ]
+        ],
+        prompt_logprobs=prompt,
+        topk_prompt_logprobs=topk,
     )
 
 

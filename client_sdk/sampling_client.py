@@ -64,8 +64,17 @@ class SamplingClient:
         prompt: ModelInput | Sequence[int],
         num_samples: int = 1,
         sampling_params: SamplingParams | None = None,
+        include_prompt_logprobs: bool = False,
+        topk_prompt_logprobs: int = 0,
     ) -> APIFuture[SampleResponse]:
+        """``num_samples`` completions of ``prompt``. ``include_prompt_logprobs``:
+        the response's ``prompt_logprobs`` scores every prompt token (None for the
+        first), ``log_softmax(logits / T)`` at the request's temperature, the same
+        quantity as ``forward_logprobs``; ``topk_prompt_logprobs``: the k most
+        likely tokens at each prompt position, as ``(token, logprob)`` pairs."""
         request = self._sample_request(prompt, num_samples, sampling_params)
+        request.prompt_logprobs = include_prompt_logprobs
+        request.topk_prompt_logprobs = topk_prompt_logprobs
         with self._lock:
             request.seq_id = next(self._seq)
         return self._send(self._service._sampling.Sample, request, retry=True)
@@ -75,8 +84,25 @@ class SamplingClient:
         prompt: ModelInput | Sequence[int],
         num_samples: int = 1,
         sampling_params: SamplingParams | None = None,
+        include_prompt_logprobs: bool = False,
+        topk_prompt_logprobs: int = 0,
     ) -> SampleResponse:
-        return await self.sample(prompt, num_samples, sampling_params)
+        return await self.sample(
+            prompt, num_samples, sampling_params, include_prompt_logprobs, topk_prompt_logprobs
+        )
+
+    def compute_logprobs(self, prompt: ModelInput | Sequence[int]) -> APIFuture[list[float | None]]:
+        """The logprob of every prompt token under this sampler's weights at
+        temperature 1 (None for the first token, which nothing precedes), from one
+        prefill; the tinker SDK's name."""
+        params = SamplingParams(max_tokens=1)
+        future = self.sample(prompt, 1, params, include_prompt_logprobs=True)
+        return future.then(lambda r: list(r.prompt_logprobs or []))
+
+    async def compute_logprobs_async(
+        self, prompt: ModelInput | Sequence[int]
+    ) -> list[float | None]:
+        return await self.compute_logprobs(prompt)
 
     def resume(
         self,

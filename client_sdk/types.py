@@ -180,7 +180,11 @@ class SampledSequence:
 @dataclass(frozen=True)
 class SampleResponse:
     sequences: list[SampledSequence]
+    #: with ``include_prompt_logprobs``: one per prompt token, None for the first
     prompt_logprobs: list[float | None] | None = None
+    #: with ``topk_prompt_logprobs=k``: per prompt position the k most likely
+    #: ``(token, logprob)`` pairs, most likely first; None for the first position
+    topk_prompt_logprobs: list[list[tuple[int, float]] | None] | None = None
 
 
 @dataclass(frozen=True)

@@ -224,7 +224,13 @@ def sample_op(req: sampling_pb2.SampleRequest) -> SampleOp:
     if prompt.dtype.kind not in "iu":
         raise InvalidArgumentError("prompt: token ids must be integers")
     params = sampling_config(req.params)
-    return SampleOp(prompt=prompt.astype(np.int64), num_samples=req.num_samples, params=params)
+    return SampleOp(
+        prompt=prompt.astype(np.int64),
+        num_samples=req.num_samples,
+        params=params,
+        prompt_logprobs=req.prompt_logprobs,
+        topk_prompt_logprobs=req.topk_prompt_logprobs,
+    )
 
 
 def sampling_config(p: sampling_pb2.SamplingParams) -> SamplingConfig:
@@ -248,6 +254,13 @@ def sample_response(result: SampleResult) -> sampling_pb2.SampleResponse:
     msg = sampling_pb2.SampleResponse()
     for seq in result.sequences:
         sequence_to_wire(seq, msg.sequences.add())
+    scores = result.prompt
+    if scores is not None:
+        if scores.logprobs is not None:
+            to_wire(scores.logprobs.astype(np.float32), msg.prompt_logprobs)
+        if scores.topk_ids.shape[1]:
+            to_wire(scores.topk_ids.astype(np.int64), msg.topk_prompt_token_ids)
+            to_wire(scores.topk_logprobs.astype(np.float32), msg.topk_prompt_logprobs)
     return msg
 
 

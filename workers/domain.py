@@ -230,6 +230,15 @@ class SampleOp:
     prompt: np.ndarray  # int64 [T]
     num_samples: int
     params: SamplingConfig
+    #: score every prompt token (``SampleResult.prompt``), from the prefill
+    #: the request runs anyway, at the request's temperature
+    prompt_logprobs: bool = False
+    #: the k most likely tokens at every prompt position, with their logprobs (0 = none)
+    topk_prompt_logprobs: int = 0
+
+    @property
+    def scores_prompt(self) -> bool:
+        return self.prompt_logprobs or self.topk_prompt_logprobs > 0
 
 
 @dataclass(frozen=True)
@@ -254,12 +263,26 @@ class StreamedSequence:
 
 
 @dataclass(frozen=True)
+class PromptLogprobs:
+    """The prompt's scores: ``log_softmax(logits / T)`` at each prompt position,
+    from the logits of the position before it (T: the request's temperature; 1
+    when it samples greedily). Position 0 has nothing before it: NaN there, and
+    a top-k row of ids -1 and logprobs NaN."""
+
+    logprobs: np.ndarray | None  # float32 [P], NaN at 0; None when only the top k was asked
+    topk_ids: np.ndarray  # int64 [P, k]; k = 0 when no top-k was asked
+    topk_logprobs: np.ndarray  # float32 [P, k], each row in descending order
+
+
+@dataclass(frozen=True)
 class SampleResult:
     sequences: tuple[SequenceResult, ...]
     compute_s: float = 0.0  # engine seconds spent on it (usage accounting)
     #: a resume: the tokens of earlier calls included in ``sequences`` (prefilled
     #: again in this call, not sampled by it)
     resumed_tokens: int = 0
+    #: set when the request asked for prompt logprobs or top-k prompt logprobs
+    prompt: PromptLogprobs | None = None
 
 
 @dataclass(frozen=True)

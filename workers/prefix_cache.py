@@ -33,6 +33,10 @@ class PrefixCache:
         if not free:
             return -1
         prompt = request.prompt
+        if request.scorer is not None:
+            # It scores its prompt: every position's logits are needed, and a
+            # cached prefix has none. It reuses nothing and waits for nobody.
+            return self._take(request, min(free, key=lambda i: self.staged[i].last_used), 0, clock)
         best, best_len = -1, 0
         for i, staged in enumerate(self.staged):
             n = min(staged.tokens.size, prompt.size)
@@ -56,7 +60,11 @@ class PrefixCache:
             if best >= 0:
                 self.stage.move([best], [slot], best_len)
         # The last prompt token is always computed: its logits choose the first token.
-        reuse = min(best_len, prompt.size - 1)
+        return self._take(request, slot, min(best_len, prompt.size - 1), clock)
+
+    def _take(self, request: Request, slot: int, reuse: int, clock: int) -> int:
+        """``request`` prefills into ``slot``, whose first ``reuse`` tokens are its prompt's."""
+        prompt = request.prompt
         snap = request.snapshot
         self.staged[slot] = Staged(
             tokens=prompt[:reuse].copy(),

@@ -60,6 +60,7 @@ from treadle.workers.model.llama import forward_hidden, lm_logits
 from treadle.workers.partials import PartialStore, gather, resume_op
 from treadle.workers.prefix_cache import PrefixCache
 from treadle.workers.prepack_policy import PrepackPolicy
+from treadle.workers.prompt_logprobs import PromptScorer
 from treadle.workers.sampler_state import (
     Partial,
     Request,
@@ -178,6 +179,7 @@ class TorchSampler:
             on_sequence=on_sequence,
             owner=owner,
             prefix=prefix,
+            scorer=PromptScorer(op) if op.scores_prompt else None,
         )
         if op.params.max_tokens == 0:
             request.rows = [
@@ -352,8 +354,12 @@ class TorchSampler:
             slots_B=torch.tensor([req.stage_slot for req, _ in batch], device=dev),
             kv_len=max(req.prefilled + n for req, n in batch),  # known here: no device read
         )
-        charge(batch, time.perf_counter() - t0)
         finished: list[tuple[Request, Tensor]] = []
+        for b, (req, n) in enumerate(batch):
+            if req.scorer is not None:  # prompt logprobs, from this same forward
+                lora = lora_for([req.snapshot.adapter])
+                req.scorer.add(self.cfg, snaps[0].params, hidden_B_T_H[b, :n], req.prefilled, lora)
+        charge(batch, time.perf_counter() - t0)
         for b, (req, n) in enumerate(batch):
             req.prefilled += n
             self.prompt_tokens += n
@@ -486,7 +492,10 @@ class TorchSampler:
         if request.future.done():
             return
         sequences = tuple(sequence_of(r) for r in request.rows)
-        request.future.set_result(SampleResult(sequences, compute_s=request.compute_s))
+        prompt = request.scorer.result() if request.scorer is not None else None
+        request.future.set_result(
+            SampleResult(sequences, compute_s=request.compute_s, prompt=prompt)
+        )
 
     def _maybe_log(self) -> None:
         now = time.monotonic()

@@ -8,6 +8,7 @@ import weakref
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -81,6 +82,9 @@ class Request:
     owner: tuple[str, str] = ("", "")
     #: a resumed partial rollout (one row): what its earlier calls sampled
     prefix: Partial | None = None
+    #: collects the prompt's scores when the request asked for them
+    #: (``workers.prompt_logprobs.PromptScorer``; such a request reuses no prefix)
+    scorer: Any = None
 
     @property
     def cancelled(self) -> bool:

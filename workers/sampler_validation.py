@@ -2,7 +2,8 @@
 
 Each refusal is INVALID_ARGUMENT with a message that starts with the field it
 is about (``prompt``, ``num_samples``, ``max_tokens``, ``temperature``,
-``top_p``, ``top_k``, ``token_budget``, ``stop``), as every backend answers.
+``top_p``, ``top_k``, ``token_budget``, ``stop``, ``topk_prompt_logprobs``,
+``prompt_logprobs``), as every backend answers.
 """
 
 from __future__ import annotations
@@ -69,3 +70,14 @@ def validate(
     for t in p.stop_token_ids:
         if not 0 <= t < vocab_size:
             raise InvalidArgumentError(f"stop: stop token id {t} is outside the vocabulary")
+    k = op.topk_prompt_logprobs
+    if not 0 <= k <= vocab_size:
+        raise InvalidArgumentError(
+            f"topk_prompt_logprobs: must be in 0..{vocab_size} (0 = none), got {k}"
+        )
+    if op.scores_prompt and p.max_tokens < 1:
+        field = "prompt_logprobs" if op.prompt_logprobs else "topk_prompt_logprobs"
+        raise InvalidArgumentError(
+            f"{field}: needs max_tokens >= 1 (the prompt is scored in the prefill that "
+            "draws the first token)"
+        )

@@ -29,7 +29,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from treadle.errors import InvalidArgumentError
-from treadle.workers.domain import SamplingConfig
+from treadle.workers.domain import SampleOp, SamplingConfig
 
 #: the logprobs_mode the engine runs with (see the module docstring)
 LOGPROBS_MODE = "processed_logprobs"
@@ -54,6 +54,32 @@ def check_supported(params: SamplingConfig, vocab_size: int) -> None:
         "not log_softmax(logits / T) before truncation (the behaviour logprob the losses "
         "need); leave top_k/top_p off, sample at temperature 0, or use --sampler torch"
     )
+
+
+#: vLLM's default ``max_logprobs``: the most top-k prompt logprobs it returns
+MAX_TOPK = 20
+
+
+def check_prompt_scores(op: SampleOp) -> None:
+    """INVALID_ARGUMENT for prompt logprobs vLLM cannot give under the contract:
+    vLLM scores prompt tokens from the raw logits (no temperature), which is
+    ``log_softmax(logits / T)`` only at T = 1 (and greedy, whose logprobs are
+    at T = 1); and it returns at most ``MAX_TOPK`` top tokens."""
+    if not op.scores_prompt:
+        return
+    field = "prompt_logprobs" if op.prompt_logprobs else "topk_prompt_logprobs"
+    t = op.params.temperature
+    if t not in (0.0, 1.0):
+        raise InvalidArgumentError(
+            f"{field}: at temperature {t} is not supported by the vllm sampler backend: "
+            "vLLM scores prompt tokens at temperature 1 only, not log_softmax(logits / T); "
+            "ask at temperature 1, or use --sampler torch"
+        )
+    if op.topk_prompt_logprobs > MAX_TOPK:
+        raise InvalidArgumentError(
+            f"topk_prompt_logprobs: at most {MAX_TOPK} on the vllm sampler backend, "
+            f"got {op.topk_prompt_logprobs}"
+        )
 
 
 def sampling_kwargs(

@@ -53,18 +53,22 @@ class SamplingParams(_message.Message):
     def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., seed: _Optional[int] = ..., token_budget: _Optional[int] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
 
 class SampleRequest(_message.Message):
-    __slots__ = ("sampler_id", "seq_id", "prompt", "num_samples", "params")
+    __slots__ = ("sampler_id", "seq_id", "prompt", "num_samples", "params", "prompt_logprobs", "topk_prompt_logprobs")
     SAMPLER_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOPK_PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     sampler_id: str
     seq_id: int
     prompt: _common_pb2.Tensor
     num_samples: int
     params: SamplingParams
-    def __init__(self, sampler_id: _Optional[str] = ..., seq_id: _Optional[int] = ..., prompt: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., num_samples: _Optional[int] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
+    prompt_logprobs: bool
+    topk_prompt_logprobs: int
+    def __init__(self, sampler_id: _Optional[str] = ..., seq_id: _Optional[int] = ..., prompt: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., num_samples: _Optional[int] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., prompt_logprobs: _Optional[bool] = ..., topk_prompt_logprobs: _Optional[int] = ...) -> None: ...
 
 class SampledSequence(_message.Message):
     __slots__ = ("tokens", "logprobs", "stop_reason", "versions", "resume_handle")
@@ -81,10 +85,16 @@ class SampledSequence(_message.Message):
     def __init__(self, tokens: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., logprobs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., stop_reason: _Optional[_Union[_common_pb2.StopReason, str]] = ..., versions: _Optional[_Iterable[_Union[_common_pb2.VersionSpan, _Mapping]]] = ..., resume_handle: _Optional[str] = ...) -> None: ...
 
 class SampleResponse(_message.Message):
-    __slots__ = ("sequences",)
+    __slots__ = ("sequences", "prompt_logprobs", "topk_prompt_token_ids", "topk_prompt_logprobs")
     SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOPK_PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOPK_PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     sequences: _containers.RepeatedCompositeFieldContainer[SampledSequence]
-    def __init__(self, sequences: _Optional[_Iterable[_Union[SampledSequence, _Mapping]]] = ...) -> None: ...
+    prompt_logprobs: _common_pb2.Tensor
+    topk_prompt_token_ids: _common_pb2.Tensor
+    topk_prompt_logprobs: _common_pb2.Tensor
+    def __init__(self, sequences: _Optional[_Iterable[_Union[SampledSequence, _Mapping]]] = ..., prompt_logprobs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., topk_prompt_token_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., topk_prompt_logprobs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
 
 class SampleStreamResponse(_message.Message):
     __slots__ = ("index", "sequence")

@@ -66,7 +66,7 @@ async def asample(
     op = parse(lambda: wire.sample_op(body))
     num = body.get("num_samples", 1) if isinstance(body.get("num_samples", 1), int) else 1
     work = st.service.sampling.sample(tenant_id, sampler_id, op, seq_id, wire.digest(body))
-    request_id = st.futures.start(tenant_id, work, wire.sample_response)
+    request_id = st.futures.start(tenant_id, work, wire.sample_encoder(body))
     return {
         "request_id": request_id,
         "sample_sequence_ids": [f"{request_id}:{i}" for i in range(max(num, 1))],

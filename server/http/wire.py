@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -304,12 +304,7 @@ def sampling_config(params: Any) -> SamplingConfig:
 
 
 def sample_op(body: Mapping[str, Any]) -> SampleOp:
-    for name in (
-        "prompt_logprobs",
-        "topk_prompt_logprobs",
-        "topk_sample_logprobs",
-        "prompt_alt_tokens_k",
-    ):
+    for name in ("topk_sample_logprobs", "prompt_alt_tokens_k"):
         if body.get(name):
             raise InvalidArgumentError(
                 f"{name}: not supported by this server yet (see the compatibility table)"
@@ -319,18 +314,64 @@ def sample_op(body: Mapping[str, Any]) -> SampleOp:
     num_samples = field(body, "num_samples", int, 1)
     if num_samples < 1:
         raise InvalidArgumentError(f"num_samples: must be >= 1 (got {num_samples})")
+    prompt = prompt_tokens(body.get("prompt"))
+    scores = bool(field(body, "prompt_logprobs", bool, False))
+    topk = field(body, "topk_prompt_logprobs", int, 0)
+    last_n = body.get("prompt_logprobs_last_n")
+    if last_n is not None:
+        if not isinstance(last_n, int) or isinstance(last_n, bool):
+            raise InvalidArgumentError("prompt_logprobs_last_n: expected an integer")
+        if not scores:
+            raise InvalidArgumentError("prompt_logprobs_last_n: needs prompt_logprobs")
+        if not 1 <= last_n <= prompt.size - 1:
+            raise InvalidArgumentError(
+                f"prompt_logprobs_last_n: must be in 1..{prompt.size - 1} "
+                f"(the prompt's length - 1), got {last_n}"
+            )
     return SampleOp(
-        prompt=prompt_tokens(body.get("prompt")),
+        prompt=prompt,
         num_samples=num_samples,
         params=sampling_config(body.get("sampling_params")),
+        prompt_logprobs=scores,
+        topk_prompt_logprobs=topk,
     )
 
 
-def sample_response(result: SampleResult) -> bytes:
+def sample_encoder(body: Mapping[str, Any]) -> Callable[[SampleResult], bytes]:
+    """The ``SampleResponse`` encoder of one ``asample`` request: with
+    ``prompt_logprobs_last_n`` = N only the last N prompt positions keep scores."""
+    last_n = body.get("prompt_logprobs_last_n")
+    return lambda result: sample_response(result, last_n if isinstance(last_n, int) else None)
+
+
+#: tinker's filler of a top-k row without a score (the first prompt position)
+_TOPK_MASK_ID, _TOPK_MASK_LOGPROB = 0, -99999.0
+
+
+def sample_response(result: SampleResult, last_n: int | None = None) -> bytes:
     msg = tinker_pb.SampleResponse()
     for seq in result.sequences:
         out = msg.sequences.add()
         out.stop_reason = _STOP.get(seq.stop_reason, tinker_pb.STOP_REASON_STOP)
         out.tokens = np.asarray(seq.tokens, dtype="<i4").tobytes()
         out.logprobs = np.asarray(seq.logprobs, dtype="<f4").tobytes()
+    scores = result.prompt
+    if scores is not None:
+        skip = 0 if last_n is None else max(0, scores.topk_ids.shape[0] - last_n)
+        if scores.logprobs is not None:
+            lps = np.asarray(scores.logprobs, dtype="<f4").copy()
+            lps[:skip] = np.nan
+            msg.prompt_logprobs = lps.tobytes()
+        P, k = scores.topk_ids.shape
+        if k:
+            ids_P_K = np.asarray(scores.topk_ids, dtype="<i4").copy()
+            lps_P_K = np.asarray(scores.topk_logprobs, dtype="<f4").copy()
+            unscored = (ids_P_K < 0) | np.isnan(lps_P_K)
+            unscored[:skip] = True
+            ids_P_K[unscored] = _TOPK_MASK_ID
+            lps_P_K[unscored] = _TOPK_MASK_LOGPROB
+            top = msg.topk_prompt_logprobs
+            top.k, top.length = k, P
+            top.token_ids = ids_P_K.tobytes()
+            top.logprobs = lps_P_K.tobytes()
     return bytes(msg.SerializeToString())

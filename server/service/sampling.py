@@ -162,6 +162,11 @@ class SamplingService:
         the samples still generating. Usage counts what was delivered."""
         target = self.target(tenant, sampler_id)
         parsed = unwrap(op)
+        if parsed.scores_prompt:
+            field = "prompt_logprobs" if parsed.prompt_logprobs else "topk_prompt_logprobs"
+            raise InvalidArgumentError(
+                f"{field}: a streamed request returns no prompt logprobs; use Sample"
+            )
         async with contextlib.AsyncExitStack() as stack:
             if target.model_id is not None:  # restores an unloaded model, resets its idle clock
                 await stack.enter_async_context(self.ctx.lifecycle.using(tenant, target.model_id))

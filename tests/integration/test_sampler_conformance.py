@@ -143,6 +143,40 @@ def test_behaviour_logprobs_agree_with_the_trainer(
     assert worst <= backend.logprob_tolerance
 
 
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_prompt_logprobs_agree_with_the_trainer(
+    service: treadle.ServiceClient,
+    tok: treadle.Tokenizer,
+    backend: BackendCase,
+    temperature: float,
+) -> None:
+    """Every prompt token's score (None for the first) and the top k at each
+    position, from the prefill: forward_logprobs' numbers at the same T."""
+    tc = service.create_lora_training_client(BASE, rank=4, seed=22)
+    _step(tc, tok)
+    sampler = tc.sync_weights()
+    prompt = tok.encode("12+3=15, Hello abcabc")
+    params = treadle.SamplingParams(max_tokens=2, temperature=temperature, seed=4)
+    if temperature != 1.0 and not backend.scores_prompt_at_any_t:
+        with pytest.raises(treadle.InvalidArgumentError, match="prompt_logprobs"):
+            sampler.sample(prompt, 1, params, include_prompt_logprobs=True).result(timeout=60)
+        return
+    k = 3
+    res = sampler.sample(prompt, 2, params, True, topk_prompt_logprobs=k).result(timeout=60)
+    got, topk = res.prompt_logprobs, res.topk_prompt_logprobs
+    assert got is not None and topk is not None
+    assert len(got) == len(topk) == len(prompt) and got[0] is None and topk[0] is None
+    full = tc.forward_logprobs([_datum(prompt, weights=False)], temperature=temperature)
+    want = np.asarray(full.result(60).loss_fn_outputs[0].logprobs)
+    assert np.abs(np.asarray(got[1:], dtype=np.float64) - want).max() <= backend.logprob_tolerance
+    for lp, row in zip(got[1:], topk[1:], strict=True):
+        assert row is not None and len(row) == k
+        lps = [x for _, x in row]
+        assert lps == sorted(lps, reverse=True)
+        assert lp is not None and lp <= lps[0] + backend.logprob_tolerance
+    assert len(res.sequences) == 2  # the samples come as asked
+
+
 # ---- what comes back -------------------------------------------------------------------
 
 

@@ -21,6 +21,7 @@ httpx = pytest.importorskip("httpx")
 
 from tinker import types as T  # noqa: E402
 
+import treadle  # noqa: E402
 from treadle.server.auth import generate_key, hash_key  # noqa: E402
 from treadle.server.config import ServerConfig  # noqa: E402
 from treadle.server.db import queries  # noqa: E402
@@ -159,6 +160,48 @@ def test_rl_loop(sc: tinker.ServiceClient) -> None:
     assert path.startswith("tinker://") and path.endswith("/sampler_weights/rl-final")
     sampler = sc.create_sampling_client(model_path=path)
     assert len(sampler.sample(T.ModelInput.from_ints(prompt), 2, params).result().sequences) == 2
+
+
+def test_compute_logprobs_equals_forward_logprobs(world: World, sc: tinker.ServiceClient) -> None:
+    """(d) compute_logprobs of trained weights equals forward_logprobs of the same
+    weights (treadle's SDK over gRPC, and the tinker SDK's forward); the top-k
+    prompt logprobs and a scored suffix (prompt_logprobs_last_n) in tinker's format."""
+    tc = sc.create_lora_training_client(base_model=BASE, rank=4, seed=9).result()
+    tc.forward_backward(SFT, "cross_entropy").result()
+    tc.optim_step(T.AdamParams(learning_rate=5e-2)).result()
+    sampler = tc.save_weights_and_get_sampling_client().result()
+    prompt = [1, 5, 9, 13, 17, 21, 25, 7, 3]
+    got = sampler.compute_logprobs(T.ModelInput.from_ints(prompt)).result()
+    assert len(got) == len(prompt) and got[0] is None
+    scored = np.asarray(got[1:], np.float64)
+    fwd = tc.forward([_sft_datum(prompt)], "cross_entropy").result()
+    np.testing.assert_allclose(scored, fwd.loss_fn_outputs[0]["logprobs"].to_numpy(), atol=1e-4)
+    res = sampler.sample(
+        T.ModelInput.from_ints(prompt),
+        1,
+        T.SamplingParams(max_tokens=1),
+        include_prompt_logprobs=True,
+        topk_prompt_logprobs=3,
+    ).result()
+    assert res.topk_prompt_logprobs is not None and res.topk_prompt_logprobs[0] is None
+    for lp, row in zip(got[1:], res.topk_prompt_logprobs[1:], strict=True):
+        assert row is not None and len(row) == 3
+        assert lp is not None and lp <= row[0][1] + 1e-5
+    last = sampler.compute_logprobs(
+        T.ModelInput.from_ints(prompt), prompt_logprobs_last_n=3
+    ).result()
+    assert last[:-3] == [None] * (len(prompt) - 3)
+    np.testing.assert_allclose(np.asarray(last[-3:], np.float64), scored[-3:], atol=1e-6)
+    again = asyncio.run(sampler.compute_logprobs_async(T.ModelInput.from_ints(prompt)))
+    np.testing.assert_allclose(np.asarray(again[1:], np.float64), scored, atol=1e-6)
+    # last: treadle's own forward_logprobs on the same model (it takes the next seq_id)
+    with treadle.ServiceClient(world.server.address, api_key=world.key_a[4:]) as client:
+        datum = treadle.Datum(
+            model_input=treadle.ModelInput.from_ints(prompt[:-1]),
+            loss_fn_inputs={"target_tokens": prompt[1:]},
+        )
+        out = client.get_training_client(tc.model_id).forward_logprobs([datum]).result(60)
+    np.testing.assert_allclose(scored, out.loss_fn_outputs[0].logprobs, atol=1e-4, rtol=0)
 
 
 def test_async_variants(sc: tinker.ServiceClient) -> None:

@@ -24,6 +24,7 @@ from treadle.workers.domain import (  # noqa: E402
     ForwardBackwardOp,
     ForwardLogprobsOp,
     ForwardResult,
+    PromptLogprobs,
     SampleResult,
     SequenceResult,
 )
@@ -111,3 +112,63 @@ def test_outputs_decode_in_the_sdk() -> None:
     assert sample.sequences[0].tokens == [5, 6, 7]
     assert sample.sequences[0].stop_reason == "length"
     assert sample.sequences[0].logprobs == pytest.approx([-0.1, -0.2, -0.3])
+
+
+def _sample_body(**extra: object) -> dict[str, object]:
+    body: dict[str, object] = {
+        "prompt": {"chunks": [{"type": "encoded_text", "tokens": [1, 2, 3, 4]}]},
+        "sampling_params": {"max_tokens": 1},
+        "num_samples": 1,
+    }
+    body.update(extra)
+    return body
+
+
+def test_prompt_logprobs_reach_the_sdk_in_its_format() -> None:
+    """NaN / None at the first position; the top k as (token, logprob) pairs, most
+    likely first, tinker's filler in the unscored row; last_n blanks the rest."""
+    seq = SequenceResult(np.array([5]), np.array([-0.1], np.float32), "length", ((0, 1, 0),))
+    scores = PromptLogprobs(
+        logprobs=np.array([np.nan, -1.5, -2.5, -0.5], np.float32),
+        topk_ids=np.array([[-1, -1], [7, 2], [9, 3], [4, 1]], np.int64),
+        topk_logprobs=np.array(
+            [[np.nan, np.nan], [-0.2, -1.5], [-0.1, -2.5], [-0.5, -3.0]], np.float32
+        ),
+    )
+    result = SampleResult((seq,), prompt=scores)
+    got = deserialize_sample_response(wire.sample_response(result))
+    assert got.prompt_logprobs == pytest.approx([None, -1.5, -2.5, -0.5], nan_ok=False)
+    assert got.prompt_logprobs[0] is None
+    top = got.topk_prompt_logprobs
+    assert top is not None and top[0] is None
+    assert top[1] == [(7, pytest.approx(-0.2)), (2, pytest.approx(-1.5))]
+    encode = wire.sample_encoder(_sample_body(prompt_logprobs=True, prompt_logprobs_last_n=2))
+    tail = deserialize_sample_response(encode(result))
+    assert tail.prompt_logprobs is not None
+    assert tail.prompt_logprobs[:2] == [None, None]
+    assert tail.prompt_logprobs[2:] == pytest.approx([-2.5, -0.5])
+    assert tail.topk_prompt_logprobs is not None and tail.topk_prompt_logprobs[1] is None
+    plain = deserialize_sample_response(wire.sample_response(SampleResult((seq,))))
+    assert plain.prompt_logprobs is None and plain.topk_prompt_logprobs is None
+
+
+def test_asample_reads_the_prompt_logprob_options() -> None:
+    op = wire.sample_op(_sample_body(prompt_logprobs=True, topk_prompt_logprobs=4))
+    assert op.prompt_logprobs and op.topk_prompt_logprobs == 4
+    assert not wire.sample_op(_sample_body()).scores_prompt
+
+
+@pytest.mark.parametrize(
+    ("extra", "field"),
+    [
+        ({"prompt_logprobs": True, "prompt_logprobs_last_n": 4}, "prompt_logprobs_last_n"),
+        ({"prompt_logprobs": True, "prompt_logprobs_last_n": 0}, "prompt_logprobs_last_n"),
+        ({"prompt_logprobs_last_n": 2}, "prompt_logprobs_last_n"),
+        ({"prompt_logprobs": "yes"}, "prompt_logprobs"),
+        ({"topk_prompt_logprobs": "3"}, "topk_prompt_logprobs"),
+        ({"topk_sample_logprobs": 2}, "topk_sample_logprobs"),
+    ],
+)
+def test_bad_prompt_logprob_options_name_the_field(extra: dict[str, object], field: str) -> None:
+    with pytest.raises(InvalidArgumentError, match=f"{field}:"):
+        wire.sample_op(_sample_body(**extra))

@@ -102,7 +102,21 @@ export interface SampleRequest {
   /** completions to sample, 1..the sampler's slots */
   numSamples: number;
   /** unset = every field's zero value */
-  params: SamplingParams | undefined;
+  params:
+    | SamplingParams
+    | undefined;
+  /**
+   * Score every prompt token: SampleResponse.prompt_logprobs, log_softmax(logits / T)
+   * at the request's temperature (T = 1 when greedy), from the prefill the request
+   * runs anyway (the same quantity as ForwardLogprobs at that temperature). Needs
+   * max_tokens >= 1. Sample only (SampleStream refuses it).
+   */
+  promptLogprobs: boolean;
+  /**
+   * The k most likely tokens at every prompt position and their logprobs
+   * (SampleResponse.topk_prompt_*); 0 = none, at most the vocabulary size.
+   */
+  topkPromptLogprobs: number;
 }
 
 /** One completion (the prompt is not repeated). */
@@ -127,6 +141,22 @@ export interface SampledSequence {
 export interface SampleResponse {
   /** Sample: num_samples, by index; Resume: one per handle, in order */
   sequences: SampledSequence[];
+  /**
+   * float32 [P], one per prompt token; NaN at position 0 (nothing precedes it).
+   * Set when the request asked for prompt_logprobs.
+   */
+  promptLogprobs:
+    | Tensor
+    | undefined;
+  /**
+   * int64 [P, k]: the k most likely tokens at each prompt position, most likely
+   * first; -1 in row 0. Set when the request asked for topk_prompt_logprobs.
+   */
+  topkPromptTokenIds:
+    | Tensor
+    | undefined;
+  /** float32 [P, k]: their logprobs (same contract as prompt_logprobs); NaN in row 0. */
+  topkPromptLogprobs: Tensor | undefined;
 }
 
 /** One finished completion of a SampleStream call. */
@@ -493,7 +523,15 @@ export const SamplingParams: MessageFns<SamplingParams> = {
 };
 
 function createBaseSampleRequest(): SampleRequest {
-  return { samplerId: "", seqId: 0, prompt: undefined, numSamples: 0, params: undefined };
+  return {
+    samplerId: "",
+    seqId: 0,
+    prompt: undefined,
+    numSamples: 0,
+    params: undefined,
+    promptLogprobs: false,
+    topkPromptLogprobs: 0,
+  };
 }
 
 export const SampleRequest: MessageFns<SampleRequest> = {
@@ -512,6 +550,12 @@ export const SampleRequest: MessageFns<SampleRequest> = {
     }
     if (message.params !== undefined) {
       SamplingParams.encode(message.params, writer.uint32(42).fork()).join();
+    }
+    if (message.promptLogprobs !== false) {
+      writer.uint32(48).bool(message.promptLogprobs);
+    }
+    if (message.topkPromptLogprobs !== 0) {
+      writer.uint32(56).int32(message.topkPromptLogprobs);
     }
     return writer;
   },
@@ -569,6 +613,22 @@ export const SampleRequest: MessageFns<SampleRequest> = {
             message.params = SamplingParams.decode(reader, reader.uint32());
             continue;
           }
+          case 6: {
+            if (tag !== 48) {
+              break;
+            }
+
+            message.promptLogprobs = reader.bool();
+            continue;
+          }
+          case 7: {
+            if (tag !== 56) {
+              break;
+            }
+
+            message.topkPromptLogprobs = reader.int32();
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -595,6 +655,8 @@ export const SampleRequest: MessageFns<SampleRequest> = {
     message.params = (object.params !== undefined && object.params !== null)
       ? SamplingParams.fromPartial(object.params)
       : undefined;
+    message.promptLogprobs = object.promptLogprobs ?? false;
+    message.topkPromptLogprobs = object.topkPromptLogprobs ?? 0;
     return message;
   },
 };
@@ -707,13 +769,22 @@ export const SampledSequence: MessageFns<SampledSequence> = {
 };
 
 function createBaseSampleResponse(): SampleResponse {
-  return { sequences: [] };
+  return { sequences: [], promptLogprobs: undefined, topkPromptTokenIds: undefined, topkPromptLogprobs: undefined };
 }
 
 export const SampleResponse: MessageFns<SampleResponse> = {
   encode(message: SampleResponse, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
     for (const v of message.sequences) {
       SampledSequence.encode(v!, writer.uint32(10).fork()).join();
+    }
+    if (message.promptLogprobs !== undefined) {
+      Tensor.encode(message.promptLogprobs, writer.uint32(18).fork()).join();
+    }
+    if (message.topkPromptTokenIds !== undefined) {
+      Tensor.encode(message.topkPromptTokenIds, writer.uint32(26).fork()).join();
+    }
+    if (message.topkPromptLogprobs !== undefined) {
+      Tensor.encode(message.topkPromptLogprobs, writer.uint32(34).fork()).join();
     }
     return writer;
   },
@@ -739,6 +810,30 @@ export const SampleResponse: MessageFns<SampleResponse> = {
             message.sequences.push(SampledSequence.decode(reader, reader.uint32()));
             continue;
           }
+          case 2: {
+            if (tag !== 18) {
+              break;
+            }
+
+            message.promptLogprobs = Tensor.decode(reader, reader.uint32());
+            continue;
+          }
+          case 3: {
+            if (tag !== 26) {
+              break;
+            }
+
+            message.topkPromptTokenIds = Tensor.decode(reader, reader.uint32());
+            continue;
+          }
+          case 4: {
+            if (tag !== 34) {
+              break;
+            }
+
+            message.topkPromptLogprobs = Tensor.decode(reader, reader.uint32());
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -757,6 +852,15 @@ export const SampleResponse: MessageFns<SampleResponse> = {
   fromPartial<I extends Exact<DeepPartial<SampleResponse>, I>>(object: I): SampleResponse {
     const message = createBaseSampleResponse();
     message.sequences = object.sequences?.map((e) => SampledSequence.fromPartial(e)) || [];
+    message.promptLogprobs = (object.promptLogprobs !== undefined && object.promptLogprobs !== null)
+      ? Tensor.fromPartial(object.promptLogprobs)
+      : undefined;
+    message.topkPromptTokenIds = (object.topkPromptTokenIds !== undefined && object.topkPromptTokenIds !== null)
+      ? Tensor.fromPartial(object.topkPromptTokenIds)
+      : undefined;
+    message.topkPromptLogprobs = (object.topkPromptLogprobs !== undefined && object.topkPromptLogprobs !== null)
+      ? Tensor.fromPartial(object.topkPromptLogprobs)
+      : undefined;
     return message;
   },
 };
