@@ -609,7 +609,7 @@ class Engine:
             self.call_stats.checkpoint(result.size_bytes)
             return result
         if isinstance(op, LoadStateOp):
-            return checkpoint.load_state(model, op.directory)
+            return checkpoint.load_state(model, op.directory, optimizer=op.optimizer)
         raise InternalError(f"unknown op {type(op).__name__}")
 
     def _publish(self, model: TrainingModel, *, inflight: bool) -> None:
