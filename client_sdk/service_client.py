@@ -143,10 +143,12 @@ class ServiceClient:
         """A full fine-tune: every weight trains (and every published version is a copy)."""
         return self._create(base_model=base_model, lora_rank=0, seed=seed, dtype=dtype or "")
 
-    def create_training_client_from_state(self, path: str) -> TrainingClient:
+    def create_training_client_from_state(
+        self, path: str, *, weights_only: bool = False
+    ) -> TrainingClient:
         """A new model initialised from a ``treadle://`` checkpoint (weights,
-        optimizer state and step)."""
-        return self._create(from_state=path)
+        optimizer state and step; with ``weights_only``, fresh Adam moments)."""
+        return self._create(from_state=path, weights_only=weights_only)
 
     def _create(self, **fields: Any) -> TrainingClient:
         if self._session is not None:

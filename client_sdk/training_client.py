@@ -213,10 +213,11 @@ class TrainingClient:
             commits=True,
         )
 
-    def load_state(self, path: str) -> APIFuture[int]:
-        """Replace this model's weights, optimizer state and step with a checkpoint's."""
+    def load_state(self, path: str, *, weights_only: bool = False) -> APIFuture[int]:
+        """Replace this model's weights, optimizer state and step with a checkpoint's
+        (with ``weights_only``: its weights and step; the Adam moments start fresh)."""
         request = training_pb2.LoadStateRequest(
-            model_id=self.model_id, path=path, seq_id=self._take_seq()
+            model_id=self.model_id, path=path, seq_id=self._take_seq(), weights_only=weights_only
         )
         return self._call(self._service._training.LoadState, request, lambda r: int(r.step))
 

@@ -131,14 +131,23 @@ class LocalStore:
         shutil.rmtree(storage_path, ignore_errors=True)
 
 
-def copy_checkpoint(store: Store, src_path: str, dst_path: str) -> int:
+#: the file of a checkpoint that holds the Adam moments; a weights-only copy leaves it out
+OPTIMIZER_FILE = "optimizer.safetensors"
+
+
+def copy_checkpoint(
+    store: Store, src_path: str, dst_path: str, *, weights_only: bool = False
+) -> int:
     """Copy a checkpoint to another storage path of the same store; the bytes written.
-    Blocking I/O: call it off the event loop."""
+    ``weights_only`` leaves the optimizer state out (a model loaded from the copy
+    starts with fresh Adam moments). Blocking I/O: call it off the event loop."""
     src = store.fetch(src_path)
     staging = store.staging_dir(dst_path)
     try:
         shutil.rmtree(staging, ignore_errors=True)
         shutil.copytree(src, staging)
+        if weights_only:
+            (staging / OPTIMIZER_FILE).unlink(missing_ok=True)
         return store.commit(staging, dst_path)
     finally:
         store.release(src, src_path)

@@ -75,6 +75,7 @@ def create_model(req: training_pb2.CreateModelRequest) -> CreateModel:
         dtype=req.dtype,
         modules=lora_modules(req),
         from_state=req.from_state,
+        weights_only=req.weights_only,
         session_id=req.session_id,
     )
 

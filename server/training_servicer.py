@@ -146,7 +146,9 @@ class TrainingServicer(training_pb2_grpc.TrainingServiceServicer):
         self, request: training_pb2.LoadStateRequest, context: grpc.aio.ServicerContext
     ) -> training_pb2.LoadStateResponse:
         tenant = self.ctx.tenant(context)
-        result = await self.training.load_state(tenant, _call(request, context), request.path)
+        result = await self.training.load_state(
+            tenant, _call(request, context), request.path, optimizer=not request.weights_only
+        )
         return training_pb2.LoadStateResponse(step=result.step)
 
     # ---- checkpoints ----------------------------------------------------------------

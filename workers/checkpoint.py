@@ -67,8 +67,15 @@ def save_state(model: TrainingModel, directory: str | Path, seq_id: int) -> Save
 
 
 @torch.no_grad()
-def load_state(model: TrainingModel, directory: str | Path) -> LoadResult:
-    """Replace the model's trainable weights, optimizer state and step."""
+def load_state(
+    model: TrainingModel, directory: str | Path, *, optimizer: bool = True
+) -> LoadResult:
+    """Replace the model's trainable weights, optimizer state and step.
+
+    Without ``optimizer`` (or from a weights-only checkpoint, one without
+    ``optimizer.safetensors``) the weights and step are loaded and the Adam
+    moments start fresh, as the tinker SDK's ``load_state`` documents.
+    """
     manifest = read_manifest(directory)
     spec = model.spec
     if manifest["base_model"] != spec.base_model or int(manifest["lora_rank"]) != spec.lora_rank:
@@ -77,7 +84,8 @@ def load_state(model: TrainingModel, directory: str | Path) -> LoadResult:
             f"model is base {spec.base_model!r} rank {spec.lora_rank}"
         )
     weights = load_file(str(Path(directory) / "weights.safetensors"))
-    optim = load_file(str(Path(directory) / "optimizer.safetensors"))
+    optim_file = Path(directory) / "optimizer.safetensors"
+    optim = load_file(str(optim_file)) if optimizer and optim_file.exists() else None
     missing = sorted(set(model.trainable) - set(weights))
     extra = sorted(set(weights) - set(model.trainable))
     if extra:
@@ -90,6 +98,9 @@ def load_state(model: TrainingModel, directory: str | Path) -> LoadResult:
     for name, param in model.trainable.items():
         param.copy_(weights[name].to(dtype=param.dtype))
         param.grad = None
-    model.optimizer.load_state_tensors(optim, int(manifest["optimizer_step"]))
+    if optim is None:
+        model.optimizer.reset_moments()
+    else:
+        model.optimizer.load_state_tensors(optim, int(manifest["optimizer_step"]))
     model.version = int(manifest["step"])
     return LoadResult(step=model.version)

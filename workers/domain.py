@@ -113,6 +113,8 @@ class SaveStateOp:
 class LoadStateOp:
     directory: str
     kind: str = "load_state"
+    #: False: the weights only, with fresh Adam moments (tinker's ``load_state``)
+    optimizer: bool = True
 
 
 @dataclass(frozen=True)

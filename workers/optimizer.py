@@ -126,6 +126,15 @@ class AdamW:
         return out
 
     @torch.no_grad()
+    def reset_moments(self) -> None:
+        """Fresh Adam state (zero moments, step 0) under weights that were just replaced."""
+        for name, p in self.params.items():
+            self.exp_avg[name] = torch.zeros_like(p)
+            self.exp_avg_sq[name] = torch.zeros_like(p)
+        self.step_count = 0
+        self.weights_moved = True
+
+    @torch.no_grad()
     def load_state_tensors(self, tensors: Mapping[str, torch.Tensor], step_count: int) -> None:
         for name, p in self.params.items():
             self.exp_avg[name] = (

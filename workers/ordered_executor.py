@@ -243,7 +243,7 @@ class OrderedExecutor:
             self.call_stats.checkpoint(result.size_bytes)
             return result
         if isinstance(op, LoadStateOp):
-            return checkpoint.load_state(model, op.directory)
+            return checkpoint.load_state(model, op.directory, optimizer=op.optimizer)
         raise InternalError(f"unknown op {type(op).__name__}")
 
     def publish(self, model: TrainingModel, *, inflight: bool) -> None:

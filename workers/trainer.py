@@ -391,8 +391,11 @@ def finish_forward_backward(
     """The call's summed loss (to backward) and its result, from its logprobs."""
     valid = prep.batch.valid_B_T
     entropy_N = entropy_B_T[valid] if entropy_B_T is not None else None
+    rows_B_T = torch.arange(valid.shape[0], device=valid.device)[:, None].expand_as(valid)
     result = losses.compute_loss(
-        op.loss_fn, losses.LossBatch(lp_B_T[valid], prep.inputs, entropy_N), prep.config
+        op.loss_fn,
+        losses.LossBatch(lp_B_T[valid], prep.inputs, entropy_N, rows_B_T[valid]),
+        prep.config,
     )
     out = ForwardResult(
         logprobs=_split(lp_B_T, prep.batch.lengths, _np_dtype(model)),

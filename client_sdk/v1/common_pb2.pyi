@@ -25,6 +25,7 @@ class LossFn(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     PPO: _ClassVar[LossFn]
     CISPO: _ClassVar[LossFn]
     DRO: _ClassVar[LossFn]
+    GSPO: _ClassVar[LossFn]
 
 class StopReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -57,6 +58,7 @@ IMPORTANCE_SAMPLING: LossFn
 PPO: LossFn
 CISPO: LossFn
 DRO: LossFn
+GSPO: LossFn
 STOP_REASON_UNSPECIFIED: StopReason
 STOP: StopReason
 LENGTH: StopReason

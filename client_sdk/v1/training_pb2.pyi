@@ -9,7 +9,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class CreateModelRequest(_message.Message):
-    __slots__ = ("base_model", "lora_rank", "lora_alpha", "seed", "dtype", "from_state", "session_id", "train_attn", "train_mlp", "train_unembed")
+    __slots__ = ("base_model", "lora_rank", "lora_alpha", "seed", "dtype", "from_state", "session_id", "train_attn", "train_mlp", "train_unembed", "weights_only")
     BASE_MODEL_FIELD_NUMBER: _ClassVar[int]
     LORA_RANK_FIELD_NUMBER: _ClassVar[int]
     LORA_ALPHA_FIELD_NUMBER: _ClassVar[int]
@@ -20,6 +20,7 @@ class CreateModelRequest(_message.Message):
     TRAIN_ATTN_FIELD_NUMBER: _ClassVar[int]
     TRAIN_MLP_FIELD_NUMBER: _ClassVar[int]
     TRAIN_UNEMBED_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_ONLY_FIELD_NUMBER: _ClassVar[int]
     base_model: str
     lora_rank: int
     lora_alpha: float
@@ -30,7 +31,8 @@ class CreateModelRequest(_message.Message):
     train_attn: bool
     train_mlp: bool
     train_unembed: bool
-    def __init__(self, base_model: _Optional[str] = ..., lora_rank: _Optional[int] = ..., lora_alpha: _Optional[float] = ..., seed: _Optional[int] = ..., dtype: _Optional[str] = ..., from_state: _Optional[str] = ..., session_id: _Optional[str] = ..., train_attn: _Optional[bool] = ..., train_mlp: _Optional[bool] = ..., train_unembed: _Optional[bool] = ...) -> None: ...
+    weights_only: bool
+    def __init__(self, base_model: _Optional[str] = ..., lora_rank: _Optional[int] = ..., lora_alpha: _Optional[float] = ..., seed: _Optional[int] = ..., dtype: _Optional[str] = ..., from_state: _Optional[str] = ..., session_id: _Optional[str] = ..., train_attn: _Optional[bool] = ..., train_mlp: _Optional[bool] = ..., train_unembed: _Optional[bool] = ..., weights_only: _Optional[bool] = ...) -> None: ...
 
 class GetModelInfoRequest(_message.Message):
     __slots__ = ("model_id",)
@@ -222,14 +224,16 @@ class SaveStateResponse(_message.Message):
     def __init__(self, path: _Optional[str] = ..., seq_id: _Optional[int] = ..., step: _Optional[int] = ...) -> None: ...
 
 class LoadStateRequest(_message.Message):
-    __slots__ = ("model_id", "seq_id", "path")
+    __slots__ = ("model_id", "seq_id", "path", "weights_only")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_ONLY_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     seq_id: int
     path: str
-    def __init__(self, model_id: _Optional[str] = ..., seq_id: _Optional[int] = ..., path: _Optional[str] = ...) -> None: ...
+    weights_only: bool
+    def __init__(self, model_id: _Optional[str] = ..., seq_id: _Optional[int] = ..., path: _Optional[str] = ..., weights_only: _Optional[bool] = ...) -> None: ...
 
 class LoadStateResponse(_message.Message):
     __slots__ = ("step",)

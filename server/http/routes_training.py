@@ -10,6 +10,7 @@ dedupe, tenancy, quotas and usage are the service layer's
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -289,19 +290,13 @@ async def load_weights(
     body = wire.json_body(await request.body())
     uri = st.names.state_uri(tenant_id, body.get("path"))
     optimizer = wire.field(body, "optimizer", bool, True)
-    if not optimizer:
-        raise InvalidArgumentError(
-            "optimizer: false is not supported yet (treadle loads weights and optimizer "
-            "state together); use create_training_client_from_state_with_optimizer / "
-            "load_state_with_optimizer"
-        )
     if body.get("model_id") is not None:
         call = _call(st, tenant_id, body, body)
         sdk_model = body["model_id"]
         return await submit(
             st,
             tenant_id,
-            st.service.training.load_state,
+            partial(st.service.training.load_state, optimizer=optimizer),
             call,
             uri,
             encode=lambda r: {"type": "load_weights", "path": body["path"], "model_id": sdk_model},
@@ -313,7 +308,8 @@ async def load_weights(
 
     async def run() -> str:
         info = await st.service.models.create(
-            tenant_id, CreateModel(from_state=uri, session_id=session_id)
+            tenant_id,
+            CreateModel(from_state=uri, session_id=session_id, weights_only=not optimizer),
         )
         st.names.alias(tenant_id, sdk_id, info.model_id)
         return info.model_id

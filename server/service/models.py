@@ -97,16 +97,26 @@ class ModelService:
             row.session_id = req.session_id or None
             model_id = row.id
         spec = ModelSpec(model_id, tenant, base_model, rank, alpha, seed, dtype, *modules)
+        init = None
+        load_from = from_state
+        if from_state is not None and req.weights_only:
+            # The model's own copy holds no optimizer state, so it loads (now and
+            # after a restart) with fresh Adam moments.
+            init_path = ctx.store.state_path(tenant, model_id, INIT_CHECKPOINT)
+            size = await asyncio.to_thread(
+                copy_checkpoint, ctx.store, from_state, init_path, weights_only=True
+            )
+            init = (init_path, size)
+            load_from = init_path
         try:
-            status = await ctx.dispatcher.create_model(spec, from_state=from_state, next_seq_id=1)
+            status = await ctx.dispatcher.create_model(spec, from_state=load_from, next_seq_id=1)
         except TreadleError:
             with ctx.session() as s:
                 queries.mark_model_deleted(s, tenant, model_id)
             raise
         ctx.owners[model_id] = tenant
         ctx.lifecycle.touch(model_id)
-        init = None
-        if from_state is not None:
+        if from_state is not None and init is None:
             init_path = ctx.store.state_path(tenant, model_id, INIT_CHECKPOINT)
             size = await asyncio.to_thread(copy_checkpoint, ctx.store, from_state, init_path)
             init = (init_path, size)

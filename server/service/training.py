@@ -201,14 +201,21 @@ class TrainingService:
         return SavedState(state_uri(call.model_id, name), result.seq_id, result.step)
 
     async def load_state(
-        self, tenant: str, call: OrderedCall, path: str, *, admitted: Admission | None = None
+        self,
+        tenant: str,
+        call: OrderedCall,
+        path: str,
+        *,
+        optimizer: bool = True,
+        admitted: Admission | None = None,
     ) -> LoadResult:
         """Load weights and optimizer state from the tenant's checkpoint ``path``
-        (a barrier)."""
+        (a barrier); without ``optimizer``, the weights only (fresh Adam moments)."""
 
         def build() -> OrderedOp:
             with self.ctx.session() as s:
-                return LoadStateOp(self.checkpoints.resolve(s, tenant, path, "path"))
+                directory = self.checkpoints.resolve(s, tenant, path, "path")
+            return LoadStateOp(directory, optimizer=optimizer)
 
         result = cast(
             LoadResult, await self.calls.run(tenant, call, build, "load_state", admitted=admitted)

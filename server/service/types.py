@@ -68,6 +68,8 @@ class CreateModel:
     modules: tuple[bool, bool, bool] = (True, True, True)  # attn, mlp, unembed
     from_state: str = ""  # treadle://<model_id>/state/<name> of the same tenant
     session_id: str = ""
+    #: with from_state: load its weights only; the Adam moments start fresh
+    weights_only: bool = False
 
 
 @dataclass(frozen=True)

@@ -48,13 +48,13 @@ def run(name: str, logp: torch.Tensor, inputs: dict[str, torch.Tensor], config=N
 
 
 def test_registry_names_and_tinker_defaults() -> None:
-    assert set(LOSSES) == {"cross_entropy", "importance_sampling", "ppo", "cispo", "dro"}
+    assert set(LOSSES) == {"cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "gspo"}
     assert LOSSES["ppo"].config_defaults["clip_low_threshold"] == 0.8
     assert LOSSES["ppo"].config_defaults["clip_high_threshold"] == 1.2
     assert LOSSES["cispo"].config_defaults["clip_low_threshold"] == 0.0
     assert LOSSES["cispo"].config_defaults["clip_high_threshold"] == 4.0
     assert LOSSES["dro"].config_defaults["beta"] == 0.05
-    for name in ("importance_sampling", "ppo", "cispo", "dro"):
+    for name in ("importance_sampling", "ppo", "cispo", "dro", "gspo"):
         assert LOSSES[name].config_defaults["kl_beta"] == 0.0
 
 
@@ -259,18 +259,31 @@ def _inputs_for(name: str, logp: torch.Tensor) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("name", sorted(LOSSES))
 def test_sums_not_means(name: str) -> None:
-    """Two half-batches, summed, give the whole batch's loss and gradient (plain accumulation)."""
+    """Two half-batches, summed, give the whole batch's loss and gradient (plain accumulation).
+
+    The halves split at a datum boundary (datum 0: tokens 0-1, datum 1: 2-5), as
+    calls do: GSPO's ratio is per datum.
+    """
     values = torch.linspace(-2.0, -0.2, 6, dtype=F64).tolist()
     whole_logp = leaf(values)
     inputs = _inputs_for(name, whole_logp)
     config = {} if name == "cross_entropy" else {"kl_beta": 0.05}
-    whole = run(name, whole_logp, inputs, config)
+    datum = torch.tensor([0, 0, 1, 1, 1, 1])
+    whole = compute_loss(name, LossBatch(whole_logp, inputs, None, datum), config)
+    whole.loss.backward()
 
     halves_logp = leaf(values)
     total = 0.0
     for part in (slice(0, 2), slice(2, 6)):
         sub = compute_loss(
-            name, LossBatch(halves_logp[part], {k: v[part] for k, v in inputs.items()}), config
+            name,
+            LossBatch(
+                halves_logp[part],
+                {k: v[part] for k, v in inputs.items()},
+                None,
+                datum[part] - datum[part][0],
+            ),
+            config,
         )
         sub.loss.backward()
         total += sub.metrics["loss:sum"]

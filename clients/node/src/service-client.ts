@@ -123,10 +123,11 @@ export class ServiceClient {
     }
   }
 
-  /** A new model initialised from a treadle:// checkpoint (weights, optimizer state, step). */
-  createTrainingClientFromState(path: string): Promise<TrainingClient> {
+  /** A new model initialised from a treadle:// checkpoint (weights, optimizer state, step;
+   * with `weightsOnly`, fresh Adam moments). */
+  createTrainingClientFromState(path: string, opts: { weightsOnly?: boolean } = {}): Promise<TrainingClient> {
     try {
-      return this.create({ fromState: nonEmptyString(path, "path") });
+      return this.create({ fromState: nonEmptyString(path, "path"), weightsOnly: opts.weightsOnly ?? false });
     } catch (err) {
       return Promise.reject(err);
     }
@@ -160,6 +161,7 @@ export class ServiceClient {
       dtype: "",
       fromState: "",
       sessionId: "",
+      weightsOnly: false,
       ...fields,
     };
     const info = await this.caller.call(this.training.createModel.bind(this.training), request, convert.modelInfoFromWire);

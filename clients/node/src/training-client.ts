@@ -161,10 +161,16 @@ export class TrainingClient {
     }));
   }
 
-  /** Replace this model's weights, optimizer state and step with a checkpoint's; resolves with the step. */
-  loadState(path: string): Promise<number> {
+  /** Replace this model's weights, optimizer state and step with a checkpoint's (with
+   * `weightsOnly`: its weights and step, fresh Adam moments); resolves with the step. */
+  loadState(path: string, opts: { weightsOnly?: boolean } = {}): Promise<number> {
     return this.ordered(() => ({
-      request: { modelId: this.modelId, seqId: 0, path: nonEmptyString(path, "path") },
+      request: {
+        modelId: this.modelId,
+        seqId: 0,
+        path: nonEmptyString(path, "path"),
+        weightsOnly: opts.weightsOnly ?? false,
+      },
       send: (req) => this.caller.call(this.stub.loadState.bind(this.stub), req, (r) => r.step),
     }));
   }

@@ -47,6 +47,8 @@ export enum LossFn {
   CISPO = 4,
   /** DRO - -(logp A - beta/2 (logp - logprobs)^2); config beta (0.05) */
   DRO = 5,
+  /** GSPO - PPO's clip on the sequence ratio (geometric mean of token ratios); optional input sequence_ratio_mask */
+  GSPO = 6,
   UNRECOGNIZED = -1,
 }
 

@@ -56,7 +56,14 @@ export interface CreateModelRequest {
     | boolean
     | undefined;
   /** the output head (lm_head) */
-  trainUnembed?: boolean | undefined;
+  trainUnembed?:
+    | boolean
+    | undefined;
+  /**
+   * With from_state: load the checkpoint's weights only; the Adam moments start
+   * fresh (false = weights and optimizer state, as before).
+   */
+  weightsOnly: boolean;
 }
 
 /** Which model. */
@@ -260,6 +267,11 @@ export interface LoadStateRequest {
   seqId: number;
   /** treadle://<model_id>/state/<name> of the same tenant and base model */
   path: string;
+  /**
+   * Load the weights only; the Adam moments start fresh (false = weights and
+   * optimizer state, as before).
+   */
+  weightsOnly: boolean;
 }
 
 /** The state loaded. */
@@ -344,6 +356,7 @@ function createBaseCreateModelRequest(): CreateModelRequest {
     trainAttn: undefined,
     trainMlp: undefined,
     trainUnembed: undefined,
+    weightsOnly: false,
   };
 }
 
@@ -378,6 +391,9 @@ export const CreateModelRequest: MessageFns<CreateModelRequest> = {
     }
     if (message.trainUnembed !== undefined) {
       writer.uint32(80).bool(message.trainUnembed);
+    }
+    if (message.weightsOnly !== false) {
+      writer.uint32(88).bool(message.weightsOnly);
     }
     return writer;
   },
@@ -475,6 +491,14 @@ export const CreateModelRequest: MessageFns<CreateModelRequest> = {
             message.trainUnembed = reader.bool();
             continue;
           }
+          case 11: {
+            if (tag !== 88) {
+              break;
+            }
+
+            message.weightsOnly = reader.bool();
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -502,6 +526,7 @@ export const CreateModelRequest: MessageFns<CreateModelRequest> = {
     message.trainAttn = object.trainAttn ?? undefined;
     message.trainMlp = object.trainMlp ?? undefined;
     message.trainUnembed = object.trainUnembed ?? undefined;
+    message.weightsOnly = object.weightsOnly ?? false;
     return message;
   },
 };
@@ -2073,7 +2098,7 @@ export const SaveStateResponse: MessageFns<SaveStateResponse> = {
 };
 
 function createBaseLoadStateRequest(): LoadStateRequest {
-  return { modelId: "", seqId: 0, path: "" };
+  return { modelId: "", seqId: 0, path: "", weightsOnly: false };
 }
 
 export const LoadStateRequest: MessageFns<LoadStateRequest> = {
@@ -2086,6 +2111,9 @@ export const LoadStateRequest: MessageFns<LoadStateRequest> = {
     }
     if (message.path !== "") {
       writer.uint32(26).string(message.path);
+    }
+    if (message.weightsOnly !== false) {
+      writer.uint32(32).bool(message.weightsOnly);
     }
     return writer;
   },
@@ -2127,6 +2155,14 @@ export const LoadStateRequest: MessageFns<LoadStateRequest> = {
             message.path = reader.string();
             continue;
           }
+          case 4: {
+            if (tag !== 32) {
+              break;
+            }
+
+            message.weightsOnly = reader.bool();
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -2147,6 +2183,7 @@ export const LoadStateRequest: MessageFns<LoadStateRequest> = {
     message.modelId = object.modelId ?? "";
     message.seqId = object.seqId ?? 0;
     message.path = object.path ?? "";
+    message.weightsOnly = object.weightsOnly ?? false;
     return message;
   },
 };
