@@ -15,9 +15,10 @@ from treadle.errors import InvalidArgumentError
 from treadle.server.quotas import QuotaLimits
 from treadle.workers.engine_flags import (
     add_engine_flags,
+    add_model_flag,
     check_engine_settings,
     engine_settings,
-    parse_models,
+    models_from_args,
 )
 from treadle.workers.logs import add_observe_flags, metrics_port_of
 
@@ -194,13 +195,7 @@ class ServerConfig:
 def add_server_flags(parser: argparse.ArgumentParser) -> None:
     env = os.environ.get
     add_tenancy_flags(parser)
-    parser.add_argument(
-        "--model",
-        action="append",
-        default=[],
-        metavar="[NAME=]DIR",
-        help="base model directory to serve (repeatable); env TREADLE_MODELS (comma-separated)",
-    )
+    add_model_flag(parser)
     parser.add_argument("--data-dir", default=env("TREADLE_DATA_DIR", "treadle-data"))
     parser.add_argument("--host", default=env("TREADLE_HOST", "127.0.0.1"))
     parser.add_argument("--port", type=int, default=int(env("TREADLE_PORT", "50051")))
@@ -329,13 +324,10 @@ def tenancy_config(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
-    model_values = list(args.model)
-    if not model_values and os.environ.get("TREADLE_MODELS"):
-        model_values = [m for m in os.environ["TREADLE_MODELS"].split(",") if m]
     return ServerConfig(
         **tenancy_config(args),
         data_dir=Path(args.data_dir),
-        models=parse_models(model_values),
+        models=models_from_args(args),
         host=args.host,
         port=args.port,
         http_port=None if args.http_port < 0 else args.http_port,

@@ -30,6 +30,7 @@ from treadle.workers.domain import (
     StreamedSequence,
 )
 from treadle.workers.engine import Engine
+from treadle.workers.engine_api import EngineAPI
 from treadle.workers.model.config import ModelConfig
 from treadle.workers.pass_stats import PassStats
 from treadle.workers.sampler import SamplerStats
@@ -150,40 +151,34 @@ class InProcessDispatcher:
         self.staged = (
             StagedEngine(engine, store) if store is not None and not store.is_local else None
         )
+        #: every call but export goes through this one typed API (``workers.engine_api``)
+        self.api: EngineAPI = self.staged or engine
 
     async def create_model(
         self, spec: ModelSpec, *, from_state: str | Path | None, next_seq_id: int
     ) -> ModelStatus:
-        if self.staged is not None and from_state is not None:
-            path = storage_path_str(from_state)
-            return await _await(
-                self.staged.create_model(spec, from_state=path, next_seq_id=next_seq_id)
-            )
-        return await _await(
-            self.engine.create_model(spec, from_state=from_state, next_seq_id=next_seq_id)
-        )
+        path = storage_path_str(from_state) if from_state is not None else None
+        return await _await(self.api.create_model(spec, from_state=path, next_seq_id=next_seq_id))
 
     async def delete_model(self, model_id: str) -> None:
-        await _await(self.engine.delete_model(model_id))
+        await _await(self.api.delete_model(model_id))
 
     async def unload_model(
         self, model_id: str, directory: Path, *, force: bool = False
     ) -> SaveResult:
-        if self.staged is not None:  # the checkpoint goes to the remote store
-            path = storage_path_str(directory)
-            return await _await(self.staged.unload_model(model_id, path, force=force))
-        return await _await(self.engine.unload_model(model_id, directory, force=force))
+        path = storage_path_str(directory)  # with a remote store, uploaded there
+        return await _await(self.api.unload_model(model_id, path, force=force))
 
     async def export_weights(self, model_id: str, directory: Path, *, merged: bool) -> list[str]:
         return await _await(self.engine.export_weights(model_id, directory, merged=merged))
 
     async def submit(self, model_id: str, seq_id: int, op: OrderedOp, digest: str) -> OpResult:
-        return await _await((self.staged or self.engine).submit(model_id, seq_id, op, digest))
+        return await _await(self.api.submit(model_id, seq_id, op, digest))
 
     async def sample(
         self, target: SamplerTarget, op: SampleOp, dedupe_key: tuple[str, int, str] | None
     ) -> SampleResult:
-        return await _await(self.engine.sample(target, op, dedupe_key=dedupe_key))
+        return await _await(self.api.sample(target, op, dedupe_key=dedupe_key))
 
     async def sample_stream(
         self, target: SamplerTarget, op: SampleOp
@@ -195,7 +190,7 @@ class InProcessDispatcher:
             item = StreamedSequence(index, seq, compute_s)
             loop.call_soon_threadsafe(items.put_nowait, item)
 
-        fut = self.engine.sample(target, op, on_sequence=on_sequence)
+        fut = self.api.sample(target, op, on_sequence=on_sequence)
         # Items and the result reach the loop in the order the engine sent them.
         done: asyncio.Future[Any] = asyncio.wrap_future(fut)
         try:
@@ -213,13 +208,13 @@ class InProcessDispatcher:
         handles: tuple[str, ...],
         params: SamplingConfig,
     ) -> SampleResult:
-        return await _await(self.engine.resume(target, handles, params))
+        return await _await(self.api.resume(target, handles, params))
 
     async def check_sampler_target(self, target: SamplerTarget) -> int:
-        return await _await(self.engine.check_sampler_target(target))
+        return await _await(self.api.check_sampler_target(target))
 
     def model_status(self, model_id: str) -> ModelStatus:
-        return self.engine.model_status(model_id)
+        return self.api.model_status(model_id)
 
     def base_model_config(self, name: str) -> ModelConfig:
         return self.engine.bases.config(name)

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import datetime as dt
 import logging
 import math
 import time
@@ -42,7 +41,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import select
-from sqlalchemy.orm import Session
 
 from treadle.common.db import models as db
 from treadle.common.store import state_uri
@@ -221,10 +219,18 @@ class ModelLifecycle:
             return False
         try:
             with ctx.session() as s:
-                ckpt = record_checkpoint(
-                    s, tenant, model_id, AUTO_NAME, storage_path, saved.seq_id, saved.step
+                ckpt = queries.put_checkpoint(
+                    s,
+                    tenant_id=tenant,
+                    model_id=model_id,
+                    name=AUTO_NAME,
+                    uri=state_uri(model_id, AUTO_NAME),
+                    storage_path=storage_path,
+                    seq_id=saved.seq_id,
+                    step=saved.step,
+                    kind="auto",
+                    size_bytes=saved.size_bytes,
                 )
-                ckpt.size_bytes = saved.size_bytes
                 queries.update_model_progress(s, model_id, version=saved.step, last_checkpoint=ckpt)
                 model = s.get(db.Model, model_id)
                 if model is not None:
@@ -352,35 +358,3 @@ async def _reload(
         spec = convert.model_spec(row)
     await ctx.dispatcher.create_model(spec, from_state=storage_path, next_seq_id=seq_id + 1)
     ctx.owners[model_id] = tenant
-
-
-def record_checkpoint(
-    s: Session,
-    tenant: str,
-    model_id: str,
-    name: str,
-    storage_path: str,
-    seq_id: int,
-    step: int,
-    kind: str = "auto",
-) -> db.Checkpoint:
-    """The row of a checkpoint (re)written under ``name``: updated in place, so a
-    model that points at it keeps pointing at it."""
-    row = queries.get_checkpoint_by_uri(s, tenant, state_uri(model_id, name))
-    if row is None:
-        return queries.add_checkpoint(
-            s,
-            tenant_id=tenant,
-            model_id=model_id,
-            name=name,
-            uri=state_uri(model_id, name),
-            storage_path=storage_path,
-            seq_id=seq_id,
-            step=step,
-            kind=kind,
-            size_bytes=0,
-        )
-    row.storage_path, row.seq_id, row.step, row.kind = storage_path, seq_id, step, kind
-    row.created_at = dt.datetime.now(dt.timezone.utc)
-    s.flush()
-    return row

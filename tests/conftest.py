@@ -128,3 +128,13 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     from tests.reliability import stats
 
     stats.report(terminalreporter.write_line)
+
+
+@pytest.fixture
+def postgres_url() -> Iterator[str]:
+    """A fresh database on the test PostgreSQL, dropped afterwards (skips the test
+    when PostgreSQL is unreachable)."""
+    from tests.integration.services import fresh_postgres
+
+    with fresh_postgres("treadle_test") as url:
+        yield url

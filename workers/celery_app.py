@@ -32,9 +32,6 @@ TASK = "treadle.call"
 REPLY_CONTENT_TYPE = "application/x-treadle"
 BROKER_SCHEMES = ("redis", "rediss", "amqp", "amqps", "pyamqp")
 
-#: call kinds a worker understands (the servers send only these)
-KINDS = ("create", "delete", "submit", "sample", "check_target", "unload", "export")
-
 
 def check_broker_url(url: str, field: str = "broker") -> str:
     """redis://host[:port][/db] or amqp://user:pass@host[:port]/vhost, else a clear error."""

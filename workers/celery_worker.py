@@ -222,7 +222,7 @@ class Worker:
             self.replies.put(reply_to, cid, err or len(f.result().sequences), None)
             self._count_call(-1)
 
-        fut = self.engine.sample(target, op, on_sequence=item)
+        fut = self.staged.sample(target, op, on_sequence=item)
         self._count_call(1)
         fut.add_done_callback(done)
 
@@ -236,7 +236,7 @@ class Worker:
             return None, staged.sample(target, op, dedupe_key=dedupe_key)
         if kind == "resume":
             target, handles, params = args
-            return None, staged.engine.resume(target, tuple(handles), params)
+            return None, staged.resume(target, tuple(handles), params)
         if kind == "check_target":
             (target,) = args
             return None, staged.check_sampler_target(target)

@@ -308,6 +308,25 @@ def engine_config(
     )
 
 
+def add_model_flag(parser: argparse.ArgumentParser) -> None:
+    """``--model [NAME=]DIR`` (repeatable), of a server and of a worker alike."""
+    parser.add_argument(
+        "--model",
+        action="append",
+        default=[],
+        metavar="[NAME=]DIR",
+        help="base model directory to serve (repeatable); env TREADLE_MODELS (comma-separated)",
+    )
+
+
+def models_from_args(args: argparse.Namespace) -> dict[str, Path]:
+    """The base models of ``--model`` flags, or of ``TREADLE_MODELS`` when none was given."""
+    values = list(args.model)
+    if not values and os.environ.get("TREADLE_MODELS"):
+        values = [m for m in os.environ["TREADLE_MODELS"].split(",") if m]
+    return parse_models(values)
+
+
 def parse_models(values: Sequence[str]) -> dict[str, Path]:
     """``--model DIR`` (named after the directory) or ``--model NAME=DIR``."""
     models: dict[str, Path] = {}

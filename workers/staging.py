@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
@@ -38,10 +38,12 @@ from treadle.workers.domain import (
     SampleOp,
     SampleResult,
     SamplerTarget,
+    SamplingConfig,
     SaveResult,
     SaveStateOp,
 )
 from treadle.workers.engine import Engine
+from treadle.workers.engine_api import OnSequence
 
 if TYPE_CHECKING:
     from treadle.common.store import Store
@@ -51,7 +53,7 @@ T = TypeVar("T")
 
 
 class StagedEngine:
-    """The thread-safe API of ``Engine`` (futures out), with storage paths in."""
+    """``EngineAPI`` (``workers.engine_api``) over an ``Engine``, with storage paths in."""
 
     def __init__(self, engine: Engine, store: Store, io_threads: int = 4) -> None:
         self.engine = engine
@@ -72,9 +74,19 @@ class StagedEngine:
         return self.engine.delete_model(model_id)
 
     def sample(
-        self, target: SamplerTarget, op: SampleOp, *, dedupe_key: tuple[str, int, str] | None = None
+        self,
+        target: SamplerTarget,
+        op: SampleOp,
+        *,
+        dedupe_key: tuple[str, int, str] | None = None,
+        on_sequence: OnSequence | None = None,
     ) -> Future[SampleResult]:
-        return self.engine.sample(target, op, dedupe_key=dedupe_key)
+        return self.engine.sample(target, op, dedupe_key=dedupe_key, on_sequence=on_sequence)
+
+    def resume(
+        self, target: SamplerTarget, handles: Sequence[str], params: SamplingConfig
+    ) -> Future[SampleResult]:
+        return self.engine.resume(target, handles, params)
 
     def check_sampler_target(self, target: SamplerTarget) -> Future[int]:
         return self.engine.check_sampler_target(target)

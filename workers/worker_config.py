@@ -13,9 +13,10 @@ from typing import Any
 from treadle.errors import InvalidArgumentError
 from treadle.workers.engine_flags import (
     add_engine_flags,
+    add_model_flag,
     check_engine_settings,
     engine_settings,
-    parse_models,
+    models_from_args,
 )
 from treadle.workers.logs import add_observe_flags, metrics_port_of
 
@@ -89,13 +90,7 @@ class WorkerConfig:
 
 def add_worker_flags(parser: argparse.ArgumentParser) -> None:
     env = os.environ.get
-    parser.add_argument(
-        "--model",
-        action="append",
-        default=[],
-        metavar="[NAME=]DIR",
-        help="base model directory to serve (repeatable); env TREADLE_MODELS (comma-separated)",
-    )
+    add_model_flag(parser)
     parser.add_argument(
         "--broker", default=env("TREADLE_BROKER", ""), help="redis://... or amqp://..."
     )
@@ -127,11 +122,8 @@ def add_worker_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def worker_config_from_args(args: argparse.Namespace) -> WorkerConfig:
-    model_values = list(args.model)
-    if not model_values and os.environ.get("TREADLE_MODELS"):
-        model_values = [m for m in os.environ["TREADLE_MODELS"].split(",") if m]
     return WorkerConfig(
-        models=parse_models(model_values),
+        models=models_from_args(args),
         broker=args.broker,
         database_url=args.database_url,
         store=args.store,

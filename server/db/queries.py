@@ -193,6 +193,50 @@ def add_checkpoint(
     return _add(s, row)
 
 
+def put_checkpoint(
+    s: Session,
+    *,
+    tenant_id: str,
+    model_id: str,
+    name: str,
+    uri: str,
+    storage_path: str,
+    seq_id: int,
+    step: int,
+    kind: str,
+    size_bytes: int,
+) -> Checkpoint:
+    """The row of a checkpoint just (re)written under ``name``; a retried call (same
+    ``seq_id``) finds its own row and keeps it.
+
+    The row is updated in place, never deleted and added again: the model may
+    point at it as its last checkpoint (a foreign key), and a delete would fail
+    after the engine has already written the new state."""
+    existing = get_checkpoint_by_uri(s, tenant_id, uri)
+    if existing is None:
+        return add_checkpoint(
+            s,
+            tenant_id=tenant_id,
+            model_id=model_id,
+            name=name,
+            uri=uri,
+            storage_path=storage_path,
+            seq_id=seq_id,
+            step=step,
+            kind=kind,
+            size_bytes=size_bytes,
+        )
+    if existing.seq_id != seq_id:
+        existing.storage_path = storage_path
+        existing.seq_id = seq_id
+        existing.step = step
+        existing.kind = kind
+        existing.size_bytes = size_bytes
+        existing.created_at = utcnow()
+        s.flush()
+    return existing
+
+
 def list_checkpoints(s: Session, tenant_id: str, model_id: str) -> Sequence[Checkpoint]:
     stmt = (
         select(Checkpoint)

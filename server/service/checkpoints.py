@@ -41,31 +41,13 @@ class CheckpointService:
         kind: str,
         size: int,
     ) -> db.Checkpoint:
-        """The DB row of a checkpoint just written; a name saved again replaces its row
-        (a retried call finds its own row and keeps it).
-
-        The row is updated in place, never deleted and added again: the model may
-        point at it as its last checkpoint (a foreign key), and a delete would fail
-        after the engine has already written the new state."""
-        uri = state_uri(model_id, name)
-        existing = queries.get_checkpoint_by_uri(s, tenant, uri)
-        if existing is not None and existing.seq_id == seq_id:
-            return existing
-        if existing is not None:
-            existing.storage_path = directory
-            existing.seq_id = seq_id
-            existing.step = step
-            existing.kind = kind
-            existing.size_bytes = size
-            existing.created_at = db.utcnow()
-            s.flush()
-            return existing
-        return queries.add_checkpoint(
+        """The DB row of a checkpoint just written (``queries.put_checkpoint``)."""
+        return queries.put_checkpoint(
             s,
             tenant_id=tenant,
             model_id=model_id,
             name=name,
-            uri=uri,
+            uri=state_uri(model_id, name),
             storage_path=directory,
             seq_id=seq_id,
             step=step,

@@ -5,9 +5,7 @@ against SQLite and PostgreSQL."""
 from __future__ import annotations
 
 import json
-import os
 import stat
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -15,8 +13,7 @@ from typing import Any
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from sqlalchemy import create_engine, make_url, text
-from sqlalchemy.exc import OperationalError
+from sqlalchemy import text
 
 import treadle
 from tests.integration.rpc_walk import all_methods, call_raw, request_class
@@ -28,10 +25,6 @@ from treadle.server.config import ServerConfig
 from treadle.server.db import make_engine, make_session_factory, queries, upgrade_to_head
 from treadle.server.embedded import EmbeddedServer
 from treadle.v1 import sampling_pb2, server_pb2
-
-PG_ADMIN_URL = os.environ.get(
-    "TREADLE_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test"
-)
 
 
 def _server(data_dir: Path, model_dir: Path, **overrides: Any) -> EmbeddedServer:
@@ -225,26 +218,6 @@ def test_lookups_are_cached_for_cache_s(tmp_path: Path) -> None:
 
 
 # ---- the admin CLI on both databases --------------------------------------------------
-
-
-@pytest.fixture
-def postgres_url() -> Iterator[str]:
-    admin_engine = create_engine(
-        PG_ADMIN_URL, isolation_level="AUTOCOMMIT", connect_args={"connect_timeout": 3}
-    )
-    name = f"treadle_auth_{uuid.uuid4().hex[:12]}"
-    try:
-        with admin_engine.connect() as conn:
-            conn.execute(text(f'CREATE DATABASE "{name}"'))
-    except OperationalError as exc:
-        admin_engine.dispose()
-        pytest.skip(f"PostgreSQL unreachable at {PG_ADMIN_URL}: {exc.orig}")
-    try:
-        yield make_url(PG_ADMIN_URL).set(database=name).render_as_string(hide_password=False)
-    finally:
-        with admin_engine.connect() as conn:
-            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-        admin_engine.dispose()
 
 
 @pytest.mark.parametrize(

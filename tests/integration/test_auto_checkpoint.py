@@ -8,13 +8,11 @@ import numpy as np
 
 import treadle
 from tests.conftest import make_server
+from tests.helpers import next_token_datum
 
 
 def _datum(tokens: list[int]) -> treadle.Datum:
-    return treadle.Datum(
-        model_input=treadle.ModelInput.from_ints(tokens[:-1]),
-        loss_fn_inputs={"target_tokens": tokens[1:], "weights": np.ones(len(tokens) - 1)},
-    )
+    return next_token_datum(tokens)
 
 
 def test_restart_returns_to_last_auto_checkpoint(tmp_path: Path, tiny_model_dir: Path) -> None:

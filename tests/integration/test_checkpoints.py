@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import treadle
+from tests.helpers import char_ids, next_token_datum
 from treadle.server.config import ServerConfig
 from treadle.server.embedded import EmbeddedServer
 
@@ -33,11 +34,7 @@ def server(
 
 
 def _datum(text: str) -> treadle.Datum:
-    ids = [3 + (ord(c) - 32) for c in text]  # the tiny model's character ids
-    return treadle.Datum(
-        model_input=treadle.ModelInput.from_ints(ids[:-1]),
-        loss_fn_inputs={"target_tokens": ids[1:], "weights": [1.0] * (len(ids) - 1)},
-    )
+    return next_token_datum(char_ids(text))
 
 
 TRAIN = [_datum("12+3=15"), _datum("hello world"), _datum("9*9=81")]

@@ -37,6 +37,7 @@ from safetensors.torch import load_file
 from sqlalchemy import create_engine, text
 
 import treadle
+from tests.helpers import next_token_datum
 from treadle import rl
 from treadle.errors import NotFoundError, UnavailableError
 from treadle.server.config import ServerConfig
@@ -205,10 +206,7 @@ def cluster(
 
 
 def _datum(tokens: list[int]) -> treadle.Datum:
-    return treadle.Datum(
-        model_input=treadle.ModelInput.from_ints(tokens[:-1]),
-        loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)},
-    )
+    return next_token_datum(tokens)
 
 
 def _rl_loop(c: Cluster, tenant: str, seed: int, steps: int, out: dict[str, object]) -> None:

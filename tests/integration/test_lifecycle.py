@@ -13,6 +13,7 @@ import pytest
 
 import treadle
 from tests.conftest import make_server
+from tests.helpers import char_ids, next_token_datum
 from treadle.common.db import models as db
 from treadle.errors import FailedPreconditionError, NotFoundError
 from treadle.server.db import queries
@@ -24,11 +25,7 @@ ADAM = treadle.AdamParams(learning_rate=1e-2)
 
 
 def _datum(text: str = "12+3=15") -> treadle.Datum:
-    ids = [1, *(3 + ord(c) - 32 for c in text), 2]  # the tiny model's char tokenizer
-    return treadle.Datum(
-        model_input=treadle.ModelInput.from_ints(ids[:-1]),
-        loss_fn_inputs={"target_tokens": ids[1:], "weights": np.ones(len(ids) - 1)},
-    )
+    return next_token_datum([1, *char_ids(text), 2])
 
 
 def _wait_for(predicate: Callable[[], bool], timeout: float = 15.0) -> None:

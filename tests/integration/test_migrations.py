@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -11,8 +9,8 @@ import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from alembic.script import ScriptDirectory
-from sqlalchemy import Engine, create_engine, inspect, make_url, text
-from sqlalchemy.exc import IntegrityError, OperationalError
+from sqlalchemy import Engine, inspect, text
+from sqlalchemy.exc import IntegrityError
 
 from treadle.common.db import workers as wq
 from treadle.common.db.models import Base
@@ -21,9 +19,6 @@ from treadle.server.db import downgrade, make_engine, make_session_factory, tena
 from treadle.server.db import queries as q
 from treadle.server.db.session import alembic_config
 
-PG_ADMIN_URL = os.environ.get(
-    "TREADLE_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test"
-)
 TABLES = {
     "tenants",
     "api_keys",
@@ -41,27 +36,6 @@ TABLES = {
 @pytest.fixture
 def sqlite_url(tmp_path: Path) -> str:
     return f"sqlite:///{tmp_path / 'treadle.db'}"
-
-
-@pytest.fixture
-def postgres_url() -> Iterator[str]:
-    """A fresh database per test, dropped afterwards."""
-    admin = create_engine(
-        PG_ADMIN_URL, isolation_level="AUTOCOMMIT", connect_args={"connect_timeout": 3}
-    )
-    name = f"treadle_mig_{uuid.uuid4().hex[:12]}"
-    try:
-        with admin.connect() as conn:
-            conn.execute(text(f'CREATE DATABASE "{name}"'))
-    except OperationalError as exc:
-        admin.dispose()
-        pytest.skip(f"PostgreSQL unreachable at {PG_ADMIN_URL}: {exc.orig}")
-    try:
-        yield make_url(PG_ADMIN_URL).set(database=name).render_as_string(hide_password=False)
-    finally:
-        with admin.connect() as conn:
-            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-        admin.dispose()
 
 
 @pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])

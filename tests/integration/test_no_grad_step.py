@@ -12,16 +12,13 @@ import warnings
 import pytest
 
 import treadle
+from tests.helpers import next_token_datum
 
 TIMEOUT = 60.0
 
 
 def _datum(tok: treadle.Tokenizer, text: str) -> treadle.Datum:
-    ids = tok.encode(text)
-    return treadle.Datum(
-        model_input=treadle.ModelInput.from_ints(ids[:-1]),
-        loss_fn_inputs={"target_tokens": ids[1:], "weights": [1.0] * (len(ids) - 1)},
-    )
+    return next_token_datum(tok.encode(text))
 
 
 def test_a_step_without_gradient_warns_and_reports_it(service: treadle.ServiceClient) -> None:

@@ -16,6 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import treadle
 from tests.conftest import make_server
+from tests.helpers import next_token_datum
 from treadle import _rpc
 from treadle.errors import NotFoundError, TreadleError
 from treadle.server.embedded import EmbeddedServer
@@ -45,10 +46,7 @@ def value(samples: Samples, name: str, **labels: str) -> float:
 
 
 def _datum(tokens: list[int]) -> treadle.Datum:
-    return treadle.Datum(
-        model_input=treadle.ModelInput.from_ints(tokens[:-1]),
-        loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)},
-    )
+    return next_token_datum(tokens)
 
 
 @pytest.fixture(scope="module")

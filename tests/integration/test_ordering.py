@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import treadle
+from tests.helpers import char_ids, next_token_datum
 from treadle import _convert
 from treadle.server.config import ServerConfig
 from treadle.server.embedded import EmbeddedServer
@@ -74,11 +75,7 @@ TEXTS = ("12+3=15", "9*9=81", "hello world")
 
 
 def _datum(text: str) -> treadle.Datum:
-    ids = [3 + (ord(c) - 32) for c in text]  # the tiny model's character ids
-    return treadle.Datum(
-        model_input=treadle.ModelInput.from_ints(ids[:-1]),
-        loss_fn_inputs={"target_tokens": ids[1:], "weights": [1.0] * (len(ids) - 1)},
-    )
+    return next_token_datum(char_ids(text))
 
 
 def _fb(model_id: str, seq: int, text: str = TEXTS[0]) -> training_pb2.ForwardBackwardRequest:

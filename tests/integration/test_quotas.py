@@ -13,6 +13,7 @@ import grpc
 import pytest
 
 import treadle
+from tests.helpers import next_token_datum
 from treadle._convert import datums_to_wire
 from treadle._rpc import RETRY_AFTER_KEY
 from treadle.errors import ResourceExhaustedError
@@ -26,11 +27,7 @@ BASE = "tiny"
 
 
 def _datum(n: int) -> treadle.Datum:
-    tokens = [1 + i % 60 for i in range(n + 1)]
-    return treadle.Datum(
-        model_input=treadle.ModelInput.from_ints(tokens[:-1]),
-        loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * n},
-    )
+    return next_token_datum([1 + i % 60 for i in range(n + 1)])
 
 
 def _tenant(srv: EmbeddedServer, name: str) -> str:

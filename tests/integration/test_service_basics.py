@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import treadle
+from tests.helpers import next_token_datum
 from treadle.server.config import ServerConfig
 from treadle.server.embedded import EmbeddedServer
 
@@ -43,15 +44,7 @@ def tok(service: treadle.ServiceClient) -> treadle.Tokenizer:
 
 
 def _datum(tokens: Sequence[int], weights: Sequence[float] | None = None) -> treadle.Datum:
-    tokens = list(tokens)
-    n = len(tokens) - 1
-    return treadle.Datum(
-        model_input=treadle.ModelInput.from_ints(tokens[:-1]),
-        loss_fn_inputs={
-            "target_tokens": tokens[1:],
-            "weights": list(weights) if weights is not None else [1.0] * n,
-        },
-    )
+    return next_token_datum(tokens, weights)
 
 
 def _completion_datum(prompt: Sequence[int], completion: Sequence[int]) -> treadle.Datum:

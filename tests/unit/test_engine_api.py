@@ -1,0 +1,53 @@
+"""Both in-process engines implement the one typed ``EngineAPI``; the staged one
+passes sampling and resumes through to its engine (a Celery worker holds only
+the staged engine)."""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from treadle.common.store import LocalStore
+from treadle.workers.domain import SampleOp, SamplerTarget, SamplingConfig
+from treadle.workers.engine import Engine, EngineConfig
+from treadle.workers.engine_api import EngineAPI
+from treadle.workers.staging import StagedEngine
+
+
+class _Recorder:
+    """An engine that records what it was asked and answers a fresh future."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, tuple[Any, ...], dict[str, Any]]] = []
+
+    def __getattr__(self, name: str) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Future[Any]:
+            self.calls.append((name, args, kwargs))
+            return Future()
+
+        return call
+
+
+def test_engine_and_staged_engine_are_engine_apis(tiny_model_dir: Path, tmp_path: Path) -> None:
+    engine = Engine(EngineConfig(base_models={"tiny": tiny_model_dir}))
+    staged = StagedEngine(engine, LocalStore(tmp_path))
+    assert isinstance(engine, EngineAPI)
+    assert isinstance(staged, EngineAPI)
+
+
+def test_staged_engine_passes_resume_and_streamed_samples_through(tmp_path: Path) -> None:
+    inner = _Recorder()
+    staged = StagedEngine(inner, LocalStore(tmp_path))  # type: ignore[arg-type]
+    target = SamplerTarget("tiny", "m", tenant_id="t")
+    params = SamplingConfig(max_tokens=4)
+    staged.resume(target, ("rh-1", "rh-2"), params)
+    on_sequence = lambda i, s, t: None  # noqa: E731
+    op = SampleOp(np.arange(3), 1, params)
+    staged.sample(target, op, on_sequence=on_sequence)
+    assert inner.calls == [
+        ("resume", (target, ("rh-1", "rh-2"), params), {}),
+        ("sample", (target, op), {"dedupe_key": None, "on_sequence": on_sequence}),
+    ]
