@@ -13,14 +13,21 @@ Rows of the table:
   ``generate`` on the same device, for the 110m preset and a ~0.5B Qwen2-style
   config built here (random weights, bf16), batch 64 and 256, 32-token prompts,
   256 new tokens, EOS off (target on an H100/H200: >= 3x at batch 256, 0.5B);
-* ``train``: one forward_backward (cross-entropy, 8 x 512 tokens) + optim_step of
-  the engine vs the same step in plain torch (transformers' model, a plain LoRA
-  module for rank 32, ``torch.optim.AdamW(fused=True)``), with MFU against
-  ``--peak-tflops`` (6N flops a token for a full fine-tune, 4N for LoRA: no
-  weight gradients of the base) (target: <= 1.1x plain torch);
+* ``train``: one forward_backward (cross-entropy) + optim_step of the engine vs
+  the same step in plain torch (transformers' model, a plain LoRA module,
+  ``torch.optim.AdamW(fused=True)``), with MFU against ``--peak-tflops`` (6N
+  flops a token for a full fine-tune, 4N for LoRA: no weight gradients of the
+  base), on the 0.5B config: LoRA rank 32 and full fine-tune at 8 x 512 tokens
+  (target: <= 1.1x plain torch), and the trainer's table, LoRA rank 16 and full
+  fine-tune at 8 x 128 and 4 x 1,024 tokens;
 * ``tenants``: four LoRA models' small forward_backward calls (2 x 64 tokens
   each) as one batched pass vs one after another (target: >= 2x);
-* ``peak memory`` of each part (``torch.cuda.max_memory_allocated``).
+* ``sweep``: N = 8 LoRA runs of one tenant (ranks 8 and 16), each doing a GRPO
+  step (sample, forward_backward, optim_step, sync_weights), all in flight vs
+  one after another, with their logprobs compared (``benchmarks/sweep.py``'s
+  runs; ``scripts/gpu_sweep.py``) (target: >= 2.8x);
+* ``peak memory`` of each part, engine vs reference
+  (``torch.cuda.max_memory_allocated``).
 
 Times are medians over ``--reps`` repetitions after a warm-up, with the device
 synchronised around each.
@@ -57,8 +64,10 @@ def _map_package() -> None:
 
 _map_package()
 
+import gpu_sweep  # noqa: E402  (scripts/, beside this file)
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+from gpu_plain_torch import add_lora  # noqa: E402
 
 from tests.gpu import checks  # noqa: E402
 from treadle.workers import trainer  # noqa: E402
@@ -98,14 +107,17 @@ class Sizes:
     prompt: int
     new_tokens: int
     train_model: str
-    train_rows: int
-    train_len: int
+    train_cases: tuple[tuple[int, int, int], ...]  # (LoRA rank or 0: full, rows, length)
     tenant_rows: int
     tenant_len: int
+    sweep_model: str
+    sweep_runs: int
+    sweep_steps: int
 
 
-FULL = Sizes(("110m", "0.5b"), (64, 256), 32, 256, "0.5b", 8, 512, 2, 64)
-SMOKE = Sizes(("tiny", "demo"), (2, 4), 8, 8, "demo", 2, 16, 1, 8)
+TRAIN_CASES = ((32, 8, 512), (0, 8, 512), (16, 8, 128), (0, 8, 128), (16, 4, 1024), (0, 4, 1024))
+FULL = Sizes(("110m", "0.5b"), (64, 256), 32, 256, "0.5b", TRAIN_CASES, 2, 64, "110m", 8, 3)
+SMOKE = Sizes(("tiny", "demo"), (2, 4), 8, 8, "demo", ((32, 2, 16), (0, 2, 16)), 1, 8, "tiny", 2, 1)
 
 
 @dataclass
@@ -125,9 +137,8 @@ class Run:
         self.work = work
         self.args = args
         self.rows: list[Row] = []
+        self.peaks: list[Row] = []  # the peak memory rows, printed last
         self.models: dict[str, Path] = {}
-
-    # ---- helpers ----------------------------------------------------------------------------
 
     def sync(self) -> None:
         if self.device.startswith("cuda"):
@@ -154,7 +165,15 @@ class Run:
     def peak(self) -> str:
         if not self.device.startswith("cuda"):
             return "n/a (cpu)"
-        return f"{torch.cuda.max_memory_allocated(self.device) / 2**30:.1f} GiB"
+        return f"{torch.cuda.max_memory_allocated(self.device) / 2**30:.2f} GiB"
+
+    def peak_row(self, case: str, engine: str, reference: str) -> None:
+        """A ``peak memory`` row: the engine's peak and the reference's, and their ratio."""
+        ratio = ""
+        if engine.endswith(" GiB") and reference.endswith(" GiB"):
+            ref = float(reference.split()[0])
+            ratio = f"{float(engine.split()[0]) / ref:.2f}x" if ref else ""
+        self.peaks.append(Row("peak memory", case, engine, reference, ratio))
 
     def model(self, name: str) -> Path:
         if name not in self.models:
@@ -250,6 +269,7 @@ class Run:
 
         self.reset_peak()
         theirs = self.timed(hf_run, 1, lambda: hf_run(8))
+        self.peak_row(f"decode {name} batch {batch} (vs HF generate)", engine_peak, self.peak())
         tokens = batch * s.new_tokens
         self.rows.append(
             Row(
@@ -270,19 +290,19 @@ class Run:
 
     # ---- training step ---------------------------------------------------------------------------
 
-    def train(self, mode: str) -> None:
+    def train(self, rank: int, rows: int, length: int) -> None:
         s = self.args.sizes
         name = s.train_model
         dtype = str(self.dtype).removeprefix("torch.")
         engine = self.engine(name)
-        rank = 32 if mode == "lora" else 0
+        mode = "lora" if rank else "full"
         checks._create(engine, ModelSpec("m", "t", name, rank, float(rank), 0, dtype))
         model = engine.models["m"]
         vocab = model.cfg.vocab_size
         rng = np.random.default_rng(0)
-        toks = rng.integers(3, min(vocab, 30_000), size=(s.train_rows, s.train_len + 1))
+        toks = rng.integers(3, min(vocab, 30_000), size=(rows, length + 1))
         data = tuple(
-            DatumData(t[:-1], {"target_tokens": t[1:], "weights": np.ones(s.train_len, np.float32)})
+            DatumData(t[:-1], {"target_tokens": t[1:], "weights": np.ones(length, np.float32)})
             for t in toks
         )
         fb = ForwardBackwardOp(data, "cross_entropy", {})
@@ -299,7 +319,7 @@ class Run:
         n_params = model.cfg.num_params()
 
         ref = self.hf_model(name).train()
-        params = _add_lora(ref, rank) if mode == "lora" else list(ref.parameters())
+        params = add_lora(ref, rank) if mode == "lora" else list(ref.parameters())
         opt = torch.optim.AdamW(params, lr=1e-5, fused=self.device.startswith("cuda"))
         ids = torch.as_tensor(toks, device=self.device)
 
@@ -312,13 +332,15 @@ class Run:
 
         self.reset_peak()
         theirs = self.timed(torch_step, self.args.reps)
-        tokens = s.train_rows * s.train_len
+        case = f"{name} {f'LoRA r{rank}' if rank else 'full FT'} {rows}x{length}"
+        self.peak_row(f"train {case} (vs plain torch)", engine_peak, self.peak())
+        tokens = rows * length
         flops = (4 if mode == "lora" else 6) * n_params * tokens
         peak = self.args.peak_tflops * 1e12
         self.rows.append(
             Row(
                 "train",
-                f"{name} {'LoRA r32' if mode == 'lora' else 'full FT'} {s.train_rows}x{s.train_len}",
+                case,
                 f"{mine * 1e3:.1f} ms (MFU {flops / mine / peak:.1%})",
                 f"{theirs * 1e3:.1f} ms (MFU {flops / theirs / peak:.1%})",
                 f"{mine / theirs:.2f}x time",
@@ -356,7 +378,10 @@ class Run:
 
         self.reset_peak()
         seq_t = self.timed(one_by_one, self.args.reps)
+        seq_peak = self.peak()
+        self.reset_peak()
         bat_t = self.timed(batched, self.args.reps)
+        self.peak_row("tenants (batched vs one by one)", self.peak(), seq_peak)
         self.rows.append(
             Row(
                 "tenants",
@@ -364,15 +389,41 @@ class Run:
                 f"batched {bat_t * 1e3:.1f} ms",
                 f"one by one {seq_t * 1e3:.1f} ms",
                 f"{seq_t / bat_t:.2f}x faster",
-                f"peak {self.peak()}",
+                f"peak batched {self.peak()}, one by one {seq_peak}",
             )
         )
 
-    # ---- the table -----------------------------------------------------------------------------------
+    # ---- a sweep of one tenant ---------------------------------------------------------------------
+
+    def sweep(self) -> None:
+        s = self.args.sizes
+        out = gpu_sweep.sweep(
+            self.model(s.sweep_model),
+            self.device,
+            str(self.dtype).removeprefix("torch."),
+            runs=s.sweep_runs,
+            steps=s.sweep_steps,
+            reset_peak=self.reset_peak,
+            peak=self.peak,
+        )
+        flight, seq = out["in flight"], out["one after another"]
+        self.rows.append(
+            Row(
+                "sweep",
+                f"{s.sweep_runs} LoRA runs (r8/r16) of one tenant on {s.sweep_model}, GRPO steps",
+                f"in flight {flight.wall_s:.2f} s",
+                f"one after another {seq.wall_s:.2f} s",
+                f"{seq.wall_s / flight.wall_s:.2f}x faster",
+                f"trained tok/s {flight.trained / flight.train_s:,.0f} vs "
+                f"{seq.trained / seq.train_s:,.0f}; logprobs max |diff| {out.diff:.1e}; "
+                f"{flight.passes}",
+            )
+        )
+        self.peak_row("sweep (in flight vs one after another)", out.peaks[0], out.peaks[1])
 
     def table(self) -> str:
         head = Row("part", "case", "engine", "reference", "ratio", "note")
-        rows = [head, *self.rows]
+        rows = [head, *self.rows, *self.peaks]
         cols = ("part", "case", "engine", "reference", "ratio")
         widths = {c: max(len(getattr(r, c)) for r in rows) for c in cols}
         lines = []
@@ -382,36 +433,6 @@ class Run:
             if i == 0:
                 lines.append("|" + "|".join("-" * (widths[c] + 2) for c in cols) + "|---|")
         return "\n".join(lines)
-
-
-def _add_lora(model: torch.nn.Module, rank: int) -> list[torch.Tensor]:
-    """Plain-torch LoRA (``W x + alpha/r B A x``, alpha = r) on every projection of
-    the decoder layers; the base frozen. The trainable tensors."""
-    for p in model.parameters():
-        p.requires_grad_(False)
-    trainable: list[torch.Tensor] = []
-    targets = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-    for module in list(model.modules()):
-        for child_name, child in list(module.named_children()):
-            if child_name in targets and isinstance(child, torch.nn.Linear):
-                lora = _LoraLinear(child, rank)
-                setattr(module, child_name, lora)
-                trainable += [lora.a, lora.b]
-    return trainable
-
-
-class _LoraLinear(torch.nn.Module):
-    def __init__(self, base: torch.nn.Linear, rank: int) -> None:
-        super().__init__()
-        self.base = base
-        w = base.weight
-        self.a = torch.nn.Parameter(
-            torch.randn(rank, w.shape[1], dtype=w.dtype, device=w.device) * 0.01
-        )
-        self.b = torch.nn.Parameter(torch.zeros(w.shape[0], rank, dtype=w.dtype, device=w.device))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.base(x) + (x @ self.a.t()) @ self.b.t()
 
 
 def main() -> int:
@@ -427,7 +448,7 @@ def main() -> int:
         "--reps", type=int, default=0, help="timed repetitions (default 5; smoke 1)"
     )
     parser.add_argument(
-        "--skip", default="", help="comma-separated parts to skip: tests,decode,train,tenants"
+        "--skip", default="", help="comma-separated parts to skip: tests,decode,train,tenants,sweep"
     )
     args = parser.parse_args()
     args.sizes = SMOKE if args.smoke else FULL
@@ -452,10 +473,16 @@ def main() -> int:
                         "decode", f"{name} {batch}", lambda n=name, b=batch: run.decode(n, b)
                     )
         if "train" not in skip:
-            for mode in ("lora", "full"):
-                run.guarded("train", mode, lambda m=mode: run.train(m))
+            for rank, rows, length in args.sizes.train_cases:
+                run.guarded(
+                    "train",
+                    f"r{rank} {rows}x{length}",
+                    lambda r=rank, n=rows, t=length: run.train(r, n, t),
+                )
         if "tenants" not in skip:
             run.guarded("tenants", "4", run.tenants)
+        if "sweep" not in skip:
+            run.guarded("sweep", str(args.sizes.sweep_runs), run.sweep)
         print(
             f"\ntreadle GPU check: {gpu}, torch {torch.__version__}, {str(dtype).removeprefix('torch.')}, "
             f"{time.strftime('%Y-%m-%d')}, {time.perf_counter() - t0:.0f}s{' (smoke sizes)' if args.smoke else ''}\n"

@@ -2,8 +2,9 @@
 # The GPU check: run from a source checkout on a GPU host that has torch (2.11+),
 # transformers, safetensors and tokenizers; no install, no network. Prints one
 # table (tests/gpu results, decode tokens/s vs transformers' generate, the
-# training step vs plain torch with MFU, four tenants batched vs one by one,
-# peak memory). Budget: 8 minutes on one H100/H200.
+# training steps vs plain torch with MFU, four tenants batched vs one by one,
+# a sweep of 8 LoRA runs of one tenant in flight vs one after another, peak
+# memory). Budget: 8 minutes on one H100/H200.
 #
 #   bash scripts/gpu_check.sh              # on the GPU
 #   bash scripts/gpu_check.sh --smoke      # tiny sizes, same code (CPU when no GPU)

@@ -77,8 +77,7 @@ def _engine(ctx: Ctx, dtype: str, **overrides: object) -> Engine:
         base_models={"tiny": ctx.model_dir},
         device=ctx.device,
         default_dtype=dtype,
-        sampler_slots=16,
-        **overrides,  # type: ignore[arg-type]
+        **{"sampler_slots": 16, **overrides},  # type: ignore[arg-type]
     )
     return Engine(cfg)
 
@@ -461,6 +460,8 @@ def check_oom(ctx: Ctx, dtype: str) -> str:
 
 
 #: every check and the arguments it runs with: (name, function, kwargs)
+from tests.gpu.checks_sync import check_decode_reads, check_memory_sizing  # noqa: E402
+
 CHECKS: list[tuple[str, Callable[..., str], dict[str, object]]] = [
     ("logprob agreement fp32", check_logprob_agreement, {"dtype": "float32"}),
     ("logprob agreement bf16", check_logprob_agreement, {"dtype": "bfloat16"}),
@@ -471,4 +472,6 @@ CHECKS: list[tuple[str, Callable[..., str], dict[str, object]]] = [
     ("continuous batching", check_continuous_batching, {"dtype": "float32"}),
     ("in-flight update spans", check_inflight_spans, {"dtype": "float32"}),
     ("out of memory", check_oom, {"dtype": "float32"}),
+    ("decode reads once a step", check_decode_reads, {"dtype": "float32"}),
+    ("memory sizing", check_memory_sizing, {"dtype": "float32"}),
 ]

@@ -12,15 +12,13 @@ reads and are not counted.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
-from torch.overrides import TorchFunctionMode
 
+from tests.gpu.checks_sync import DeviceReads
 from treadle.workers.base_models import BaseModelRegistry
 from treadle.workers.domain import SampleOp, SampleResult, SamplingConfig
 from treadle.workers.model.lora import LoraAdapter
@@ -29,37 +27,6 @@ from treadle.workers.sampler_state import SamplerLimits
 from treadle.workers.versions import WeightSnapshot
 
 torch.set_num_threads(1)
-
-#: the tensor methods and functions that read a value back to the host
-READS = frozenset(
-    {"cpu", "tolist", "item", "numpy", "__bool__", "__int__", "__float__", "__index__", "equal"}
-)
-
-
-class DeviceReads(TorchFunctionMode):
-    """Counts host reads of tensors, except of tensors that already are a read's
-    result (or views and conversions of one: the host copy)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.reads: list[str] = []
-        self._host: dict[int, torch.Tensor] = {}
-
-    def __torch_function__(
-        self, func: Callable[..., Any], types: Any, args: Any = (), kwargs: Any = None
-    ) -> Any:
-        out = func(*args, **(kwargs or {}))
-        name = getattr(func, "__name__", "")
-        tensors = [a for a in args if isinstance(a, torch.Tensor)]
-        from_host = any(id(t) in self._host for t in tensors)
-        # ``.to("cpu")`` reads back; ``.to(device)`` moves to the step's own device
-        # (a no-op there), which on the CPU cannot be told from a read: not counted
-        to_cpu = name == "to" and "cpu" in [*args[1:], (kwargs or {}).get("device")]
-        if (name in READS or to_cpu) and not from_host:
-            self.reads.append(name)
-        if isinstance(out, torch.Tensor) and (from_host or name in READS or to_cpu):
-            self._host[id(out)] = out  # kept alive so the id is not reused
-        return out
 
 
 def test_a_decode_step_reads_the_device_once(tiny_model_dir: Path) -> None:
