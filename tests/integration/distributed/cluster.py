@@ -137,12 +137,15 @@ def weights_hash(tc: treadle.TrainingClient, directory: Path) -> str:
     return digest.hexdigest()
 
 
-def one_more_worker(c: Cluster, name: str, tmp: Path, *, drain_timeout_s: float) -> str:
-    """Start another worker in the cluster, live when this returns; its id."""
+def one_more_worker(
+    c: Cluster, name: str, tmp: Path, *, drain_timeout_s: float, s3_endpoint: str = ""
+) -> str:
+    """Start another worker in the cluster, live when this returns; its id.
+    ``s3_endpoint``: the S3 it talks to, when not the cluster's (a proxy)."""
     worker_id = f"{c.name}-{name}-{os.getpid()}"
     c.workers[worker_id], c.logs[worker_id] = start_worker(
-        worker_id, c.model_dir, c.broker, c.database_url, c.store, c.s3_endpoint, tmp,
-        drain_timeout_s=drain_timeout_s,
+        worker_id, c.model_dir, c.broker, c.database_url, c.store, s3_endpoint or c.s3_endpoint,
+        tmp, drain_timeout_s=drain_timeout_s,
     )  # fmt: skip
     wait_for_workers(c.database_url, [worker_id], timeout_s=120)
     return worker_id
