@@ -28,7 +28,9 @@ its own seq_id and payload just before the next ordered call of the model:
 applied by then, the repeat changes nothing (the engine answers a repeat with
 the recorded result); not applied, it is applied now, in its place. Either way
 it is applied exactly once and leaves no gap. Its caller has had the error; the
-answer of the repeat is dropped.
+answer of the repeat is dropped. A call that fails so while later calls are
+already on their way (they wait for it on the server) is sent again shortly
+(``RESEND_AFTER_S``), not only at the next call, for as long as they wait.
 """
 
 from __future__ import annotations
@@ -51,6 +53,8 @@ log = logging.getLogger("treadle")
 
 #: the replay log's default bound (requests since the last save_state)
 RESYNC_LOG_BYTES = 256 * 1024 * 1024
+#: how soon an undelivered call that later calls wait for is sent again
+RESEND_AFTER_S = 0.5
 
 
 class _Logged(NamedTuple):
@@ -84,6 +88,7 @@ class OrderedCalls:
         self._floor = next_seq_id - 1  # every call numbered after it is in the log
         #: seq_id -> its call, failed UNAVAILABLE: sent again before the next call
         self._undelivered: dict[int, _Logged] = {}
+        self._resend_timer: threading.Timer | None = None
         self.last: Future[Any] | None = None  # the latest ordered call sent
 
     def take(self) -> int:
@@ -164,15 +169,37 @@ class OrderedCalls:
         seq = call.request.seq_id
         error = None if fut.cancelled() else fut.exception()
         ok = not fut.cancelled() and error is None
+        waited_for = False
         with self._lock:
             if self._pending.get(seq) is fut and isinstance(error, UnavailableError):
                 # maybe never delivered: the calls after it would wait for it
                 self._undelivered[seq] = call
+                waited_for = any(s > seq and f is not None for s, f in self._pending.items())
             if self._pending.get(seq, fut) is fut:
                 self._pending.pop(seq, None)
             if ok and self._caller.server_instance:
                 # the server that answered took this numbering: it is the one to name
                 self._instance = self._caller.server_instance
+        if waited_for:
+            self._resend_soon()
+
+    def _resend_soon(self) -> None:
+        """Calls sent after an undelivered one wait for it on the server (until its
+        gap timeout): send it again shortly rather than at the next call, which
+        its caller, waiting on those calls, may never make (a repeat that failed
+        again while the server came back). Stops once no later call is pending."""
+        with self._lock:
+            if self._resend_timer is not None:
+                return
+            timer = threading.Timer(RESEND_AFTER_S, self._resend_now)
+            timer.daemon = True
+            self._resend_timer = timer
+        timer.start()
+
+    def _resend_now(self) -> None:
+        with self._lock:
+            self._resend_timer = None
+        self._send_undelivered()
 
     def _send_undelivered(self) -> None:
         """Send again, in order, the calls that failed UNAVAILABLE (``_answered``)."""

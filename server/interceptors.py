@@ -20,6 +20,7 @@ from treadle.server.call_record import (
     reset_current_call,
     set_current_call,
 )
+from treadle.server.db.outage import database_outage
 from treadle.server.metrics import ServerMetrics, rpc_name
 from treadle.workers.logs import request_context
 
@@ -39,10 +40,25 @@ async def abort_with(context: grpc.aio.ServicerContext, err: TreadleError, insta
     await context.abort(status_code(err), err.message, error_trailers(err, instance))
 
 
+async def _abort_unexpected(
+    context: grpc.aio.ServicerContext, err: Exception, method: str, instance: str
+) -> None:
+    """A database outage is UNAVAILABLE (retryable); anything else is a bug: INTERNAL."""
+    outage = database_outage(err)
+    if outage is not None:
+        log.warning("%s: %s (%s)", method, outage.message, type(err).__name__)
+        await abort_with(context, outage, instance)
+        return
+    log.exception("%s failed", method)
+    stamp = ((INSTANCE_KEY, instance),) if instance else ()
+    await context.abort(grpc.StatusCode.INTERNAL, f"{type(err).__name__}: {err}", stamp)
+
+
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
     """Maps ``TreadleError`` to its status (with a retry delay in the trailers for
     RESOURCE_EXHAUSTED, and the kind and details of an error that shares its code
-    with another); any other exception is a bug: logged, answered INTERNAL.
+    with another); a lost database connection is UNAVAILABLE; any other exception
+    is a bug: logged, answered INTERNAL.
     Every answer, success or error, carries ``instance`` in its trailers."""
 
     def __init__(self, instance: str = "") -> None:
@@ -83,8 +99,7 @@ def _wrap_unary(
         except (asyncio.CancelledError, grpc.aio.AbortError):
             raise
         except Exception as err:
-            log.exception("%s failed", method)
-            await context.abort(grpc.StatusCode.INTERNAL, f"{type(err).__name__}: {err}", stamp)
+            await _abort_unexpected(context, err, method, instance)
 
     return wrapped
 
@@ -104,8 +119,7 @@ def _wrap_stream(
         except (asyncio.CancelledError, grpc.aio.AbortError):
             raise
         except Exception as err:
-            log.exception("%s failed", method)
-            await context.abort(grpc.StatusCode.INTERNAL, f"{type(err).__name__}: {err}", stamp)
+            await _abort_unexpected(context, err, method, instance)
 
     return wrapped
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import uvicorn
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
+from sqlalchemy.exc import DBAPIError
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -53,6 +54,7 @@ def create_app(ctx: ServerContext) -> FastAPI:
     ):
         app.include_router(module.router)
     app.add_exception_handler(TreadleError, errors.treadle_error_handler)
+    app.add_exception_handler(DBAPIError, errors.treadle_error_handler)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_middleware(BodyLimit, limit=ctx.config.max_message_bytes)
     return app

@@ -11,6 +11,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 from treadle.errors import TreadleError
+from treadle.server.db.outage import database_outage
 
 STATUS = {
     "INVALID_ARGUMENT": 400,
@@ -71,11 +72,18 @@ def category(err: BaseException) -> str:
 
 def failed_future(err: BaseException) -> dict[str, str]:
     """What retrieve_future answers for a call that failed (the SDK raises it)."""
+    err = database_outage(err) or err
     if isinstance(err, TreadleError):
         return {"error": f"{err.code}: {err.message}", "category": category(err)}
     return {"error": f"INTERNAL: {type(err).__name__}: {err}", "category": "server"}
 
 
 async def treadle_error_handler(request: Request, err: Exception) -> JSONResponse:
-    assert isinstance(err, TreadleError)
+    """For ``TreadleError`` and for the database's errors (an outage is UNAVAILABLE;
+    any other is re-raised: a bug, answered 500)."""
+    if not isinstance(err, TreadleError):
+        outage = database_outage(err)
+        if outage is None:
+            raise err
+        err = outage
     return error_response(err, getattr(request.app.state, "instance_id", ""))

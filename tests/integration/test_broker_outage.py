@@ -23,8 +23,9 @@ from treadle.errors import UnavailableError
 from treadle.server.config import ServerConfig
 from treadle.server.embedded import EmbeddedServer
 
+from .distributed.cluster import create_tenant as _create_tenant
+from .distributed.cluster import datum as _datum
 from .services import free_port, fresh_postgres, port_open, wait_for_workers
-from .test_distributed import _create_tenant, _datum
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
 

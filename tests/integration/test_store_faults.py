@@ -20,8 +20,8 @@ import treadle
 from tests.conftest import make_server
 from treadle.errors import TreadleError
 
+from .distributed.cluster import datum as _datum
 from .services import S3_ENV, _moto_server, free_port, port_open
-from .test_distributed import _datum
 
 BUCKET = "faults"
 

@@ -5,9 +5,13 @@ ordered call. Pure: a fake caller stands for the server."""
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import Future
 from typing import Any
 
+import pytest
+
+from treadle import _ordering
 from treadle._ordering import OrderedCalls
 from treadle._rpc import FIRST_PENDING_KEY
 from treadle.errors import AbortedError, UnavailableError
@@ -71,6 +75,41 @@ def test_a_repeat_that_fails_unavailable_again_waits_for_the_next_call() -> None
     caller.futures[2].set_exception(UnavailableError("down"))
     _send(calls, "c")
     assert [s for s, _, _ in caller.sent] == [1, 1, 2, 1, 2, 3]
+
+
+def test_a_call_that_later_calls_wait_for_is_sent_again_without_a_next_call(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The repeat of 1 fails again (the database was still down) just after 2 got
+    through: 2 waits for 1 on the server, and its caller waits for 2, so there is
+    no next call to carry 1. It is sent again on its own, until it lands."""
+    monkeypatch.setattr(_ordering, "RESEND_AFTER_S", 0.01)
+    caller = FakeCaller()
+    calls = OrderedCalls(caller, "m", 1)  # type: ignore[arg-type]
+    _send(calls, "a")
+    caller.futures[0].set_exception(UnavailableError("down"))
+    second = _send(calls, "b")  # sends 1 again, then 2
+    caller.futures[1].set_exception(UnavailableError("still down"))  # 2 is on its way
+    deadline = time.monotonic() + 10
+    while len(caller.sent) < 4:
+        assert time.monotonic() < deadline, caller.sent
+        time.sleep(0.01)
+    assert [(s, p) for s, p, _ in caller.sent] == [(1, "a"), (1, "a"), (2, "b"), (1, "a")]
+    caller.futures[3].set_result("a answered")
+    caller.futures[2].set_result("b answered")
+    assert second.result() == "b answered"
+    time.sleep(0.1)  # nothing is pending or undelivered: nothing more is sent
+    assert len(caller.sent) == 4
+
+
+def test_no_resend_without_a_later_call_waiting(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_ordering, "RESEND_AFTER_S", 0.01)
+    caller = FakeCaller()
+    calls = OrderedCalls(caller, "m", 1)  # type: ignore[arg-type]
+    _send(calls, "a")
+    caller.futures[0].set_exception(UnavailableError("down"))
+    time.sleep(0.1)  # its caller has the error; it waits for the next call
+    assert len(caller.sent) == 1
 
 
 def test_other_errors_and_resync_send_nothing_again() -> None:
