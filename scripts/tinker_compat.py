@@ -29,7 +29,6 @@ TESTS = sorted(
 
 #: why a method no test calls does not work here (what the server answers)
 WHY = {
-    "compute_logprobs": "prompt logprobs are not served yet: asample refuses prompt_logprobs / topk_prompt_logprobs (400 naming the field)",
     "create_training_client_from_state": "a weights-only load is not served: treadle loads weights and Adam state together; the _with_optimizer variant works (400 naming `optimizer`)",
     "load_state": "a weights-only load is not served (see create_training_client_from_state); load_state_with_optimizer works",
     "create_custom_loss": "server-side custom losses are off (client/config custom_loss_server_side=false); forward_backward_custom runs its loss on the client",

@@ -28,9 +28,8 @@ class BackendCase:
     session_server: str = ""
     #: whether it samples with top-k/top-p at T > 0 (else it must refuse, naming the field)
     truncates: bool = True
-    #: whether it scores prompts at any temperature (else only at T = 1 and greedy,
-    #: and must refuse others, naming the field)
-    scores_prompt_at_any_t: bool = True
+    #: whether it scores prompt tokens (else it must refuse, naming the field)
+    scores_prompt: bool = True
 
     def skip_reason(self) -> str | None:
         if not self.needs:
@@ -48,12 +47,12 @@ BACKENDS: tuple[BackendCase, ...] = (
     BackendCase("torch-process", {"sampler_threads": 1}),
     # vLLM reports the truncated distribution's logprob under top-k/top-p: refused;
     # measured agreement with the trainer 1.8e-6 (fp32, CPU), held to torch's 1e-4
-    # and it scores prompt tokens from the raw logits (T = 1): other temperatures refused
+    # and prompt logprobs under LoRA fail vLLM 0.32's engine: refused
     BackendCase(
         "vllm",
         needs="vllm",
         session_server="vllm_server",
         truncates=False,
-        scores_prompt_at_any_t=False,
+        scores_prompt=False,
     ),
 )

@@ -12,16 +12,11 @@ it samples greedily, as the sampled token's logprob), which is what
 A request that scores its prompt computes it from position 0: a cached prefix
 holds K/V but no logits (``prefix_cache`` gives such a request no prefix).
 
-The vLLM backend asks vLLM for ``prompt_logprobs``; vLLM computes them from the
-raw logits (temperature not applied), so it honours the contract at T = 1 (and
-greedy) only, and refuses other temperatures (``vllm_params``). ``from_vllm``
-turns its answer into the same ``PromptLogprobs``.
+The vLLM backend refuses prompt logprobs (``vllm_params.check_prompt_scores``
+says why).
 """
 
 from __future__ import annotations
-
-from collections.abc import Sequence
-from typing import Any
 
 import numpy as np
 import torch
@@ -87,30 +82,3 @@ class PromptScorer:
 
     def result(self) -> PromptLogprobs:
         return self.out
-
-
-def from_vllm(op: SampleOp, entries: Sequence[Any] | None) -> PromptLogprobs:
-    """vLLM's ``RequestOutput.prompt_logprobs`` (None at position 0, then per
-    position a ``{token_id: Logprob(logprob, rank)}`` holding the prompt token and
-    the top k) as ``PromptLogprobs``."""
-    out = empty(op)
-    if not entries:
-        return out
-    prompt = op.prompt
-    k = op.topk_prompt_logprobs
-    for i in range(1, min(prompt.size, len(entries))):
-        d = entries[i]
-        if d is None:
-            continue
-        own = d.get(int(prompt[i]))
-        if own is not None and out.logprobs is not None:
-            out.logprobs[i] = own.logprob
-        if k:
-            top = sorted(
-                ((lp.rank, tok, lp.logprob) for tok, lp in d.items() if lp.rank is not None),
-                key=lambda r: (r[0], -r[2]),
-            )[:k]
-            for j, (_, tok, lp) in enumerate(top):
-                out.topk_ids[i, j] = tok
-                out.topk_logprobs[i, j] = lp
-    return out

@@ -56,16 +56,8 @@ from treadle.errors import (
     UnavailableError,
 )
 from treadle.workers.base_models import BaseModel
-from treadle.workers.domain import (
-    PromptLogprobs,
-    SampleOp,
-    SampleResult,
-    SequenceResult,
-    version_spans,
-)
+from treadle.workers.domain import SampleOp, SampleResult, SequenceResult, version_spans
 from treadle.workers.model.config import ModelConfig
-from treadle.workers.prompt_logprobs import empty as empty_scores
-from treadle.workers.prompt_logprobs import from_vllm as prompt_scores_from_vllm
 from treadle.workers.sampler_backend import (
     EngineThread,
     OnSequence,
@@ -112,8 +104,6 @@ class _Request:
     rows: list[_Row] = field(default_factory=list)
     compute_s: float = 0.0
     reported_s: float = 0.0
-    scored: SampleOp | None = None  # the op, when it asked for prompt logprobs
-    prompt: PromptLogprobs | None = None  # what vLLM gave for them (row 0's first output)
 
 
 @dataclass
@@ -203,7 +193,6 @@ class VllmBackend:
         if seed is None:
             seed = secrets.randbits(63)
         req = self._new_request(future, op.params, request.requester, request.on_sequence)
-        req.scored = op if op.scores_prompt else None
         prompt = np.ascontiguousarray(op.prompt, dtype=np.int64)
         keys = row_keys(seed, op.num_samples)
         for i in range(op.num_samples):
@@ -400,9 +389,6 @@ class VllmBackend:
             stop_ids=row.request.stop_ids,
             detokenize=bool(params.stop_strings),
         )
-        scored = row.request.scored
-        if scored is not None and row.index == 0 and row.request.prompt is None:
-            kw["prompt_logprobs"] = scored.topk_prompt_logprobs  # (0: the prompt token's only)
         sp = SamplingParams(**kw, output_kind=RequestOutputKind.DELTA)
         lora = None
         if row.adapter is not None:
@@ -455,9 +441,6 @@ class VllmBackend:
             if row is None:
                 continue  # aborted (cancelled, or moved to new weights)
             comp = out.outputs[0]
-            req = row.request
-            if req.scored is not None and req.prompt is None and out.prompt_logprobs:
-                req.prompt = prompt_scores_from_vllm(req.scored, out.prompt_logprobs)
             new = list(comp.token_ids)
             lps = comp.logprobs or []
             for j, tok in enumerate(new):
@@ -512,7 +495,6 @@ class VllmBackend:
                     tuple(_sequence_of(r) for r in req.rows),
                     compute_s=req.compute_s,
                     resumed_tokens=resumed,
-                    prompt=req.prompt or (empty_scores(req.scored) if req.scored else None),
                 )
             )
         self._done(req)

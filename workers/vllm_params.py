@@ -56,30 +56,21 @@ def check_supported(params: SamplingConfig, vocab_size: int) -> None:
     )
 
 
-#: vLLM's default ``max_logprobs``: the most top-k prompt logprobs it returns
-MAX_TOPK = 20
-
-
 def check_prompt_scores(op: SampleOp) -> None:
-    """INVALID_ARGUMENT for prompt logprobs vLLM cannot give under the contract:
-    vLLM scores prompt tokens from the raw logits (no temperature), which is
-    ``log_softmax(logits / T)`` only at T = 1 (and greedy, whose logprobs are
-    at T = 1); and it returns at most ``MAX_TOPK`` top tokens."""
+    """Prompt logprobs are refused on the vLLM backend (INVALID_ARGUMENT naming the
+    field). vLLM 0.32 computes prompt logits under LoRA with one adapter index per
+    request, not per prompt token: the first such request fails its engine (on CPU
+    every row runs under an adapter, see ``AdapterRegistry.base_adapter``), taking
+    every request in flight with it. Its prompt scores are also taken from the raw
+    logits, which is the temperature contract at T = 1 only."""
     if not op.scores_prompt:
         return
     field = "prompt_logprobs" if op.prompt_logprobs else "topk_prompt_logprobs"
-    t = op.params.temperature
-    if t not in (0.0, 1.0):
-        raise InvalidArgumentError(
-            f"{field}: at temperature {t} is not supported by the vllm sampler backend: "
-            "vLLM scores prompt tokens at temperature 1 only, not log_softmax(logits / T); "
-            "ask at temperature 1, or use --sampler torch"
-        )
-    if op.topk_prompt_logprobs > MAX_TOPK:
-        raise InvalidArgumentError(
-            f"topk_prompt_logprobs: at most {MAX_TOPK} on the vllm sampler backend, "
-            f"got {op.topk_prompt_logprobs}"
-        )
+    raise InvalidArgumentError(
+        f"{field}: not supported by the vllm sampler backend (vLLM cannot score prompt "
+        "tokens under LoRA adapters); score prompts on a worker started with --sampler "
+        "torch, or use forward_logprobs"
+    )
 
 
 def sampling_kwargs(

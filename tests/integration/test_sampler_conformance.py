@@ -157,7 +157,7 @@ def test_prompt_logprobs_agree_with_the_trainer(
     sampler = tc.sync_weights()
     prompt = tok.encode("12+3=15, Hello abcabc")
     params = treadle.SamplingParams(max_tokens=2, temperature=temperature, seed=4)
-    if temperature != 1.0 and not backend.scores_prompt_at_any_t:
+    if not backend.scores_prompt:
         with pytest.raises(treadle.InvalidArgumentError, match="prompt_logprobs"):
             sampler.sample(prompt, 1, params, include_prompt_logprobs=True).result(timeout=60)
         return

@@ -3,11 +3,17 @@ asks vLLM for, and how vLLM's finish reasons become treadle's stop reasons."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from treadle.errors import InvalidArgumentError
-from treadle.workers.domain import SamplingConfig
-from treadle.workers.vllm_params import check_supported, sampling_kwargs, stop_reason_of
+from treadle.workers.domain import SampleOp, SamplingConfig
+from treadle.workers.vllm_params import (
+    check_prompt_scores,
+    check_supported,
+    sampling_kwargs,
+    stop_reason_of,
+)
 from treadle.workers.vllm_settings import VllmSettings
 
 V = 100
@@ -23,6 +29,16 @@ def test_truncation_at_positive_temperature_is_refused_naming_the_field() -> Non
     check_supported(SamplingConfig(top_k=5, top_p=0.5, temperature=0.0), V)  # greedy
     check_supported(SamplingConfig(top_k=V), V)  # keeps every token: no truncation
     check_supported(SamplingConfig(top_k=-1, top_p=1.0, temperature=0.7), V)
+
+
+def test_prompt_logprobs_are_refused_naming_the_field() -> None:
+    """vLLM 0.32 fails its engine on prompt logprobs under an adapter: never sent."""
+    prompt = np.arange(1, 6)
+    with pytest.raises(InvalidArgumentError, match=r"INVALID_ARGUMENT: prompt_logprobs: "):
+        check_prompt_scores(SampleOp(prompt, 1, SamplingConfig(), prompt_logprobs=True))
+    with pytest.raises(InvalidArgumentError, match=r"INVALID_ARGUMENT: topk_prompt_logprobs: "):
+        check_prompt_scores(SampleOp(prompt, 1, SamplingConfig(), topk_prompt_logprobs=2))
+    check_prompt_scores(SampleOp(prompt, 1, SamplingConfig()))
 
 
 def test_sampling_kwargs_map_every_field() -> None:
