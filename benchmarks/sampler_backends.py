@@ -3,8 +3,12 @@
 Same prompts, same forced lengths (EOS ignored), temperature 1, one run each
 after a warm-up, in this one process on the same thread budget:
 
-* ``vLLM LLM.generate``: vLLM in-process, ``n = G`` per prompt, the sampled
-  token's logprob on: the ceiling of the vLLM backend;
+* ``raw vLLM``: vLLM's engine in-process with the configuration treadle's
+  backend starts it with (``workers.vllm_engine.start_engine``: prefix caching,
+  multi-LoRA with base rows under the backend's all-zero adapter on CPU,
+  ``processed_logprobs``, the same rows, context and KV cache), ``n = G`` per
+  prompt, driven by a bare ``add_request``/``step`` loop: the ceiling of the
+  vLLM backend;
 * ``treadle --sampler vllm``: an embedded ``treadle serve`` with the vLLM
   backend, every request through the SDK (gRPC, auth, dedupe, conversion);
 * ``treadle --sampler torch``: the same with treadle's own torch sampler;
@@ -28,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import tempfile
 import time
 from pathlib import Path
@@ -50,37 +55,63 @@ def lengths_of(workload: str) -> list[int]:
 def run_raw_vllm(
     path: Path, prompts: np.ndarray, workloads: dict[str, list[int]]
 ) -> dict[str, float]:
-    from vllm import LLM, SamplingParams
+    """vLLM's own engine, started by treadle's ``start_engine`` with the settings the
+    server's row gets (prefix caching, multi-LoRA, ``processed_logprobs``, eager, the
+    same KV cache, rows and context, the same reserved core), base rows under the
+    same all-zero adapter on CPU, driven by a bare ``add_request``/``step`` loop
+    with ``n = G``: what treadle's backend could reach at best."""
+    from vllm import SamplingParams
+    from vllm.lora.request import LoRARequest
+    from vllm.sampling_params import RequestOutputKind
 
-    llm = LLM(
-        model=str(path),
-        dtype="float32",
-        max_model_len=MAX_LEN,
-        max_num_seqs=SLOTS,
-        seed=0,
-        enable_prefix_caching=True,
-        gpu_memory_utilization=0.2,
-        enforce_eager=True,
-        logprobs_mode="processed_logprobs",
+    from treadle.workers.base_models import BaseModel
+    from treadle.workers.model.loading import load_config
+    from treadle.workers.vllm_adapters import AdapterRegistry
+    from treadle.workers.vllm_engine import on_gpu, start_engine
+    from treadle.workers.vllm_settings import VllmSettings
+
+    cfg = load_config(path)
+    base = BaseModel("m", path, cfg, None, torch.float32)  # type: ignore[arg-type]
+    adapters = AdapterRegistry("m")
+    llm = start_engine(
+        base, VllmSettings(gpu_memory_utilization=0.2), max_len=MAX_LEN, max_seqs=SLOTS
     )
+    try:
+        lora = None
+        if not on_gpu():  # as the backend samples the base model on CPU
+            a = adapters.base_adapter(cfg)
+            lora = LoRARequest(a.name, a.lora_id, str(a.path))
+        calls = iter(range(1 << 30))
 
-    def once(lengths: list[int]) -> float:
-        reqs = [{"prompt_token_ids": prompts[i].tolist()} for i in range(len(lengths))]
-        params = [
-            SamplingParams(n=G, max_tokens=n, ignore_eos=True, logprobs=0, seed=i, temperature=1.0)
-            for i, n in enumerate(lengths)
-        ]
-        t0 = time.perf_counter()
-        outs = llm.generate(reqs, params, use_tqdm=False)
-        seconds = time.perf_counter() - t0
-        got = [len(c.token_ids) for o in outs for c in o.outputs]
-        assert got == [n for n in lengths for _ in range(G)]
-        return G * sum(lengths) / seconds
+        def once(lengths: list[int]) -> float:
+            call = next(calls)
+            t0 = time.perf_counter()
+            for i, n in enumerate(lengths):
+                sp = SamplingParams(
+                    n=G,
+                    max_tokens=n,
+                    ignore_eos=True,
+                    logprobs=0,
+                    seed=i,
+                    temperature=1.0,
+                    output_kind=RequestOutputKind.FINAL_ONLY,
+                )
+                ids = {"prompt_token_ids": prompts[i].tolist()}
+                llm.add_request(f"{call}-{i}", ids, sp, lora_request=lora)
+            outs = []
+            while llm.has_unfinished_requests():
+                outs += [o for o in llm.step() if o.finished]
+            seconds = time.perf_counter() - t0
+            outs.sort(key=lambda o: int(o.request_id.split("-")[1]))
+            got = [len(c.token_ids) for o in outs for c in o.outputs]
+            assert got == [n for n in lengths for _ in range(G)], got
+            return G * sum(lengths) / seconds
 
-    once([8] * 4)  # warm-up
-    rates = {w: once(lengths) for w, lengths in workloads.items()}
-    llm.llm_engine.engine_core.shutdown()  # frees its cores for the next rows
-    return rates
+        once([8] * 4)  # warm-up
+        return {w: once(lengths) for w, lengths in workloads.items()}
+    finally:
+        llm.engine_core.shutdown()  # always: no engine process outlives its row
+        adapters.close()
 
 
 def run_treadle(
@@ -159,8 +190,19 @@ def main() -> None:
     ap.add_argument("--model-dir", default=None)
     ap.add_argument("--workloads", default="uniform,longtail")
     ap.add_argument("--skip", default="", help="rows to leave out: raw,vllm,torch,hf")
+    ap.add_argument(
+        "--time-limit",
+        type=int,
+        default=570,
+        help="seconds before the run stops, shutting its engines down (default 570)",
+    )
     args = ap.parse_args()
-    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")  # as --sampler vllm
+
+    def too_long(signum: int, frame: object) -> None:
+        raise TimeoutError(f"the run took over --time-limit {args.time_limit} s")
+
+    signal.signal(signal.SIGALRM, too_long)  # raised in the row running: its finally closes it
+    signal.alarm(args.time_limit)
 
     from treadle.workers.model.loading import load_config
 
@@ -171,7 +213,7 @@ def main() -> None:
     skip = set(args.skip.split(",")) - {""}
     rows: dict[str, dict[str, float]] = {}
     steps = [
-        ("raw", "vLLM LLM.generate (in-process)", lambda: run_raw_vllm(path, prompts, workloads)),
+        ("raw", "raw vLLM engine (in-process)", lambda: run_raw_vllm(path, prompts, workloads)),
         (
             "vllm",
             "treadle --sampler vllm (SDK)",
@@ -200,7 +242,7 @@ def main() -> None:
         f"model {args.preset}: {cfg.num_params() / 1e6:.1f}M params, float32, {PROMPTS} prompts x "
         f"G={G}, {PROMPT_TOKENS}-token prompts, {_common.THREADS} threads; load {os.getloadavg()[0]:.1f}"
     )
-    raw = rows.get("vLLM LLM.generate (in-process)")
+    raw = rows.get("raw vLLM engine (in-process)")
     for w in workloads:
         print()
         print(f"workload {w}: lengths {sorted(set(workloads[w]), reverse=True)}")

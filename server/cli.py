@@ -203,8 +203,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument(
         "--sampler",
         default="torch",
-        help="the sampler backend: torch (default), torch-thread or torch-process (the demo "
-        "trains a full fine-tune, which --sampler vllm does not serve); see docs/backends.md",
+        help="the sampler backend: torch (default), torch-thread, torch-process or vllm; "
+        "see docs/backends.md",
     )
     demo.set_defaults(fn=_demo)
 

@@ -280,14 +280,6 @@ def run_demo(opts: DemoOptions) -> int:
     from treadle.server.config import ServerConfig
     from treadle.server.embedded import EmbeddedServer
 
-    if opts.sampler == "vllm":
-        print(
-            "treadle demo: the demo trains a full fine-tune, which the vllm sampler backend "
-            "does not serve (it serves base models and LoRA models); use --sampler torch, "
-            "torch-thread or torch-process",
-            file=sys.stderr,
-        )
-        return 2
     plan = QUICK if opts.quick else FULL
     data_dir = Path(opts.data_dir)
     config = ServerConfig(

@@ -198,6 +198,13 @@ def _add_vllm_flags(parser: argparse.ArgumentParser) -> None:
         help="CPU cores vLLM's CPU worker leaves to training (VLLM_CPU_NUM_OF_RESERVED_CPU; "
         "default 1)",
     )
+    vllm.add_argument(
+        "--vllm-max-full-models",
+        type=int,
+        default=int(env("TREADLE_VLLM_MAX_FULL_MODELS", "2")),
+        help="full fine-tune models sampled at once, each on a vLLM engine of its own "
+        "(default 2; an idle one is closed to make room)",
+    )
 
 
 def _sampler_from_old_env() -> str:
@@ -247,6 +254,7 @@ def _sampler_options(args: argparse.Namespace) -> dict[str, Any]:
         "max_loras": args.vllm_max_loras,
         "enforce_eager": not args.vllm_compile,
         "reserved_cpus": args.vllm_reserved_cpus,
+        "max_full_models": args.vllm_max_full_models,
     }
 
 

@@ -35,9 +35,12 @@ def on_gpu() -> bool:
     return torch.cuda.is_available()
 
 
-def start_engine(base: BaseModel, settings: VllmSettings, *, max_len: int, max_seqs: int) -> Any:
+def start_engine(
+    base: BaseModel, settings: VllmSettings, *, max_len: int, max_seqs: int, lora: bool = True
+) -> Any:
     """A started ``vllm.LLMEngine`` serving ``base`` (its own HF directory, its dtype),
-    with prefix caching, multi-LoRA and the behaviour-logprob mode on."""
+    with prefix caching, multi-LoRA (``lora``; a full fine-tune's engine has none) and
+    the behaviour-logprob mode on."""
     gpu = on_gpu()
     if not gpu:
         kv = settings.kv_cache_gib or 1.0
@@ -55,15 +58,16 @@ def start_engine(base: BaseModel, settings: VllmSettings, *, max_len: int, max_s
     if gpu and settings.kv_cache_gib:
         kwargs["kv_cache_memory_bytes"] = int(settings.kv_cache_gib * 2**30)
     has_tokenizer = (base.path / "tokenizer.json").exists()
-    kwargs.update(dtype=dtype, max_lora_rank=settings.max_lora_rank)
+    kwargs["dtype"] = dtype
+    if lora:
+        kwargs.update(max_lora_rank=settings.max_lora_rank, max_loras=settings.max_loras)
     args = EngineArgs(
         model=str(base.path),
         max_model_len=max_len,
         max_num_seqs=max_seqs,
         seed=0,
         enable_prefix_caching=True,
-        enable_lora=True,
-        max_loras=settings.max_loras,
+        enable_lora=lora,
         gpu_memory_utilization=util,
         enforce_eager=settings.enforce_eager,
         logprobs_mode=LOGPROBS_MODE,

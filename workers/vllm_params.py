@@ -42,8 +42,16 @@ def truncates(params: SamplingConfig, vocab_size: int) -> bool:
     return params.temperature > 0 and (0 < params.top_k < vocab_size or params.top_p < 1.0)
 
 
-def check_supported(params: SamplingConfig, vocab_size: int) -> None:
-    """INVALID_ARGUMENT for what the vLLM backend cannot do under treadle's contracts."""
+def check_supported(
+    params: SamplingConfig, vocab_size: int, lora_rank: int = 0, max_lora_rank: int = 0
+) -> None:
+    """INVALID_ARGUMENT for what the vLLM backend cannot do under treadle's contracts
+    (``lora_rank``: the model's, 0 for none; ``max_lora_rank``: the engine's)."""
+    if lora_rank > max_lora_rank > 0:
+        raise InvalidArgumentError(
+            f"rank: the model's LoRA rank {lora_rank} is above the vLLM engine's max LoRA "
+            f"rank {max_lora_rank} (--vllm-max-lora-rank)"
+        )
     if not truncates(params, vocab_size):
         return
     field = "top_p" if params.top_p < 1.0 else "top_k"

@@ -28,6 +28,9 @@ class VllmSettings:
     decodes on one (measured on a quiet 2-core machine: 12% slower than on
     both) and, on a busy machine, never waits at a barrier for a descheduled
     second thread.
+    ``max_full_models``: full fine-tune models sampled at once, each on a vLLM
+    engine of its own (its versions take turns in that engine's weights); an idle
+    one is closed to make room for another.
     """
 
     gpu_memory_utilization: float = 0.0
@@ -36,6 +39,7 @@ class VllmSettings:
     max_loras: int = 8
     enforce_eager: bool = True
     reserved_cpus: int = 1
+    max_full_models: int = 2
 
     @staticmethod
     def from_options(options: dict[str, Any]) -> VllmSettings:
@@ -57,6 +61,10 @@ class VllmSettings:
             )
         if s.reserved_cpus < 0:
             raise InvalidArgumentError(f"vllm_reserved_cpus: must be >= 0, got {s.reserved_cpus}")
+        if s.max_full_models < 1:
+            raise InvalidArgumentError(
+                f"vllm_max_full_models: must be >= 1, got {s.max_full_models}"
+            )
         if s.max_loras < 1:
             raise InvalidArgumentError(f"vllm_max_loras: must be >= 1, got {s.max_loras}")
         return s

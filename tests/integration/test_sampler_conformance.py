@@ -305,6 +305,74 @@ def test_an_inflight_update_shows_as_a_second_version_span(
     assert set(after.result(timeout=60).sequences[0].token_versions()) == {1}
 
 
+#: a full fine-tune's first sample may start an engine of its own (vLLM: minutes on 2 busy cores)
+FIRST_FULL_S = 600
+
+
+@pytest.mark.timeout(900)
+def test_a_full_fine_tunes_versions_sample_their_own_weights(
+    service: treadle.ServiceClient, tok: treadle.Tokenizer, backend: BackendCase
+) -> None:
+    """A full fine-tune's versions, pinned and latest, each sampled under its own
+    weights (on vLLM: swapped in and out of the model's engine), beside the base."""
+    tc = service.create_training_client(BASE, seed=50)
+    prompt = tok.encode("12+3=")
+    params = treadle.SamplingParams(max_tokens=16, seed=7, ignore_eos=True)
+    base = service.create_sampling_client(BASE).sample(prompt, 2, params).result(60).sequences
+    _step(tc, tok)
+    v1 = tc.sync_weights()
+    first = v1.sample(prompt, 2, params).result(timeout=FIRST_FULL_S).sequences
+    worst = 0.0
+    for seq in first:
+        assert seq.token_versions() == [1] * 16
+        worst = max(
+            worst, float(np.abs(_trainer_logprobs(tc, prompt, seq, 1.0) - seq.logprobs).max())
+        )
+    assert [s.tokens for s in first] != [s.tokens for s in base]  # v1 is not the base
+    _step(tc, tok)
+    v2 = tc.sync_weights()
+    # v1 again (its engine holds v2 by now on vLLM), v2 and the base, all at once
+    again, latest, base_again = (
+        c.sample(prompt, 2, params) for c in (v1, v2, service.create_sampling_client(BASE))
+    )
+    for a, b in zip(first, again.result(timeout=120).sequences, strict=True):
+        assert a.tokens == b.tokens
+        assert np.abs(np.subtract(a.logprobs, b.logprobs)).max() <= backend.logprob_tolerance
+    for seq in latest.result(timeout=120).sequences:
+        assert seq.token_versions() == [2] * 16
+        worst = max(
+            worst, float(np.abs(_trainer_logprobs(tc, prompt, seq, 1.0) - seq.logprobs).max())
+        )
+    assert worst <= backend.logprob_tolerance
+    for a, b in zip(base, base_again.result(timeout=120).sequences, strict=True):
+        assert a.tokens == b.tokens  # the base model's weights untouched
+
+
+@pytest.mark.timeout(900)
+def test_a_full_fine_tunes_inflight_update_shows_as_a_second_version_span(
+    service: treadle.ServiceClient, tok: treadle.Tokenizer
+) -> None:
+    tc = service.create_training_client(BASE, seed=51)
+    tc.sync_weights()
+    latest = service.create_sampling_client(weights=f"treadle://{tc.model_id}/latest")
+    pinned = service.create_sampling_client(weights=f"treadle://{tc.model_id}/v/0")
+    params = treadle.SamplingParams(max_tokens=600, seed=4, ignore_eos=True)
+    latest.sample([1, 2], 1).result(timeout=FIRST_FULL_S)  # its engine started (vLLM)
+    running = latest.sample(tok.encode("abc"), 4, params)
+    beside = pinned.sample(tok.encode("abc"), 1, params)
+    tc.forward_backward([_datum(tok.encode("abcabcabc"))], "cross_entropy")
+    tc.optim_step(treadle.AdamParams(learning_rate=5e-2))
+    assert tc.sync_weights(inflight=True).version == 1
+    for seq in running.result(timeout=240).sequences:
+        spans = [(v.start, v.length, v.version) for v in seq.versions]
+        assert len(spans) == 2, spans  # v0 then v1, contiguous, never back
+        (s0, n0, v0), (s1, n1, v1) = spans
+        assert (s0, v0, v1, s1, n0 + n1) == (0, 0, 1, n0, 600)
+    assert beside.result(timeout=240).sequences[0].token_versions() == [0] * 600
+    after = latest.sample(tok.encode("abc"), 1, treadle.SamplingParams(max_tokens=4))
+    assert set(after.result(timeout=60).sequences[0].token_versions()) == {1}
+
+
 def test_a_partial_rollout_resumes_into_the_same_sequence(
     service: treadle.ServiceClient, tok: treadle.Tokenizer, backend: BackendCase
 ) -> None:

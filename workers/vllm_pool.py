@@ -1,0 +1,127 @@
+"""The vLLM backend's engines: the shared engine of each base model and dtype (base
+and LoRA rows), and one engine per full fine-tune model being sampled
+(``workers.vllm_full``), at most ``--vllm-max-full-models`` of those at once.
+
+Engines start at their first request; one that dies is closed and starts again
+at the next. Not thread-safe: the backend's loop thread owns it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from treadle.errors import ResourceExhaustedError
+from treadle.workers.base_models import BaseModel
+from treadle.workers.sampler_state import SamplerLimits
+from treadle.workers.versions import WeightSnapshot
+from treadle.workers.vllm_adapters import AdapterRegistry
+from treadle.workers.vllm_engine import VllmSettings, start_engine, wake_if_dead
+from treadle.workers.vllm_full import FullVersions, is_full
+from treadle.workers.vllm_rows import VllmRow
+from treadle.workers.vllm_stats import EngineMeter
+
+log = logging.getLogger("treadle.vllm")
+
+#: (base model name, dtype, full fine-tune model id or "" for the shared base engine)
+EngineKey = tuple[str, str, str]
+
+
+class VllmEngine:
+    """One vLLM engine (started at its first request) and the rows it runs."""
+
+    def __init__(self, key: EngineKey, base: BaseModel, full: FullVersions | None) -> None:
+        self.key = key
+        self.base = base
+        self.full = full
+        self.llm: Any = None
+        self.adapters = AdapterRegistry(base.name)
+        self.rows: dict[str, VllmRow] = {}  # vLLM request id -> row
+        self.meter = EngineMeter()
+
+    def waiting(self) -> list[VllmRow]:
+        """Rows of a full fine-tune waiting for their version's weights."""
+        return self.full.waiting if self.full is not None else []
+
+    def idle(self) -> bool:
+        return not self.rows and not self.waiting()
+
+    def close(self) -> None:
+        """Shut its engine down (it starts again at the next request)."""
+        if self.llm is not None:
+            try:
+                self.llm.engine_core.shutdown()
+            except Exception:
+                log.exception("vllm: engine shutdown failed")
+            self.llm = None
+        self.adapters.close()
+        self.adapters = AdapterRegistry(self.base.name)
+        if self.full is not None:
+            self.full.close()
+
+
+class EnginePool:
+    def __init__(self, limits: SamplerLimits, settings: VllmSettings) -> None:
+        self.limits = limits
+        self.settings = settings
+        self.engines: dict[EngineKey, VllmEngine] = {}
+
+    def all(self) -> list[VllmEngine]:
+        return list(self.engines.values())
+
+    def engine_for(
+        self, base: BaseModel, weights: WeightSnapshot, forget: Callable[[EngineKey], None]
+    ) -> VllmEngine:
+        """The started engine that samples ``weights`` (``forget``: told the key of an
+        engine closed to make room)."""
+        full_id = (weights.model_id or "") if is_full(weights, base.params) else ""
+        key = (base.name, str(base.dtype), full_id)
+        eng = self.engines.get(key)
+        if eng is None:
+            if full_id:
+                self._make_room_for_full(forget)
+            full = FullVersions(full_id, base.cfg) if full_id else None
+            eng = self.engines[key] = VllmEngine(key, base, full)
+        if eng.llm is None:
+            eng.llm = start_engine(
+                base,
+                self.settings,
+                max_len=self.limits.context_of(base.cfg),
+                max_seqs=self.limits.num_slots,
+                lora=eng.full is None,
+            )
+        return eng
+
+    def _make_room_for_full(self, forget: Callable[[EngineKey], None]) -> None:
+        """Within ``max_full_models`` engines of full fine-tunes: close the least
+        recently used idle one, or refuse."""
+        full = [e for e in self.engines.values() if e.full is not None]
+        if len(full) < self.settings.max_full_models:
+            return
+        idle = [(e.full.last_used, e.key) for e in full if e.idle() and e.full is not None]
+        if not idle:
+            raise ResourceExhaustedError(
+                f"sampler: {len(full)} full fine-tune models are sampling on this worker's "
+                f"vLLM engines (--vllm-max-full-models {self.settings.max_full_models}); "
+                "retry when one is done",
+                retry_after_s=5.0,
+            )
+        _, key = min(idle)
+        self.engines.pop(key).close()
+        forget(key)
+
+    def shutdown(self) -> None:
+        for eng in self.engines.values():
+            eng.close()
+
+    def watch(self, closing: threading.Event) -> None:
+        """Wake the loop out of a ``step()`` on an engine whose process died (a thread
+        of its own, until ``closing``)."""
+        woken: set[int] = set()
+        while not closing.wait(0.5):
+            for eng in list(self.engines.values()):
+                llm = eng.llm
+                if llm is not None and id(llm) not in woken and wake_if_dead(llm):
+                    woken.add(id(llm))

@@ -1,0 +1,54 @@
+"""The vLLM backend's sampler metrics: what one engine generated, over a recent
+window, as the ``SamplerStats`` every backend reports (``GetServerInfo``, the
+metrics endpoint)."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+
+from treadle.workers.sampler_state import SamplerStats
+
+
+class EngineMeter:
+    """Counters and the recent window of one vLLM engine (the loop thread updates it)."""
+
+    def __init__(self) -> None:
+        self.tokens_generated = 0
+        self.prompt_tokens = 0
+        self.prefix_reused_tokens = 0
+        self.steps = 0
+        self.window: deque[tuple[float, int, int]] = deque()  # (time, tokens, rows)
+
+    def stepped(self, produced: int, running: int) -> None:
+        self.tokens_generated += produced
+        self.steps += 1
+        now = time.monotonic()
+        self.window.append((now, self.tokens_generated, running))
+        while len(self.window) > 64 or (self.window and now - self.window[0][0] > 10.0):
+            self.window.popleft()
+
+    def stats(
+        self, *, running: int, waiting: int, slots: int, base_model: str, dtype: str
+    ) -> SamplerStats:
+        w = self.window
+        rate = 0.0
+        if len(w) > 1 and time.monotonic() - w[-1][0] < 5.0:
+            rate = (w[-1][1] - w[0][1]) / max(w[-1][0] - w[0][0], 1e-9)
+        steps = len(w)
+        return SamplerStats(
+            running_rows=running,
+            queued_requests=waiting,
+            prefilling_requests=0,
+            free_slots=max(0, slots - running),
+            num_slots=slots,
+            tokens_generated=self.tokens_generated,
+            prompt_tokens=self.prompt_tokens,
+            prefix_reused_tokens=self.prefix_reused_tokens,
+            decode_steps=self.steps,
+            tokens_per_s=rate,
+            occupancy=sum(min(r, slots) for _, _, r in w) / (steps * slots) if steps else 0.0,
+            base_model=base_model,
+            dtype=dtype,
+            last_step_at=w[-1][0] if w else 0.0,
+        )
