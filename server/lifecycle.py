@@ -59,6 +59,8 @@ AUTO_NAME = "auto"
 #: how often models on draining workers are looked at, and how long one whose
 #: engine refused to let go (gradients held, calls waiting) is left before a retry
 DRAIN_POLL_S = 0.2
+#: how often the background task looks for checkpoints past their TTL
+EXPIRY_POLL_S = 30.0
 DRAIN_RETRY_S = 1.0
 
 
@@ -190,8 +192,14 @@ class ModelLifecycle:
         beating = {m for m, beat in rows if now - beat.timestamp() < ttl}
         return [m for m in candidates if m not in beating]
 
+    def expire_checkpoints(self, now: float | None = None) -> list[str]:
+        """Delete the checkpoints past their TTL (``set_checkpoint_ttl``); the paths deleted."""
+        when = None if now is None else dt.datetime.fromtimestamp(now, dt.timezone.utc)
+        return self.ctx.service.checkpoints.expire(when)
+
     async def sweep(self, now: float | None = None) -> list[str]:
-        """Unload every idle model; the ids unloaded."""
+        """Unload every idle model (and delete expired checkpoints); the ids unloaded."""
+        self.expire_checkpoints(now)
         unloaded = []
         for model_id in self.idle_models(now):
             # Re-checked after each await: a call may have arrived meanwhile.
@@ -326,9 +334,22 @@ class ModelLifecycle:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
 
+    async def _expire_logged(self) -> None:
+        try:
+            expired = self.expire_checkpoints()
+        except Exception:
+            log.exception("deleting expired checkpoints failed")
+            return
+        if expired:
+            log.info("deleted expired checkpoints: %s", ", ".join(expired))
+
     async def _move(self) -> None:
+        last_expiry = -math.inf
         while True:
             await asyncio.sleep(DRAIN_POLL_S)
+            if time.monotonic() - last_expiry >= EXPIRY_POLL_S:
+                last_expiry = time.monotonic()
+                await self._expire_logged()
             if not self.ctx.dispatcher.draining_models():
                 continue
             try:

@@ -187,6 +187,25 @@ class Checkpoint(Base):
     kind: Mapped[str] = mapped_column(String(16))
     size_bytes: Mapped[int] = mapped_column(BigInteger)
     created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+    #: when the lifecycle sweep deletes it (None: kept until deleted)
+    expires_at: Mapped[dt.datetime | None]
+    #: readable (never writable) by any tenant's key through its path
+    public: Mapped[bool] = mapped_column(default=False, server_default=false())
+
+
+class TinkerName(Base):
+    """A name the tinker HTTP API gave out, kept so a server restart still knows it:
+    ``kind`` "model" maps an SDK model id (``<session>:train:<n>``) to a model;
+    "sampler_weights" maps ``<model_id>/<name>`` to the weight version it published."""
+
+    __tablename__ = "tinker_names"
+
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id"), primary_key=True)
+    kind: Mapped[str] = mapped_column(String(16), primary_key=True)
+    key: Mapped[str] = mapped_column(String(512), primary_key=True)
+    model_id: Mapped[str] = mapped_column(String(64))
+    version: Mapped[int | None]
+    created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
 
 
 class WeightVersion(Base):
@@ -210,6 +229,8 @@ class Sampler(Base):
     mode: Mapped[str] = mapped_column(String(16))
     pinned_version: Mapped[int | None]
     created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+    #: the client session it was created in (tinker's get_session lists it)
+    session_id: Mapped[str | None] = mapped_column(ForeignKey("sessions.id"))
 
 
 class Op(Base):

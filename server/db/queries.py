@@ -7,6 +7,7 @@ tenant's row, exactly as for a missing one (tenants are walls).
 
 from __future__ import annotations
 
+import datetime as dt
 from collections.abc import Sequence
 from typing import TypeVar
 
@@ -24,6 +25,7 @@ from treadle.common.db.models import (
     Op,
     Sampler,
     Tenant,
+    TinkerName,
     WeightVersion,
     new_id,
     utcnow,
@@ -251,6 +253,46 @@ def get_checkpoint_by_uri(s: Session, tenant_id: str, uri: str) -> Checkpoint | 
     return s.scalars(stmt).one_or_none()
 
 
+def get_public_checkpoint(s: Session, uri: str) -> Checkpoint | None:
+    """A checkpoint its owner published, whoever asks."""
+    stmt = select(Checkpoint).where(Checkpoint.uri == uri, Checkpoint.public.is_(True))
+    return s.scalars(stmt).one_or_none()
+
+
+def list_tenant_checkpoints(s: Session, tenant_id: str) -> Sequence[Checkpoint]:
+    """Every checkpoint of the tenant, newest first."""
+    stmt = (
+        select(Checkpoint)
+        .where(Checkpoint.tenant_id == tenant_id)
+        .order_by(Checkpoint.created_at.desc(), Checkpoint.id)
+    )
+    return s.scalars(stmt).all()
+
+
+def expired_checkpoints(s: Session, now: dt.datetime) -> Sequence[Checkpoint]:
+    stmt = select(Checkpoint).where(
+        Checkpoint.expires_at.is_not(None), Checkpoint.expires_at <= now
+    )
+    return s.scalars(stmt).all()
+
+
+def put_tinker_name(
+    s: Session, tenant_id: str, kind: str, key: str, model_id: str, version: int | None = None
+) -> None:
+    row = s.get(TinkerName, (tenant_id, kind, key))
+    if row is None:
+        s.add(
+            TinkerName(tenant_id=tenant_id, kind=kind, key=key, model_id=model_id, version=version)
+        )
+    else:
+        row.model_id, row.version = model_id, version
+    s.flush()
+
+
+def get_tinker_name(s: Session, tenant_id: str, kind: str, key: str) -> TinkerName | None:
+    return s.get(TinkerName, (tenant_id, kind, key))
+
+
 def add_weight_version(s: Session, model_id: str, version: int, uri: str) -> WeightVersion:
     return _add(s, WeightVersion(model_id=model_id, version=version, uri=uri))
 
@@ -283,6 +325,7 @@ def create_sampler(
     model_id: str | None = None,
     pinned_version: int | None = None,
     sampler_id: str | None = None,
+    session_id: str | None = None,
 ) -> Sampler:
     row = Sampler(
         id=sampler_id or new_id("s"),
@@ -291,8 +334,34 @@ def create_sampler(
         base_model=base_model,
         mode=mode,
         pinned_version=pinned_version,
+        session_id=session_id,
     )
     return _add(s, row)
+
+
+def session_members(s: Session, tenant_id: str, session_id: str) -> tuple[list[str], list[str]]:
+    """(model ids, sampler ids) created in the tenant's session, oldest first."""
+    models = s.scalars(
+        select(Model.id)
+        .where(Model.tenant_id == tenant_id, Model.session_id == session_id)
+        .order_by(Model.created_at)
+    ).all()
+    samplers = s.scalars(
+        select(Sampler.id)
+        .where(Sampler.tenant_id == tenant_id, Sampler.session_id == session_id)
+        .order_by(Sampler.created_at)
+    ).all()
+    return list(models), list(samplers)
+
+
+def list_sessions(s: Session, tenant_id: str) -> Sequence[ClientSession]:
+    """The tenant's sessions, newest first."""
+    stmt = (
+        select(ClientSession)
+        .where(ClientSession.tenant_id == tenant_id)
+        .order_by(ClientSession.created_at.desc(), ClientSession.id)
+    )
+    return s.scalars(stmt).all()
 
 
 def has_latest_sampler(s: Session, tenant_id: str, model_id: str) -> bool:

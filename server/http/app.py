@@ -26,12 +26,14 @@ from treadle.errors import InvalidArgumentError, TreadleError
 from treadle.server.context import ServerContext
 from treadle.server.http import (
     errors,
+    routes_checkpoints,
     routes_futures,
     routes_sampling,
     routes_session,
     routes_training,
     routes_weights,
 )
+from treadle.server.http.names import Names
 from treadle.server.http.state import HttpState
 
 log = logging.getLogger("treadle.server")
@@ -43,13 +45,14 @@ DEFAULT_HTTP_PORT = 8080
 def create_app(ctx: ServerContext) -> FastAPI:
     app = FastAPI(title="treadle tinker-compatible API", docs_url=None, redoc_url=None)
     app.state.ctx = ctx
-    app.state.http = HttpState(ctx)
+    app.state.http = HttpState(ctx, names=Names(ctx.session))
     app.state.instance_id = ctx.instance_id
     for module in (
         routes_session,
         routes_training,
         routes_sampling,
         routes_weights,
+        routes_checkpoints,
         routes_futures,
     ):
         app.include_router(module.router)

@@ -11,9 +11,15 @@ from treadle.errors import InvalidArgumentError
 from treadle.server.http import wire
 from treadle.server.http.auth import tenant
 from treadle.server.http.state import HttpState, state
+from treadle.server.service import CallHandle
 from treadle.server.service.types import SamplerSource, parse
+from treadle.workers.domain import SampleResult
 
 router = APIRouter(prefix="/api/v1")
+
+
+async def _await(handle: CallHandle[SampleResult]) -> SampleResult:
+    return await handle
 
 
 def _source(st: HttpState, tenant_id: str, body: dict[str, Any]) -> SamplerSource:
@@ -31,7 +37,12 @@ async def create_sampling_session(
     request: Request, tenant_id: str = Depends(tenant), st: HttpState = Depends(state)
 ) -> dict[str, Any]:
     body = wire.json_body(await request.body())
-    info = await st.service.sampling.create_sampler(tenant_id, _source(st, tenant_id, body))
+    session_id = body.get("session_id")
+    info = await st.service.sampling.create_sampler(
+        tenant_id,
+        _source(st, tenant_id, body),
+        session_id if isinstance(session_id, str) else "",
+    )
     return {"type": "create_sampling_session", "sampling_session_id": info.sampler_id}
 
 
@@ -65,8 +76,12 @@ async def asample(
     seq_id = wire.field(body, "seq_id", int, 0)
     op = parse(lambda: wire.sample_op(body))
     num = body.get("num_samples", 1) if isinstance(body.get("num_samples", 1), int) else 1
-    work = st.service.sampling.sample(tenant_id, sampler_id, op, seq_id, wire.digest(body))
-    request_id = st.futures.start(tenant_id, work, wire.sample_encoder(body))
+    # Admitted (or refused: 429 with the quota's retry delay) before the request answers.
+    handle: CallHandle[SampleResult] = CallHandle.start(
+        st.service.sampling.sample, tenant_id, sampler_id, op, seq_id, wire.digest(body)
+    )
+    await handle.admitted()
+    request_id = st.futures.start(tenant_id, _await(handle), wire.sample_encoder(body))
     return {
         "request_id": request_id,
         "sample_sequence_ids": [f"{request_id}:{i}" for i in range(max(num, 1))],

@@ -8,6 +8,7 @@ from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 
+from treadle.errors import InvalidArgumentError
 from treadle.server.http import wire
 from treadle.server.http.auth import tenant
 from treadle.server.http.errors import GoneError
@@ -83,6 +84,27 @@ async def session_heartbeat(
         raise GoneError(f"session_id: session {session_id!r} has finished")
     st.service.sessions.heartbeat(tenant_id, session_id)
     return {"type": "session_heartbeat"}
+
+
+@router.get("/sessions")
+async def list_sessions(
+    request: Request, tenant_id: str = Depends(tenant), st: HttpState = Depends(state)
+) -> dict[str, Any]:
+    try:
+        limit = int(request.query_params.get("limit", 20))
+        offset = int(request.query_params.get("offset", 0))
+    except ValueError as err:
+        raise InvalidArgumentError(f"limit, offset: integers ({err})") from err
+    ids = st.service.sessions.list_ids(tenant_id)
+    return {"sessions": ids[offset : offset + limit]}
+
+
+@router.get("/sessions/{session_id}")
+async def get_session(
+    session_id: str, tenant_id: str = Depends(tenant), st: HttpState = Depends(state)
+) -> dict[str, Any]:
+    models, samplers = st.service.sessions.members(tenant_id, session_id)
+    return {"training_run_ids": models, "sampler_ids": samplers}
 
 
 @router.post("/sessions/{session_id}/finish")

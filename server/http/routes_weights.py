@@ -9,9 +9,10 @@ from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 
-from treadle.errors import InvalidArgumentError, UnimplementedError
+from treadle.errors import InvalidArgumentError
 from treadle.server.http import wire
 from treadle.server.http.auth import tenant
+from treadle.server.http.routes_checkpoints import checkpoint_json
 from treadle.server.http.state import HttpState, state
 from treadle.server.service.types import ModelInfo
 
@@ -64,18 +65,9 @@ async def list_checkpoints(
     model_id: str, tenant_id: str = Depends(tenant), st: HttpState = Depends(state)
 ) -> dict[str, Any]:
     treadle_id = st.names.model_id(tenant_id, model_id)
-    out = []
-    for c in st.service.checkpoints.list(tenant_id, treadle_id):
-        out.append(
-            {
-                "checkpoint_id": f"weights/{c.name}",
-                "checkpoint_type": "training",
-                "time": _time(c.created_at),
-                "tinker_path": st.names.weights_path(model_id, c.name),
-                "size_bytes": c.size_bytes,
-                "public": False,
-            }
-        )
+    out = [
+        checkpoint_json(st, c, model_id) for c in st.service.checkpoints.list(tenant_id, treadle_id)
+    ]
     return {"checkpoints": out, "cursor": None}
 
 
@@ -105,8 +97,3 @@ async def weights_info(
         "is_lora": info.is_lora,
         "lora_rank": info.lora_rank if info.is_lora else None,
     }
-
-
-@router.post("/copy_weights")
-async def copy_weights(tenant_id: str = Depends(tenant)) -> dict[str, Any]:
-    raise UnimplementedError("copy_weights: not supported by this server yet")

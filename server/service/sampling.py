@@ -19,6 +19,7 @@ from treadle.errors import InvalidArgumentError, NotFoundError
 from treadle.server.context import ServerContext
 from treadle.server.db import queries
 from treadle.server.metering import CallMeter
+from treadle.server.service.ordered import Admission
 from treadle.server.service.types import Parsed, SamplerInfo, SamplerSource, unwrap
 from treadle.workers.domain import (
     SampleOp,
@@ -36,7 +37,11 @@ class SamplingService:
         self.meter = meter
         self._targets: dict[str, tuple[str, SamplerTarget]] = {}  # sampler_id -> (tenant, target)
 
-    async def create_sampler(self, tenant: str, source: SamplerSource) -> SamplerInfo:
+    async def create_sampler(
+        self, tenant: str, source: SamplerSource, session_id: str = ""
+    ) -> SamplerInfo:
+        """A sampler on a base model or published weights; ``session_id`` (optional)
+        is the tenant's client session it belongs to."""
         ctx = self.ctx
         if source.base_model is not None:
             if source.base_model not in ctx.dispatcher.base_model_names():
@@ -61,6 +66,8 @@ class SamplingService:
         else:
             version = await ctx.dispatcher.check_sampler_target(target)
         with ctx.session() as s:
+            if session_id and queries.get_session(s, tenant, session_id) is None:
+                raise NotFoundError(f"session_id: session {session_id!r} not found")
             row_s = queries.create_sampler(
                 s,
                 tenant_id=tenant,
@@ -68,6 +75,7 @@ class SamplingService:
                 mode=mode,
                 model_id=target.model_id,
                 pinned_version=target.version,
+                session_id=session_id or None,
             )
             sampler_id = row_s.id
         self._targets[sampler_id] = (tenant, target)
@@ -102,17 +110,21 @@ class SamplingService:
         op: Parsed[SampleOp],
         seq_id: int = 0,
         digest: str = "",
+        *,
+        admitted: Admission | None = None,
     ) -> SampleResult:
         """``num_samples`` completions of the prompt. With ``seq_id`` > 0 the call
-        may be repeated: ``(sampler_id, seq_id, digest)`` identifies it."""
+        may be repeated: ``(sampler_id, seq_id, digest)`` identifies it.
+        ``admitted`` resolves once the tenant's quota has admitted the call (a
+        transport answers its refusal, e.g. RESOURCE_EXHAUSTED, on the request)."""
         target = self.target(tenant, sampler_id)
         parsed = unwrap(op)
         key = (sampler_id, seq_id, digest) if seq_id > 0 else None
         if target.model_id is None:
-            return await self._sample(tenant, target, parsed, key)
+            return await self._sample(tenant, target, parsed, key, admitted)
         # a call on the model: restores it if it was unloaded, resets its idle clock
         async with self.ctx.lifecycle.using(tenant, target.model_id):
-            return await self._sample(tenant, target, parsed, key)
+            return await self._sample(tenant, target, parsed, key, admitted)
 
     async def _sample(
         self,
@@ -120,10 +132,13 @@ class SamplingService:
         target: SamplerTarget,
         op: SampleOp,
         key: tuple[str, int, str] | None,
+        admitted: Admission | None = None,
     ) -> SampleResult:
         """Dispatch under the tenant's quota (its worst case reserved, settled with
         what it generated), counting its usage."""
         ticket = self.meter.admit_sample(tenant, op)
+        if admitted is not None and not admitted.done():
+            admitted.set_result(None)
         result: SampleResult | None = None
         try:
             # The engine's sampler queues each tenant's requests fairly against the rest.

@@ -32,6 +32,18 @@ class SessionService:
                 raise NotFoundError(f"session_id: session {session_id!r} not found")
             row.last_heartbeat_at = db.utcnow()
 
+    def members(self, tenant: str, session_id: str) -> tuple[list[str], list[str]]:
+        """(model ids, sampler ids) created in the session; NOT_FOUND for another tenant's."""
+        with self.ctx.session() as s:
+            if queries.get_session(s, tenant, session_id) is None:
+                raise NotFoundError(f"session_id: session {session_id!r} not found")
+            return queries.session_members(s, tenant, session_id)
+
+    def list_ids(self, tenant: str) -> list[str]:
+        """The tenant's session ids, newest first."""
+        with self.ctx.session() as s:
+            return [row.id for row in queries.list_sessions(s, tenant)]
+
     def end(self, tenant: str, session_id: str) -> None:
         """Idempotent. The session's models stay; only their heartbeats stop."""
         with self.ctx.session() as s:

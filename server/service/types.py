@@ -95,6 +95,9 @@ class CheckpointInfo:
     step: int
     created_at: float
     size_bytes: int
+    model_id: str = ""
+    public: bool = False
+    expires_at: float | None = None  # unix seconds; None: never
 
 
 @dataclass(frozen=True)
