@@ -3,6 +3,7 @@ model-size estimate, and a model refused before anything is allocated."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -118,3 +119,30 @@ def test_a_model_that_does_not_fit_is_refused_before_allocating(
         assert engine.has_model("big")
     finally:
         engine.stop()
+
+
+def test_the_flags_carry_the_fraction_and_check_its_range(tmp_path: Path) -> None:
+    import argparse
+
+    from treadle.errors import InvalidArgumentError
+    from treadle.server.config import ServerConfig
+    from treadle.workers.engine_flags import (
+        add_engine_flags,
+        check_engine_settings,
+        engine_config,
+        engine_settings,
+    )
+
+    parser = argparse.ArgumentParser()
+    add_engine_flags(parser)
+    defaults = engine_settings(parser.parse_args(["--device", "cpu"]))
+    assert (defaults["sampler_slots"], defaults["kv_cache_memory_fraction"]) == (0, 0.0)
+    args = ["--device", "cpu", "--kv-cache-memory-fraction", "0.3"]
+    made = engine_config(
+        ServerConfig(data_dir=tmp_path, **engine_settings(parser.parse_args(args))), {}, None
+    )
+    assert made.kv_cache_memory_fraction == 0.3
+    with pytest.raises(InvalidArgumentError, match="kv_cache_memory_fraction: out of range"):
+        ServerConfig(data_dir=tmp_path, **{**defaults, "kv_cache_memory_fraction": 1.5})
+    with pytest.raises(InvalidArgumentError, match="sampler_slots: out of range"):
+        check_engine_settings(replace(made, sampler_slots=-1))

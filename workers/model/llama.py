@@ -28,6 +28,7 @@ import torch.utils.checkpoint
 from torch import Tensor
 
 from treadle.errors import InvalidArgumentError
+from treadle.workers.device import upload
 from treadle.workers.model.config import ModelConfig
 from treadle.workers.model.params import LayerParams as LayerParams
 from treadle.workers.model.params import LlamaParams as LlamaParams
@@ -91,7 +92,7 @@ def rope_inv_freq(
         smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
         is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
         inv_freq = torch.where(is_medium, smoothed, scaled)
-    return inv_freq.to(device)
+    return upload(inv_freq, torch.device(device))  # no host wait for the device per forward
 
 
 def rope_cos_sin(
