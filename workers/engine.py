@@ -617,9 +617,11 @@ class Engine:
         backend reads them: e.g. into shared memory for a sampler process, one
         copy, not a clone and then a shared one), and tell the backend; with
         ``inflight`` (PipelineRL) its latest requests continue under them."""
-        snapshot = model.snapshot(self.sampler.copy_weights())
-        released = self.versions.publish(snapshot)
-        self.sampler.publish(model.base, snapshot, inflight=inflight)
+        published = model.published(self.sampler.copy_weights())
+        released = self.versions.publish(published)
+        if inflight or isinstance(published, WeightSnapshot):  # else: read when asked
+            snapshot = self.versions.get(model.spec.model_id, model.version)
+            self.sampler.publish(model.base, snapshot, inflight=inflight)
         if released:
             self.sampler.release(model.spec.model_id, released)
 

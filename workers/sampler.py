@@ -94,7 +94,7 @@ class TorchSampler:
         self.cfg = base.cfg
         self.max_len = lim.context_of(self.cfg)
         #: where the cache, the step's inputs and the sampling live: the weights' device
-        self.device = base.params.device
+        self.device = base.device
         try:
             self.cache = KVCache(
                 self.cfg, lim.num_slots, self.max_len, dtype=base.dtype, device=self.device

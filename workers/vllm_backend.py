@@ -252,7 +252,7 @@ class VllmBackend:
     # ---- checks (engine thread) -----------------------------------------------------------
 
     def _check(self, base: BaseModel, weights: WeightSnapshot, params: Any) -> None:
-        if weights.adapter is None and weights.params is not base.params:
+        if weights.adapter is None and not base.holds(weights.params):
             raise FailedPreconditionError(
                 f"sampler: model {weights.model_id} is a full fine-tune; the vllm sampler "
                 "backend serves base models and LoRA models only (a vLLM engine holds one "
