@@ -18,8 +18,11 @@ For each preset (5m, 110m), mode (LoRA rank 16, full fine-tune) and shape
 Each row runs in a fresh process (``--threads`` torch threads), so its peak
 memory is that process's peak RSS (``ru_maxrss``; for sdk, the server's
 process, which also holds the SQLite op log and gRPC). Times are medians of
-``--steps`` steps after two warm-up steps; tokens/s counts every token of the
-batch; "6N" is the fraction of ``6 x params x tokens/s`` in this machine's
+``--steps`` steps after ``--warmup`` (2) untimed ones; tokens/s counts every token of the
+batch; "cpu ms/step" is the CPU time (user + system, all threads) of the
+process(es) doing the work over the timed steps, per step (for sdk: the server's
+and the client's), and "cpu vs torch" torch's over it: on a loaded machine the
+wall-time ratio swings, the CPU-time ratio much less; "6N" is the fraction of ``6 x params x tokens/s`` in this machine's
 matmul rate measured in the same run (LoRA does ~4N of real work: no weight
 gradients of the base). Rows of one configuration run back to back, so compare
 ratios within a run; a shared machine is noisy.
@@ -81,15 +84,29 @@ def _peak_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def _timed(step: Callable[[], None], steps: int) -> list[float]:
-    for _ in range(WARMUP):
+def _cpu_s() -> float:
+    """CPU seconds this process has used (user + system, every thread)."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def _timed(
+    step: Callable[[], None],
+    steps: int,
+    warmup: int = WARMUP,
+    cpu: Callable[[], float] = _cpu_s,
+) -> tuple[list[float], float]:
+    """Wall seconds of each step after ``warmup`` steps, and the CPU seconds
+    ``cpu()`` counted over them (a figure a loaded machine disturbs much less)."""
+    for _ in range(warmup):
         step()
     out = []
+    cpu0 = cpu()
     for _ in range(steps):
         t0 = time.perf_counter()
         step()
         out.append(time.perf_counter() - t0)
-    return out
+    return out, cpu() - cpu0
 
 
 # ---- the rows (each in its own process) ---------------------------------------------
@@ -182,15 +199,15 @@ def run_row(spec: dict) -> None:
         "engine-ckpt": functools.partial(engine_step, checkpointing=True),
     }[spec["path"]]
     step = make(Path(spec["dir"]), spec["mode"], spec["n"], spec["length"])
-    times = _timed(step, spec["steps"])
-    print(json.dumps({"times": times, "peak_mb": _peak_mb()}), flush=True)
+    times, cpu = _timed(step, spec["steps"], spec["warmup"])
+    print(json.dumps({"times": times, "cpu_s": cpu, "peak_mb": _peak_mb()}), flush=True)
     if spec.get("profile"):
         profile_engine(Path(spec["dir"]), spec["mode"], spec["n"], spec["length"])
 
 
 def serve(spec: dict) -> None:
-    """A child process: an embedded server; prints its address, then its peak RSS
-    when the parent writes a line."""
+    """A child process: an embedded server; prints its address, then its CPU
+    seconds so far for each line "cpu" the parent writes, and its peak RSS at "peak"."""
     import tempfile
 
     from treadle.server.config import ServerConfig
@@ -206,7 +223,8 @@ def serve(spec: dict) -> None:
     )
     with EmbeddedServer(cfg) as server:
         print(json.dumps({"address": server.address, "api_key": server.api_key}), flush=True)
-        sys.stdin.readline()
+        while sys.stdin.readline().strip() == "cpu":
+            print(json.dumps({"cpu_s": _cpu_s()}), flush=True)
         print(json.dumps({"peak_mb": _peak_mb()}), flush=True)
 
 
@@ -246,14 +264,20 @@ def sdk_row(spec: dict) -> dict:
                 trainer.optim_step(adam).result()
                 fb.result()
 
-            times = _timed(step, spec["steps"])
+            def cpu() -> float:  # the server's CPU and this client's: the SDK path's work
+                assert proc.stdin is not None and proc.stdout is not None
+                proc.stdin.write("cpu\n")
+                proc.stdin.flush()
+                return float(json.loads(proc.stdout.readline())["cpu_s"]) + _cpu_s()
+
+            times, cpu_s = _timed(step, spec["steps"], spec["warmup"], cpu)
         proc.stdin.write("peak\n")
         proc.stdin.flush()
         peak = json.loads(proc.stdout.readline())["peak_mb"]
     finally:
         proc.stdin.close()
         proc.wait(timeout=120)
-    return {"times": times, "peak_mb": peak}
+    return {"times": times, "cpu_s": cpu_s, "peak_mb": peak}
 
 
 def child_row(spec: dict) -> dict:
@@ -325,6 +349,28 @@ def profile_engine(path: Path, mode: str, n: int, length: int) -> None:
             ],
         )
     )
+    # inside the phases: the ranges the trainer and the optimizer name themselves
+    named = {
+        e.key: e.cpu_time_total / 1e3 / 2  # ms a step (two profiled steps)
+        for e in prof.key_averages()
+        if e.key.startswith("treadle.")
+    }
+    labels = {
+        "treadle.backward": "backward (autograd)",
+        "treadle.accumulate": "gradient accumulation",
+        "treadle.adamw": "optimizer (fused AdamW)",
+        "treadle.grad_norm": "metrics: grad norm",
+        "treadle.update_norm": "metrics: update norm",
+    }
+    print(
+        table(
+            ["inside", "ms", "share of step"],
+            [
+                [label, named.get(key, 0.0), f"{named.get(key, 0.0) / 1e3 / total:.1%}"]
+                for key, label in labels.items()
+            ],
+        )
+    )
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
 
 
@@ -338,6 +384,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shapes", default="short,long")
     ap.add_argument("--paths", default="torch,engine,sdk")
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=WARMUP, help="untimed steps before them")
     ap.add_argument("--threads", type=int, default=THREADS)
     ap.add_argument("--model-dir", default=None, help="a directory per preset: DIR/<preset>")
     ap.add_argument("--profile", action="store_true", help="where the engine's step time goes")
@@ -365,6 +412,7 @@ def main(argv: list[str] | None = None) -> int:
                 n, length = SHAPES[shape]
                 tokens = n * length
                 base: float | None = None
+                base_cpu = base_mb = 0.0
                 for which in args.paths.split(","):
                     spec = {
                         "path": which,
@@ -373,23 +421,41 @@ def main(argv: list[str] | None = None) -> int:
                         "n": n,
                         "length": length,
                         "steps": args.steps,
+                        "warmup": args.warmup,
                         "threads": args.threads,
                         "profile": args.profile and which == "engine",
                     }
                     res = sdk_row(spec) if which == "sdk" else child_row(spec)
                     ms = statistics.median(res["times"]) * 1e3
+                    cpu_ms = res["cpu_s"] / args.steps * 1e3
                     tps = tokens / (ms / 1e3)
-                    base = tps if which == "torch" else base
+                    if which == "torch":
+                        base, base_cpu, base_mb = tps, cpu_ms, res["peak_mb"]
                     frac = 6 * n_params * tps / (gflops * 1e9)
                     rel = f"{tps / base:.2f}x" if base else "-"
+                    rel_cpu = f"{base_cpu / cpu_ms:.2f}x" if base else "-"
+                    rel_mb = f"{res['peak_mb'] / base_mb:.2f}x" if base else "-"
                     rows.append(
-                        [preset, mode, shape, which, ms, tps, rel, f"{frac:.0%}", res["peak_mb"]]
+                        [
+                            preset,
+                            mode,
+                            shape,
+                            which,
+                            ms,
+                            tps,
+                            rel,
+                            cpu_ms,
+                            rel_cpu,
+                            f"{frac:.0%}",
+                            res["peak_mb"],
+                            rel_mb,
+                        ]
                     )
                     records.append(dict(zip(HEADERS, rows[-1], strict=True)))
                     print(table(HEADERS, rows[-1:]).splitlines()[-1], flush=True)
     print(
         f"\ntrain step: started {started}, {args.threads} torch threads, {args.steps} steps "
-        f"per row (median, after {WARMUP} warm-up), matmul {gflops:.0f} GFLOP/s\n"
+        f"per row (median, after {args.warmup} warm-up), matmul {gflops:.0f} GFLOP/s\n"
     )
     print(table(HEADERS, rows))
     if args.json:
@@ -397,7 +463,20 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-HEADERS = ["preset", "mode", "shape", "path", "ms/step", "tok/s", "vs torch", "6N", "peak MB"]
+HEADERS = [
+    "preset",
+    "mode",
+    "shape",
+    "path",
+    "ms/step",
+    "tok/s",
+    "vs torch",
+    "cpu ms/step",
+    "cpu vs torch",
+    "6N",
+    "peak MB",
+    "peak vs torch",
+]
 
 
 def _param_count(path: Path) -> int:

@@ -91,7 +91,7 @@ def sampler_caches(base: BaseModel, limits: SamplerLimits, max_len: int) -> tupl
     """A sampler's main KV cache (``limits.num_slots`` slots, or sized by memory when
     0) and its staging cache (``prefill_slots``), on the base weights' device.
     RESOURCE_EXHAUSTED when they cannot be allocated."""
-    where, stage_slots = base.params.device, max(1, limits.prefill_slots)
+    where, stage_slots = base.device, max(1, limits.prefill_slots)
     slots = limits.num_slots or kv_slots(
         base.cfg,
         max_len,

@@ -24,6 +24,7 @@ from collections.abc import Mapping
 
 import torch
 from torch.autograd.graph import increment_version
+from torch.profiler import record_function
 
 from treadle.workers.domain import AdamConfig
 
@@ -69,7 +70,8 @@ class AdamW:
         # out of memory (a full GPU) then leaves weights, moments, gradients and the
         # step count as they were, and the model at its last applied step.
         scratch = _scratch([[self.params[names[i]] for i in idx] for idx in chunks])
-        pre_clip = _global_norm(grads)
+        with record_function("treadle.grad_norm"):  # named: benchmarks/train_step.py --profile
+            pre_clip = _global_norm(grads)
         if cfg.grad_clip_norm > 0:
             scale = min(1.0, cfg.grad_clip_norm / (pre_clip + 1e-6))
             if scale != 1.0:
@@ -79,30 +81,33 @@ class AdamW:
         update_sq_t = torch.zeros((), dtype=torch.float64)
         for idx in chunks:
             ps = [self.params[names[i]].detach() for i in idx]
-            before = _copies(ps, scratch)
+            with record_function("treadle.update_norm"):
+                before = _copies(ps, scratch)
             # the kernel reads the step on the weights' device (a host scalar on the CPU)
             step_t = torch.tensor(float(self.step_count), dtype=torch.float32, device=ps[0].device)
-            torch._fused_adamw_(
-                ps,
-                [grads[i] for i in idx],
-                [self.exp_avg[names[i]] for i in idx],
-                [self.exp_avg_sq[names[i]] for i in idx],
-                [],
-                [step_t] * len(idx),
-                lr=cfg.learning_rate,
-                beta1=cfg.beta1,
-                beta2=cfg.beta2,
-                weight_decay=cfg.weight_decay,
-                eps=cfg.eps,
-                amsgrad=False,
-                maximize=False,
-            )
+            with record_function("treadle.adamw"):
+                torch._fused_adamw_(
+                    ps,
+                    [grads[i] for i in idx],
+                    [self.exp_avg[names[i]] for i in idx],
+                    [self.exp_avg_sq[names[i]] for i in idx],
+                    [],
+                    [step_t] * len(idx),
+                    lr=cfg.learning_rate,
+                    beta1=cfg.beta1,
+                    beta2=cfg.beta2,
+                    weight_decay=cfg.weight_decay,
+                    eps=cfg.eps,
+                    amsgrad=False,
+                    maximize=False,
+                )
             # the fused kernel does not bump the tensors' version counters as in-place
             # ops do; caches keyed on them (``model.prepack``) must see the change
             increment_version(ps)
             # summed on the device: one host read per step, not one per tensor
-            moved = torch.stack([torch.dist(p, b) for p, b in zip(ps, before, strict=True)])
-            update_sq_t = update_sq_t + (moved.double() ** 2).sum()
+            with record_function("treadle.update_norm"):
+                moved = torch.stack([torch.dist(p, b) for p, b in zip(ps, before, strict=True)])
+                update_sq_t = update_sq_t + (moved.double() ** 2).sum()
             del before
         self.zero_grad()
         return {

@@ -51,7 +51,7 @@ from treadle.workers.sampler_backend import SamplerBackend
 from treadle.workers.scheduler import Admission, OrderedCall, Scheduler, WorkUnit
 from treadle.workers.thread_choice import ThreadChoice
 from treadle.workers.trainer import TrainingModel
-from treadle.workers.versions import VersionStore
+from treadle.workers.versions import VersionStore, WeightSnapshot
 
 log = logging.getLogger("treadle.engine")
 
@@ -251,9 +251,11 @@ class OrderedExecutor:
         backend reads them: e.g. into shared memory for a sampler process, one
         copy, not a clone and then a shared one), and tell the backend; with
         ``inflight`` (PipelineRL) its latest requests continue under them."""
-        snapshot = model.snapshot(self.sampler.copy_weights())
-        released = self.versions.publish(snapshot)
-        self.sampler.publish(model.base, snapshot, inflight=inflight)
+        published = model.published(self.sampler.copy_weights())
+        released = self.versions.publish(published)
+        if inflight or isinstance(published, WeightSnapshot):  # else: read when asked
+            snapshot = self.versions.get(model.spec.model_id, model.version)
+            self.sampler.publish(model.base, snapshot, inflight=inflight)
         if released:
             self.sampler.release(model.spec.model_id, released)
 

@@ -71,7 +71,7 @@ def _load(model: TrainingModel, ref: ReferenceWeights, manifest: dict) -> Weight
     if not path.is_file():
         raise NotFoundError(f"{FIELD}: {ref.uri!r} has no weights")
     dtype = model.base.dtype
-    device = model.base.params.device
+    device = model.base.device
     tensors = {n: t.to(dtype=dtype, device=device) for n, t in load_file(str(path)).items()}
     step = int(manifest["step"])
     if int(manifest["lora_rank"]) > 0:

@@ -100,7 +100,7 @@ class TorchSampler:
         self.cfg = base.cfg
         self.max_len = lim.context_of(self.cfg)
         #: where the cache, the step's inputs and the sampling live: the weights' device
-        self.device = base.params.device
+        self.device = base.device
         self.cache, stage = memory_budget.sampler_caches(base, lim, self.max_len)
         self.prefix = PrefixCache(stage)
         self.queue = FairQueue()

@@ -334,7 +334,7 @@ class ProcessTorchBackend:
         skey = next(self._ids)
         take = self.pool.take
         params = None
-        if snapshot.params is not base.params:
+        if not base.holds(snapshot.params):
             params = flatten(snapshot.params.state_dict(), take)
         adapter = None
         if snapshot.adapter is not None:

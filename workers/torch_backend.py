@@ -118,7 +118,7 @@ class TorchSamplers:
                 sampler.step()
             except torch.OutOfMemoryError as err:  # its requests fail, its slots are freed
                 log.warning("sampler step ran out of device memory: %s", err)
-                sampler.fail_all(device.out_of_memory("sample", err, sampler.base.params.device))
+                sampler.fail_all(device.out_of_memory("sample", err, sampler.base.device))
             except Exception as err:
                 log.error("sampler step failed: %s\n%s", err, traceback.format_exc())
                 sampler.fail_all(InternalError(f"sampler step failed: {type(err).__name__}: {err}"))

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from torch import Tensor
+from torch.profiler import record_function
 
 from treadle.errors import InvalidArgumentError
 from treadle.workers import losses, train_memory
@@ -31,7 +32,7 @@ from treadle.workers.model.config import ModelConfig
 from treadle.workers.model.llama import LlamaParams, forward_hidden, lm_logits, target_logprobs
 from treadle.workers.model.lora import HEAD, UNEMBED_TARGET, LoraAdapter, targets_for
 from treadle.workers.optimizer import AdamW
-from treadle.workers.versions import ReferenceCache, WeightSnapshot
+from treadle.workers.versions import BaseVersion, ReferenceCache, WeightSnapshot
 
 #: float32 logits larger than this are computed in chunks of positions (a 110M
 #: model's 32k vocabulary: above 2,048 positions per call)
@@ -86,7 +87,9 @@ class TrainingModel:
             )
             trainable = dict(self.adapter.named_tensors())
         else:
-            self.params = base.params.clone().requires_grad_(True)
+            # its own copy, read from the checkpoint when the base is not in memory:
+            # the base is loaded only if something else needs it (``BaseModel``)
+            self.params = base.weights_copy().requires_grad_(True)
             self.adapter = None
             trainable = dict(self.params.named_tensors())
         self.optimizer = AdamW(trainable)
@@ -118,6 +121,15 @@ class TrainingModel:
         else:
             params = LlamaParams.from_state_dict(self.cfg, copy(self.params.state_dict()))
         return WeightSnapshot(self.spec.model_id, self.version, params, None)
+
+    def published(self, copy: TensorsCopy | None = None) -> WeightSnapshot | BaseVersion:
+        """What ``SyncWeights`` publishes: ``snapshot``, except for a full fine-tune
+        whose weights are still the base's (no step, no loaded state): a version
+        that reads the base only when a sampler asks for it, so publishing the
+        untrained model neither copies it nor loads the base."""
+        if self.adapter is None and not self.optimizer.weights_moved:
+            return BaseVersion(self.spec.model_id, self.version, self.base)
+        return self.snapshot(copy)
 
     def optim_step(self, cfg: AdamConfig) -> OptimStepResult:
         _check_adam(cfg)
@@ -462,8 +474,9 @@ def accumulate_gradients(loss: Tensor, models: Sequence[TrainingModel]) -> None:
     """
     unique = list({id(m): m for m in models}.values())  # a model may have several calls
     params = [p for m in unique for p in m.trainable.values() if p.requires_grad]
-    grads = torch.autograd.grad(loss, params, allow_unused=True)
-    with torch.no_grad():
+    with record_function("treadle.backward"):  # named ranges: benchmarks/train_step.py --profile
+        grads = torch.autograd.grad(loss, params, allow_unused=True)
+    with torch.no_grad(), record_function("treadle.accumulate"):
         for p, g in zip(params, grads, strict=True):
             if g is None:
                 continue

@@ -3,7 +3,9 @@
 A model's version is the number of optimizer steps applied (base = 0).
 ``SyncWeights`` publishes the current weights as that version; the store keeps
 the latest K per model and releases older ones. A LoRA version is a copy of
-the adapter (small); a full fine-tune version is a copy of every weight.
+the adapter (small); a full fine-tune version is a copy of every weight, except
+its version 0 (before any step), which is the base's weights, read only when a
+sampler asks for it (``BaseVersion``).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from treadle.errors import NotFoundError
+from treadle.workers.base_models import BaseModel
 from treadle.workers.model.llama import LlamaParams
 from treadle.workers.model.lora import LoraAdapter
 
@@ -25,12 +28,25 @@ class WeightSnapshot:
     adapter: LoraAdapter | None
 
 
+@dataclass(frozen=True)
+class BaseVersion:
+    """A published version whose weights are the base's (a full fine-tune not yet
+    stepped): the base is read when a sampler first asks for it, not at publish."""
+
+    model_id: str
+    version: int
+    base: BaseModel
+
+    def resolve(self) -> WeightSnapshot:
+        return WeightSnapshot(self.model_id, self.version, self.base.params, None)
+
+
 class VersionStore:
     def __init__(self, keep_latest: int = 4) -> None:
         self.keep_latest = max(1, keep_latest)
-        self._by_model: dict[str, OrderedDict[int, WeightSnapshot]] = {}
+        self._by_model: dict[str, OrderedDict[int, WeightSnapshot | BaseVersion]] = {}
 
-    def publish(self, snapshot: WeightSnapshot) -> list[int]:
+    def publish(self, snapshot: WeightSnapshot | BaseVersion) -> list[int]:
         """Add (or replace) a version; returns the versions released to stay within K."""
         assert snapshot.model_id is not None
         versions = self._by_model.setdefault(snapshot.model_id, OrderedDict())
@@ -48,12 +64,16 @@ class VersionStore:
         if not versions:
             raise NotFoundError(f"model {model_id} has no published weights")
         if version is None:
-            return next(reversed(versions.values()))
+            version = next(reversed(versions))
         if version not in versions:
             raise NotFoundError(
                 f"weights treadle://{model_id}/v/{version} not found (kept versions: {list(versions)})"
             )
-        return versions[version]
+        entry = versions[version]
+        if isinstance(entry, BaseVersion):
+            entry = entry.resolve()  # the base loads here, once; kept in its place
+            versions[version] = entry
+        return entry
 
     def versions(self, model_id: str) -> list[int]:
         return list(self._by_model.get(model_id, {}))

@@ -167,7 +167,7 @@ class VllmBackend:
         self._loop.post(lambda: self._admit(request.base, req))
 
     def publish(self, base: BaseModel, weights: WeightSnapshot, *, inflight: bool) -> None:
-        moves = weights.adapter is not None or is_full(weights, base.params)
+        moves = weights.adapter is not None or is_full(weights, base)
         if inflight and weights.model_id is not None and moves:
             self._loop.post(lambda: self._swap(base, weights))
 

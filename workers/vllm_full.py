@@ -35,6 +35,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from treadle.workers.base_models import BaseModel
 from treadle.workers.model.config import ModelConfig
 from treadle.workers.model.loading import save_params
 from treadle.workers.versions import WeightSnapshot
@@ -43,9 +44,10 @@ from treadle.workers.vllm_rows import VllmRow
 log = logging.getLogger("treadle.vllm")
 
 
-def is_full(weights: WeightSnapshot, base_params: object) -> bool:
-    """Whether ``weights`` is a full fine-tune's (its own weights, no adapter)."""
-    return weights.adapter is None and weights.params is not base_params
+def is_full(weights: WeightSnapshot, base: BaseModel) -> bool:
+    """Whether ``weights`` is a full fine-tune's (its own weights, no adapter); never
+    loads the base's weights to tell."""
+    return weights.adapter is None and not base.holds(weights.params)
 
 
 def _scratch() -> Path:

@@ -76,7 +76,7 @@ class EnginePool:
     ) -> VllmEngine:
         """The started engine that samples ``weights`` (``forget``: told the key of an
         engine closed to make room)."""
-        full_id = (weights.model_id or "") if is_full(weights, base.params) else ""
+        full_id = (weights.model_id or "") if is_full(weights, base) else ""
         key = (base.name, str(base.dtype), full_id)
         eng = self.engines.get(key)
         if eng is None:
