@@ -40,7 +40,7 @@ WHY = {
     "get_external_weights_urls": "external weight exports are not served (404)",
     "get_billing_usage": "no billing (404)",
     "get_audit_log": "no audit log route (404)",
-    "whoami": "the SDK reads the identity from a JWT it gets from the server's auth exchange; treadle issues no JWTs (client/config leaves it off), so the SDK raises before any request",
+    "whoami": "client-side: the SDK reads the identity from a JWT; treadle serves with JWT auth off (client/config pjwt_auth_enabled=false), so the SDK itself raises 'whoami requires JWT auth'",
     "search_sessions": "session search is not served (404); list_sessions and get_session are",
     "assign_session_project": "no projects (404)",
     "export_session_trace": "no session traces (404)",
