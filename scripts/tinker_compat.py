@@ -27,25 +27,20 @@ TESTS = sorted(
     str(p.relative_to(ROOT)) for p in (ROOT / "tests" / "integration").glob("test_tinker_*.py")
 )
 
+#: why a loss the SDK can send is not served
+LOSS_WHY = {
+    "stable_reinforce": "refused as an unknown loss (400 naming it): its objective needs stability information recorded by the sampler (record_stability_info, sequence_id provenance), which treadle does not record, and the objective is not published in full",
+}
+
 #: why a method no test calls does not work here (what the server answers)
 WHY = {
-    "create_training_client_from_state": "a weights-only load is not served: treadle loads weights and Adam state together; the _with_optimizer variant works (400 naming `optimizer`)",
-    "load_state": "a weights-only load is not served (see create_training_client_from_state); load_state_with_optimizer works",
     "create_custom_loss": "server-side custom losses are off (client/config custom_loss_server_side=false); forward_backward_custom runs its loss on the client",
-    "copy_weights": "not served yet (501)",
     "save_weights_external": "external weight exports are not served (no such route: 404)",
     "get_external_weights_urls": "external weight exports are not served (404)",
-    "publish_checkpoint_from_tinker_path": "checkpoints are never public here (404)",
-    "unpublish_checkpoint_from_tinker_path": "checkpoints are never public here (404)",
-    "set_checkpoint_ttl_from_tinker_path": "checkpoint TTLs are not served (404)",
-    "list_user_checkpoints": "not served (404): list a run's checkpoints with list_checkpoints",
-    "get_current_checkpoint_storage_usage": "not served (404)",
     "get_billing_usage": "no billing (404)",
     "get_audit_log": "no audit log route (404)",
-    "whoami": "not served (404)",
-    "get_session": "session listing routes are not served (404)",
-    "list_sessions": "session listing routes are not served (404)",
-    "search_sessions": "session listing routes are not served (404)",
+    "whoami": "client-side: the SDK reads the identity from a JWT; treadle serves with JWT auth off (client/config pjwt_auth_enabled=false), so the SDK itself raises 'whoami requires JWT auth'",
+    "search_sessions": "session search is not served (404); list_sessions and get_session are",
     "assign_session_project": "no projects (404)",
     "export_session_trace": "no session traces (404)",
     "get_telemetry": "client-side only: the server accepts telemetry and drops it",
@@ -155,7 +150,10 @@ def losses(record: dict[str, dict[str, list[str]]]) -> list[str]:
             keys = ", ".join(f"`{k}`={v:g}" for k, v in LOSSES[name].config_defaults.items())
             mark, why = "✓", f"trains; config defaults: {keys or 'none'}"
         else:
-            mark, why = "✗", "refused as an unknown loss (the error lists the served ones)"
+            mark, why = (
+                "✗",
+                LOSS_WHY.get(name, "refused as an unknown loss (the error lists the served ones)"),
+            )
         lines.append(f"| `{name}` | {mark} | {why} |")
     return [*lines, ""]
 

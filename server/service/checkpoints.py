@@ -135,8 +135,9 @@ class CheckpointService:
             return len(rows), sum(c.size_bytes for c in rows)
 
     def copy(self, tenant: str, path: str, ttl_seconds: int | None = None) -> str:
-        """Copy a readable checkpoint into a new model of the tenant (unloaded: a call
-        on it loads it from the copy); the copy's treadle:// path. Blocking I/O."""
+        """Copy a readable checkpoint into a new model of the tenant; the copy's
+        treadle:// path. The new model only holds the copy (as tinker's copies, it
+        cannot be trained on): load the copy into a training client. Blocking I/O."""
         with self.ctx.session() as s:
             self.ctx.quotas.check_new_model(tenant, tenancy.count_live_models(s, tenant))
             src = self.readable(s, tenant, path, "source_path")
@@ -160,8 +161,8 @@ class CheckpointService:
             row = self.record(s, tenant, model_id, name, dst, 0, step, "state", size)
             model = s.get(db.Model, model_id)
             assert model is not None
-            model.status = "unloaded"
-            queries.update_model_progress(s, model_id, version=step, last_checkpoint=row)
+            model.status = "unloaded"  # with no last checkpoint: never loaded itself
+            queries.update_model_progress(s, model_id, version=step)
             uri = row.uri
         if ttl_seconds is not None:
             self.set_ttl(tenant, uri, ttl_seconds)

@@ -6,6 +6,7 @@ methods the first file leaves out. One embedded server for the module (tiny mode
 from __future__ import annotations
 
 import asyncio
+import time
 
 import numpy as np
 import pytest
@@ -15,9 +16,20 @@ httpx = pytest.importorskip("httpx")
 
 from tinker import types as T  # noqa: E402
 
-from tests.integration.test_tinker_sdk import BASE, SFT  # noqa: E402
+from tests.integration.test_tinker_sdk import BASE, SFT, World  # noqa: E402
 from tests.integration.test_tinker_sdk import sc as _sc_fixture  # noqa: E402,F401 (the fixtures)
 from tests.integration.test_tinker_sdk import world as _world_fixture  # noqa: E402,F401
+
+
+@pytest.fixture(scope="module")
+def world(_world_fixture: World) -> World:  # noqa: F811
+    """The first file's server, started once for this module."""
+    return _world_fixture
+
+
+@pytest.fixture(scope="module")
+def sc(_sc_fixture: tinker.ServiceClient) -> tinker.ServiceClient:  # noqa: F811
+    return _sc_fixture
 
 
 def _policy_datum(tokens: list[int], behaviour: float, adv: list[float]) -> T.Datum:
@@ -91,5 +103,149 @@ def test_async_weights_only_variants(sc: tinker.ServiceClient) -> None:
         other = await sc.create_training_client_from_state_async(path)
         assert (await other.get_info_async()).model_data.model_name == BASE
         await (await other.load_state_async(path)).result_async()
+
+    asyncio.run(run())
+
+
+#: another tenant's checkpoint: 404 on the request, or NOT_FOUND in the future
+MISSING = (tinker.NotFoundError, tinker.RequestFailedError)
+
+
+def _forward_loss(tc: tinker.TrainingClient) -> float:
+    return float(tc.forward(SFT, "cross_entropy").result().metrics["loss:sum"])
+
+
+def test_checkpoint_ttl_publish_copy_and_listing(world: World, sc: tinker.ServiceClient) -> None:
+    """TTL (deleted by the lifecycle sweep once due), publish (readable, never
+    writable, by another tenant), the tenant-wide listing and storage usage,
+    copy_weights, get_training_run_by_tinker_path, the async delete."""
+    rest = sc.create_rest_client()
+    tc = sc.create_lora_training_client(base_model=BASE, rank=2, seed=31).result()
+    _steps(tc, 1)
+    keep = tc.save_state("keep").result().path
+    short = tc.save_state("short").result().path
+    at_keep = _forward_loss(tc)
+
+    rest.set_checkpoint_ttl_from_tinker_path(short, 3600).result()
+    listed = {c.tinker_path: c for c in rest.list_checkpoints(tc.model_id).result().checkpoints}
+    assert listed[short].expires_at is not None and listed[keep].expires_at is None
+    with pytest.raises(tinker.BadRequestError, match="ttl_seconds"):
+        rest.set_checkpoint_ttl_from_tinker_path(keep, 10).result()
+    assert world.server.ctx is not None
+    world.server.ctx.lifecycle.expire_checkpoints(time.time() + 2 * 3600)
+    paths = [c.tinker_path for c in rest.list_checkpoints(tc.model_id).result().checkpoints]
+    assert short not in paths and keep in paths
+
+    mine = [c.tinker_path for c in rest.list_user_checkpoints(limit=1000).result().checkpoints]
+    assert keep in mine
+    usage = sc.create_rest_client().get_current_checkpoint_storage_usage().result()
+    assert usage.data[0].checkpoint_count == len(mine)
+    assert usage.data[0].size_bytes > 0
+
+    run = rest.get_training_run_by_tinker_path(keep).result()
+    assert run.training_run_id == tc.model_id and run.base_model == BASE
+
+    other = world.client(world.key_b)
+    try:
+        with pytest.raises(MISSING, match="not found"):
+            other.create_training_client_from_state_with_optimizer(keep).result()
+        rest.publish_checkpoint_from_tinker_path(keep).result()
+        assert keep in [
+            c.tinker_path
+            for c in rest.list_checkpoints(tc.model_id).result().checkpoints
+            if c.public
+        ]
+        theirs = other.create_training_client_from_state_with_optimizer(keep).result()
+        assert _forward_loss(theirs) == pytest.approx(at_keep, rel=1e-6)
+        with pytest.raises(MISSING, match="not found"):  # readable, never writable
+            other.create_rest_client().delete_checkpoint_from_tinker_path(keep).result()
+        rest.unpublish_checkpoint_from_tinker_path(keep).result()
+        with pytest.raises(MISSING, match="not found"):
+            other.create_training_client_from_state(keep).result()
+    finally:
+        other.close("success").result()
+
+    copied = rest.copy_weights(keep, "any-project").result()
+    assert copied != keep and copied.endswith("/weights/keep")
+    copy_run = rest.get_training_run_by_tinker_path(copied).result()
+    assert copy_run.training_run_id != tc.model_id
+    from_copy = sc.create_training_client_from_state_with_optimizer(copied).result()
+    assert _forward_loss(from_copy) == pytest.approx(at_keep, rel=1e-6)
+    in_project = tinker.ServiceClient(base_url=world.url, api_key=world.key_a, project_id="p")
+    try:  # treadle has no projects: the copy is the caller's, whatever project is named
+        assert in_project.copy_weights(keep).result().endswith("/weights/keep")
+    finally:
+        in_project.close("success").result()
+
+    async def run_async() -> None:
+        await rest.delete_checkpoint_from_tinker_path_async(copied)
+        assert await rest.get_training_run_by_tinker_path_async(keep)
+        await rest.copy_weights_async(keep, "any-project")
+        await rest.set_checkpoint_ttl_from_tinker_path_async(keep, None)
+        await rest.publish_checkpoint_from_tinker_path_async(keep)
+        await rest.unpublish_checkpoint_from_tinker_path_async(keep)
+        assert (await rest.list_user_checkpoints_async()).checkpoints
+        assert (await rest.get_current_checkpoint_storage_usage_async()).data
+
+    asyncio.run(run_async())
+    assert copied not in [
+        c.tinker_path for c in rest.list_user_checkpoints(limit=1000).result().checkpoints
+    ]
+
+
+def test_sessions_samplers_and_names_survive_a_new_table(
+    world: World, sc: tinker.ServiceClient
+) -> None:
+    """get_session / list_sessions / get_sampler; the names the API gave out are in
+    the database, so a fresh name table (as after a restart) resolves them."""
+    from treadle.server.http.names import Names
+
+    rest = sc.create_rest_client()
+    session_id = sc.holder.get_session_id()
+    assert session_id in rest.list_sessions(limit=1000).result().sessions
+    tc = sc.create_lora_training_client(base_model=BASE, rank=2, seed=41).result()
+    sampler = sc.create_sampling_client(base_model=BASE).result()
+    sampler_id = sampler._sampling_session_id
+    got = rest.get_session(session_id).result()
+    assert tc.model_id in got.training_run_ids and sampler_id in got.sampler_ids
+    assert rest.get_sampler(sampler_id).result().base_model == BASE
+
+    path = tc.save_weights_for_sampler("named").result().path
+    assert world.server.ctx is not None
+    fresh = Names(world.server.ctx.session)
+    tenant_id = world.server.ctx.owners[tc.model_id]
+    assert fresh.sampler_weights_uri(tenant_id, path).startswith(f"treadle://{tc.model_id}/v/")
+    with pytest.raises(Exception, match="not found"):
+        fresh.sampler_weights_uri("someone-else", path)
+
+    async def run_async() -> None:
+        assert session_id in (await rest.list_sessions_async(limit=1000)).sessions
+        assert tc.model_id in (await rest.get_session_async(session_id)).training_run_ids
+        assert (await rest.get_sampler_async(sampler_id)).base_model == BASE
+
+    asyncio.run(run_async())
+
+
+def test_the_methods_not_exercised_elsewhere(sc: tinker.ServiceClient) -> None:
+    """get_server_capabilities(_async) on the ServiceClient, SamplingClient.create,
+    forward_backward_custom_async."""
+    import torch
+
+    caps = sc.get_server_capabilities()
+    assert [m.model_name for m in caps.supported_models] == [BASE]
+    sampler = tinker.SamplingClient.create(sc.holder, base_model=BASE).result()
+    out = sampler.sample(T.ModelInput.from_ints([1, 2]), 1, T.SamplingParams(max_tokens=2))
+    assert len(out.result().sequences) == 1
+    tc = sc.create_lora_training_client(base_model=BASE, rank=2, seed=51).result()
+
+    def loss(data: list[T.Datum], logprobs: list[torch.Tensor]) -> tuple[torch.Tensor, dict]:
+        total = -sum(lp.sum() for lp in logprobs)
+        return total, {"nll": float(total)}
+
+    async def run() -> None:
+        caps_async = await sc.get_server_capabilities_async()
+        assert caps_async.supported_models
+        res = await (await tc.forward_backward_custom_async(SFT, loss)).result_async()
+        assert res.metrics["nll"] == pytest.approx(_forward_loss(tc), rel=1e-5)
 
     asyncio.run(run())
