@@ -96,6 +96,10 @@ export class SamplingClient {
       prompt: convert.promptToWire(prompt),
       numSamples: integer(numSamples, "numSamples", { min: 1, max: 2 ** 31 - 1 }),
       params: convert.samplingParamsToWire(params),
+      // prompt logprobs are not asked for by this client (the Python SDK's sample and
+      // compute_logprobs ask for them)
+      promptLogprobs: false,
+      topkPromptLogprobs: 0,
     };
   }
 }
