@@ -27,9 +27,9 @@ matmul rate measured in the same run (LoRA does ~4N of real work: no weight
 gradients of the base). Rows of one configuration run back to back, so compare
 ratios within a run; a shared machine is noisy.
 
-Needs PEFT for the LoRA baseline (a benchmark-only dependency)::
+Needs PEFT for the LoRA baseline (a benchmark-only dependency, the ``bench`` extra)::
 
-    pip install peft
+    pip install -e '.[bench]'      # or: pip install peft
     python benchmarks/train_step.py                                   # the full table
     python benchmarks/train_step.py --presets 5m --shapes short --steps 3   # quick
     python benchmarks/train_step.py --presets 110m --modes full --profile
