@@ -141,6 +141,7 @@ def test_async_loop_with_decoupled_ppo(
 ) -> None:
     sampler = latest(service, trainer)
     step = grpo_train_step(proximal=True, adam=treadle.AdamParams(learning_rate=1e-3))
+    v0 = trainer.get_info().version
     stats = run_with_deadline(
         lambda: list(
             async_loop(
@@ -150,7 +151,18 @@ def test_async_loop_with_decoupled_ppo(
             )
         )
     )  # fmt: skip
-    assert len(stats) == 2
+    assert [s.step for s in stats] == [1, 2]
+    assert all(s.groups == 1 and s.rollouts == 4 for s in stats)
+    assert all(max(s.staleness) <= 4 for s in stats)
+    # a step that trained took one optimizer step and brought its PPO metrics back;
+    # one whose group's rewards all agree trains on nothing and leaves the version
+    version = v0
+    for s in stats:
+        if s.metrics.get("trained_rollouts", 0) > 0:
+            version += 1
+            assert {"loss:sum", "ratio:mean", "clip_frac:mean"} <= set(s.metrics), sorted(s.metrics)
+        assert s.version == version
+    assert trainer.get_info().version == version
 
 
 def _rollout(version: int) -> Rollout:
