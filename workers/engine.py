@@ -14,15 +14,15 @@ step).
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import queue
 import threading
 import time
 import traceback
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, TypeVar
@@ -66,6 +66,7 @@ from treadle.workers.domain import (
     SyncWeightsOp,
 )
 from treadle.workers.pass_stats import PassCounter, PassStats
+from treadle.workers.pass_threads import pass_threads
 from treadle.workers.sampler_backend import (
     Requester,
     ResumeRequest,
@@ -485,26 +486,11 @@ class Engine:
         else:  # CONFLICT, EXPIRED
             fut.set_exception(FailedPreconditionError(outcome.message))
 
-    @contextlib.contextmanager
-    def _threads_for(self, kind: str, tokens: int, model: TrainingModel) -> Iterator[None]:
-        """Run a training pass on the thread count ``self.threads`` picks for its kind
-        and size, and report its time (only when it ends without raising). On a GPU
-        the torch threads do not run the pass: no choice to make."""
-        if not device.is_cpu_only(self.device):
-            yield
-            return
-        available = torch.get_num_threads()
-        work = float(tokens * model.cfg.num_params())
-        threads = self.threads.threads(kind, work, available)
-        if threads != available:
-            torch.set_num_threads(threads)
-        t0 = time.perf_counter()
-        try:
-            yield
-            self.threads.record(kind, work, available, threads, time.perf_counter() - t0)
-        finally:
-            if threads != available:
-                torch.set_num_threads(available)
+    def _threads_for(
+        self, kind: str, tokens: int, model: TrainingModel
+    ) -> AbstractContextManager[None]:
+        """The pass's thread count, measured on the CPU (``workers.pass_threads``)."""
+        return pass_threads(self.threads, self.device, kind, float(tokens * model.cfg.num_params()))
 
     def _execute(self, call: OrderedCall) -> None:
         model = self.models[call.model_id]
