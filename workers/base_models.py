@@ -123,9 +123,11 @@ class BaseModelRegistry:
             return self._configs[name]
 
     def loaded(self, name: str, dtype: torch.dtype) -> bool:
-        """Whether ``name``'s weights in ``dtype`` are in memory already."""
+        """Whether ``name``'s weights in ``dtype`` are in memory already (a base is
+        read on first use: ``BaseModel.params``)."""
         with self._lock:
-            return (name, dtype) in self._loaded
+            base = self._loaded.get((name, dtype))
+        return base is not None and base.loaded
 
     def get(self, name: str, dtype: torch.dtype) -> BaseModel:
         path = self.path(name)

@@ -142,7 +142,8 @@ def check_model(spec: ModelSpec, bases: BaseModelRegistry, keep_versions: int) -
         lora_rank=spec.lora_rank,
         targets=targets,
         keep_versions=keep_versions,
-        base_loaded=bases.loaded(spec.base_model, dtype),
+        # a full fine-tune reads its own copy without loading the base (``BaseModel``)
+        base_loaded=not spec.is_lora or bases.loaded(spec.base_model, dtype),
     )
     check_model_fits(need, bases.device, f"model {spec.model_id}")
 

@@ -7,12 +7,12 @@ Everything here runs on the engine thread (``workers.engine``).
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 import traceback
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -47,6 +47,7 @@ from treadle.workers.domain import (
 from treadle.workers.engine_config import EngineConfig
 from treadle.workers.model_registry import ModelRegistry
 from treadle.workers.pass_stats import PassCounter
+from treadle.workers.pass_threads import pass_threads
 from treadle.workers.sampler_backend import SamplerBackend
 from treadle.workers.scheduler import Admission, OrderedCall, Scheduler, WorkUnit
 from treadle.workers.thread_choice import ThreadChoice
@@ -115,26 +116,11 @@ class OrderedExecutor:
 
     # ---- execution -----------------------------------------------------------------------
 
-    @contextlib.contextmanager
-    def _threads_for(self, kind: str, tokens: int, model: TrainingModel) -> Iterator[None]:
-        """Run a training pass on the thread count ``self.threads`` picks for its kind
-        and size, and report its time (only when it ends without raising). On a GPU
-        the torch threads do not run the pass: no choice to make."""
-        if not device.is_cpu_only(self.device):
-            yield
-            return
-        available = torch.get_num_threads()
-        work = float(tokens * model.cfg.num_params())
-        threads = self.threads.threads(kind, work, available)
-        if threads != available:
-            torch.set_num_threads(threads)
-        t0 = time.perf_counter()
-        try:
-            yield
-            self.threads.record(kind, work, available, threads, time.perf_counter() - t0)
-        finally:
-            if threads != available:
-                torch.set_num_threads(available)
+    def _threads_for(
+        self, kind: str, tokens: int, model: TrainingModel
+    ) -> AbstractContextManager[None]:
+        """The pass's thread count, measured on the CPU (``workers.pass_threads``)."""
+        return pass_threads(self.threads, self.device, kind, float(tokens * model.cfg.num_params()))
 
     def execute(self, call: OrderedCall) -> None:
         model = self.registry.models[call.model_id]
