@@ -15,10 +15,12 @@ to every call whatever the policy).
    all four are still backlogged: in the passes up to the one in which the
    first backlog empties (a pass's calls complete together). Target: >= 0.95
    for drr, and fcfs fails it.
-2. Latency. A light tenant sends one call at a time (closed loop), first on an
-   idle engine, then while the heavy tenant floods it (keeps a window of calls
-   queued). Target: the light tenant's p50 while flooded <= its idle p50 + one
-   call's service time (the engine's median compute time of one call).
+2. Latency. A light tenant sends one call at a time (closed loop), on an idle
+   engine and while the heavy tenant floods it (keeps a window of calls
+   queued), in alternating blocks (a change of the machine's load weighs on
+   both alike). Target: the light tenant's p50 while flooded <= its idle p50 +
+   one call's service time (the engine's median compute time of one call):
+   a flooded call waits behind at most one call of the heavy tenant.
 
     python benchmarks/fairness.py            # ~1.5 min on 2 busy CPU cores
     python benchmarks/fairness.py --preset 5m --light-calls 8
@@ -195,42 +197,64 @@ def fairness(setup: Setup, policy: str, arrival: str, light_calls: int, factor: 
 # ---- 2. latency --------------------------------------------------------------------------
 
 
-def latency(setup: Setup, policy: str, calls: int, window: int) -> dict:
-    bench = Bench(setup, policy)
-    try:
-        for _ in range(3):  # warm up (allocations, first-call costs)
-            bench.submit("light-1").result()
-        idle, compute = [], []
-        for _ in range(calls):
-            t0 = time.perf_counter()
-            result = bench.submit("light-1").result()
-            idle.append(time.perf_counter() - t0)
-            compute.append(result.compute_s)
+def _refiller(
+    bench: Bench, flooding: threading.Event, outstanding: list[Future]
+) -> Callable[[Future], None]:
+    """A done-callback that sends the heavy tenant's next call while ``flooding``."""
 
-        flooding = threading.Event()
-        flooding.set()
-        outstanding: list[Future] = []
-
-        def refill(_: Future) -> None:
-            if flooding.is_set():
-                fut = bench.submit("heavy")
-                fut.add_done_callback(refill)
-                outstanding.append(fut)
-
-        for _ in range(window):
+    def refill(_: Future) -> None:
+        if flooding.is_set():
             fut = bench.submit("heavy")
             fut.add_done_callback(refill)
             outstanding.append(fut)
-        while sum(f.done() for f in outstanding) < 3:  # the flood is flowing
-            time.sleep(0.001)
-        flooded = []
-        for _ in range(calls):
-            t0 = time.perf_counter()
+
+    return refill
+
+
+def latency(setup: Setup, policy: str, calls: int, window: int, blocks: int) -> dict:
+    """Idle and flooded calls in alternating blocks, so a change of the machine's
+    load during the run weighs on both sides of the comparison alike."""
+    bench = Bench(setup, policy)
+    # (when, calls) of every pass the engine starts, to see what a light call
+    # waited behind: the pass running when it arrived
+    passes: list[tuple[float, int]] = []
+    count_pass = bench.engine._count_pass
+
+    def record_pass(model: object, n: int, tokens: int) -> None:
+        passes.append((time.perf_counter(), n))
+        count_pass(model, n, tokens)  # type: ignore[arg-type]
+
+    bench.engine._count_pass = record_pass  # type: ignore[method-assign]
+    try:
+        for _ in range(3):  # warm up (allocations, first-call costs)
             bench.submit("light-1").result()
-            flooded.append(time.perf_counter() - t0)
-        flooding.clear()
-        for fut in list(outstanding):
-            fut.result()
+        idle, compute, flooded, ahead = [], [], [], []
+        per_block = [calls // blocks + (b < calls % blocks) for b in range(blocks)]
+        for n in per_block:
+            for _ in range(n):
+                t0 = time.perf_counter()
+                result = bench.submit("light-1").result()
+                idle.append(time.perf_counter() - t0)
+                compute.append(result.compute_s)
+            flooding = threading.Event()
+            flooding.set()
+            outstanding: list[Future] = []
+            refill = _refiller(bench, flooding, outstanding)
+            for _ in range(window):
+                fut = bench.submit("heavy")
+                fut.add_done_callback(refill)
+                outstanding.append(fut)
+            while sum(f.done() for f in outstanding) < 3:  # the flood is flowing
+                time.sleep(0.001)
+            for _ in range(n):
+                t0 = time.perf_counter()
+                bench.submit("light-1").result()
+                flooded.append(time.perf_counter() - t0)
+                running = [k for when, k in passes if when <= t0]
+                ahead.append(running[-1] if running else 0)
+            flooding.clear()
+            for fut in list(outstanding):
+                fut.result()
     finally:
         bench.close()
     idle_p50 = statistics.median(idle)
@@ -243,6 +267,8 @@ def latency(setup: Setup, policy: str, calls: int, window: int) -> dict:
         "service_ms": service * 1e3,
         "target_ms": (idle_p50 + service) * 1e3,
         "ok": flooded_p50 <= idle_p50 + service,
+        "ahead_p50": statistics.median(ahead),
+        "ahead_max": max(ahead),
     }
 
 
@@ -272,6 +298,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--factor", type=int, default=10, help="the heavy backlog, in light backlogs")
     p.add_argument("--latency-calls", type=int, default=20)
     p.add_argument("--flood-window", type=int, default=32, help="heavy calls kept queued")
+    p.add_argument(
+        "--latency-blocks",
+        type=int,
+        default=4,
+        help="idle and flooded light calls alternate in this many blocks",
+    )
     p.add_argument("--threads", type=int, default=1, help="torch threads of the engine")
     p.add_argument(
         "--heavy-models", type=int, default=1, help="the heavy tenant's models (a sweep's runs)"
@@ -342,15 +374,25 @@ def main(argv: list[str] | None = None) -> int:
         )
     )
     lat = [
-        latency(setup, policy, args.latency_calls, args.flood_window) for policy in ("drr", "fcfs")
+        latency(setup, policy, args.latency_calls, args.flood_window, args.latency_blocks)
+        for policy in ("drr", "fcfs")
     ]
     print(
         f"\n2. A light tenant's latency, one call at a time ({args.latency_calls} calls), idle vs while "
-        f"the heavy tenant keeps {args.flood_window} calls queued\n"
+        f"the heavy tenant keeps {args.flood_window} calls queued, in {args.latency_blocks} alternating "
+        "blocks; 'calls ahead': the calls in the pass running when a flooded light call arrived\n"
     )
     print(
         table(
-            ["policy", "idle p50 ms", "flooded p50 ms", "one call ms", "target <= ms", "met"],
+            [
+                "policy",
+                "idle p50 ms",
+                "flooded p50 ms",
+                "one call ms",
+                "target <= ms",
+                "met",
+                "calls ahead p50 / max",
+            ],
             [
                 [
                     r["policy"],
@@ -359,6 +401,7 @@ def main(argv: list[str] | None = None) -> int:
                     f"{r['service_ms']:.1f}",
                     f"{r['target_ms']:.1f}",
                     "yes" if r["ok"] else "no",
+                    f"{r['ahead_p50']:g} / {r['ahead_max']}",
                 ]
                 for r in lat
             ],

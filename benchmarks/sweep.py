@@ -186,10 +186,11 @@ class Timing:
         return Timing(self.sample_s * n, self.train_s * n, self.sampled * n, self.trained * n)
 
 
-def _engine(path: Path, slots: int) -> Engine:
+def _engine(path: Path, slots: int, training_threads: str = "measure") -> Engine:
     config = EngineConfig(
         {BASE: str(path)},
         threads=_common.THREADS,
+        training_threads=training_threads,
         gap_timeout_s=3600.0,
         sampler_slots=slots,
         sampler_max_len=64,
@@ -223,11 +224,20 @@ def _phases(groups: Sequence[Sequence[Run]], warmup: int, steps: int, timing: Ti
 
 
 def measure(
-    path: Path, mode: str, n: int, shape: Shape, warmup: int, steps: int, ranks: Sequence[int]
+    path: Path,
+    mode: str,
+    n: int,
+    shape: Shape,
+    warmup: int,
+    steps: int,
+    ranks: Sequence[int],
+    training_threads: str = "measure",
 ) -> Timing:
     timing = Timing()
     engine = _engine(
-        path, shape.prompts * shape.group * (n if mode in ("in flight", "bound") else 1)
+        path,
+        shape.prompts * shape.group * (n if mode in ("in flight", "bound") else 1),
+        training_threads,
     )
     try:
         if mode == "bound":

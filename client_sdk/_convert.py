@@ -261,4 +261,6 @@ def server_info_from_wire(msg: server_pb2.ServerInfo) -> ServerInfo:
             )
             for p in msg.training_pass_metrics
         ],
+        max_models=msg.max_models,
+        live_models=msg.live_models,
     )

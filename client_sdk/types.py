@@ -308,3 +308,7 @@ class ServerInfo:
     features: list[str] = field(default_factory=list)
     sampler_metrics: list[SamplerMetrics] = field(default_factory=list)
     training_pass_metrics: list[TrainingPassMetrics] = field(default_factory=list)
+    #: the tenant's ``max_models`` quota (0: no limit, or a server too old to say)
+    max_models: int = 0
+    #: the tenant's models that count against ``max_models`` now
+    live_models: int = 0

@@ -26,12 +26,15 @@ class InfoServicer(server_pb2_grpc.ServerServiceServicer):
     ) -> server_pb2.ServerInfo:
         tenant = self.ctx.tenant(context)
         d = self.ctx.dispatcher
+        max_models, live_models = await asyncio.to_thread(self.info.model_quota, tenant)
         info = server_pb2.ServerInfo(
             server_version=treadle.__version__,
             api_version="treadle.v1",
             max_message_bytes=self.ctx.config.max_message_bytes,
             max_tokens_per_request=self.info.max_tokens_per_request(tenant),
             features=list(FEATURES),
+            max_models=max_models,
+            live_models=live_models,
         )
         for b in self.info.base_models():
             info.base_models.add(

@@ -322,14 +322,19 @@ class Engine:
         )
 
     def _drain_inbox(self, wait: bool) -> int:
+        # the scheduler may hold the next round back for a moment, waiting for a
+        # tenant's next call (``Scheduler.held_until``): wait for calls meanwhile
+        held = self.scheduler.held_until()
         idle = (
             wait
-            and not self.scheduler.has_ready_work()
+            and (held is not None or not self.scheduler.has_ready_work())
             and not any(has_work() for has_work, _ in self._between_calls)
         )
         timeout = None
         if idle:
             deadline = self.scheduler.next_deadline()
+            if held is not None:
+                deadline = held if deadline is None else min(deadline, held)
             timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
         try:
             item = self._inbox.get(timeout=timeout) if idle else self._inbox.get_nowait()

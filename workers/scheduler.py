@@ -23,11 +23,22 @@ pays for a call of one model may spend ahead, one call of each of its other
 ready models, in the same round (one batched pass), and repays by sitting out
 rounds until its deficit covers a call again. Over a long window it gets one
 tenant's share, not one per model; the share is spent in as few passes as
-possible. It borrows only while no other tenant is new to the backlog or was
-served in the round before and has nothing queued now (a tenant sending one
-call at a time): such a tenant's next call would wait behind the borrowed
-pass, so the borrower runs one call and the other's call goes in the very next
-round. ``max_quantum_tokens`` caps what a tenant spends in a round, borrowing
+possible. It borrows only while no other tenant is new to the backlog or is
+quiet: served in one of the last ``anticipate_rounds`` rounds that ran, with
+nothing queued since (a tenant sending one call at a time, its next call on
+its way). Such a tenant's next call would wait behind the borrowed pass, so
+the borrower runs one call a round and the other's call goes in the round
+after it arrives, behind one call at most. The rounds, not one: a client's
+next call can take longer to arrive than one call takes to run (a busy
+machine, the network), and it waits behind whatever pass started meanwhile. Anticipation (the deceptive idleness of a client that sends one call at a
+time, as in the anticipatory disk scheduler of Iyer & Druschel): when a round
+served a tenant that has nothing queued now, the next round waits a little
+for that tenant's next call (``anticipate_fraction`` of the round's time,
+measured between ``schedule`` calls) instead of starting the other tenants'
+work at once, which the returning call would have to wait out. It comes
+back: it runs in the very next round; it does not: the others lost a fraction
+of one round. ``held_until()`` tells the engine how long to wait.
+``max_quantum_tokens`` caps what a tenant spends in a round, borrowing
 included (never below one call). Alone, a borrower's debt is skipped through
 at once (the rounds nobody else wanted); a debt it still owes when its queue
 empties is kept for its return.
@@ -40,7 +51,7 @@ Engine step, as in vLLM: ``schedule()`` -> execute -> ``complete()``.
 from __future__ import annotations
 
 import enum
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -124,6 +135,8 @@ class Scheduler:
         quantum_tokens: int = 0,
         max_quantum_tokens: int = 0,
         policy: str = "drr",
+        anticipate_rounds: int = 4,
+        anticipate_fraction: float = 0.25,
     ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"policy: {policy!r}; choose from {POLICIES}")
@@ -136,12 +149,23 @@ class Scheduler:
         #: call a round: no borrowing, so no batching of a sweep's own calls)
         self.max_quantum_tokens = max_quantum_tokens
         self.policy = policy
+        #: rounds a tenant served with nothing queued since stays quiet (no one
+        #: borrows ahead of its next call); 0: no borrowing is held back
+        self.anticipate_rounds = anticipate_rounds
+        #: how long a round waits for the next call of a tenant the last round
+        #: served, as a share of the last round's time (0: never waits)
+        self.anticipate_fraction = anticipate_fraction
         self._models: dict[str, _ModelQueue] = {}
         self._tenants: dict[str, _Tenant] = {}
         self._new: deque[str] = deque()  # just became backlogged: served first
         self._old: deque[str] = deque()  # backlogged, already had a turn
         self._new_only_last = False  # the last round served only new tenants
+        self._round_started: float | None = None  # when the last round's units went out
+        self._held_until: float | None = None  # waiting for a quiet tenant's next call
+        self._held_once = False  # the wait after the last round has been spent
         self._served_last: set[str] = set()  # tenants with units in the last round
+        #: tenants served with nothing queued since -> rounds they stay quiet
+        self._quiet: dict[str, int] = {}
 
     # ---- models ---------------------------------------------------------------
 
@@ -162,6 +186,7 @@ class Scheduler:
             if not tenant.models:
                 del self._tenants[queue.tenant_id]
                 self._served_last.discard(queue.tenant_id)
+                self._quiet.pop(queue.tenant_id, None)
                 for active in (self._new, self._old):
                     if queue.tenant_id in active:
                         active.remove(queue.tenant_id)
@@ -202,8 +227,49 @@ class Scheduler:
         """One round: each backlogged tenant's units for the tokens it may spend,
         in the order they should run (tenants new to the backlog first)."""
         timed_out = self._expire(now)
-        units = self._fcfs() if self.policy == "fcfs" else self._drr_round()
+        if self.policy == "fcfs":
+            units = self._fcfs()
+        elif self._anticipating(now):
+            units = []
+        else:
+            units = self._drr_round()
+            if units:
+                self._round_started, self._held_once = now, False
         return SchedulerOutput(units=tuple(units), timed_out=tuple(timed_out))
+
+    def held_until(self) -> float | None:
+        """While the next round waits for a quiet tenant's next call: until when
+        (the engine waits for new calls until then instead of running work)."""
+        return self._held_until
+
+    def _anticipating(self, now: float) -> bool:
+        """Whether to hold the next round back for the next call of a tenant the
+        last round served (nothing of it queued now), while others have work."""
+        if self._held_until is not None:
+            if now < self._held_until and not self._returned():
+                return True
+            self._held_until, self._held_once = None, True
+            return False
+        if self._held_once or self._round_started is None or not self.anticipate_fraction:
+            return False
+        heads = self._heads()
+        if not heads or not (self._served_last - heads.keys()):
+            return False  # nothing to hold back, or nobody to wait for
+        if not self._could_borrow():
+            return False  # no pass longer than one call to wait behind: no wait either
+        self._held_until = now + self.anticipate_fraction * (now - self._round_started)
+        return now < self._held_until
+
+    def _could_borrow(self) -> bool:
+        """A backlogged tenant has two or more models with a call ready (it may
+        spend ahead in one pass, which a returning call would wait out)."""
+        ready = Counter(q.tenant_id for q in self._models.values() if q.head() is not None)
+        return any(n > 1 for n in ready.values())
+
+    def _returned(self) -> bool:
+        """A tenant the last round served has a call ready again."""
+        heads = self._heads()
+        return any(t in heads for t in self._served_last)
 
     def complete(self, call: OrderedCall, outcome: Any) -> None:
         """Record the outcome of an applied call (a result or an error) and advance."""
@@ -265,9 +331,10 @@ class Scheduler:
         self._new_only_last = new_only
         serving = list(self._new) if new_only else [*self._new, *self._old]
         # Whose next call would wait behind a borrowed pass: the tenants new to
-        # the backlog, and those served last round with nothing queued now (one
-        # call at a time: the next is on its way).
-        waiting_on = set(self._new) | (self._served_last - heads.keys())
+        # the backlog, and the quiet ones (one call at a time: the next is on
+        # its way).
+        self._update_quiet(heads.keys())
+        waiting_on = set(self._new) | self._quiet.keys()
         quantum = self.quantum_tokens or max(heads.values())
         if quantum > 0:
             # Skip the rounds in which nobody could afford a call (a fixed quantum
@@ -295,6 +362,20 @@ class Scheduler:
             self._old.append(tenant_id)
         self._served_last = served
         return units
+
+    def _update_quiet(self, backlogged: Iterable[str]) -> None:
+        """A round runs: the tenants served in the last one with nothing queued
+        now turn quiet for ``anticipate_rounds`` rounds (this one included); a
+        quiet tenant whose call arrived is backlogged, no longer quiet."""
+        for tenant_id in list(self._quiet):
+            self._quiet[tenant_id] -= 1
+            if self._quiet[tenant_id] <= 0:
+                del self._quiet[tenant_id]
+        if self.anticipate_rounds > 0:
+            for tenant_id in self._served_last:
+                self._quiet[tenant_id] = self.anticipate_rounds
+        for tenant_id in backlogged:
+            self._quiet.pop(tenant_id, None)
 
     def _rounds_to_afford(self, tenant_id: str, cheapest: int, quantum: int) -> int:
         """Rounds of earning until the tenant can pay for its cheapest head call

@@ -6,16 +6,7 @@ numpy only; torch tensors are accepted as inputs but torch is never imported.
 from treadle.rl.advantages import effective_group_rate, group_advantages, informative_groups
 from treadle.rl.datums import AGGREGATIONS, Aggregation, Rollout, build_datums
 from treadle.rl.kl import kl_k3
-from treadle.rl.loops import (
-    Group,
-    GrpoTrainStep,
-    Prompt,
-    StepStats,
-    async_loop,
-    grpo_train_step,
-    one_step_stale_loop,
-    sync_loop,
-)
+from treadle.rl.loops import async_loop, one_step_stale_loop, sync_loop
 from treadle.rl.metrics import merge_metrics
 from treadle.rl.staleness import (
     Versions,
@@ -26,6 +17,7 @@ from treadle.rl.staleness import (
     token_staleness,
 )
 from treadle.rl.sweep import RunSpec, create_runs, sweep_loop
+from treadle.rl.train_step import Group, GrpoTrainStep, Prompt, StepStats, grpo_train_step
 
 __all__ = [
     "AGGREGATIONS",

@@ -25,20 +25,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from treadle.errors import InvalidArgumentError, ResourceExhaustedError
-from treadle.rl.loops import (
-    Group,
-    Prompt,
-    RewardFn,
-    StepStats,
-    TrainStep,
-    _check_common,
-    _group,
-    _occupancy,
-    _stats,
-    _submit,
-    _version,
-    grpo_train_step,
-)
+from treadle.rl.loops import _check_common, _group, _occupancy, _stats, _submit, _version
+from treadle.rl.train_step import Group, Prompt, RewardFn, StepStats, TrainStep, grpo_train_step
 from treadle.types import SamplingParams
 
 if TYPE_CHECKING:
@@ -59,11 +47,22 @@ class RunSpec:
 def create_runs(
     service: ServiceClient, base_model: str, runs: Sequence[RunSpec]
 ) -> list[TrainingClient]:
-    """One LoRA model per run, all or none: when the server refuses one (the
-    tenant's ``max_models`` quota), the models made so far are deleted and the
-    RESOURCE_EXHAUSTED error is raised, naming the quota and the sweep's size."""
+    """One LoRA model per run, all or none. A sweep larger than what the tenant's
+    ``max_models`` quota leaves free is refused with RESOURCE_EXHAUSTED, naming
+    the quota, before any model is created (``ServerInfo.max_models`` and
+    ``live_models``). Should the server still refuse one (another client of the
+    tenant created models meanwhile), the models made so far are deleted and
+    the same error is raised."""
     if not runs:
         raise InvalidArgumentError("runs: a sweep needs at least one run")
+    info = service.get_server_info()
+    free = info.max_models - info.live_models
+    if info.max_models and len(runs) > free:
+        raise ResourceExhaustedError(
+            f"max_models: a sweep of {len(runs)} runs needs {len(runs)} models; the tenant "
+            f"has {info.live_models} of its quota of {info.max_models}, so {max(free, 0)} more "
+            "fit; delete models or run a smaller sweep (no model was created)"
+        )
     made: list[TrainingClient] = []
     try:
         for spec in runs:

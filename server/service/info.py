@@ -7,6 +7,7 @@ from pathlib import Path
 
 from treadle.errors import NotFoundError
 from treadle.server.context import ServerContext
+from treadle.server.db import tenancy
 from treadle.server.service.types import BaseModelInfo
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
@@ -40,6 +41,13 @@ class InfoService:
         tenant's quota if lower."""
         quota = self.ctx.quotas.limits(tenant).max_tokens_per_request
         return min(self.ctx.config.max_tokens_per_call, quota or sys.maxsize)
+
+    def model_quota(self, tenant: str) -> tuple[int, int]:
+        """The tenant's ``max_models`` quota (0 = none) and its models that count
+        against it now."""
+        with self.ctx.session() as s:
+            live = tenancy.count_live_models(s, tenant)
+        return self.ctx.quotas.limits(tenant).max_models, live
 
     def tokenizer_files(self, base_model: str) -> list[Path]:
         """The tokenizer files of a served base model, for tokenizing on the client."""

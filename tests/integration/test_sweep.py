@@ -1,10 +1,11 @@
 """A sweep through the service: N LoRA runs of one tenant driven by
 ``treadle.rl.sweep_loop`` from one thread, their training calls sharing passes
 (``ServerInfo.training_pass_metrics``); more runs than the tenant's model
-quota are refused before any is kept."""
+quota are refused before any is created."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import threading
 from collections.abc import Iterator
@@ -80,10 +81,48 @@ def test_a_sweep_runs_from_one_thread_and_shares_passes(server: EmbeddedServer) 
             service.delete_model(run.model_id)
 
 
-def test_a_sweep_over_the_model_quota_is_refused_and_keeps_nothing(
-    server: EmbeddedServer,
+def test_a_sweep_over_the_model_quota_is_refused_before_any_model_is_created(
+    server: EmbeddedServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     with treadle.ServiceClient(server.address, api_key=server.api_key) as service:
+        kept = service.create_lora_training_client("tiny", rank=4)
+        info = service.get_server_info()
+        assert (info.max_models, info.live_models) == (QUOTA, 1)
+        created: list[int] = []
+        real_create = service.create_lora_training_client
+
+        def counting_create(*args: Any, **kwargs: Any) -> treadle.TrainingClient:
+            created.append(1)
+            return real_create(*args, **kwargs)
+
+        monkeypatch.setattr(service, "create_lora_training_client", counting_create)
+        with pytest.raises(ResourceExhaustedError, match=f"max_models.*quota of {QUOTA}") as err:
+            rl.create_runs(service, "tiny", [rl.RunSpec(rank=4, seed=i) for i in range(QUOTA)])
+        assert f"a sweep of {QUOTA} runs" in str(err.value)
+        assert f"{QUOTA - 1} more fit" in str(err.value)
+        assert created == []  # refused up front: not one model made (and deleted)
+        assert service.get_server_info().live_models == 1
+        runs = rl.create_runs(
+            service, "tiny", [rl.RunSpec(rank=4, seed=i) for i in range(QUOTA - 1)]
+        )
+        assert len(created) == QUOTA - 1
+        assert service.get_server_info().live_models == QUOTA
+        for run in [kept, *runs]:
+            service.delete_model(run.model_id)
+        assert service.get_server_info().live_models == 0
+
+
+def test_a_sweep_refused_midway_keeps_nothing(
+    server: EmbeddedServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A server that does not report the quota (or another client of the tenant
+    creating models meanwhile): the refusal comes at a creation, and the models
+    made before it are deleted."""
+    with treadle.ServiceClient(server.address, api_key=server.api_key) as service:
+        real_info = service.get_server_info
+        monkeypatch.setattr(
+            service, "get_server_info", lambda: dataclasses.replace(real_info(), max_models=0)
+        )
         before = {m.model_id for m in service.list_models() if m.status == "active"}
         with pytest.raises(ResourceExhaustedError, match=f"max_models.*quota is {QUOTA}") as info:
             rl.create_runs(service, "tiny", [rl.RunSpec(rank=4, seed=i) for i in range(QUOTA + 2)])

@@ -38,7 +38,11 @@ class Sim:
         assert self.s.submit(call).admission.value == "queued"
 
     def round(self) -> list[WorkUnit]:
-        units = list(self.s.schedule(self.clock).units)
+        out = self.s.schedule(self.clock)
+        while not out.units and (held := self.s.held_until()) is not None:
+            self.clock = max(self.clock, held)  # the engine waits out the hold: nothing came
+            out = self.s.schedule(self.clock)
+        units = list(out.units)
         for unit in units:
             for call in unit.calls:
                 self.served.append(call)
@@ -275,8 +279,8 @@ def test_borrowing_and_repayment() -> None:
         pass  # the light tenant's backlog runs out
     for i in range(4):
         sim.send(f"sweep/m{i}")
-    assert sweep_calls(sim.round()) == 1  # the light ran in the last round that ran
-    assert sweep_calls(sim.round()) == 3
+    for _ in range(4):  # the light ran in the last round that ran: quiet for 4 rounds
+        assert sweep_calls(sim.round()) == 1
     for _ in range(3):
         for i in range(4):
             sim.send(f"sweep/m{i}")
@@ -300,7 +304,45 @@ def test_a_light_tenant_is_never_behind_more_than_one_pass() -> None:
         sim.send("light/m")  # arrives while the sweep's round runs
         assert [u.model_id for u in sim.round()] == ["light/m"]  # the very next round
         assert len(sim.round()) == 1  # the light's next call is on its way: no borrowing
-    assert len(sim.round()) == 8  # the light was served two rounds ago: it has gone
+    for _ in range(3):  # quiet for anticipate_rounds (4) rounds after its last call
+        assert len(sim.round()) == 1
+    assert len(sim.round()) == 8  # the light was served five rounds ago: it has gone
+
+
+def test_a_slow_light_client_is_not_behind_a_borrowed_pass() -> None:
+    """A light tenant whose next call takes longer to arrive than one call takes
+    to run (a busy machine, the network): it arrives a few rounds after its last
+    call ended, and still finds the sweep running one call a round, so it waits
+    behind one call, never behind a pass of the sweep's 8 (failed before: from
+    the second round on the sweep borrowed)."""
+    sim = Sim()
+    for i in range(8):
+        sim.model(f"sweep/m{i}", "sweep")
+        for _ in range(40):
+            sim.send(f"sweep/m{i}")
+    sim.model("light/m", "light")
+    assert len(sim.round()) == 8  # alone: a pass of all its models
+    for delay in (1, 2, 3, 4, 2, 3):
+        sim.send("light/m")
+        assert [u.model_id for u in sim.round()] == ["light/m"]  # the very next round
+        for _ in range(delay):  # its next call is on its way for `delay` rounds
+            assert len(sim.round()) == 1  # the sweep runs one call: nothing to wait behind
+
+
+def test_anticipation_rounds_are_a_setting() -> None:
+    """``anticipate_rounds=1``: only the round right after a light tenant's call
+    holds borrowing back."""
+    sim = Sim(anticipate_rounds=1)
+    for i in range(8):
+        sim.model(f"sweep/m{i}", "sweep")
+        for _ in range(20):
+            sim.send(f"sweep/m{i}")
+    sim.model("light/m", "light")
+    sim.round()
+    sim.send("light/m")
+    assert [u.model_id for u in sim.round()] == ["light/m"]
+    assert len(sim.round()) == 1
+    assert len(sim.round()) == 8
 
 
 def test_a_quantum_cap_bounds_a_sweeps_round() -> None:
@@ -404,3 +446,66 @@ def test_sampler_queue_is_fair_across_tenants(tiny_model_dir: Path) -> None:
     heavy = [n for n in finished if n.startswith("heavy")]
     assert heavy == sorted(heavy)
     assert len(finished) == 8
+
+
+def test_a_round_waits_a_moment_for_a_light_tenants_next_call() -> None:
+    """Anticipation: after a round that served a tenant sending one call at a time,
+    the next round waits (a quarter of the last round's time) for its next call
+    instead of starting the sweep's work, which that call would wait out; when
+    the call comes in time it runs at once; when it does not, the wait ends and
+    the sweep runs (failed before: the sweep's call started at once)."""
+    s = Scheduler()
+    for i in range(8):
+        s.add_model(f"sweep/m{i}", "sweep")
+        for seq in range(1, 21):
+            s.submit(OrderedCall(f"sweep/m{i}", seq, "forward_backward", f"d{seq}", 0.0, cost=100))
+    s.add_model("light/m", "light")
+    clock = 0.0
+
+    def run(units: tuple[WorkUnit, ...], seconds: float) -> None:
+        nonlocal clock
+        clock += seconds  # the round's pass takes this long
+        for unit in units:
+            for call in unit.calls:
+                s.complete(call, None)
+
+    run(s.schedule(clock).units, 1.0)  # the sweep alone: a pass of its 8 models
+    for seq in range(1, 4):
+        s.submit(OrderedCall("light/m", seq, "forward_backward", f"l{seq}", clock, cost=100))
+        units = s.schedule(clock).units
+        assert "light/m" in [u.model_id for u in units]
+        run(units, 1.0)
+        assert s.schedule(clock).units == ()  # held: the light's next call is on its way
+        assert s.held_until() == pytest.approx(clock + 0.25)
+        clock += 0.1  # it comes within the hold
+    s.submit(OrderedCall("light/m", 4, "forward_backward", "l4", clock, cost=100))
+    units = s.schedule(clock).units
+    assert "light/m" in [u.model_id for u in units]
+    run(units, 1.0)
+    assert s.schedule(clock).units == ()  # held; nothing comes this time
+    clock += 0.3
+    units = s.schedule(clock).units
+    assert [u.model_id.split("/")[0] for u in units] == ["sweep"]  # the wait is over
+    assert s.held_until() is None
+
+
+def test_no_wait_when_nobody_could_borrow() -> None:
+    """One model per tenant: no pass is longer than one call, so a round never
+    waits for a light tenant's next call (it would only add to everyone's wait;
+    failed before: the round after the light call was held for a quarter round)."""
+    s = Scheduler()
+    s.add_model("heavy/m", "heavy")
+    for seq in range(1, 21):
+        s.submit(OrderedCall("heavy/m", seq, "forward_backward", f"d{seq}", 0.0, cost=100))
+    s.add_model("light/m", "light")
+    clock = 0.0
+    s.submit(OrderedCall("light/m", 1, "forward_backward", "l1", clock, cost=100))
+    for _ in range(3):
+        units = s.schedule(clock).units
+        assert units  # never held back
+        clock += 1.0
+        for unit in units:
+            for call in unit.calls:
+                s.complete(call, None)
+        assert s.held_until() is None
+    assert [u.model_id for u in s.schedule(clock).units] == ["heavy/m"]

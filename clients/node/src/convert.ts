@@ -349,6 +349,8 @@ export function serverInfoFromWire(msg: serverPb.ServerInfo): ServerInfo {
     })),
     maxMessageBytes: msg.maxMessageBytes,
     maxTokensPerRequest: msg.maxTokensPerRequest,
+    maxModels: msg.maxModels,
+    liveModels: msg.liveModels,
     features: [...msg.features],
     samplerMetrics: msg.samplerMetrics.map((m) => ({
       baseModel: m.baseModel,

@@ -170,6 +170,10 @@ export interface ServerInfo {
   samplerMetrics: SamplerMetrics[];
   /** How training passes were shared between calls (per base model and dtype); empty until one ran. */
   trainingPassMetrics: TrainingPassMetrics[];
+  /** The tenant's max_models quota (0: no limit); check it before creating several models. */
+  maxModels: number;
+  /** The tenant's models that count against maxModels now. */
+  liveModels: number;
 }
 
 /** A sampler's progress (the proto's SamplerMetrics). */

@@ -120,8 +120,12 @@ test("server info carries sampler and training-pass metrics as plain objects", (
     features: [],
     samplerMetrics: [],
     trainingPassMetrics: [pass],
+    maxModels: 4,
+    liveModels: 1,
   });
   assert.deepEqual(info.trainingPassMetrics, [pass]);
+  assert.equal(info.maxModels, 4); // the tenant's model quota and its models now
+  assert.equal(info.liveModels, 1);
   assert.notEqual(info.trainingPassMetrics[0], pass); // a copy, not the wire message
   assert.deepEqual(info.samplerMetrics, []);
 });

@@ -72,6 +72,17 @@ export interface ServerInfo {
    * dtype; empty when none has run yet.
    */
   trainingPassMetrics: TrainingPassMetrics[];
+  /**
+   * The caller's tenant's max_models quota: the most models it may hold at
+   * once (0 = no limit). With live_models, what a client checks before it
+   * creates several models (a sweep's runs) so none is made in vain.
+   */
+  maxModels: number;
+  /**
+   * The caller's tenant's models that count against max_models now (every
+   * model not deleted or lost).
+   */
+  liveModels: number;
 }
 
 /**
@@ -316,6 +327,8 @@ function createBaseServerInfo(): ServerInfo {
     features: [],
     samplerMetrics: [],
     trainingPassMetrics: [],
+    maxModels: 0,
+    liveModels: 0,
   };
 }
 
@@ -344,6 +357,12 @@ export const ServerInfo: MessageFns<ServerInfo> = {
     }
     for (const v of message.trainingPassMetrics) {
       TrainingPassMetrics.encode(v!, writer.uint32(66).fork()).join();
+    }
+    if (message.maxModels !== 0) {
+      writer.uint32(72).int64(message.maxModels);
+    }
+    if (message.liveModels !== 0) {
+      writer.uint32(80).int64(message.liveModels);
     }
     return writer;
   },
@@ -425,6 +444,22 @@ export const ServerInfo: MessageFns<ServerInfo> = {
             message.trainingPassMetrics.push(TrainingPassMetrics.decode(reader, reader.uint32()));
             continue;
           }
+          case 9: {
+            if (tag !== 72) {
+              break;
+            }
+
+            message.maxModels = longToNumber(reader.int64());
+            continue;
+          }
+          case 10: {
+            if (tag !== 80) {
+              break;
+            }
+
+            message.liveModels = longToNumber(reader.int64());
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -450,6 +485,8 @@ export const ServerInfo: MessageFns<ServerInfo> = {
     message.features = object.features?.map((e) => e) || [];
     message.samplerMetrics = object.samplerMetrics?.map((e) => SamplerMetrics.fromPartial(e)) || [];
     message.trainingPassMetrics = object.trainingPassMetrics?.map((e) => TrainingPassMetrics.fromPartial(e)) || [];
+    message.maxModels = object.maxModels ?? 0;
+    message.liveModels = object.liveModels ?? 0;
     return message;
   },
 };
