@@ -53,6 +53,12 @@ def channel_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[st
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.keepalive_time_ms", 30_000),
         ("grpc.keepalive_permit_without_calls", 1),
+        # A restarted server is found within about a second of listening again: by
+        # default gRPC waits up to 120 s between connection attempts, and every call
+        # made meanwhile fails at once, spending the SDK's retries.
+        ("grpc.initial_reconnect_backoff_ms", 250),
+        ("grpc.min_reconnect_backoff_ms", 250),
+        ("grpc.max_reconnect_backoff_ms", 1_000),
     ]
 
 

@@ -9,7 +9,7 @@ engine answers in the call's turn, which takes its seq_id too) has its payload
 checkpoint (or its creation state) on a live worker and submits these calls
 again with their own seq_ids, in order: on CPU, a step computes the same
 numbers from the same state and data, so the weights and optimizer state end
-bit-identical to the lost ones (``tests/integration/test_distributed.py``).
+bit-identical to the lost ones (``tests/integration/distributed/test_worker_kill.py``).
 
 Cost: one payload per call, about the size of its request (a
 ``forward_backward`` keeps ~20 bytes per token: ids and targets int64, weights

@@ -34,12 +34,12 @@ CLIENTS = 4
 FD_GROWTH = 4
 #: Memory: the bounded caches (recorded results per model, the last published
 #: versions, the sampler's last 4096 results) still fill after warm-up: the
-#: 10-minute soak measured the server's growth at 6.5 MiB/min over minutes 1-5,
-#: then slowing to about 1 MiB/min. Over the 40 s measured here that is under
-#: 5 MiB; 48 MiB is ten times it, and is what a leak of 12 KiB per call at 100
-#: calls a second, or of one adapter copy (about 40 KiB for the tiny model) per
-#: optimizer step, would pass in that time.
-RSS_GROWTH_MIB = 48.0
+#: 10-minute soak measured the server's growth at 6.5 MiB/min at most (minutes
+#: 1-5), about 4.3 MiB over the 40 s measured here; 24 MiB is over five times
+#: that. What it catches depends on the pace: 24 MiB over the calls made after
+#: warm-up (printed), e.g. 60 KiB a call at 10 calls a second (a loaded
+#: machine), 12 KiB a call at 50.
+RSS_GROWTH_MIB = 24.0
 
 
 def _rss_mib_and_fds() -> tuple[float, int]:
@@ -101,10 +101,12 @@ def test_a_minute_of_mixed_calls_leaks_nothing(server: EmbeddedServer) -> None:
     rss0, fds0 = warm[0][1], warm[0][2]
     rss_growth = max(r for _, r, _ in warm) - rss0
     fd_growth = max(f for _, _, f in warm) - fds0
+    after_warm_up = sum(calls) * (SOAK_S - warm[0][0]) / SOAK_S  # about
     print(
         f"\nsoak {SOAK_S:g} s, {CLIENTS} clients: {sum(calls)} calls, 0 errors; after "
         f"{WARM_UP_S:g} s: RSS {rss0:.0f} -> {warm[-1][1]:.0f} MiB (max +{rss_growth:.1f}), "
-        f"fds {fds0} -> {warm[-1][2]} (max +{fd_growth})"
+        f"fds {fds0} -> {warm[-1][2]} (max +{fd_growth}); the RSS bound catches a leak "
+        f"of {RSS_GROWTH_MIB * 1024 / max(after_warm_up, 1):.0f} KiB per call or more"
     )
     assert sum(calls) > 0
     assert fd_growth <= FD_GROWTH, samples
