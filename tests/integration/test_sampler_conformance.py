@@ -283,6 +283,9 @@ def test_an_inflight_update_shows_as_a_second_version_span(
     latest = service.create_sampling_client(weights=f"treadle://{tc.model_id}/latest")
     pinned = service.create_sampling_client(weights=f"treadle://{tc.model_id}/v/0")
     params = treadle.SamplingParams(max_tokens=1000, seed=4, ignore_eos=True)
+    # v0 served once first (a backend may load it on first use: vLLM writes and
+    # loads the adapter), so the rows below are decoding when the update lands
+    latest.sample(tok.encode("abc"), 1, treadle.SamplingParams(max_tokens=2)).result(timeout=180)
     running = latest.sample(tok.encode("abc"), 8, params)
     beside = [
         s.sample(tok.encode("abc"), 1, params)

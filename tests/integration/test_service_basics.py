@@ -349,9 +349,9 @@ def test_cancelled_sample_frees_its_rows(
     else:
         pytest.fail("no candidate prompt decodes greedily without EOS")
 
-    slots = server.config.sampler_slots
-    fut = sampler.sample(prompt, slots, treadle.SamplingParams(max_tokens=1000, temperature=0))
     (torch_sampler,) = engine.sampler.core.samplers.values()
+    slots = torch_sampler.stats().num_slots  # sized by memory unless --sampler-slots says
+    fut = sampler.sample(prompt, slots, treadle.SamplingParams(max_tokens=1000, temperature=0))
     deadline = time.monotonic() + 20
     while torch_sampler.stats().running_rows < slots:
         assert time.monotonic() < deadline, "the long request never started"

@@ -99,8 +99,9 @@ def test_a_model_that_does_not_fit_is_refused_before_allocating(
     engine = Engine(EngineConfig({"tiny": tiny_model_dir}, threads=1, keep_versions=2)).start()
     try:
         cfg = engine.bases.config("tiny")
+        # a full fine-tune reads its own copy of the weights, never the base's
         full = memory_budget.model_bytes(
-            cfg, torch.float32, lora_rank=0, keep_versions=2, base_loaded=False
+            cfg, torch.float32, lora_rank=0, keep_versions=2, base_loaded=True
         )
         reading(monkeypatch, full - 1)
         with pytest.raises(ResourceExhaustedError, match=r"needs about [\d.,]+ MiB .* MiB is free"):
@@ -110,7 +111,7 @@ def test_a_model_that_does_not_fit_is_refused_before_allocating(
         # the worker keeps serving: a LoRA model fits the same memory, and works
         engine.create_model(_spec("small", 4)).result(timeout=30)
         assert engine.has_model("small")
-        # the base is loaded now: a full fine-tune needs only its own tensors
+        # the base is loaded now; a full fine-tune still needs its own tensors
         with_base = memory_budget.model_bytes(
             cfg, torch.float32, lora_rank=0, keep_versions=2, base_loaded=True
         )
