@@ -106,7 +106,8 @@ class Bench:
             batch_across_models=setup.batch_across_models,
         )
         self.engine = Engine(config)
-        self.engine.scheduler = Scheduler(
+        # before start, for the engine and its ordered-call executor alike
+        self.engine.scheduler = self.engine.executor.scheduler = Scheduler(
             gap_timeout_s=LONG, policy=policy, max_quantum_tokens=setup.max_quantum_tokens
         )
         self.engine.start()
@@ -218,13 +219,13 @@ def latency(setup: Setup, policy: str, calls: int, window: int, blocks: int) -> 
     # (when, calls) of every pass the engine starts, to see what a light call
     # waited behind: the pass running when it arrived
     passes: list[tuple[float, int]] = []
-    count_pass = bench.engine._count_pass
+    count_pass = bench.engine.executor._count_pass
 
     def record_pass(model: object, n: int, tokens: int) -> None:
         passes.append((time.perf_counter(), n))
         count_pass(model, n, tokens)  # type: ignore[arg-type]
 
-    bench.engine._count_pass = record_pass  # type: ignore[method-assign]
+    bench.engine.executor._count_pass = record_pass  # type: ignore[method-assign]
     try:
         for _ in range(3):  # warm up (allocations, first-call costs)
             bench.submit("light-1").result()
