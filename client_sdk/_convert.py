@@ -1,10 +1,12 @@
-"""Public SDK types <-> wire messages: the one place the SDK touches protobuf types."""
+"""Public SDK types <-> wire messages: the one place the SDK builds protobuf messages
+(every request the clients send, and every response they read)."""
 
 from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -24,6 +26,7 @@ from treadle.types import (
     SampleResponse,
     SamplerMetrics,
     SamplingParams,
+    SaveStateResponse,
     ServerInfo,
     StoppedBy,
     StopReason,
@@ -31,7 +34,7 @@ from treadle.types import (
     TrainingPassMetrics,
     VersionSpan,
 )
-from treadle.v1 import common_pb2, sampling_pb2, server_pb2, training_pb2
+from treadle.v1 import common_pb2, sampling_pb2, server_pb2, session_pb2, training_pb2
 
 #: wire StopReason -> (``stop_reason``, ``stopped_by``): the SDK keeps tinker's coarse
 #: "stop" for the three ways a sequence stops and says which in ``stopped_by``.
@@ -264,3 +267,171 @@ def server_info_from_wire(msg: server_pb2.ServerInfo) -> ServerInfo:
         max_models=msg.max_models,
         live_models=msg.live_models,
     )
+
+
+# ---- samplers -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SamplerRef:
+    """Which sampler a ``SamplingClient`` sends to, and what it reads."""
+
+    sampler_id: str
+    base_model: str
+    model_id: str = ""
+    version: int = 0
+    follows_latest: bool = False
+
+
+def sampler_from_wire(msg: sampling_pb2.SamplerInfo) -> SamplerRef:
+    return SamplerRef(
+        sampler_id=msg.sampler_id,
+        base_model=msg.base_model,
+        model_id=msg.model_id,
+        version=msg.version,
+        follows_latest=msg.follows_latest,
+    )
+
+
+def synced_sampler_from_wire(
+    msg: training_pb2.SyncWeightsResponse, base_model: str, model_id: str
+) -> SamplerRef:
+    """The sampler a ``sync_weights`` created, pinned to the version it published."""
+    return SamplerRef(
+        sampler_id=msg.sampler_id, base_model=base_model, model_id=model_id, version=msg.version
+    )
+
+
+def create_sampler_request(
+    base_model: str | None, weights: str | None
+) -> sampling_pb2.CreateSamplerRequest:
+    if base_model is not None:
+        return sampling_pb2.CreateSamplerRequest(base_model=base_model)
+    return sampling_pb2.CreateSamplerRequest(weights=weights)
+
+
+def sample_request(
+    prompt: ModelInput, num_samples: int, params: SamplingParams
+) -> sampling_pb2.SampleRequest:
+    request = sampling_pb2.SampleRequest(
+        num_samples=num_samples, params=sampling_params_to_wire(params)
+    )
+    prompt_to_wire(prompt, request.prompt)
+    return request
+
+
+def resume_request(handles: Sequence[str], params: SamplingParams) -> sampling_pb2.ResumeRequest:
+    return sampling_pb2.ResumeRequest(
+        resume_handles=list(handles), params=sampling_params_to_wire(params)
+    )
+
+
+# ---- training requests (the caller numbers the ordered ones: ``seq_id``) -------------
+
+
+def forward_backward_request(
+    model_id: str,
+    data: Sequence[Datum],
+    loss_fn: str,
+    loss_fn_config: Mapping[str, float] | None,
+    temperature: float,
+) -> training_pb2.ForwardBackwardRequest:
+    request = training_pb2.ForwardBackwardRequest(
+        model_id=model_id,
+        loss_fn=loss_fn_to_wire(loss_fn),
+        loss_fn_config={k: float(v) for k, v in (loss_fn_config or {}).items()},
+        temperature=temperature,
+    )
+    request.data.extend(datums_to_wire(data))
+    return request
+
+
+def forward_logprobs_request(
+    model_id: str, data: Sequence[Datum], reference: bool | str, temperature: float
+) -> training_pb2.ForwardLogprobsRequest:
+    """``reference``: True (the base model), False (the model), or a ``treadle://`` path."""
+    flag, path = (False, reference) if isinstance(reference, str) else (reference, "")
+    request = training_pb2.ForwardLogprobsRequest(
+        model_id=model_id, reference=flag, temperature=temperature, reference_path=path
+    )
+    request.data.extend(datums_to_wire(data))
+    return request
+
+
+def optim_step_request(model_id: str, params: AdamParams) -> training_pb2.OptimStepRequest:
+    return training_pb2.OptimStepRequest(model_id=model_id, adam_params=adam_to_wire(params))
+
+
+def sync_weights_request(model_id: str, inflight: bool) -> training_pb2.SyncWeightsRequest:
+    return training_pb2.SyncWeightsRequest(
+        model_id=model_id, create_sampler=True, inflight=inflight
+    )
+
+
+def save_state_request(model_id: str, name: str) -> training_pb2.SaveStateRequest:
+    return training_pb2.SaveStateRequest(model_id=model_id, name=name)
+
+
+def saved_state_from_wire(msg: training_pb2.SaveStateResponse) -> SaveStateResponse:
+    return SaveStateResponse(path=msg.path, seq_id=msg.seq_id, step=msg.step)
+
+
+def load_state_request(
+    model_id: str, path: str, weights_only: bool
+) -> training_pb2.LoadStateRequest:
+    return training_pb2.LoadStateRequest(model_id=model_id, path=path, weights_only=weights_only)
+
+
+def create_model_request(**fields: object) -> training_pb2.CreateModelRequest:
+    return training_pb2.CreateModelRequest(**fields)  # type: ignore[arg-type]
+
+
+def model_info_request(model_id: str) -> training_pb2.GetModelInfoRequest:
+    return training_pb2.GetModelInfoRequest(model_id=model_id)
+
+
+def list_models_request() -> training_pb2.ListModelsRequest:
+    return training_pb2.ListModelsRequest()
+
+
+def restore_model_request(model_id: str) -> training_pb2.RestoreModelRequest:
+    return training_pb2.RestoreModelRequest(model_id=model_id)
+
+
+def delete_model_request(model_id: str) -> training_pb2.DeleteModelRequest:
+    return training_pb2.DeleteModelRequest(model_id=model_id)
+
+
+def list_checkpoints_request(model_id: str) -> training_pb2.ListCheckpointsRequest:
+    return training_pb2.ListCheckpointsRequest(model_id=model_id)
+
+
+def delete_checkpoint_request(path: str) -> training_pb2.DeleteCheckpointRequest:
+    return training_pb2.DeleteCheckpointRequest(path=path)
+
+
+def export_weights_request(model_id: str, merged: bool) -> training_pb2.ExportWeightsRequest:
+    return training_pb2.ExportWeightsRequest(model_id=model_id, merged=merged)
+
+
+# ---- server and sessions ------------------------------------------------------------
+
+
+def server_info_request() -> server_pb2.GetServerInfoRequest:
+    return server_pb2.GetServerInfoRequest()
+
+
+def tokenizer_request(base_model: str) -> server_pb2.GetTokenizerRequest:
+    return server_pb2.GetTokenizerRequest(base_model=base_model)
+
+
+def create_session_request(client: str) -> session_pb2.CreateSessionRequest:
+    return session_pb2.CreateSessionRequest(client=client)
+
+
+def heartbeat_request(session_id: str) -> session_pb2.HeartbeatRequest:
+    return session_pb2.HeartbeatRequest(session_id=session_id)
+
+
+def end_session_request(session_id: str) -> session_pb2.EndSessionRequest:
+    return session_pb2.EndSessionRequest(session_id=session_id)

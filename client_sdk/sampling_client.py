@@ -31,7 +31,7 @@ class SamplingClient:
     meanwhile are sent once it exists, so they always see the synced weights.
     """
 
-    def __init__(self, service: ServiceClient, info: Future[sampling_pb2.SamplerInfo]) -> None:
+    def __init__(self, service: ServiceClient, info: Future[_convert.SamplerRef]) -> None:
         self._service = service
         self._info = info
         self._seq = itertools.count(1)
@@ -122,16 +122,14 @@ class SamplingClient:
         if not handles:
             raise InvalidArgumentError("resume_handles: give at least one")
         params = sampling_params or SamplingParams()
-        request = sampling_pb2.ResumeRequest(
-            resume_handles=handles, params=_convert.sampling_params_to_wire(params)
-        )
+        request = _convert.resume_request(handles, params)
         return self._send(self._service._sampling.Resume, request, retry=False)
 
     def _send(self, method: Any, request: Any, *, retry: bool) -> APIFuture[SampleResponse]:
         """Send ``request`` once the sampler exists (with its id); its response."""
         out: Future[SampleResponse] = Future()
 
-        def send(info: Future[sampling_pb2.SamplerInfo]) -> None:
+        def send(info: Future[_convert.SamplerRef]) -> None:
             if out.done():
                 return
             exc = info.exception()
@@ -223,11 +221,7 @@ class SamplingClient:
         if num_samples < 1:
             raise InvalidArgumentError("num_samples: must be at least 1")
         params = sampling_params or SamplingParams()
-        request = sampling_pb2.SampleRequest(
-            num_samples=num_samples, params=_convert.sampling_params_to_wire(params)
-        )
-        _convert.prompt_to_wire(prompt, request.prompt)
-        return request
+        return _convert.sample_request(prompt, num_samples, params)
 
 
 class SampleStream:

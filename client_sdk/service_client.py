@@ -22,11 +22,8 @@ from treadle.tokenizer import Tokenizer
 from treadle.training_client import TrainingClient
 from treadle.types import ModelInfo, ServerInfo
 from treadle.v1 import (
-    sampling_pb2,
     sampling_pb2_grpc,
-    server_pb2,
     server_pb2_grpc,
-    training_pb2,
     training_pb2_grpc,
 )
 
@@ -155,7 +152,7 @@ class ServiceClient:
             fields["session_id"] = self._session.ensure()
         info = self._caller.call(
             self._training.CreateModel,
-            training_pb2.CreateModelRequest(**fields),
+            _convert.create_model_request(**fields),
             _convert.model_info_from_wire,
         ).result()
         return TrainingClient(self, info)
@@ -167,14 +164,14 @@ class ServiceClient:
     def get_model_info(self, model_id: str) -> ModelInfo:
         return self._caller.call(
             self._training.GetModelInfo,
-            training_pb2.GetModelInfoRequest(model_id=model_id),
+            _convert.model_info_request(model_id),
             _convert.model_info_from_wire,
         ).result()
 
     def list_models(self) -> list[ModelInfo]:
         return self._caller.call(
             self._training.ListModels,
-            training_pb2.ListModelsRequest(),
+            _convert.list_models_request(),
             lambda r: [_convert.model_info_from_wire(m) for m in r.models],
         ).result()
 
@@ -183,7 +180,7 @@ class ServiceClient:
         (any call on it would do the same, transparently)."""
         return self._caller.call(
             self._training.RestoreModel,
-            training_pb2.RestoreModelRequest(model_id=model_id),
+            _convert.restore_model_request(model_id),
             _convert.model_info_from_wire,
         ).result()
 
@@ -191,14 +188,14 @@ class ServiceClient:
         """Delete a ``treadle://<model_id>/state/<name>`` checkpoint and its files."""
         self._caller.call(
             self._training.DeleteCheckpoint,
-            training_pb2.DeleteCheckpointRequest(path=path),
+            _convert.delete_checkpoint_request(path),
             lambda r: None,
         ).result()
 
     def delete_model(self, model_id: str) -> None:
         self._caller.call(
             self._training.DeleteModel,
-            training_pb2.DeleteModelRequest(model_id=model_id),
+            _convert.delete_model_request(model_id),
             lambda r: None,
         ).result()
 
@@ -220,12 +217,8 @@ class ServiceClient:
             raise InvalidArgumentError(
                 "create_sampling_client: give exactly one of base_model or weights"
             )
-        request = (
-            sampling_pb2.CreateSamplerRequest(base_model=base_model)
-            if base_model is not None
-            else sampling_pb2.CreateSamplerRequest(weights=weights)
-        )
-        info = self._caller.call(self._sampling.CreateSampler, request, lambda r: r)
+        request = _convert.create_sampler_request(base_model, weights)
+        info = self._caller.call(self._sampling.CreateSampler, request, _convert.sampler_from_wire)
         info.result()  # surface NOT_FOUND etc. here, where the user asked
         return SamplingClient(self, info)
 
@@ -234,7 +227,7 @@ class ServiceClient:
     def get_server_info(self) -> ServerInfo:
         return self._caller.call(
             self._server.GetServerInfo,
-            server_pb2.GetServerInfoRequest(),
+            _convert.server_info_request(),
             _convert.server_info_from_wire,
         ).result()
 
@@ -242,7 +235,7 @@ class ServiceClient:
         return APIFuture(
             self._caller.call(
                 self._server.GetServerInfo,
-                server_pb2.GetServerInfoRequest(),
+                _convert.server_info_request(),
                 _convert.server_info_from_wire,
             )
         )
@@ -257,7 +250,7 @@ class ServiceClient:
         directory.mkdir(parents=True, exist_ok=True)
         files: dict[str, bytearray] = {}
         stream = self._server.GetTokenizer(
-            server_pb2.GetTokenizerRequest(base_model=base_model),
+            _convert.tokenizer_request(base_model),
             metadata=self._caller.call_metadata(),
         )
         try:

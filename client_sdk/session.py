@@ -15,8 +15,9 @@ import threading
 from typing import TYPE_CHECKING
 
 import treadle
+from treadle import _convert
 from treadle.errors import TreadleError
-from treadle.v1 import session_pb2, session_pb2_grpc
+from treadle.v1 import session_pb2_grpc
 
 if TYPE_CHECKING:
     import grpc
@@ -48,7 +49,7 @@ class ClientSession:
                 try:
                     info = self._caller.call(
                         self._stub.CreateSession,
-                        session_pb2.CreateSessionRequest(client=client),
+                        _convert.create_session_request(client),
                         lambda r: r,
                     ).result()
                 except TreadleError as err:
@@ -70,7 +71,7 @@ class ClientSession:
             return self.session_id
 
     def _beat(self, session_id: str, interval: float) -> None:
-        request = session_pb2.HeartbeatRequest(session_id=session_id)
+        request = _convert.heartbeat_request(session_id)
         failing = False  # warn once per outage, not once per beat
         while not self._stop.wait(interval):
             try:
@@ -114,7 +115,7 @@ class ClientSession:
         try:
             self._caller.call(
                 self._stub.EndSession,
-                session_pb2.EndSessionRequest(session_id=session_id),
+                _convert.end_session_request(session_id),
                 lambda r: None,
                 retry=False,
             ).result(timeout=5.0)

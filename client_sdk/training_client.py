@@ -32,7 +32,6 @@ from treadle.types import (
     OptimStepResponse,
     SaveStateResponse,
 )
-from treadle.v1 import sampling_pb2, training_pb2
 
 if TYPE_CHECKING:
     from treadle.service_client import ServiceClient
@@ -94,13 +93,9 @@ class TrainingClient:
         temperature: float = 1.0,
     ) -> APIFuture[ForwardBackwardOutput]:
         """Accumulate the gradient of ``sum(loss)`` over ``data`` (no hidden mean)."""
-        request = training_pb2.ForwardBackwardRequest(
-            model_id=self.model_id,
-            loss_fn=_convert.loss_fn_to_wire(loss_fn),
-            loss_fn_config={k: float(v) for k, v in (loss_fn_config or {}).items()},
-            temperature=temperature,
+        request = _convert.forward_backward_request(
+            self.model_id, data, loss_fn, loss_fn_config, temperature
         )
-        request.data.extend(_convert.datums_to_wire(data))
         request.seq_id = self._take_seq()
         return self._call(
             self._service._training.ForwardBackward, request, _convert.forward_output_from_wire
@@ -119,19 +114,12 @@ class TrainingClient:
         weights, gradients and optimizer state are untouched; the server keeps the
         loaded reference, so calling this every step reads the checkpoint once.
         """
-        ref_flag, ref_path = (False, reference) if isinstance(reference, str) else (reference, "")
         if isinstance(reference, str) and not reference:
             raise InvalidArgumentError(
                 "reference: an empty path; pass a treadle:// path, True (the base model) "
                 "or False (the model itself)"
             )
-        request = training_pb2.ForwardLogprobsRequest(
-            model_id=self.model_id,
-            reference=ref_flag,
-            temperature=temperature,
-            reference_path=ref_path,
-        )
-        request.data.extend(_convert.datums_to_wire(data))
+        request = _convert.forward_logprobs_request(self.model_id, data, reference, temperature)
         request.seq_id = self._take_seq()
         return self._call(
             self._service._training.ForwardLogprobs, request, _convert.forward_output_from_wire
@@ -164,11 +152,8 @@ class TrainingClient:
         )
 
     def optim_step(self, adam_params: AdamParams | None = None) -> APIFuture[OptimStepResponse]:
-        request = training_pb2.OptimStepRequest(
-            model_id=self.model_id,
-            adam_params=_convert.adam_to_wire(adam_params or AdamParams()),
-            seq_id=self._take_seq(),
-        )
+        request = _convert.optim_step_request(self.model_id, adam_params or AdamParams())
+        request.seq_id = self._take_seq()
         return self._call(
             self._service._training.OptimStep,
             request,
@@ -186,51 +171,43 @@ class TrainingClient:
         their KV cache is kept, docs/engine.md). The model needs such a sampler
         (``create_sampling_client(weights=f"treadle://{model_id}/latest")``),
         else the sync fails with INVALID_ARGUMENT."""
-        request = training_pb2.SyncWeightsRequest(
-            model_id=self.model_id, create_sampler=True, seq_id=self._take_seq(), inflight=inflight
-        )
-        info: Future[sampling_pb2.SamplerInfo] = self._seqs.send(
+        request = _convert.sync_weights_request(self.model_id, inflight)
+        request.seq_id = self._take_seq()
+        info: Future[_convert.SamplerRef] = self._seqs.send(
             self._service._training.SyncWeights,
             request,
-            lambda r: sampling_pb2.SamplerInfo(
-                sampler_id=r.sampler_id,
-                base_model=self.base_model,
-                model_id=self.model_id,
-                version=r.version,
-            ),
+            lambda r: _convert.synced_sampler_from_wire(r, self.base_model, self.model_id),
         )
         return SamplingClient(self._service, info)
 
     def save_state(self, name: str) -> APIFuture[SaveStateResponse]:
         """Checkpoint weights + optimizer state + step; returns a ``treadle://`` path."""
-        request = training_pb2.SaveStateRequest(
-            model_id=self.model_id, name=name, seq_id=self._take_seq()
-        )
+        request = _convert.save_state_request(self.model_id, name)
+        request.seq_id = self._take_seq()
         return self._call(
             self._service._training.SaveState,
             request,
-            lambda r: SaveStateResponse(path=r.path, seq_id=r.seq_id, step=r.step),
+            _convert.saved_state_from_wire,
             commits=True,
         )
 
     def load_state(self, path: str, *, weights_only: bool = False) -> APIFuture[int]:
         """Replace this model's weights, optimizer state and step with a checkpoint's
         (with ``weights_only``: its weights and step; the Adam moments start fresh)."""
-        request = training_pb2.LoadStateRequest(
-            model_id=self.model_id, path=path, seq_id=self._take_seq(), weights_only=weights_only
-        )
+        request = _convert.load_state_request(self.model_id, path, weights_only)
+        request.seq_id = self._take_seq()
         return self._call(self._service._training.LoadState, request, lambda r: int(r.step))
 
     # ---- information --------------------------------------------------------------
 
     def get_info(self) -> ModelInfo:
-        request = training_pb2.GetModelInfoRequest(model_id=self.model_id)
+        request = _convert.model_info_request(self.model_id)
         return self._service._caller.call(
             self._service._training.GetModelInfo, request, _convert.model_info_from_wire
         ).result()
 
     def list_checkpoints(self) -> list[CheckpointInfo]:
-        request = training_pb2.ListCheckpointsRequest(model_id=self.model_id)
+        request = _convert.list_checkpoints_request(self.model_id)
         return self._service._caller.call(
             self._service._training.ListCheckpoints,
             request,
@@ -259,7 +236,7 @@ class TrainingClient:
         self._wait_sent()
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
-        request = training_pb2.ExportWeightsRequest(model_id=self.model_id, merged=merged)
+        request = _convert.export_weights_request(self.model_id, merged)
         stream = self._service._training.ExportWeights(
             request, metadata=self._service._caller.call_metadata()
         )

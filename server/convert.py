@@ -17,27 +17,35 @@ from treadle.common.db import models as db
 from treadle.errors import InvalidArgumentError
 from treadle.server import restarts
 from treadle.server.service.types import (
+    BaseModelInfo,
     CheckpointInfo,
     CreateModel,
     ModelInfo,
     OrderedCall,
     SamplerInfo,
     SamplerSource,
+    SavedState,
+    SessionInfo,
+    SyncOutcome,
 )
-from treadle.v1 import common_pb2, sampling_pb2, training_pb2
+from treadle.v1 import common_pb2, sampling_pb2, server_pb2, session_pb2, training_pb2
 from treadle.workers.domain import (
     AdamConfig,
     DatumData,
     ForwardBackwardOp,
     ForwardLogprobsOp,
     ForwardResult,
+    LoadResult,
     ModelSpec,
+    OptimStepResult,
     SampleOp,
     SampleResult,
     SamplingConfig,
     SequenceResult,
     StreamedSequence,
 )
+from treadle.workers.pass_stats import PassStats
+from treadle.workers.sampler_state import SamplerStats
 
 _STOP_REASONS = {
     "stop": common_pb2.STOP,
@@ -278,3 +286,125 @@ def stream_response(item: StreamedSequence) -> sampling_pb2.SampleStreamResponse
     msg = sampling_pb2.SampleStreamResponse(index=item.index)
     sequence_to_wire(item.sequence, msg.sequence)
     return msg
+
+
+# ---- responses of the lifecycle, checkpoint, session and info calls -------------------
+
+
+def list_models(infos: Sequence[ModelInfo]) -> training_pb2.ListModelsResponse:
+    return training_pb2.ListModelsResponse(models=[model_info(m) for m in infos])
+
+
+def list_checkpoints(rows: Sequence[CheckpointInfo]) -> training_pb2.ListCheckpointsResponse:
+    return training_pb2.ListCheckpointsResponse(checkpoints=[checkpoint(c) for c in rows])
+
+
+def deleted_model() -> training_pb2.DeleteModelResponse:
+    return training_pb2.DeleteModelResponse()
+
+
+def deleted_checkpoint() -> training_pb2.DeleteCheckpointResponse:
+    return training_pb2.DeleteCheckpointResponse()
+
+
+def file_chunk(name: str, offset: int, data: bytes, last: bool) -> training_pb2.FileChunk:
+    return training_pb2.FileChunk(file_name=name, offset=offset, data=data, last=last)
+
+
+def tokenizer_chunk(name: str, offset: int, data: bytes, last: bool) -> server_pb2.TokenizerChunk:
+    return server_pb2.TokenizerChunk(file_name=name, offset=offset, data=data, last=last)
+
+
+def optim_step(result: OptimStepResult) -> training_pb2.OptimStepResponse:
+    return training_pb2.OptimStepResponse(step=result.step, metrics=dict(result.metrics))
+
+
+def sync_weights(out: SyncOutcome) -> training_pb2.SyncWeightsResponse:
+    response = training_pb2.SyncWeightsResponse(version=out.version, weights_uri=out.weights_uri)
+    if out.sampler_id:
+        response.sampler_id = out.sampler_id
+    return response
+
+
+def saved_state(saved: SavedState) -> training_pb2.SaveStateResponse:
+    return training_pb2.SaveStateResponse(path=saved.path, seq_id=saved.seq_id, step=saved.step)
+
+
+def loaded_state(result: LoadResult) -> training_pb2.LoadStateResponse:
+    return training_pb2.LoadStateResponse(step=result.step)
+
+
+def session_info(info: SessionInfo) -> session_pb2.SessionInfo:
+    return session_pb2.SessionInfo(
+        session_id=info.session_id,
+        heartbeat_interval_s=info.heartbeat_interval_s,
+        created_at=info.created_at,
+    )
+
+
+def heartbeat() -> session_pb2.HeartbeatResponse:
+    return session_pb2.HeartbeatResponse()
+
+
+def ended_session() -> session_pb2.EndSessionResponse:
+    return session_pb2.EndSessionResponse()
+
+
+def server_info(
+    *,
+    server_version: str,
+    max_message_bytes: int,
+    max_tokens_per_request: int,
+    features: Sequence[str],
+    quota: tuple[int, int],
+    base_models: Sequence[BaseModelInfo],
+    sampler_metrics: Sequence[SamplerStats],
+    pass_metrics: Sequence[PassStats],
+) -> server_pb2.ServerInfo:
+    """What the server serves; ``quota`` is the tenant's (max_models, live_models)."""
+    info = server_pb2.ServerInfo(
+        server_version=server_version,
+        api_version="treadle.v1",
+        max_message_bytes=max_message_bytes,
+        max_tokens_per_request=max_tokens_per_request,
+        features=list(features),
+        max_models=quota[0],
+        live_models=quota[1],
+    )
+    for b in base_models:
+        info.base_models.add(
+            name=b.name,
+            arch=b.arch,
+            vocab_size=b.vocab_size,
+            max_context=b.max_context,
+            num_params=b.num_params,
+            dtype=b.dtype,
+        )
+    for m in sampler_metrics:
+        info.sampler_metrics.add(
+            base_model=m.base_model,
+            dtype=m.dtype,
+            tokens_per_s=m.tokens_per_s,
+            occupancy=m.occupancy,
+            running_rows=m.running_rows,
+            num_slots=m.num_slots,
+            queued_requests=m.queued_requests,
+            prefilling_requests=m.prefilling_requests,
+            tokens_generated=m.tokens_generated,
+            prompt_tokens=m.prompt_tokens,
+            prefix_reused_tokens=m.prefix_reused_tokens,
+        )
+    for p in pass_metrics:
+        info.training_pass_metrics.add(
+            base_model=p.base_model,
+            dtype=p.dtype,
+            passes=p.passes,
+            batched_passes=p.batched_passes,
+            calls_batched=p.calls_batched,
+            calls_alone=p.calls_alone,
+            tokens_batched=p.tokens_batched,
+            tokens_alone=p.tokens_alone,
+            calls_per_batched_pass=p.calls_per_batched_pass,
+            max_calls_per_pass=p.max_calls_per_pass,
+        )
+    return info

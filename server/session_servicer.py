@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import grpc
 
+from treadle.server import convert
 from treadle.server.context import ServerContext
 from treadle.v1 import session_pb2, session_pb2_grpc
 
@@ -17,19 +18,14 @@ class SessionServicer(session_pb2_grpc.SessionServiceServicer):
         self, request: session_pb2.CreateSessionRequest, context: grpc.aio.ServicerContext
     ) -> session_pb2.SessionInfo:
         tenant = self.ctx.tenant(context)
-        info = self.sessions.create(tenant, request.client)
-        return session_pb2.SessionInfo(
-            session_id=info.session_id,
-            heartbeat_interval_s=info.heartbeat_interval_s,
-            created_at=info.created_at,
-        )
+        return convert.session_info(self.sessions.create(tenant, request.client))
 
     async def Heartbeat(
         self, request: session_pb2.HeartbeatRequest, context: grpc.aio.ServicerContext
     ) -> session_pb2.HeartbeatResponse:
         tenant = self.ctx.tenant(context)
         self.sessions.heartbeat(tenant, request.session_id)
-        return session_pb2.HeartbeatResponse()
+        return convert.heartbeat()
 
     async def EndSession(
         self, request: session_pb2.EndSessionRequest, context: grpc.aio.ServicerContext
@@ -37,4 +33,4 @@ class SessionServicer(session_pb2_grpc.SessionServiceServicer):
         """Idempotent. The session's models stay; only their heartbeats stop."""
         tenant = self.ctx.tenant(context)
         self.sessions.end(tenant, request.session_id)
-        return session_pb2.EndSessionResponse()
+        return convert.ended_session()

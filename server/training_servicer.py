@@ -52,14 +52,14 @@ class TrainingServicer(training_pb2_grpc.TrainingServiceServicer):
     ) -> training_pb2.ListModelsResponse:
         tenant = self.ctx.tenant(context)
         models = self.models.list(tenant)
-        return training_pb2.ListModelsResponse(models=[convert.model_info(m) for m in models])
+        return convert.list_models(models)
 
     async def DeleteModel(
         self, request: training_pb2.DeleteModelRequest, context: grpc.aio.ServicerContext
     ) -> training_pb2.DeleteModelResponse:
         tenant = self.ctx.tenant(context)
         await self.models.delete(tenant, request.model_id)
-        return training_pb2.DeleteModelResponse()
+        return convert.deleted_model()
 
     async def RestoreModel(
         self, request: training_pb2.RestoreModelRequest, context: grpc.aio.ServicerContext
@@ -78,12 +78,9 @@ class TrainingServicer(training_pb2_grpc.TrainingServiceServicer):
                 size = path.stat().st_size
                 with open(path, "rb") as f:  # chunk by chunk: a merged model is big
                     for offset in range(0, max(size, 1), EXPORT_CHUNK_BYTES):
-                        yield training_pb2.FileChunk(
-                            file_name=path.name,
-                            offset=offset,
-                            data=f.read(EXPORT_CHUNK_BYTES),
-                            last=offset + EXPORT_CHUNK_BYTES >= size,
-                        )
+                        data = f.read(EXPORT_CHUNK_BYTES)
+                        last = offset + EXPORT_CHUNK_BYTES >= size
+                        yield convert.file_chunk(path.name, offset, data, last)
 
     # ---- ordered primitives -----------------------------------------------------------
 
@@ -116,7 +113,7 @@ class TrainingServicer(training_pb2_grpc.TrainingServiceServicer):
             return convert.adam(request.adam_params)
 
         result = await self.training.optim_step(tenant, _call(request, context), parse(adam))
-        return training_pb2.OptimStepResponse(step=result.step, metrics=dict(result.metrics))
+        return convert.optim_step(result)
 
     async def SyncWeights(
         self, request: training_pb2.SyncWeightsRequest, context: grpc.aio.ServicerContext
@@ -128,19 +125,14 @@ class TrainingServicer(training_pb2_grpc.TrainingServiceServicer):
             inflight=request.inflight,
             create_sampler=request.create_sampler,
         )
-        response = training_pb2.SyncWeightsResponse(
-            version=out.version, weights_uri=out.weights_uri
-        )
-        if out.sampler_id:
-            response.sampler_id = out.sampler_id
-        return response
+        return convert.sync_weights(out)
 
     async def SaveState(
         self, request: training_pb2.SaveStateRequest, context: grpc.aio.ServicerContext
     ) -> training_pb2.SaveStateResponse:
         tenant = self.ctx.tenant(context)
         saved = await self.training.save_state(tenant, _call(request, context), request.name)
-        return training_pb2.SaveStateResponse(path=saved.path, seq_id=saved.seq_id, step=saved.step)
+        return convert.saved_state(saved)
 
     async def LoadState(
         self, request: training_pb2.LoadStateRequest, context: grpc.aio.ServicerContext
@@ -149,7 +141,7 @@ class TrainingServicer(training_pb2_grpc.TrainingServiceServicer):
         result = await self.training.load_state(
             tenant, _call(request, context), request.path, optimizer=not request.weights_only
         )
-        return training_pb2.LoadStateResponse(step=result.step)
+        return convert.loaded_state(result)
 
     # ---- checkpoints ----------------------------------------------------------------
 
@@ -158,13 +150,11 @@ class TrainingServicer(training_pb2_grpc.TrainingServiceServicer):
     ) -> training_pb2.ListCheckpointsResponse:
         tenant = self.ctx.tenant(context)
         rows = self.checkpoints.list(tenant, request.model_id)
-        return training_pb2.ListCheckpointsResponse(
-            checkpoints=[convert.checkpoint(c) for c in rows]
-        )
+        return convert.list_checkpoints(rows)
 
     async def DeleteCheckpoint(
         self, request: training_pb2.DeleteCheckpointRequest, context: grpc.aio.ServicerContext
     ) -> training_pb2.DeleteCheckpointResponse:
         tenant = self.ctx.tenant(context)
         self.checkpoints.delete(tenant, request.path)
-        return training_pb2.DeleteCheckpointResponse()
+        return convert.deleted_checkpoint()
