@@ -83,9 +83,7 @@ async def restore_models(ctx: ServerContext) -> int:
         except Exception as err:  # a model we cannot restore is marked lost, not hidden
             log.error("could not restore model %s: %s", spec.model_id, err)
             with ctx.session() as s:
-                row = s.get(db.Model, spec.model_id)
-                if row is not None:
-                    row.status = "lost"
+                queries.set_model_status(s, spec.model_id, "lost")
             ctx.owners[spec.model_id] = spec.tenant_id  # still its tenant's: load_state restores it
             continue
         ctx.owners[spec.model_id] = spec.tenant_id

@@ -155,10 +155,7 @@ class ModelLifecycle:
             path, seq_id, uri = ckpt.storage_path, ckpt.seq_id, ckpt.uri
         status = await ctx.dispatcher.create_model(spec, from_state=path, next_seq_id=seq_id + 1)
         with ctx.session() as s:
-            model = s.get(db.Model, model_id)
-            if model is not None:
-                model.status = "active"
-                model.version = status.version
+            queries.set_model_status(s, model_id, "active", version=status.version)
         ctx.owners[model_id] = tenant
         ctx.restored[model_id] = RestorePoint(seq_id, status.version, uri)
         self.last_used[model_id] = time.time()
@@ -241,9 +238,7 @@ class ModelLifecycle:
                     size_bytes=saved.size_bytes,
                 )
                 queries.update_model_progress(s, model_id, version=saved.step, last_checkpoint=ckpt)
-                model = s.get(db.Model, model_id)
-                if model is not None:
-                    model.status = "unloaded"
+                queries.set_model_status(s, model_id, "unloaded")
         except Exception:
             # The engine let go but the database does not know: load it back at once.
             log.exception("model %s: could not record its unload; loading it back", model_id)

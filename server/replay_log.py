@@ -32,7 +32,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from treadle.common.db import models as db
 from treadle.errors import FailedPreconditionError
-from treadle.server.db.queries import APPLIED_ERROR_CODES
+from treadle.server.db.ops_log import APPLIED_ERROR_CODES
 from treadle.workers import codec
 from treadle.workers.domain import (
     ForwardLogprobsOp,

@@ -11,9 +11,7 @@ import datetime as dt
 from collections.abc import Sequence
 from typing import TypeVar
 
-from sqlalchemy import Connection, String, and_, bindparam, func, insert, or_, select, update
-from sqlalchemy.dialects.postgresql import insert as postgresql_insert
-from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from treadle.common.db.models import (
@@ -22,7 +20,6 @@ from treadle.common.db.models import (
     Checkpoint,
     ClientSession,
     Model,
-    Op,
     Sampler,
     Tenant,
     TinkerName,
@@ -80,6 +77,18 @@ def get_session(s: Session, tenant_id: str, session_id: str) -> ClientSession | 
     return s.scalars(stmt).one_or_none()
 
 
+def record_heartbeat(s: Session, row: ClientSession) -> None:
+    row.last_heartbeat_at = utcnow()
+    s.flush()
+
+
+def end_session(s: Session, row: ClientSession) -> None:
+    """Idempotent: a session ended stays ended at its first end."""
+    if row.ended_at is None:
+        row.ended_at = utcnow()
+        s.flush()
+
+
 # --- models -------------------------------------------------------------------
 
 
@@ -95,8 +104,10 @@ def create_model(
     worker_id: str | None = None,
     model_id: str | None = None,
     modules: tuple[bool, bool, bool] = (True, True, True),
+    session_id: str | None = None,
 ) -> Model:
-    """``modules``: (train_attn, train_mlp, train_unembed) of a LoRA model."""
+    """``modules``: (train_attn, train_mlp, train_unembed) of a LoRA model;
+    ``session_id``: the client session it lives in (None: none)."""
     row = Model(
         id=model_id or new_id("m"),
         tenant_id=tenant_id,
@@ -109,6 +120,7 @@ def create_model(
         train_attn=modules[0],
         train_mlp=modules[1],
         train_unembed=modules[2],
+        session_id=session_id,
     )
     return _add(s, row)
 
@@ -156,6 +168,21 @@ def update_model_progress(
         model.last_checkpoint = last_checkpoint
         model.last_checkpoint_seq_id = last_checkpoint.seq_id
     s.flush()
+    return model
+
+
+def set_model_status(
+    s: Session, model_id: str, status: str, *, version: int | None = None
+) -> Model | None:
+    """Record a model's load state as the server changes it ("active" restored,
+    "unloaded" for idling, "lost" when it could not be restored); not
+    tenant-filtered (the server's own bookkeeping). None when there is no such row."""
+    model = s.get(Model, model_id)
+    if model is not None:
+        model.status = status
+        if version is not None:
+            model.version = version
+        s.flush()
     return model
 
 
@@ -237,6 +264,29 @@ def put_checkpoint(
         existing.created_at = utcnow()
         s.flush()
     return existing
+
+
+def set_checkpoint_expiry(s: Session, row: Checkpoint, expires_at: dt.datetime | None) -> None:
+    row.expires_at = expires_at
+    s.flush()
+
+
+def set_checkpoint_public(s: Session, row: Checkpoint, public: bool) -> None:
+    row.public = public
+    s.flush()
+
+
+def delete_checkpoint(s: Session, row: Checkpoint) -> None:
+    """Delete a checkpoint's row; the model whose last checkpoint it was points at
+    its newest remaining one instead (none: seq_id 0), which a restart brings back."""
+    model = s.get(Model, row.model_id)
+    if model is not None and model.last_checkpoint_id == row.id:
+        newer = [c for c in list_checkpoints(s, row.tenant_id, model.id) if c.id != row.id]
+        model.last_checkpoint = newer[-1] if newer else None
+        model.last_checkpoint_seq_id = newer[-1].seq_id if newer else 0
+        s.flush()
+    s.delete(row)
+    s.flush()
 
 
 def list_checkpoints(s: Session, tenant_id: str, model_id: str) -> Sequence[Checkpoint]:
@@ -375,125 +425,3 @@ def has_latest_sampler(s: Session, tenant_id: str, model_id: str) -> bool:
 def get_sampler(s: Session, tenant_id: str, sampler_id: str) -> Sampler | None:
     stmt = select(Sampler).where(Sampler.id == sampler_id, Sampler.tenant_id == tenant_id)
     return s.scalars(stmt).one_or_none()
-
-
-# --- ops log ------------------------------------------------------------------
-
-
-def record_op(s: Session, model_id: str, seq_id: int, kind: str, digest: str) -> Op:
-    return _add(s, Op(model_id=model_id, seq_id=seq_id, kind=kind, payload_digest=digest))
-
-
-def get_op(s: Session, model_id: str, seq_id: int) -> Op | None:
-    return s.get(Op, (model_id, seq_id))
-
-
-def finish_op(
-    s: Session, model_id: str, seq_id: int, status: str, error_code: str | None = None
-) -> Op:
-    op = get_op(s, model_id, seq_id)
-    if op is None:
-        raise NotFoundError(f"seq_id: no op {seq_id} recorded for model {model_id!r}")
-    op.status = status
-    op.error_code = error_code
-    op.finished_at = utcnow()
-    s.flush()
-    return op
-
-
-# The ops log is written twice per ordered call, on the hot path: Core statements
-# built once (their compiled form and cache key are reused), not ORM sessions:
-# ~0.15 ms a call on SQLite instead of ~0.8 ms.
-_OP_STATUS = select(Op.status).where(Op.model_id == bindparam("m"), Op.seq_id == bindparam("s"))
-_OP_INSERT = insert(Op)
-# A call that failed UNAVAILABLE may not have reached the model; the SDK sends it
-# again with its seq_id and payload, and when that repeat is applied the row says
-# so (and the call is counted then, once). Another call in that seq_id (numbered
-# again after resync()) leaves the row as it was.
-_OP_FINISH = (
-    update(Op)
-    .where(
-        Op.model_id == bindparam("m"),
-        Op.seq_id == bindparam("s"),
-        or_(
-            Op.status == "pending",
-            and_(
-                Op.status == "failed",
-                Op.error_code == "UNAVAILABLE",
-                Op.payload_digest == bindparam("d", type_=String),
-                bindparam("st", type_=String) == "done",
-            ),
-        ),
-    )
-    .values(status=bindparam("st"), error_code=bindparam("ec"), finished_at=bindparam("at"))
-    .execution_options(synchronize_session=False)
-)
-
-
-def op_recorded(conn: Connection, model_id: str, seq_id: int) -> bool:
-    return conn.execute(_OP_STATUS, {"m": model_id, "s": seq_id}).first() is not None
-
-
-def insert_op(conn: Connection, model_id: str, seq_id: int, kind: str, digest: str) -> None:
-    row = {"model_id": model_id, "seq_id": seq_id, "kind": kind, "payload_digest": digest}
-    conn.execute(_OP_INSERT, {**row, "status": "pending", "created_at": utcnow()})
-
-
-_OP_INSERT_NEW = {
-    name: dialect_insert(Op).on_conflict_do_nothing(index_elements=["model_id", "seq_id"])
-    for name, dialect_insert in (("sqlite", sqlite_insert), ("postgresql", postgresql_insert))
-}
-
-
-def insert_op_if_new(conn: Connection, model_id: str, seq_id: int, kind: str, digest: str) -> bool:
-    """Record a pending op in one statement; False (and nothing written) when
-    ``(model_id, seq_id)`` is recorded already (a repeat of a call)."""
-    row = {"model_id": model_id, "seq_id": seq_id, "kind": kind, "payload_digest": digest}
-    statement = _OP_INSERT_NEW.get(conn.dialect.name)
-    if statement is None:  # another database: check, then insert
-        if op_recorded(conn, model_id, seq_id):
-            return False
-        insert_op(conn, model_id, seq_id, kind, digest)
-        return True
-    result = conn.execute(statement, {**row, "status": "pending", "created_at": utcnow()})
-    return getattr(result, "rowcount", 0) == 1
-
-
-#: error codes of calls the engine refused in their turn (they took their seq_id)
-APPLIED_ERROR_CODES = ("INVALID_ARGUMENT", "FAILED_PRECONDITION")
-
-
-def last_applied_seq(s: Session, model_id: str) -> int:
-    """The highest seq_id the ops log says a worker applied (0: none)."""
-    seq = s.scalar(
-        select(func.max(Op.seq_id)).where(
-            Op.model_id == model_id,
-            or_(
-                Op.status == "done",
-                and_(Op.status == "failed", Op.error_code.in_(APPLIED_ERROR_CODES)),
-            ),
-        )
-    )
-    return int(seq or 0)
-
-
-def finish_pending_op(
-    s: Session | Connection,
-    model_id: str,
-    seq_id: int,
-    status: str,
-    error_code: str | None = None,
-    digest: str | None = None,
-) -> bool:
-    """End a pending op in one UPDATE (the hot path's write); whether this call
-    ended it (False: unknown, or already ended by an earlier call)."""
-    params = {
-        "m": model_id,
-        "s": seq_id,
-        "st": status,
-        "ec": error_code,
-        "at": utcnow(),
-        "d": digest,
-    }
-    result = s.execute(_OP_FINISH, params)
-    return getattr(result, "rowcount", 0) == 1

@@ -118,15 +118,15 @@ class CheckpointService:
                 f"(10 years), or null for no expiry; got {ttl_seconds}"
             )
         with self.ctx.session() as s:
-            row = self._owned(s, tenant, path)
-            row.expires_at = (
+            expires_at = (
                 None if ttl_seconds is None else db.utcnow() + dt.timedelta(seconds=ttl_seconds)
             )
+            queries.set_checkpoint_expiry(s, self._owned(s, tenant, path), expires_at)
 
     def set_public(self, tenant: str, path: str, public: bool) -> None:
         """Publish (readable by every tenant through its path) or unpublish."""
         with self.ctx.session() as s:
-            self._owned(s, tenant, path).public = public
+            queries.set_checkpoint_public(s, self._owned(s, tenant, path), public)
 
     def usage(self, tenant: str) -> tuple[int, int]:
         """(number of checkpoints, stored bytes) of the tenant."""
@@ -159,10 +159,8 @@ class CheckpointService:
         size = copy_checkpoint(self.ctx.store, src_path, dst)
         with self.ctx.session() as s:
             row = self.record(s, tenant, model_id, name, dst, 0, step, "state", size)
-            model = s.get(db.Model, model_id)
-            assert model is not None
-            model.status = "unloaded"  # with no last checkpoint: never loaded itself
-            queries.update_model_progress(s, model_id, version=step)
+            # with no last checkpoint: never loaded itself
+            queries.set_model_status(s, model_id, "unloaded", version=step)
             uri = row.uri
         if ttl_seconds is not None:
             self.set_ttl(tenant, uri, ttl_seconds)
@@ -190,17 +188,15 @@ class CheckpointService:
         with self.ctx.session() as s:
             row = self._owned(s, tenant, path)
             model = s.get(db.Model, row.model_id)
-            if model is not None and model.last_checkpoint_id == row.id:
-                if model.status == "unloaded":
-                    raise FailedPreconditionError(
-                        f"path: {path!r} is what brings unloaded model {model.id} "
-                        "back; restore the model first (any call on it does), or delete the model"
-                    )
-                # A restart brings the model back at its newest remaining checkpoint.
-                newer = [c for c in queries.list_checkpoints(s, tenant, model.id) if c.id != row.id]
-                model.last_checkpoint = newer[-1] if newer else None
-                model.last_checkpoint_seq_id = newer[-1].seq_id if newer else 0
-                s.flush()
+            if (
+                model is not None
+                and model.last_checkpoint_id == row.id
+                and model.status == "unloaded"
+            ):
+                raise FailedPreconditionError(
+                    f"path: {path!r} is what brings unloaded model {model.id} "
+                    "back; restore the model first (any call on it does), or delete the model"
+                )
             storage_path = row.storage_path
-            s.delete(row)
+            queries.delete_checkpoint(s, row)
         self.ctx.store.delete(storage_path)

@@ -20,7 +20,7 @@ from treadle.common.store import copy_checkpoint
 from treadle.errors import InvalidArgumentError, NotFoundError, TreadleError
 from treadle.server import convert
 from treadle.server.context import ServerContext
-from treadle.server.db import queries, tenancy
+from treadle.server.db import ops_log, queries, tenancy
 from treadle.server.service.checkpoints import CheckpointService
 from treadle.server.service.types import CreateModel, ModelInfo
 from treadle.workers.domain import ModelSpec
@@ -93,8 +93,8 @@ class ModelService:
                 seed=seed,
                 dtype=dtype,
                 modules=modules,
+                session_id=req.session_id or None,
             )
-            row.session_id = req.session_id or None
             model_id = row.id
         spec = ModelSpec(model_id, tenant, base_model, rank, alpha, seed, dtype, *modules)
         init = None
@@ -190,7 +190,7 @@ class ModelService:
             next_seq_id = row.last_checkpoint_seq_id + 1
         elif row.status == "lost" and (s := object_session(row)) is not None:
             # its next call replays it to its last applied step (or a load_state places it)
-            next_seq_id = queries.last_applied_seq(s, row.id) + 1
+            next_seq_id = ops_log.last_applied_seq(s, row.id) + 1
         info = ModelInfo(
             model_id=row.id,
             base_model=row.base_model,

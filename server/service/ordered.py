@@ -22,7 +22,7 @@ from typing import Any, Generic, TypeVar
 from treadle.errors import InvalidArgumentError, TreadleError
 from treadle.server import restarts
 from treadle.server.context import ServerContext
-from treadle.server.db import queries
+from treadle.server.db import ops_log
 from treadle.server.metering import CallMeter
 from treadle.server.service.types import OrderedCall
 from treadle.workers.domain import OpResult, OrderedOp, RejectedOp
@@ -90,7 +90,7 @@ class OrderedCalls:
             with self.ctx.connection() as conn:
                 # A repeat of a recorded call is not admitted (or counted) again; a
                 # call over quota raises here and its row is rolled back.
-                if queries.insert_op_if_new(conn, call.model_id, call.seq_id, kind, call.digest):
+                if ops_log.insert_op_if_new(conn, call.model_id, call.seq_id, kind, call.digest):
                     ticket, op = self.meter.admit_ordered(tenant, call.model_id, call.seq_id, op)
         except Exception:
             self.meter.release_ordered(call.model_id, call.seq_id, ticket)
@@ -112,7 +112,7 @@ class OrderedCalls:
         """Record the call's end; whether this was the call that ended it (a call
         that failed UNAVAILABLE ends done when its repeat, same payload, is applied)."""
         with self.ctx.connection() as conn:
-            return queries.finish_pending_op(
+            return ops_log.finish_pending_op(
                 conn, call.model_id, call.seq_id, status, code, call.digest
             )
 

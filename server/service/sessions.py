@@ -3,7 +3,6 @@ the models created in it stay loaded while the beats come (``server.lifecycle``)
 
 from __future__ import annotations
 
-from treadle.common.db import models as db
 from treadle.errors import NotFoundError
 from treadle.server.context import ServerContext
 from treadle.server.db import queries
@@ -30,7 +29,7 @@ class SessionService:
             row = queries.get_session(s, tenant, session_id)
             if row is None or row.ended_at is not None:
                 raise NotFoundError(f"session_id: session {session_id!r} not found")
-            row.last_heartbeat_at = db.utcnow()
+            queries.record_heartbeat(s, row)
 
     def members(self, tenant: str, session_id: str) -> tuple[list[str], list[str]]:
         """(model ids, sampler ids) created in the session; NOT_FOUND for another tenant's."""
@@ -50,5 +49,4 @@ class SessionService:
             row = queries.get_session(s, tenant, session_id)
             if row is None:
                 raise NotFoundError(f"session_id: session {session_id!r} not found")
-            if row.ended_at is None:
-                row.ended_at = db.utcnow()
+            queries.end_session(s, row)

@@ -15,7 +15,14 @@ from sqlalchemy.exc import IntegrityError
 from treadle.common.db import workers as wq
 from treadle.common.db.models import Base
 from treadle.errors import InvalidArgumentError
-from treadle.server.db import downgrade, make_engine, make_session_factory, tenancy, upgrade_to_head
+from treadle.server.db import (
+    downgrade,
+    make_engine,
+    make_session_factory,
+    ops_log,
+    tenancy,
+    upgrade_to_head,
+)
 from treadle.server.db import queries as q
 from treadle.server.db.session import alembic_config
 
@@ -77,8 +84,8 @@ def _fill_every_table(engine: Engine) -> None:
         q.create_sampler(
             s, tenant_id=tenant.id, base_model="tiny-llama", mode="latest", model_id=model.id
         )
-        q.record_op(s, model.id, 1, "OPTIM_STEP", "sha256:aa")
-        q.finish_op(s, model.id, 1, "done")
+        ops_log.record_op(s, model.id, 1, "OPTIM_STEP", "sha256:aa")
+        ops_log.finish_op(s, model.id, 1, "done")
         tenancy.set_quota(s, tenant, max_models=3, tokens_per_minute=2**40)
         delta = tenancy.UsageDelta(tokens_sampled=2**40, tokens_trained=5, calls=2, compute_s=0.5)
         tenancy.add_usage(s, tenant.id, model.id, "tiny-llama", delta)

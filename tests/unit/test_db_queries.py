@@ -12,7 +12,7 @@ from sqlalchemy.orm import Session
 
 from treadle.common.db.models import Model
 from treadle.errors import AlreadyExistsError
-from treadle.server.db import make_engine, make_session_factory, upgrade_to_head
+from treadle.server.db import make_engine, make_session_factory, ops_log, upgrade_to_head
 from treadle.server.db import queries as q
 
 
@@ -160,18 +160,18 @@ def test_samplers_are_tenant_scoped(session: Session) -> None:
 def test_ops_log(session: Session) -> None:
     tenant = q.ensure_tenant(session, "alice")
     model = _model(session, tenant.id)
-    op = q.record_op(session, model.id, 1, "FORWARD_BACKWARD", "sha256:aa")
+    op = ops_log.record_op(session, model.id, 1, "FORWARD_BACKWARD", "sha256:aa")
     assert (op.status, op.finished_at, op.error_code) == ("pending", None, None)
-    q.record_op(session, model.id, 2, "OPTIM_STEP", "sha256:bb")
-    done = q.finish_op(session, model.id, 1, "done")
-    failed = q.finish_op(session, model.id, 2, "failed", error_code="UNAVAILABLE")
+    ops_log.record_op(session, model.id, 2, "OPTIM_STEP", "sha256:bb")
+    done = ops_log.finish_op(session, model.id, 1, "done")
+    failed = ops_log.finish_op(session, model.id, 2, "failed", error_code="UNAVAILABLE")
     assert done.status == "done" and done.finished_at is not None
     assert (failed.status, failed.error_code) == ("failed", "UNAVAILABLE")
-    assert q.get_op(session, model.id, 3) is None
+    assert ops_log.get_op(session, model.id, 3) is None
     session.commit()
     session.expunge_all()
     with pytest.raises(IntegrityError):  # (model_id, seq_id) is recorded once
-        q.record_op(session, model.id, 1, "FORWARD_BACKWARD", "sha256:aa")
+        ops_log.record_op(session, model.id, 1, "FORWARD_BACKWARD", "sha256:aa")
 
 
 def test_a_call_failed_unavailable_and_applied_on_its_repeat_ends_done_once(
@@ -181,19 +181,78 @@ def test_a_call_failed_unavailable_and_applied_on_its_repeat_ends_done_once(
     model = _model(session, tenant.id)
     session.commit()
     conn = session.connection()
-    assert q.insert_op_if_new(conn, model.id, 1, "forward_backward", "sha256:aa")
-    assert q.insert_op_if_new(conn, model.id, 2, "forward_backward", "sha256:bb")
-    assert q.finish_pending_op(conn, model.id, 1, "failed", "UNAVAILABLE")
-    assert q.finish_pending_op(conn, model.id, 2, "failed", "INVALID_ARGUMENT")
+    assert ops_log.insert_op_if_new(conn, model.id, 1, "forward_backward", "sha256:aa")
+    assert ops_log.insert_op_if_new(conn, model.id, 2, "forward_backward", "sha256:bb")
+    assert ops_log.finish_pending_op(conn, model.id, 1, "failed", "UNAVAILABLE")
+    assert ops_log.finish_pending_op(conn, model.id, 2, "failed", "INVALID_ARGUMENT")
     # the repeat of 1 is not recorded again; applied, it ends the row, once
-    assert not q.insert_op_if_new(conn, model.id, 1, "forward_backward", "sha256:aa")
-    assert not q.finish_pending_op(conn, model.id, 1, "failed", "ABORTED", "sha256:aa")
+    assert not ops_log.insert_op_if_new(conn, model.id, 1, "forward_backward", "sha256:aa")
+    assert not ops_log.finish_pending_op(conn, model.id, 1, "failed", "ABORTED", "sha256:aa")
     # another call numbered 1 again (after a resync) does not end it
-    assert not q.finish_pending_op(conn, model.id, 1, "done", None, "sha256:cc")
-    assert q.finish_pending_op(conn, model.id, 1, "done", None, "sha256:aa")
-    assert not q.finish_pending_op(conn, model.id, 1, "done", None, "sha256:aa")
-    assert not q.finish_pending_op(conn, model.id, 2, "done", None, "sha256:bb")  # final
+    assert not ops_log.finish_pending_op(conn, model.id, 1, "done", None, "sha256:cc")
+    assert ops_log.finish_pending_op(conn, model.id, 1, "done", None, "sha256:aa")
+    assert not ops_log.finish_pending_op(conn, model.id, 1, "done", None, "sha256:aa")
+    assert not ops_log.finish_pending_op(conn, model.id, 2, "done", None, "sha256:bb")  # final
     session.commit()
     session.expunge_all()
-    assert q.get_op(session, model.id, 1).status == "done"  # type: ignore[union-attr]
-    assert q.get_op(session, model.id, 2).status == "failed"  # type: ignore[union-attr]
+    assert ops_log.get_op(session, model.id, 1).status == "done"  # type: ignore[union-attr]
+    assert ops_log.get_op(session, model.id, 2).status == "failed"  # type: ignore[union-attr]
+
+
+def test_deleting_the_last_checkpoint_points_the_model_at_the_newest_remaining(
+    session: Session,
+) -> None:
+    tenant = q.ensure_tenant(session, "alice")
+    model = _model(session, tenant.id)
+    first, second = _checkpoint(session, model, "a", 3), _checkpoint(session, model, "b", 7)
+    q.update_model_progress(session, model.id, last_checkpoint=second)
+    q.delete_checkpoint(session, first)  # not the last one: the model keeps pointing at b
+    assert (model.last_checkpoint_id, model.last_checkpoint_seq_id) == (second.id, 7)
+    third = _checkpoint(session, model, "c", 9)
+    q.update_model_progress(session, model.id, last_checkpoint=third)
+    q.delete_checkpoint(session, third)
+    assert (model.last_checkpoint_id, model.last_checkpoint_seq_id) == (second.id, 7)
+    q.delete_checkpoint(session, second)
+    assert (model.last_checkpoint_id, model.last_checkpoint_seq_id) == (None, 0)
+    assert q.list_checkpoints(session, tenant.id, model.id) == []
+
+
+def test_model_status_sessions_and_checkpoint_flags_change_through_queries(
+    session: Session,
+) -> None:
+    tenant = q.ensure_tenant(session, "alice")
+    client = q.create_session(session, tenant.id, "sdk")
+    model = q.create_model(
+        session,
+        tenant_id=tenant.id,
+        base_model="tiny-llama",
+        lora_rank=8,
+        lora_alpha=16.0,
+        seed=0,
+        dtype="float32",
+        session_id=client.id,
+    )
+    assert model.session_id == client.id
+    assert q.set_model_status(session, model.id, "unloaded", version=4) is model
+    assert (model.status, model.version) == ("unloaded", 4)
+    assert q.set_model_status(session, model.id, "active") is model
+    assert (model.status, model.version) == ("active", 4)
+    assert q.set_model_status(session, "m-missing", "lost") is None
+
+    before = client.last_heartbeat_at
+    q.record_heartbeat(session, client)
+    assert client.last_heartbeat_at >= before
+    q.end_session(session, client)
+    ended = client.ended_at
+    assert ended is not None
+    q.end_session(session, client)  # ended once: the first end stays
+    assert client.ended_at == ended
+
+    ckpt = _checkpoint(session, model, "a")
+    when = dt.datetime(2030, 1, 1, tzinfo=dt.timezone.utc)
+    q.set_checkpoint_expiry(session, ckpt, when)
+    q.set_checkpoint_public(session, ckpt, True)
+    assert q.expired_checkpoints(session, when + dt.timedelta(seconds=1)) == [ckpt]
+    assert q.get_public_checkpoint(session, ckpt.uri) is ckpt
+    q.set_checkpoint_expiry(session, ckpt, None)
+    assert q.expired_checkpoints(session, when + dt.timedelta(seconds=1)) == []

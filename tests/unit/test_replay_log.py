@@ -11,7 +11,7 @@ import pytest
 from sqlalchemy.orm import Session, sessionmaker
 
 from treadle.common.db.models import Model
-from treadle.server.db import make_engine, make_session_factory, upgrade_to_head
+from treadle.server.db import make_engine, make_session_factory, ops_log, upgrade_to_head
 from treadle.server.db import queries as q
 from treadle.server.replay_log import ReplayLog
 from treadle.workers.domain import (
@@ -47,11 +47,11 @@ def _applied(
 ) -> None:
     """What the servicer and the dispatcher do for a call the worker applied."""
     with sessions() as s:
-        q.insert_op_if_new(s.connection(), model_id, seq_id, "op", f"sha256:{seq_id}")
+        ops_log.insert_op_if_new(s.connection(), model_id, seq_id, "op", f"sha256:{seq_id}")
         s.commit()
     log.record(model_id, seq_id, op)  # type: ignore[arg-type]
     with sessions() as s:
-        q.finish_pending_op(s.connection(), model_id, seq_id, "done")
+        ops_log.finish_pending_op(s.connection(), model_id, seq_id, "done")
         s.commit()
 
 
