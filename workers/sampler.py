@@ -33,12 +33,12 @@ satisfy), ``fair_queue`` (the order requests are admitted in), ``prefix_cache``
 (the staging slots and prefix reuse), ``prepack_policy`` (when decode runs on
 prepacked weights; the CPU only), ``partials`` (partial rollouts and their
 resumption), ``token_choice`` (tokens chosen on the device, one read per step),
-``memory_budget`` (the KV cache sized by free memory), ``step_window`` (rates).
+``memory_budget`` (the KV cache sized by free memory), ``step_window`` (rates),
+and ``sampler_forward`` (the prefill and decode forwards themselves).
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import time
@@ -52,11 +52,11 @@ from torch import Tensor
 
 from treadle.errors import ResourceExhaustedError, TreadleError
 from treadle.workers import memory_budget
+from treadle.workers import sampler_forward as forward
 from treadle.workers.base_models import BaseModel
 from treadle.workers.domain import SampleOp, SampleResult, SamplingConfig, SequenceResult
 from treadle.workers.fair_queue import FairQueue
-from treadle.workers.model import prepack
-from treadle.workers.model.llama import forward_hidden, lm_logits
+from treadle.workers.model.llama import lm_logits
 from treadle.workers.partials import PartialStore, gather, resume_op
 from treadle.workers.prefix_cache import PrefixCache
 from treadle.workers.prepack_policy import PrepackPolicy
@@ -67,7 +67,6 @@ from treadle.workers.sampler_state import (
     Row,
     SamplerLimits,
     SamplerStats,
-    charge,
     compact,
     lora_for,
     prefill_batches,
@@ -77,7 +76,7 @@ from treadle.workers.sampler_state import (
 from treadle.workers.sampler_validation import validate
 from treadle.workers.sampling import row_keys
 from treadle.workers.step_window import StepWindow, log_stats
-from treadle.workers.token_choice import choose, record, step_inputs, to_host
+from treadle.workers.token_choice import choose, record, to_host
 from treadle.workers.versions import WeightSnapshot
 
 log = logging.getLogger("treadle.sampler")
@@ -334,32 +333,11 @@ class TorchSampler:
         return sum(n for _, n in chunks)
 
     def _prefill_forward(self, batch: list[tuple[Request, int]]) -> None:
-        B, T = len(batch), max(n for _, n in batch)
-        tokens_B_T = torch.zeros(B, T, dtype=torch.long)
-        positions_B_T = torch.full((B, T), self.max_len - 1, dtype=torch.long)
-        for b, (req, n) in enumerate(batch):
-            start = req.prefilled
-            tokens_B_T[b, :n] = torch.from_numpy(req.prompt[start : start + n])
-            positions_B_T[b, :n] = torch.arange(start, start + n)
-        snaps = [req.snapshot for req, _ in batch]
-        t0 = time.perf_counter()
-        dev = self.device
-        hidden_B_T_H = forward_hidden(
-            self.cfg,
-            snaps[0].params,
-            tokens_B_T.to(dev),
-            positions_B_T.to(dev),
-            lora=lora_for([s.adapter for s in snaps]),
-            cache=self.prefix.stage,
-            slots_B=torch.tensor([req.stage_slot for req, _ in batch], device=dev),
-            kv_len=max(req.prefilled + n for req, n in batch),  # known here: no device read
+        hidden_B_T_H = forward.prefill(
+            self.cfg, self.prefix.stage, batch, self.max_len, self.device
         )
+        params = batch[0][0].snapshot.params
         finished: list[tuple[Request, Tensor]] = []
-        for b, (req, n) in enumerate(batch):
-            if req.scorer is not None:  # prompt logprobs, from this same forward
-                lora = lora_for([req.snapshot.adapter])
-                req.scorer.add(self.cfg, snaps[0].params, hidden_B_T_H[b, :n], req.prefilled, lora)
-        charge(batch, time.perf_counter() - t0)
         for b, (req, n) in enumerate(batch):
             req.prefilled += n
             self.prompt_tokens += n
@@ -369,7 +347,7 @@ class TorchSampler:
         if finished:
             hidden_F_H = torch.stack([h for _, h in finished])
             head_lora = lora_for([req.snapshot.adapter for req, _ in finished])
-            logits_F_V = lm_logits(self.cfg, snaps[0].params, hidden_F_H, lora=head_lora)
+            logits_F_V = lm_logits(self.cfg, params, hidden_F_H, lora=head_lora)
             for (req, _), logits_V in zip(finished, logits_F_V, strict=True):
                 self._start_rows(req, logits_V)
 
@@ -398,50 +376,7 @@ class TorchSampler:
     def _decode(self) -> None:
         """Every running row advances one token: a forward per set of base weights,
         each sampled on the device, then one read of all their tokens (``token_choice``)."""
-        groups: dict[int, list[Row]] = {}
-        for row in self.running:
-            groups.setdefault(id(row.snapshot.params), []).append(row)
-        chosen: list[tuple[list[Row], Tensor, Tensor]] = []
-        for rows in groups.values():
-            params = rows[0].snapshot.params
-            tokens = [r.next_input for r in rows]
-            positions = [r.position for r in rows]
-            slots = [r.slot for r in rows]
-            adapters = [r.snapshot.adapter for r in rows]
-            pad = self.packing.pad_rows(params, len(rows), len(self.running))
-            if pad:
-                # Filler rows in free slots at position 0 (overwritten before any
-                # real row reads them), so the batch has the packed width.
-                free = len(self.running)
-                tokens += [0] * pad
-                positions += [0] * pad
-                slots += range(free, free + pad)
-                adapters += [adapters[0]] * pad
-            t0 = time.perf_counter()
-            packs = self.packing.packs_for(len(rows))
-            packed = prepack.decoding() if packs else contextlib.nullcontext()
-            with packed:
-                lora = lora_for(adapters)
-                tokens_B_1, positions_B_1, slots_B, span = step_inputs(
-                    tokens, positions, slots, self.device
-                )
-                hidden_B_1_H = forward_hidden(
-                    self.cfg,
-                    params,
-                    tokens_B_1,
-                    positions_B_1,
-                    lora=lora,
-                    cache=self.cache,
-                    slots_B=slots_B,
-                    kv_len=max(positions) + 1,  # known here: no device read
-                    slot_span=span,
-                )
-                logits_B_V = lm_logits(self.cfg, params, hidden_B_1_H[:, -1], lora=lora)
-                logits_B_V = logits_B_V[: len(rows)]
-            for r in rows:
-                r.position += 1
-            charge([(r.request, 1) for r in rows], time.perf_counter() - t0)
-            chosen.append((rows, *choose(rows, logits_B_V)))
+        chosen = forward.decode(self.cfg, self.cache, self.packing, self.running, self.device)
         tokens_N, logprobs_N = to_host([c[1] for c in chosen], [c[2] for c in chosen])
         done = 0
         for rows, _, _ in chosen:
