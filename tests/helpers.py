@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
+from typing import Any
+
+import grpc
 
 import treadle
 
@@ -26,3 +30,26 @@ def next_token_datum(
             "weights": list(weights) if weights is not None else [1.0] * n,
         },
     )
+
+
+class _Auth(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
+    """Adds an API key to raw calls (the SDK does this itself)."""
+
+    def __init__(self, key: str | None) -> None:
+        self.metadata = (("authorization", f"Bearer {key}"),) if key else ()
+
+    def _details(self, details: Any) -> Any:
+        return details._replace(metadata=[*(details.metadata or ()), *self.metadata])
+
+    def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        return continuation(self._details(details), request)
+
+    def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
+        return continuation(self._details(details), request)
+
+
+def raw_channel(server: Any) -> grpc.Channel:
+    """A plain gRPC channel to an embedded ``server`` that sends its API key (or
+    ``TREADLE_API_KEY``) with every call: for tests that send raw requests."""
+    key = getattr(server, "api_key", None) or os.environ.get("TREADLE_API_KEY")
+    return grpc.intercept_channel(grpc.insecure_channel(server.address), _Auth(key))

@@ -11,12 +11,8 @@ from tests.conftest import make_server
 from tests.helpers import next_token_datum
 
 
-def _datum(tokens: list[int]) -> treadle.Datum:
-    return next_token_datum(tokens)
-
-
 def test_restart_returns_to_last_auto_checkpoint(tmp_path: Path, tiny_model_dir: Path) -> None:
-    datum = _datum([1, 20, 21, 14, 22, 2])
+    datum = next_token_datum([1, 20, 21, 14, 22, 2])
     srv = make_server(tmp_path, {"tiny": tiny_model_dir}, auto_checkpoint_steps=2)
     try:
         client = treadle.ServiceClient(srv.address, api_key=getattr(srv, "api_key", None))

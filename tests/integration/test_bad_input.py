@@ -4,16 +4,15 @@ accumulated gradients, optimizer state), and the rejected call's seq_id consumed
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import grpc
 import numpy as np
 import pytest
 
 import treadle
+from tests.helpers import char_ids, raw_channel
 from treadle import _convert
 from treadle.server.config import ServerConfig
 from treadle.server.embedded import EmbeddedServer
@@ -43,41 +42,16 @@ def server(
     srv.stop()
 
 
-class _Auth(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
-    """Adds the server's API key to raw calls (the SDK does this itself)."""
-
-    def __init__(self, key: str | None) -> None:
-        self.metadata = (("authorization", f"Bearer {key}"),) if key else ()
-
-    def _details(self, details: Any) -> Any:
-        return details._replace(metadata=[*(details.metadata or ()), *self.metadata])
-
-    def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
-        return continuation(self._details(details), request)
-
-    def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
-        return continuation(self._details(details), request)
-
-
-def _channel(server: EmbeddedServer) -> grpc.Channel:
-    key = getattr(server, "api_key", None) or os.environ.get("TREADLE_API_KEY")
-    return grpc.intercept_channel(grpc.insecure_channel(server.address), _Auth(key))
-
-
 @pytest.fixture(scope="module")
 def channel(server: EmbeddedServer) -> Iterator[grpc.Channel]:
-    ch = _channel(server)
+    ch = raw_channel(server)
     yield ch
     ch.close()
 
 
-def _ids(text: str) -> list[int]:
-    return [3 + (ord(c) - 32) for c in text]  # the tiny model's character ids
-
-
 def _datum(text: str, model_input: list[int] | None = None, **inputs: object) -> treadle.Datum:
     """``text`` as a next-token datum; keyword arguments replace its parts."""
-    ids = _ids(text)
+    ids = char_ids(text)
     loss_fn_inputs = {"target_tokens": ids[1:], "weights": [1.0] * (len(ids) - 1), **inputs}
     tokens = ids[:-1] if model_input is None else model_input
     return treadle.Datum(
@@ -127,7 +101,7 @@ def test_unknown_version_is_not_found(service: treadle.ServiceClient) -> None:
     with pytest.raises(treadle.NotFoundError, match="v/7"):
         service.create_sampling_client(weights=f"treadle://{tc.model_id}/v/7")
     v0 = service.create_sampling_client(weights=f"treadle://{tc.model_id}/v/0")
-    assert v0.sample(_ids("ab"), 1, treadle.SamplingParams(max_tokens=2)).result(TIMEOUT)
+    assert v0.sample(char_ids("ab"), 1, treadle.SamplingParams(max_tokens=2)).result(TIMEOUT)
     keep = 4  # the server default: versions beyond the latest 4 are released
     for _ in range(keep):
         tc.forward_backward([GOOD1])
@@ -136,7 +110,7 @@ def test_unknown_version_is_not_found(service: treadle.ServiceClient) -> None:
     assert synced.version == keep  # waits for the last sync
     assert tc.get_info().version == keep
     with pytest.raises(treadle.NotFoundError):
-        v0.sample(_ids("ab"), 1, treadle.SamplingParams(max_tokens=2)).result(TIMEOUT)
+        v0.sample(char_ids("ab"), 1, treadle.SamplingParams(max_tokens=2)).result(TIMEOUT)
     with pytest.raises(treadle.NotFoundError):
         service.create_sampling_client(weights=f"treadle://{tc.model_id}/v/0")
     v1 = service.create_sampling_client(weights=f"treadle://{tc.model_id}/v/1")
@@ -148,7 +122,7 @@ def test_unknown_sampler_is_not_found(channel: grpc.Channel) -> None:
     req = sampling_pb2.SampleRequest(
         sampler_id="s-nope", num_samples=1, params=sampling_pb2.SamplingParams(max_tokens=2)
     )
-    _convert.prompt_to_wire(treadle.ModelInput.from_ints(_ids("ab")), req.prompt)
+    _convert.prompt_to_wire(treadle.ModelInput.from_ints(char_ids("ab")), req.prompt)
     with pytest.raises(grpc.RpcError) as err:
         stub.Sample(req, timeout=TIMEOUT)
     assert err.value.code() == grpc.StatusCode.NOT_FOUND
@@ -352,24 +326,24 @@ def test_repeat_of_a_rejected_call_answers_the_same_error(channel: grpc.Channel)
 
 P = treadle.SamplingParams
 BAD_SAMPLES: dict[str, tuple[list[int], int, treadle.SamplingParams, str]] = {
-    "negative_max_tokens": (_ids("ab"), 1, P(max_tokens=-1), "max_tokens"),
-    "top_p_above_one": (_ids("ab"), 1, P(top_p=1.5), "top_p"),
-    "top_p_negative": (_ids("ab"), 1, P(top_p=-0.1), "top_p"),
-    "top_p_zero": (_ids("ab"), 1, P(top_p=0.0), "top_p"),  # explicit 0 is not "off" (issue 21)
-    "stop_neither_text_nor_token": (_ids("ab"), 1, P(stop=[1.5]), "stop[0]"),  # type: ignore[list-item]
-    "top_k_below_minus_one": (_ids("ab"), 1, P(top_k=-2), "top_k"),
-    "negative_temperature": (_ids("ab"), 1, P(temperature=-0.5), "temperature"),
-    "prompt_longer_than_context": (_ids("a" * SAMPLER_MAX_LEN), 1, P(max_tokens=1), "prompt"),
+    "negative_max_tokens": (char_ids("ab"), 1, P(max_tokens=-1), "max_tokens"),
+    "top_p_above_one": (char_ids("ab"), 1, P(top_p=1.5), "top_p"),
+    "top_p_negative": (char_ids("ab"), 1, P(top_p=-0.1), "top_p"),
+    "top_p_zero": (char_ids("ab"), 1, P(top_p=0.0), "top_p"),  # explicit 0 is not "off" (issue 21)
+    "stop_neither_text_nor_token": (char_ids("ab"), 1, P(stop=[1.5]), "stop[0]"),  # type: ignore[list-item]
+    "top_k_below_minus_one": (char_ids("ab"), 1, P(top_k=-2), "top_k"),
+    "negative_temperature": (char_ids("ab"), 1, P(temperature=-0.5), "temperature"),
+    "prompt_longer_than_context": (char_ids("a" * SAMPLER_MAX_LEN), 1, P(max_tokens=1), "prompt"),
     "prompt_plus_max_tokens_too_long": (
-        _ids("a" * 200),
+        char_ids("a" * 200),
         1,
         P(max_tokens=SAMPLER_MAX_LEN),
         "max_tokens",
     ),
     "prompt_token_outside_vocab": ([5, VOCAB + 3], 1, P(), "prompt"),
     "empty_prompt": ([], 1, P(), "prompt"),
-    "too_many_samples": (_ids("ab"), 9, P(), "num_samples"),
-    "stop_token_outside_vocab": (_ids("ab"), 1, P(stop=[VOCAB]), "stop"),
+    "too_many_samples": (char_ids("ab"), 9, P(), "num_samples"),
+    "stop_token_outside_vocab": (char_ids("ab"), 1, P(stop=[VOCAB]), "stop"),
 }
 
 
@@ -381,5 +355,5 @@ def test_bad_sample_names_the_field(service: treadle.ServiceClient, case: str) -
         sampler.sample(prompt, n, params).result(timeout=TIMEOUT)
     assert field in err.value.message, err.value.message
     # the sampler still serves good requests
-    ok = sampler.sample(_ids("ab"), 1, P(max_tokens=2, seed=0)).result(timeout=TIMEOUT)
+    ok = sampler.sample(char_ids("ab"), 1, P(max_tokens=2, seed=0)).result(timeout=TIMEOUT)
     assert len(ok.sequences) == 1

@@ -45,10 +45,6 @@ def value(samples: Samples, name: str, **labels: str) -> float:
     )
 
 
-def _datum(tokens: list[int]) -> treadle.Datum:
-    return next_token_datum(tokens)
-
-
 @pytest.fixture(scope="module")
 def srv(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Iterator[EmbeddedServer]:
     s = make_server(tmp_path_factory.mktemp("observe"), {BASE: tiny_model_dir}, metrics_port=0)
@@ -63,7 +59,9 @@ def traffic(srv: EmbeddedServer) -> str:
     assert srv.api_key is not None and srv.ctx is not None
     with treadle.ServiceClient(srv.address, api_key=srv.api_key) as client:
         tc = client.create_lora_training_client(BASE, rank=2, seed=0)
-        tc.forward_backward([_datum([1, 2, 3, 4, 5])], "cross_entropy").result(timeout=120)
+        tc.forward_backward([next_token_datum([1, 2, 3, 4, 5])], "cross_entropy").result(
+            timeout=120
+        )
         tc.optim_step(treadle.AdamParams(learning_rate=1e-3)).result(timeout=120)
         sampler = tc.sync_weights()
         sampler.sample([1, 2, 3], 2, treadle.SamplingParams(max_tokens=3)).result(timeout=120)

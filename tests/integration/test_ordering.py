@@ -3,18 +3,16 @@ driven with raw gRPC requests so seq_ids, repeats and arrival order are ours."""
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import grpc
 import numpy as np
 import pytest
 
 import treadle
-from tests.helpers import char_ids, next_token_datum
+from tests.helpers import char_ids, next_token_datum, raw_channel
 from treadle import _convert
 from treadle.server.config import ServerConfig
 from treadle.server.embedded import EmbeddedServer
@@ -32,27 +30,6 @@ def _start(tmp: Path, model_dir: Path, **overrides: object) -> EmbeddedServer:
     return EmbeddedServer(config).start()
 
 
-class _Auth(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
-    """Adds the server's API key to raw calls (the SDK does this itself)."""
-
-    def __init__(self, key: str | None) -> None:
-        self.metadata = (("authorization", f"Bearer {key}"),) if key else ()
-
-    def _details(self, details: Any) -> Any:
-        return details._replace(metadata=[*(details.metadata or ()), *self.metadata])
-
-    def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
-        return continuation(self._details(details), request)
-
-    def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
-        return continuation(self._details(details), request)
-
-
-def _channel(server: EmbeddedServer) -> grpc.Channel:
-    key = getattr(server, "api_key", None) or os.environ.get("TREADLE_API_KEY")
-    return grpc.intercept_channel(grpc.insecure_channel(server.address), _Auth(key))
-
-
 @pytest.fixture(scope="module")
 def server(
     tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path
@@ -64,7 +41,7 @@ def server(
 
 @pytest.fixture(scope="module")
 def stub(server: EmbeddedServer) -> Iterator[training_pb2_grpc.TrainingServiceStub]:
-    channel = _channel(server)
+    channel = raw_channel(server)
     yield training_pb2_grpc.TrainingServiceStub(channel)
     channel.close()
 
@@ -221,7 +198,7 @@ def test_calls_sent_out_of_order_are_applied_in_order(
 
 def test_a_gap_times_out_with_aborted(tmp_path: Path, tiny_model_dir: Path) -> None:
     srv = _start(tmp_path, tiny_model_dir, gap_timeout_s=1.0)
-    channel = _channel(srv)
+    channel = raw_channel(srv)
     try:
         stub = training_pb2_grpc.TrainingServiceStub(channel)
         mid = _new_model(stub)

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 import treadle
+from tests.helpers import next_token_datum
 from treadle.futures import APIFuture
 from treadle.rl import (
     Group,
@@ -256,18 +257,42 @@ def test_async_loop_timeout_fails_instead_of_hanging(
 def test_async_loop_with_inflight_updates(
     service: treadle.ServiceClient, trainer: treadle.TrainingClient
 ) -> None:
+    """Syncs land while rollouts decode: some rollout is written by two versions
+    (its later tokens under the newer weights), one version a train step."""
     sampler = latest(service, trainer)
-    long = treadle.SamplingParams(max_tokens=12, temperature=1.0)
+    grpo = grpo_train_step()
+    seen: list[Group] = []
+    filler = next_token_datum([1, 5, 9, 13])
+
+    def train_step(trainer: treadle.TrainingClient, groups: list[Group]) -> dict[str, float]:
+        seen.extend(groups)
+        out = grpo(trainer, groups)
+        if not out["trained_rollouts"]:  # rewards agreed: still move the weights a step
+            trainer.forward_backward([filler]).result()
+            out["version"] = float(trainer.optim_step().result().step)
+        return out
+
+    # long answers (no early EOS), so a group is still decoding when a step's sync lands
+    long = treadle.SamplingParams(max_tokens=48, temperature=1.0, ignore_eos=True)
+    v0 = trainer.get_info().version
     stats = run_with_deadline(
         lambda: list(
             async_loop(
-                trainer, sampler, prompts(), reward, steps=3, groups_per_step=1, group_size=2,
+                trainer, sampler, prompts(), reward, steps=4, groups_per_step=1, group_size=2,
                 buffer_groups=3, max_staleness=8, inflight=True, sampling_params=long,
-                timeout=30.0,
+                train_step=train_step, timeout=30.0,
             )
         )
     )  # fmt: skip
-    assert [s.step for s in stats] == [1, 2, 3]
+    assert [s.step for s in stats] == [1, 2, 3, 4]
+    assert [s.version for s in stats] == [v0 + 1, v0 + 2, v0 + 3, v0 + 4]
+    assert all(s.groups == 1 and s.rollouts == 2 and s.dropped_stale == 0 for s in stats)
+    rollouts = [r for g in seen for r in g.rollouts]
+    assert len(rollouts) == 8 and all(len(r.completion_tokens) == 48 for r in rollouts)
+    spans = [r.token_versions() for r in rollouts]
+    assert all(v == sorted(v) and v0 <= v[0] and v[-1] <= v0 + 4 for v in spans), spans
+    mixed = [v for v in spans if len(set(v)) > 1]
+    assert mixed, f"no rollout spans two versions: {[sorted(set(v)) for v in spans]}"
 
 
 @pytest.mark.parametrize("on_stale", ["drop", "wait"])

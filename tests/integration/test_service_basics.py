@@ -43,16 +43,12 @@ def tok(service: treadle.ServiceClient) -> treadle.Tokenizer:
     return service.get_tokenizer(BASE)
 
 
-def _datum(tokens: Sequence[int], weights: Sequence[float] | None = None) -> treadle.Datum:
-    return next_token_datum(tokens, weights)
-
-
 def _completion_datum(prompt: Sequence[int], completion: Sequence[int]) -> treadle.Datum:
     """prompt + completion as a datum whose targets at positions len(prompt)-1.. are
     the completion tokens."""
     full = [*prompt, *completion]
     weights = [0.0] * (len(prompt) - 1) + [1.0] * len(completion)
-    return _datum(full, weights)
+    return next_token_datum(full, weights)
 
 
 def _train(tc: treadle.TrainingClient, datum: treadle.Datum, steps: int, lr: float = 2e-2) -> int:
@@ -174,7 +170,7 @@ def test_training_lowers_the_loss_of_the_trained_datum(
         if kind == "lora"
         else service.create_training_client(BASE)
     )
-    datum = _datum(tok.encode("12+3=15"))
+    datum = next_token_datum(tok.encode("12+3=15"))
     lr = 2e-2 if kind == "lora" else 3e-3  # every weight moves in a full fine-tune
     losses = []
     for _ in range(4):
@@ -203,7 +199,7 @@ def test_synced_sampler_matches_trainer_logprobs(
         if kind == "lora"
         else service.create_training_client(BASE)
     )
-    _train(tc, _datum(tok.encode("7*6=42")), steps=3)
+    _train(tc, next_token_datum(tok.encode("7*6=42")), steps=3)
     sampler = tc.sync_weights()
     assert sampler.version == 3
     prompt = tok.encode("7*6=")
@@ -227,7 +223,7 @@ def test_the_tinker_aliases_forward_their_arguments_or_refuse_them(
     service: treadle.ServiceClient, tok: treadle.Tokenizer
 ) -> None:
     tc = service.create_lora_training_client(BASE, rank=4, seed=3)
-    datum = _datum(tok.encode("7*6=42"))
+    datum = next_token_datum(tok.encode("7*6=42"))
     at_t2 = tc.forward_logprobs([datum], temperature=2.0).result(timeout=30)
     via_alias = tc.forward([datum], "importance_sampling", temperature=2.0).result(timeout=30)
     np.testing.assert_array_equal(
@@ -263,7 +259,7 @@ def test_pinned_version_stays_and_latest_follows_syncs(
         return {v for seq in res.sequences for v in seq.token_versions()}
 
     assert versions(latest) == {0}
-    datum = _datum(tok.encode("abcabc"))
+    datum = next_token_datum(tok.encode("abcabc"))
     _train(tc, datum, steps=2)
     assert versions(latest) == {0}  # trained but not yet synced
     pinned = tc.sync_weights()
@@ -291,7 +287,7 @@ def test_reference_logprobs_equal_the_base_sampler(
     service: treadle.ServiceClient, tok: treadle.Tokenizer
 ) -> None:
     tc = service.create_lora_training_client(BASE, rank=4, seed=2)
-    _train(tc, _datum(tok.encode("hello world")), steps=3)
+    _train(tc, next_token_datum(tok.encode("hello world")), steps=3)
     base = service.create_sampling_client(base_model=BASE)
     prompt = tok.encode("hello")
     for temperature in (1.0, 0.7):
@@ -324,7 +320,7 @@ def test_list_get_delete_models(service: treadle.ServiceClient, tok: treadle.Tok
     with pytest.raises(treadle.NotFoundError):
         service.get_model_info(tc.model_id)
     with pytest.raises(treadle.NotFoundError):
-        tc.forward_logprobs([_datum(tok.encode("abc"))]).result(timeout=30)
+        tc.forward_logprobs([next_token_datum(tok.encode("abc"))]).result(timeout=30)
     with pytest.raises(treadle.NotFoundError):
         service.delete_model(tc.model_id)
     with pytest.raises(treadle.NotFoundError):

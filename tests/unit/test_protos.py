@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import importlib
 import inspect
-import os
 import pkgutil
 import subprocess
 import sys
@@ -23,6 +22,7 @@ from google.protobuf.descriptor import MethodDescriptor, ServiceDescriptor
 
 import treadle.server
 import treadle.v1
+from tests.helpers import raw_channel
 from treadle import _convert as sdk_convert
 from treadle import types as sdk_types
 from treadle.server import convert as server_convert
@@ -104,31 +104,6 @@ def test_every_rpc_has_an_async_handler(service: ServiceDescriptor) -> None:
             assert inspect.iscoroutinefunction(handler), f"{method.name}: not async"
 
 
-class _Auth(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
-    """Adds the server's API key to raw calls (the SDK does this itself)."""
-
-    def __init__(self, key: str | None) -> None:
-        self.metadata = (("authorization", f"Bearer {key}"),) if key else ()
-
-    def _details(self, details: typing.Any) -> typing.Any:
-        return details._replace(metadata=[*(details.metadata or ()), *self.metadata])
-
-    def intercept_unary_unary(
-        self, continuation: typing.Any, details: typing.Any, request: typing.Any
-    ) -> typing.Any:
-        return continuation(self._details(details), request)
-
-    def intercept_unary_stream(
-        self, continuation: typing.Any, details: typing.Any, request: typing.Any
-    ) -> typing.Any:
-        return continuation(self._details(details), request)
-
-
-def _channel(server: typing.Any) -> grpc.Channel:
-    key = getattr(server, "api_key", None) or os.environ.get("TREADLE_API_KEY")
-    return grpc.intercept_channel(grpc.insecure_channel(server.address), _Auth(key))
-
-
 def _call(
     channel: grpc.Channel, service: ServiceDescriptor, method: MethodDescriptor
 ) -> grpc.StatusCode:
@@ -161,7 +136,7 @@ def _call(
 def test_every_rpc_is_served(server: typing.Any) -> None:
     """Each method answers an empty request with something other than UNIMPLEMENTED
     (usually INVALID_ARGUMENT or NOT_FOUND): its servicer is registered."""
-    with _channel(server) as channel:
+    with raw_channel(server) as channel:
         codes = {
             f"{s.name}.{m.name}": _call(channel, s, m) for _, s in _services() for m in s.methods
         }
