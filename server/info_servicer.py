@@ -25,7 +25,7 @@ class InfoServicer(server_pb2_grpc.ServerServiceServicer):
         self, request: server_pb2.GetServerInfoRequest, context: grpc.aio.ServicerContext
     ) -> server_pb2.ServerInfo:
         tenant = self.ctx.tenant(context)
-        d = self.ctx.dispatcher
+        d = self.ctx.engine_metrics
         max_models, live_models = await asyncio.to_thread(self.info.model_quota, tenant)
         info = server_pb2.ServerInfo(
             server_version=treadle.__version__,
