@@ -27,7 +27,7 @@ from typing import Any, TypeVar
 
 from kombu import Connection
 
-from treadle.errors import InternalError, UnavailableError
+from treadle.errors import InternalError, TreadleError, UnavailableError
 from treadle.workers import codec
 from treadle.workers.celery_app import (
     REPLY_CONTENT_TYPE,
@@ -167,8 +167,18 @@ class CeleryTransport:
     def _on_reply(self, message: Any) -> None:
         try:
             reply = decode_reply(message.body)
-        except Exception:
-            log.exception("dropped a malformed reply")
+        except Exception as err:
+            # a worker of another message version: the call fails with the reason
+            cid = (getattr(message, "headers", None) or {}).get("cid")
+            with self._lock:
+                failed = self._pending.pop(cid, None) if isinstance(cid, str) else None
+            if failed is None:
+                log.exception("dropped a malformed reply")
+                return
+            log.error("call %s: the worker's reply cannot be read: %s", cid, err)
+            resolve_threadsafe(
+                failed, err if isinstance(err, TreadleError) else InternalError(str(err))
+            )
             return
         cid = reply.cid
         if reply.more:  # an item of a streamed call: it stays pending

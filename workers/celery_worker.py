@@ -113,6 +113,9 @@ class Replier:
                         routing_key=reply_to,
                         content_type=REPLY_CONTENT_TYPE,
                         content_encoding="binary",
+                        # readable whatever the body's message version (a server of
+                        # another version fails the call with the reason)
+                        headers={"cid": cid},
                         retry=True,
                         retry_policy={"max_retries": 5, "interval_start": 0.1},
                     )

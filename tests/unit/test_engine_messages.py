@@ -251,3 +251,26 @@ def test_the_server_fails_a_reply_of_the_wrong_type() -> None:
         assert right == m.TargetVersion(4)
     finally:
         loop.close()
+
+
+def test_a_reply_of_another_version_fails_its_call_with_the_reason() -> None:
+    from treadle.server.celery_transport import CeleryTransport
+
+    transport = CeleryTransport.__new__(CeleryTransport)
+    transport._lock = threading.Lock()
+    transport._on_status = lambda status: None
+    loop = asyncio.new_event_loop()
+    try:
+        fut = loop.create_future()
+        transport._pending = {"c1": Pending(fut, loop, "w-1", None, m.DeleteModel("m-1"))}
+        reply = codec.encode(m.Reply("c1", value=m.Deleted("m-1")))
+        newer = SimpleNamespace(body=msgpack.packb(m.VERSION + 1) + reply, headers={"cid": "c1"})
+        transport._on_reply(newer)
+        loop.run_until_complete(asyncio.wait_for(asyncio.shield(fut), 1))
+    except InvalidArgumentError as err:
+        assert "message version" in err.message
+        assert transport._pending == {}
+    else:
+        raise AssertionError("the call did not fail")
+    finally:
+        loop.close()
