@@ -22,7 +22,7 @@ from treadle.server.auth import Authenticator, AuthInterceptor, bootstrap_defaul
 from treadle.server.config import ServerConfig
 from treadle.server.context import ServerContext
 from treadle.server.db import make_engine, make_session_factory, queries, tenancy, upgrade_to_head
-from treadle.server.dispatch import Dispatcher, InProcessDispatcher
+from treadle.server.dispatch import Backend, InProcessDispatcher
 from treadle.server.info_servicer import InfoServicer
 from treadle.server.interceptors import DecodeInterceptor, ErrorInterceptor, ObserveInterceptor
 from treadle.server.metrics import ServerMetrics
@@ -107,9 +107,7 @@ def bind_port(server: grpc.aio.Server, config: ServerConfig) -> int:
     return server.add_secure_port(address, credentials)
 
 
-async def create_context(
-    config: ServerConfig, dispatcher: Dispatcher | None = None
-) -> ServerContext:
+async def create_context(config: ServerConfig, dispatcher: Backend | None = None) -> ServerContext:
     """Everything but the transports: the database (migrated), the default tenant,
     the store, the engine's dispatcher and every live model restored. Its
     ``service`` is what the transports call; the caller starts ``usage`` and
@@ -152,6 +150,9 @@ async def create_context(
         config=config,
         sessions=sessions,
         dispatcher=dispatcher,
+        catalog=dispatcher,
+        engine_metrics=dispatcher,
+        draining=dispatcher,
         store=store,
         auth=Authenticator(
             sessions, default_key.tenant_id, enabled=config.auth, cache_s=config.auth_cache_s
@@ -171,7 +172,7 @@ async def create_context(
 
 
 async def create_server(
-    config: ServerConfig, dispatcher: Dispatcher | None = None
+    config: ServerConfig, dispatcher: Backend | None = None
 ) -> tuple[grpc.aio.Server, int, ServerContext]:
     ctx = await create_context(config, dispatcher)
     server = grpc.aio.server(

@@ -71,6 +71,17 @@ from treadle.workers.domain import (
     SaveResult,
     StreamedSequence,
 )
+from treadle.workers.engine_messages import (
+    CheckTarget,
+    CreateModel,
+    DeleteModel,
+    Export,
+    Resume,
+    Sample,
+    SampleStream,
+    Submit,
+    UnloadModel,
+)
 from treadle.workers.model.config import ModelConfig
 from treadle.workers.pass_stats import PassStats
 from treadle.workers.sampler import SamplerStats
@@ -126,8 +137,7 @@ class CeleryDispatcher:
         candidates = [adopt] if adopt else self.placement.candidates(spec.base_model)
 
         async def create(worker_id: str) -> ModelStatus:
-            status = await self._call(worker_id, "create", (spec, path, next_seq_id), spec.model_id)
-            return status  # type: ignore[no-any-return]
+            return await self._call(worker_id, CreateModel(spec, path, next_seq_id))
 
         worker_id, status = await self.placement.place(spec.base_model, candidates, create)
         self.placement.settle(spec.model_id, worker_id, status)
@@ -138,7 +148,7 @@ class CeleryDispatcher:
         self.replay.forget(model_id)
         if worker_id is None or self.transport.is_gone(worker_id):
             raise NotFoundError(f"model {model_id} not found")
-        await self._call(worker_id, "delete", (model_id,), None)
+        await self._call(worker_id, DeleteModel(model_id))
 
     async def unload_model(
         self, model_id: str, directory: str | Path, *, force: bool = False
@@ -147,9 +157,9 @@ class CeleryDispatcher:
         (``force`` is not offered: a worker that stops drains its own models)."""
         worker_id = self.placement.worker_of(model_id)
         path = storage_path_str(directory)
-        result = await self._call(worker_id, "unload", (model_id, path), None)
+        result = await self._call(worker_id, UnloadModel(model_id, path))
         self.placement.forget(model_id)
-        return result  # type: ignore[no-any-return]
+        return result
 
     async def export_weights(
         self, model_id: str, directory: str | Path, *, merged: bool
@@ -165,7 +175,7 @@ class CeleryDispatcher:
                 raise NotFoundError(f"model {model_id} not found")
             tenant_id = row.tenant_id
         path = store.state_path(tenant_id, model_id, f"export-{uuid.uuid4().hex[:12]}")
-        names = list(await self._call(worker_id, "export", (model_id, path, merged), None))
+        names = list((await self._call(worker_id, Export(model_id, path, merged))).names)
 
         def download() -> None:
             local = store.fetch(path)
@@ -191,13 +201,13 @@ class CeleryDispatcher:
                 return await self._restore(model_id, seq_id, op)
             worker_id = await self._recover(model_id)
         try:
-            result = await self._call(worker_id, "submit", (model_id, seq_id, op, digest), model_id)
+            result = await self._call(worker_id, Submit(model_id, seq_id, op, digest))
         except TreadleError as err:
             if err.code in APPLIED_ERRORS:  # refused in its turn: it took its seq_id
                 await self._keep(model_id, seq_id, op)
             raise
         await self._keep(model_id, seq_id, op)
-        return result  # type: ignore[no-any-return]
+        return result
 
     async def _keep(self, model_id: str, seq_id: int, op: OrderedOp) -> None:
         """Into the replay log, on its own thread, in the order applied, without
@@ -217,7 +227,7 @@ class CeleryDispatcher:
         self, target: SamplerTarget, op: SampleOp, dedupe_key: tuple[str, int, str] | None
     ) -> SampleResult:
         worker_id = await self._route(target, dedupe_key[0] if dedupe_key else None)
-        return await self._call(worker_id, "sample", (target, op, dedupe_key), None)  # type: ignore[no-any-return]
+        return await self._call(worker_id, Sample(target, op, dedupe_key))
 
     async def sample_stream(
         self, target: SamplerTarget, op: SampleOp
@@ -229,7 +239,7 @@ class CeleryDispatcher:
         worker_id = await self._route(target, None)
         items: asyncio.Queue[StreamedSequence] = asyncio.Queue()
         call = asyncio.ensure_future(
-            self._call(worker_id, "sample_stream", (target, op), None, on_item=items.put_nowait)
+            self._call(worker_id, SampleStream(target, op), on_item=items.put_nowait)
         )
         try:
             async with contextlib.aclosing(stream_items(items, call, op.num_samples)) as stream:
@@ -249,11 +259,11 @@ class CeleryDispatcher:
         """On the worker that sampled through ``sampler_id`` (it keeps the
         handles): resume through the sampler that returned them."""
         worker_id = await self._route(target, sampler_id)
-        return await self._call(worker_id, "resume", (target, handles, params), None)  # type: ignore[no-any-return]
+        return await self._call(worker_id, Resume(target, tuple(handles), params))
 
     async def check_sampler_target(self, target: SamplerTarget) -> int:
         worker_id = await self._route(target, None)
-        return int(await self._call(worker_id, "check_target", (target,), None))
+        return (await self._call(worker_id, CheckTarget(target))).version
 
     def model_status(self, model_id: str) -> ModelStatus:
         return self.placement.model_status(model_id)
@@ -306,10 +316,7 @@ class CeleryDispatcher:
             spec = convert.model_spec(row)
 
         async def create(worker_id: str) -> ModelStatus:
-            status = await self._call(
-                worker_id, "create", (spec, op.directory, seq_id + 1), model_id
-            )
-            return status  # type: ignore[no-any-return]
+            return await self._call(worker_id, CreateModel(spec, op.directory, seq_id + 1))
 
         worker_id, status = await self.placement.place(
             spec.base_model,
@@ -350,10 +357,7 @@ class CeleryDispatcher:
                 raise lost
 
             async def create(worker_id: str) -> ModelStatus:
-                status = await self._call(
-                    worker_id, "create", (spec, directory, start + 1), model_id
-                )
-                return status  # type: ignore[no-any-return]
+                return await self._call(worker_id, CreateModel(spec, directory, start + 1))
 
             p = self.placement
             worker_id, status = await p.place(
@@ -397,14 +401,12 @@ class CeleryDispatcher:
         deleted and the model stays lost."""
         for call in calls:
             try:
-                await self._call(
-                    worker_id, "submit", (model_id, call.seq_id, call.op, call.digest), model_id
-                )
+                await self._call(worker_id, Submit(model_id, call.seq_id, call.op, call.digest))
             except TreadleError as err:
                 if err.code in APPLIED_ERRORS:  # refused in its turn, as the first time
                     continue
                 with contextlib.suppress(TreadleError):
-                    await self._call(worker_id, "delete", (model_id,), None)
+                    await self._call(worker_id, DeleteModel(model_id))
                 with self.placement.lock:
                     self.placement.status.pop(model_id, None)
                 raise AbortedError(

@@ -3,7 +3,10 @@
 A call is one Celery task on the worker's own queue; a task never waits for its
 result: the worker publishes the resolved call to this server's reply queue
 (``treadle.workers.celery_app``), a thread here consumes it and resolves the
-awaiting coroutine. Payloads both ways are ``treadle.workers.codec`` msgpack.
+awaiting coroutine. A call is one typed request of ``treadle.workers.engine_messages``
+and its answer an ``engine_messages.Reply`` (``treadle.workers.codec`` msgpack,
+framed with the message version); a reply whose value is not of the request's
+response type fails the call.
 
 A worker known gone answers every call at once with UNAVAILABLE, and the calls in
 flight on it fail (``fail_gone``), so nothing waits on a worker that will not answer.
@@ -20,23 +23,26 @@ import time
 import uuid
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from kombu import Connection
 
-from treadle.errors import UnavailableError
+from treadle.errors import InternalError, TreadleError, UnavailableError
 from treadle.workers import codec
 from treadle.workers.celery_app import (
     REPLY_CONTENT_TYPE,
     TASK,
+    decode_reply,
     make_celery,
     reply_queue,
     worker_queue,
 )
-from treadle.workers.domain import ModelStatus
+from treadle.workers.domain import ModelStatus, StreamedSequence
+from treadle.workers.engine_messages import Reply, Request
 from treadle.workers.logs import current_request_id
 
 log = logging.getLogger("treadle.server")
+R = TypeVar("R")
 
 
 @dataclass
@@ -45,6 +51,7 @@ class Pending:
     loop: asyncio.AbstractEventLoop
     worker_id: str
     model_id: str | None
+    request: Request[Any]
     on_item: Callable[[Any], None] | None = None  # a streamed call's items (on the loop)
 
 
@@ -81,24 +88,26 @@ class CeleryTransport:
     async def call(
         self,
         worker_id: str,
-        kind: str,
-        args: tuple[Any, ...],
-        model_id: str | None,
+        request: Request[R],
         *,
-        on_item: Callable[[Any], None] | None = None,
-    ) -> Any:
+        on_item: Callable[[StreamedSequence], None] | None = None,
+    ) -> R:
+        """``request`` on ``worker_id``: its answer, or its error raised; ``on_item``:
+        a streamed request's items, on this loop, before the call resolves."""
         loop = asyncio.get_running_loop()
         cid = uuid.uuid4().hex
         fut: asyncio.Future[Any] = loop.create_future()
+        payload = codec.encode_message(request)
+        model_id = request.status_model
         with self._lock:
             if worker_id in self._gone:
                 raise UnavailableError(f"worker {worker_id} is gone")
-            self._pending[cid] = Pending(fut, loop, worker_id, model_id, on_item)
+            self._pending[cid] = Pending(fut, loop, worker_id, model_id, request, on_item)
         try:
             try:
                 self.app.send_task(
                     TASK,
-                    args=[cid, self._reply_to, kind, codec.encode(args)],
+                    args=[cid, self._reply_to, payload],
                     # the SDK's id of the call, on the worker's log lines of it
                     kwargs={"request_id": current_request_id()},
                     queue=worker_queue(worker_id),
@@ -108,7 +117,8 @@ class CeleryTransport:
                 )
             except Exception as err:
                 raise UnavailableError(f"broker: could not send the call: {err}") from None
-            return await fut
+            result: R = await fut
+            return result
         finally:
             with self._lock:
                 self._pending.pop(cid, None)
@@ -156,24 +166,37 @@ class CeleryTransport:
 
     def _on_reply(self, message: Any) -> None:
         try:
-            reply = codec.decode(message.body)
-            cid, ok, value, status = reply["cid"], reply["ok"], reply["value"], reply["status"]
-        except Exception:
-            log.exception("dropped a malformed reply")
+            reply = decode_reply(message.body)
+        except Exception as err:
+            # a worker of another message version: the call fails with the reason
+            cid = (getattr(message, "headers", None) or {}).get("cid")
+            with self._lock:
+                failed = self._pending.pop(cid, None) if isinstance(cid, str) else None
+            if failed is None:
+                log.exception("dropped a malformed reply")
+                return
+            log.error("call %s: the worker's reply cannot be read: %s", cid, err)
+            resolve_threadsafe(
+                failed, err if isinstance(err, TreadleError) else InternalError(str(err))
+            )
             return
-        if reply.get("more"):  # an item of a streamed call: it stays pending
+        cid = reply.cid
+        if reply.more:  # an item of a streamed call: it stays pending
             with self._lock:
                 streaming = self._pending.get(cid)
             if streaming is not None and streaming.on_item is not None:
+                if not isinstance(reply.value, StreamedSequence):
+                    log.error("call %s: dropped a streamed item of %s", cid, type(reply.value))
+                    return
                 with contextlib.suppress(RuntimeError):  # the loop has closed
-                    streaming.loop.call_soon_threadsafe(streaming.on_item, value)
+                    streaming.loop.call_soon_threadsafe(streaming.on_item, reply.value)
             return
         with self._lock:
             pending = self._pending.pop(cid, None)
-        if isinstance(status, ModelStatus):
-            self._on_status(status)
+        if reply.status is not None:
+            self._on_status(reply.status)
         if pending is not None:
-            resolve_threadsafe(pending, value if ok else _as_error(value))
+            resolve_threadsafe(pending, _outcome(pending, reply))
 
 
 def resolve_threadsafe(p: Pending, outcome: Any) -> None:
@@ -189,10 +212,16 @@ def resolve_threadsafe(p: Pending, outcome: Any) -> None:
         p.loop.call_soon_threadsafe(settle)
 
 
-def _as_error(value: Any) -> BaseException:
-    if isinstance(value, BaseException):
-        return value
-    return UnavailableError(f"worker answered an error it could not describe: {value!r}")
+def _outcome(p: Pending, reply: Reply) -> Any:
+    """The reply's value, if of the request's response type; its error; else an error."""
+    if reply.error is not None:
+        return reply.error
+    if isinstance(reply.value, type(p.request).response):
+        return reply.value
+    return InternalError(
+        f"worker {p.worker_id} answered {type(p.request).__name__} with "
+        f"{type(reply.value).__name__}"
+    )
 
 
 def shown(url: str) -> str:

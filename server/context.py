@@ -1,5 +1,6 @@
-"""What every servicer shares: config, database sessions, the dispatcher, the
-checkpoint store, the authenticator, and the tenant lookups they all need."""
+"""What every servicer shares: config, database sessions, the dispatcher and
+its catalog, metrics and draining interfaces, the checkpoint store, the
+authenticator, and the tenant lookups they all need."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from treadle.errors import NotFoundError
 from treadle.server.auth import Authenticator, DefaultKey, current_tenant
 from treadle.server.config import ServerConfig
 from treadle.server.db import queries
-from treadle.server.dispatch import Dispatcher
+from treadle.server.dispatch import Catalog, Dispatcher, Draining, EngineMetrics
 from treadle.server.quotas import QuotaLimits, Quotas
 from treadle.server.usage import UsageMeter
 
@@ -38,6 +39,12 @@ class ServerContext:
     dispatcher: Dispatcher
     store: Store
     auth: Authenticator
+    #: the base models served (the dispatcher's, in both kinds of server)
+    catalog: Catalog
+    #: live engine stats for ``GetServerInfo``
+    engine_metrics: EngineMetrics
+    #: models on stopping workers, for the lifecycle to move off
+    draining: Draining
     #: model_id -> tenant_id of live models, so the hot path skips a DB read
     owners: dict[str, str] = field(default_factory=dict)
     quotas: Quotas = field(default_factory=lambda: Quotas(QuotaLimits()))

@@ -1,8 +1,10 @@
 """Dispatch: how the server hands work to an engine.
 
 ``InProcessDispatcher`` drives an engine in this process (the embedded
-default). A distributed dispatcher (Celery) implements the same interface, so
-servicers never know where the engine runs.
+default). A distributed dispatcher (Celery) implements the same interfaces, so
+servicers never know where the engine runs: ``Dispatcher`` (the engine calls),
+``Catalog`` (the base models served), ``EngineMetrics`` (live engine stats) and
+``Draining`` (models to move off stopping workers).
 """
 
 from __future__ import annotations
@@ -86,9 +88,21 @@ class Dispatcher(Protocol):
 
     async def check_sampler_target(self, target: SamplerTarget) -> int: ...
     def model_status(self, model_id: str) -> ModelStatus: ...
+    def close(self) -> None: ...
+
+
+class Catalog(Protocol):
+    """The base models served, as the server sees them (names, configs, files)."""
+
     def base_model_config(self, name: str) -> ModelConfig: ...
     def base_model_path(self, name: str) -> Path: ...
     def base_model_names(self) -> list[str]: ...
+
+
+class EngineMetrics(Protocol):
+    """Live stats of the engines this server reaches directly (none for workers
+    in other processes: each reports its own)."""
+
     def sampler_metrics(self) -> list[SamplerStats]:
         """Live stats of the samplers this dispatcher reaches directly."""
         ...
@@ -97,13 +111,22 @@ class Dispatcher(Protocol):
         """How the training passes of the engines reached directly were shared."""
         ...
 
+
+class Draining(Protocol):
     def draining_models(self) -> set[str]:
         """Models on workers that are stopping gracefully: to be moved off, each at
         its first idle moment (``ModelLifecycle``), to a checkpoint it is restored
         from elsewhere on its next call."""
         ...
 
-    def close(self) -> None: ...
+
+class Backend(Dispatcher, Catalog, EngineMetrics, Draining, Protocol):
+    """What a server is wired with: both dispatchers implement all four
+    interfaces; each caller holds the narrow one it uses (``ServerContext``)."""
+
+
+#: the small interfaces a ``Backend`` is made of, each held by its callers alone
+INTERFACES: tuple[type, ...] = (Dispatcher, Catalog, EngineMetrics, Draining)
 
 
 async def stream_items(

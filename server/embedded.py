@@ -18,7 +18,7 @@ from treadle.server.app import create_server
 from treadle.server.auth import check_key
 from treadle.server.config import ServerConfig
 from treadle.server.context import ServerContext
-from treadle.server.dispatch import Dispatcher
+from treadle.server.dispatch import Backend
 
 
 class EmbeddedServer:
@@ -28,7 +28,7 @@ class EmbeddedServer:
     random key, which is then put in ``TREADLE_API_KEY`` if that is unset."""
 
     def __init__(
-        self, config: ServerConfig, dispatcher_factory: Callable[[], Dispatcher] | None = None
+        self, config: ServerConfig, dispatcher_factory: Callable[[], Backend] | None = None
     ) -> None:
         env_key = os.environ.get("TREADLE_API_KEY", "")
         if config.auth and not config.bootstrap_api_key and env_key:

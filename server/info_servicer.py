@@ -26,7 +26,7 @@ class InfoServicer(server_pb2_grpc.ServerServiceServicer):
         self, request: server_pb2.GetServerInfoRequest, context: grpc.aio.ServicerContext
     ) -> server_pb2.ServerInfo:
         tenant = self.ctx.tenant(context)
-        d = self.ctx.dispatcher
+        d = self.ctx.engine_metrics
         quota = await asyncio.to_thread(self.info.model_quota, tenant)
         # off the event loop: with a sampler thread this waits for its current step
         sampler_metrics = await asyncio.to_thread(d.sampler_metrics)

@@ -260,7 +260,7 @@ class ModelLifecycle:
         ids moved. Each comes back on another worker at its next call."""
         now = time.time() if now is None else now
         moved = []
-        for model_id in sorted(self.ctx.dispatcher.draining_models()):
+        for model_id in sorted(self.ctx.draining.draining_models()):
             if (
                 model_id not in self.ctx.owners
                 or self.inflight.get(model_id)
@@ -346,7 +346,7 @@ class ModelLifecycle:
             if time.monotonic() - last_expiry >= EXPIRY_POLL_S:
                 last_expiry = time.monotonic()
                 await self._expire_logged()
-            if not self.ctx.dispatcher.draining_models():
+            if not self.ctx.draining.draining_models():
                 continue
             try:
                 moved = await self.move_draining()

@@ -1,8 +1,9 @@
 """What the server and the workers agree on about Celery: the app's settings,
 the one task, the exchanges, and how a reply is framed.
 
-One task, ``treadle.call(cid, reply_to, kind, payload)``, carries every call:
-``kind`` names the engine method, ``payload`` is ``treadle.workers.codec`` bytes.
+One task, ``treadle.call(cid, reply_to, payload)``, carries every call:
+``payload`` is one ``treadle.workers.engine_messages`` request, framed with its
+version by ``treadle.workers.codec``; the reply is an ``engine_messages.Reply``.
 Tasks go to the worker's own queue, ``treadle.worker.<id>``, and replies to the
 sending server's own queue, ``treadle.reply.<id>`` (``reply_to``), both through
 the default (nameless) exchange: on Redis that saves a binding lookup, one round
@@ -24,8 +25,9 @@ from urllib.parse import urlparse
 from celery import Celery
 from kombu import Queue
 
-from treadle.errors import InvalidArgumentError
+from treadle.errors import InternalError, InvalidArgumentError, TreadleError
 from treadle.workers import codec
+from treadle.workers.engine_messages import Reply
 
 TASK = "treadle.call"
 #: content type of a reply body (raw codec bytes, no kombu serializer around them)
@@ -84,6 +86,17 @@ def reply_queue(server_id: str) -> Queue:
 
 def encode_reply(cid: str, outcome: Any, status: Any = None, *, more: bool = False) -> bytes:
     """``outcome``: a result, or an exception (sent as its treadle error). ``more``:
-    one item of a streamed call (``sample_stream``), whose last reply comes later."""
-    ok = not isinstance(outcome, BaseException)
-    return codec.encode({"cid": cid, "ok": ok, "value": outcome, "status": status, "more": more})
+    one item of a streamed call (``SampleStream``), whose last reply comes later."""
+    if isinstance(outcome, BaseException):
+        err = (
+            outcome
+            if isinstance(outcome, TreadleError)
+            else InternalError(f"{type(outcome).__name__}: {outcome}")
+        )
+        return codec.encode_message(Reply(cid, error=err, status=status))
+    return codec.encode_message(Reply(cid, value=outcome, status=status, more=more))
+
+
+def decode_reply(body: bytes) -> Reply:
+    reply: Reply = codec.decode_message(body, (Reply,))
+    return reply

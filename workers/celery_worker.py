@@ -37,12 +37,7 @@ from typing import Any
 
 from kombu import Connection
 
-from treadle.errors import (
-    FailedPreconditionError,
-    InvalidArgumentError,
-    ResourceExhaustedError,
-    UnavailableError,
-)
+from treadle.errors import FailedPreconditionError, ResourceExhaustedError, UnavailableError
 from treadle.workers import codec
 from treadle.workers.celery_app import (
     REPLY_CONTENT_TYPE,
@@ -51,15 +46,17 @@ from treadle.workers.celery_app import (
     make_celery,
     worker_queue,
 )
-from treadle.workers.domain import (
-    SampleOp,
-    SampleResult,
-    SamplerTarget,
-    SequenceResult,
-    StreamedSequence,
-)
+from treadle.workers.domain import SequenceResult, StreamedSequence
 from treadle.workers.engine import Engine
 from treadle.workers.engine_flags import engine_config
+from treadle.workers.engine_messages import (
+    REQUESTS,
+    CreateModel,
+    DeleteModel,
+    Request,
+    SampleStream,
+    UnloadModel,
+)
 from treadle.workers.logs import request_context
 from treadle.workers.metrics import (
     EngineCollector,
@@ -71,6 +68,8 @@ from treadle.workers.staging import StagedEngine
 from treadle.workers.worker_config import WorkerConfig
 
 log = logging.getLogger("treadle.worker")
+
+_REQUEST_TYPES = tuple(REQUESTS.values())
 
 
 class Replier:
@@ -114,6 +113,9 @@ class Replier:
                         routing_key=reply_to,
                         content_type=REPLY_CONTENT_TYPE,
                         content_encoding="binary",
+                        # readable whatever the body's message version (a server of
+                        # another version fails the call with the reason)
+                        headers={"cid": cid},
                         retry=True,
                         retry_policy={"max_retries": 5, "interval_start": 0.1},
                     )
@@ -122,8 +124,11 @@ class Replier:
 
     def _encode(self, cid: str, outcome: Any, model_id: str | None, more: bool) -> bytes:
         if isinstance(outcome, Future):
-            err = outcome.exception()
-            outcome = err if err is not None else outcome.result()
+            if outcome.cancelled():
+                outcome = UnavailableError(f"call {cid} was cancelled on the worker")
+            else:
+                err = outcome.exception()
+                outcome = err if err is not None else outcome.result()
         status = None
         if model_id is not None and self.engine.has_model(model_id):
             status = self.engine.model_status(model_id)
@@ -163,27 +168,23 @@ class Worker:
 
     # ---- the task ----------------------------------------------------------------------
 
-    def handle(
-        self, cid: str, reply_to: str, kind: str, payload: bytes, request_id: str = ""
-    ) -> None:
-        """Hand the call to the engine and return; the reply goes out when it resolves.
-        ``request_id``: the SDK's id of the call, on this worker's log lines of it."""
+    def handle(self, cid: str, reply_to: str, payload: bytes, request_id: str = "") -> None:
+        """Hand the call (an ``engine_messages`` request) to the engine and return; the
+        reply goes out when it resolves. ``request_id``: the SDK's id of the call, on
+        this worker's log lines of it."""
         with request_context(request_id):
-            self._handle(cid, reply_to, kind, payload, request_id)
+            self._handle(cid, reply_to, payload, request_id)
 
-    def _handle(self, cid: str, reply_to: str, kind: str, payload: bytes, request_id: str) -> None:
-        model_id: str | None = None
+    def _handle(self, cid: str, reply_to: str, payload: bytes, request_id: str) -> None:
         t0 = time.perf_counter()
+        kind, model_id = "?", None
         try:
-            args = codec.decode(payload)
-            if kind == "sample_stream":
-                log.info("call %s: %s", cid, kind, extra={"kind": kind})
-                self._stream(cid, reply_to, *args)
-                return
-            model_id, fut = self._start(kind, args)
+            msg = codec.decode_message(payload, _REQUEST_TYPES)
+            kind, model_id = type(msg).__name__, msg.status_model
+            fut = self._start(msg, cid, reply_to)
         except Exception as err:
             log.info("call %s: %s refused: %s", cid, kind, err, extra={"kind": kind})
-            self.replies.put(reply_to, cid, err, model_id)
+            self.replies.put(reply_to, cid, err, None)
             return
         log.info("call %s: %s", cid, kind, extra={"kind": kind, "model_id": model_id or ""})
         self._count_call(1)
@@ -207,58 +208,29 @@ class Worker:
         with self._hosted_lock:
             self._calls += delta
 
-    def _stream(self, cid: str, reply_to: str, target: SamplerTarget, op: SampleOp) -> None:
-        """A streamed sample: one reply per sample as it finishes (``more``), in the
-        order they finish, then a last reply: the number of samples, or the error."""
+    def _start(self, msg: Request[Any], cid: str, reply_to: str) -> Future[Any]:
+        """The engine call of ``msg``, with what this worker keeps about its models
+        (which it hosts, its capacity) around the ones that change them."""
+        if isinstance(msg, CreateModel):
+            return self._create(msg)
+        if isinstance(msg, SampleStream):
 
-        def item(index: int, seq: SequenceResult, compute_s: float) -> None:
-            self.replies.put(
-                reply_to, cid, StreamedSequence(index, seq, compute_s), None, more=True
-            )
+            def item(index: int, seq: SequenceResult, compute_s: float) -> None:
+                out = StreamedSequence(index, seq, compute_s)
+                self.replies.put(reply_to, cid, out, None, more=True)
 
-        def done(f: Future[SampleResult]) -> None:
-            err = None if not f.cancelled() else UnavailableError("the sample was cancelled")
-            err = err or f.exception()
-            self.replies.put(reply_to, cid, err or len(f.result().sequences), None)
-            self._count_call(-1)
-
-        fut = self.staged.sample(target, op, on_sequence=item)
-        self._count_call(1)
-        fut.add_done_callback(done)
-
-    def _start(self, kind: str, args: Any) -> tuple[str | None, Future[Any]]:
-        staged = self.staged
-        if kind == "submit":
-            model_id, seq_id, op, digest = args
-            return model_id, staged.submit(model_id, seq_id, op, digest)
-        if kind == "sample":
-            target, op, dedupe_key = args
-            return None, staged.sample(target, op, dedupe_key=dedupe_key)
-        if kind == "resume":
-            target, handles, params = args
-            return None, staged.resume(target, tuple(handles), params)
-        if kind == "check_target":
-            (target,) = args
-            return None, staged.check_sampler_target(target)
-        if kind == "create":
-            spec, from_state, next_seq_id = args
-            return spec.model_id, self._create(spec, from_state, next_seq_id)
-        if kind == "delete":
-            (model_id,) = args
-            fut = staged.delete_model(model_id)
+            return msg.stream(self.staged, item)
+        fut = msg.call(self.staged)
+        if isinstance(msg, DeleteModel):
+            model_id = msg.model_id
             fut.add_done_callback(lambda _: self._forget(model_id))
-            return None, fut
-        if kind == "unload":
-            model_id, path = args
-            fut = staged.unload_model(model_id, path)
+        elif isinstance(msg, UnloadModel):
+            model_id = msg.model_id
             fut.add_done_callback(lambda f: None if f.exception() else self._forget(model_id))
-            return None, fut
-        if kind == "export":
-            model_id, path, merged = args
-            return None, staged.export_weights(model_id, path, merged=merged)
-        raise InvalidArgumentError(f"kind: unknown call {kind!r}")
+        return fut
 
-    def _create(self, spec: Any, from_state: str | None, next_seq_id: int) -> Future[Any]:
+    def _create(self, msg: CreateModel) -> Future[Any]:
+        spec = msg.spec
         if self.engine.has_model(spec.model_id):  # a server restarted and adopts its models
             done: Future[Any] = Future()
             done.set_result(self.engine.model_status(spec.model_id))
@@ -270,7 +242,7 @@ class Worker:
                     retry_after_s=1.0,
                 )
             self.hosted.add(spec.model_id)
-        fut = self.staged.create_model(spec, from_state=from_state, next_seq_id=next_seq_id)
+        fut = msg.call(self.staged)
         fut.add_done_callback(lambda f: self._forget(spec.model_id) if f.exception() else None)
         return fut
 

@@ -5,7 +5,13 @@ Celery's JSON cannot carry bytes, and pickle would let one tenant's payload run
 code in a worker that serves every tenant. msgpack carries bytes natively; the
 three extension types below are the only things besides plain values it will
 rebuild, and a dataclass is rebuilt only if it is one of ``treadle.workers.domain``'s
-(an allow-list made from that module, so a new domain type is covered by itself).
+(an allow-list made from that module, so a new domain type is covered by itself)
+or one of ``treadle.workers.engine_messages``'s.
+
+A message between a server and a worker (``encode_message``) is framed with the
+message format's version ahead of the message itself: the version is read and
+checked first, so a peer of another version is refused by name, whatever its
+messages hold.
 """
 
 from __future__ import annotations
@@ -18,8 +24,8 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from treadle.errors import InternalError, TreadleError, error_for_code
-from treadle.workers import domain
+from treadle.errors import InternalError, InvalidArgumentError, TreadleError, error_for_code
+from treadle.workers import domain, engine_messages
 
 _NDARRAY, _DATACLASS, _ERROR = 1, 2, 3
 
@@ -30,9 +36,13 @@ DOMAIN_TYPES: Mapping[str, type] = {
     if dataclasses.is_dataclass(cls) and cls.__module__ == domain.__name__
 }
 
+#: every dataclass this codec rebuilds: the domain's and the engine messages'
+ALLOWED_TYPES: Mapping[str, type] = {**DOMAIN_TYPES, **engine_messages.MESSAGES}
 
-class CodecError(ValueError):
-    """A payload that is not a treadle message (or names an unknown type)."""
+
+class CodecError(InvalidArgumentError, ValueError):
+    """A payload that is not a treadle message, names an unknown type, or is of
+    another message version (INVALID_ARGUMENT where it is answered)."""
 
 
 def _default(obj: Any) -> Any:
@@ -47,7 +57,7 @@ def _default(obj: Any) -> Any:
         return obj.item()
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         name = type(obj).__name__
-        if DOMAIN_TYPES.get(name) is not type(obj):
+        if ALLOWED_TYPES.get(name) is not type(obj):
             raise CodecError(f"cannot encode {type(obj).__qualname__}: not a domain type")
         fields = {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
         return msgpack.ExtType(_DATACLASS, _pack((name, fields)))
@@ -68,7 +78,7 @@ def _ext_hook(code: int, data: bytes) -> Any:
         return np.frombuffer(raw, dtype=np.dtype(dtype)).reshape(shape).copy()
     if code == _DATACLASS:
         name, fields = _unpack(data)
-        cls = DOMAIN_TYPES.get(name)
+        cls = ALLOWED_TYPES.get(name)
         if cls is None:
             raise CodecError(f"unknown domain type {name!r}")
         return cls(**fields)
@@ -101,3 +111,51 @@ def decode(data: bytes) -> Any:
         raise
     except Exception as err:
         raise CodecError(f"not a treadle message: {type(err).__name__}: {err}") from None
+
+
+def encode_message(msg: Any) -> bytes:
+    """An engine message (a request, or a ``Reply``), framed with ``VERSION``."""
+    if engine_messages.MESSAGES.get(type(msg).__name__) is not type(msg):
+        raise CodecError(f"{type(msg).__qualname__} is not an engine message")
+    return _pack(engine_messages.VERSION) + _pack(msg)
+
+
+def decode_message(data: bytes, expect: tuple[type, ...]) -> Any:
+    """The message framed in ``data``; a message of another version, or not one of
+    ``expect`` (the request types, or ``Reply``), is refused with a CodecError."""
+    unpacker = msgpack.Unpacker(
+        None,
+        ext_hook=_ext_hook,
+        raw=False,
+        use_list=False,
+        strict_map_key=False,
+        max_buffer_size=max(len(data), 1),
+    )
+    unpacker.feed(data)
+    try:
+        version = next(unpacker)
+    except Exception as err:
+        raise CodecError(f"not a treadle message: {type(err).__name__}: {err}") from None
+    if not isinstance(version, int) or isinstance(version, bool):
+        raise CodecError("not a treadle message: it carries no message version")
+    if version != engine_messages.VERSION:
+        raise CodecError(
+            f"message version {version}, but this side speaks version "
+            f"{engine_messages.VERSION}: run the server and its workers at the same release"
+        )
+    try:
+        msg = next(unpacker)
+    except CodecError:
+        raise
+    except Exception as err:
+        raise CodecError(f"not a treadle message: {type(err).__name__}: {err}") from None
+    if not isinstance(msg, expect):
+        raise CodecError(
+            f"unexpected message {type(msg).__name__}; expected one of "
+            + ", ".join(t.__name__ for t in expect)
+        )
+    try:
+        next(unpacker)
+    except StopIteration:
+        return msg
+    raise CodecError("not a treadle message: bytes after the message")

@@ -3,9 +3,11 @@
 ``Engine`` (local directories) and ``StagedEngine`` (storage paths, staged to
 and from a remote store) both implement it, so the in-process dispatcher and the
 Celery worker hold one ``EngineAPI`` and never ask which. Every call is
-thread-safe and returns at once: a future, resolved on the engine's thread.
-Export stays outside it: an ``Engine`` writes into a local directory, a
-``StagedEngine`` into a storage path it uploads.
+thread-safe and returns at once: a future, resolved on the engine's thread
+(``model_status`` and ``has_model`` answer at once). Paths are storage paths:
+local directories for an ``Engine``, anything the store holds for a
+``StagedEngine``. Each call that returns a future travels between a server and
+a worker as its own message (``treadle.workers.engine_messages``).
 """
 
 from __future__ import annotations
@@ -61,6 +63,10 @@ class EngineAPI(Protocol):
     ) -> Future[SampleResult]: ...
 
     def check_sampler_target(self, target: SamplerTarget) -> Future[int]: ...
+
+    def export_weights(self, model_id: str, directory: str, *, merged: bool) -> Future[list[str]]:
+        """The model's current weights as files under ``directory``; their names."""
+        ...
 
     def model_status(self, model_id: str) -> ModelStatus: ...
 

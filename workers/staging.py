@@ -167,8 +167,10 @@ class StagedEngine:
         self._chain(inner, out, upload=lambda r: self._upload_save(r, staged, path))
         return out
 
-    def export_weights(self, model_id: str, path: str, *, merged: bool) -> Future[list[str]]:
-        """Export into the storage path ``path`` (files a server then fetches); the names."""
+    def export_weights(self, model_id: str, directory: str, *, merged: bool) -> Future[list[str]]:
+        """Export into the storage path ``directory`` (files a server then fetches);
+        the names."""
+        path = directory
         out: Future[list[str]] = Future()
         staged = self.store.staging_dir(path)
         inner = self.engine.export_weights(model_id, staged, merged=merged)

@@ -20,7 +20,7 @@ class InfoService:
     def base_models(self) -> list[BaseModelInfo]:
         """The served base models; ``max_context`` is the model's, or the
         sampler's sequence limit if that is lower."""
-        d, config = self.ctx.dispatcher, self.ctx.config
+        d, config = self.ctx.catalog, self.ctx.config
         out = []
         for name in d.base_model_names():
             cfg = d.base_model_config(name)
@@ -51,9 +51,9 @@ class InfoService:
 
     def tokenizer_files(self, base_model: str) -> list[Path]:
         """The tokenizer files of a served base model, for tokenizing on the client."""
-        if base_model not in self.ctx.dispatcher.base_model_names():
+        if base_model not in self.ctx.catalog.base_model_names():
             raise NotFoundError(f"base_model {base_model!r} is not served here")
-        directory = self.ctx.dispatcher.base_model_path(base_model)
+        directory = self.ctx.catalog.base_model_path(base_model)
         files = [directory / name for name in TOKENIZER_FILES if (directory / name).exists()]
         if not files:
             raise NotFoundError(f"base_model {base_model!r} has no tokenizer files")

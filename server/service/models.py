@@ -60,9 +60,9 @@ class ModelService:
             modules = req.modules
         if not base_model:
             raise InvalidArgumentError("base_model: required")
-        if base_model not in ctx.dispatcher.base_model_names():
+        if base_model not in ctx.catalog.base_model_names():
             raise NotFoundError(
-                f"base_model {base_model!r} is not served here; served: {ctx.dispatcher.base_model_names()}"
+                f"base_model {base_model!r} is not served here; served: {ctx.catalog.base_model_names()}"
             )
         if not 0 <= rank <= MAX_LORA_RANK:
             raise InvalidArgumentError(

@@ -44,7 +44,7 @@ class SamplingService:
         is the tenant's client session it belongs to."""
         ctx = self.ctx
         if source.base_model is not None:
-            if source.base_model not in ctx.dispatcher.base_model_names():
+            if source.base_model not in ctx.catalog.base_model_names():
                 raise NotFoundError(f"base_model {source.base_model!r} is not served here")
             target = SamplerTarget(base_model=source.base_model)
             mode = "base"

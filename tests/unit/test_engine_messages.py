@@ -1,0 +1,276 @@
+"""The wire between a server and its workers: one typed message per engine call.
+
+Every ``EngineAPI`` call that returns a future has its request, which makes
+exactly that call and round-trips through the codec; a worker dispatches on the
+request's type and refuses a message of another version or type by name; a
+reply of the wrong type fails the call on the server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import threading
+from concurrent.futures import Future
+from types import SimpleNamespace
+from typing import Any
+
+import msgpack
+import numpy as np
+import pytest
+
+from tests.unit.test_codec import _same
+from treadle.errors import InternalError, InvalidArgumentError, NotFoundError
+from treadle.server.celery_transport import Pending, _outcome
+from treadle.workers import codec
+from treadle.workers import engine_messages as m
+from treadle.workers.celery_app import decode_reply, encode_reply
+from treadle.workers.celery_worker import Worker
+from treadle.workers.domain import (
+    AdamConfig,
+    ModelSpec,
+    ModelStatus,
+    OptimStepOp,
+    OptimStepResult,
+    SampleOp,
+    SampleResult,
+    SamplerTarget,
+    SamplingConfig,
+    SaveResult,
+    SequenceResult,
+)
+from treadle.workers.engine_api import EngineAPI
+
+TARGET = SamplerTarget("tiny", "m-1", 3, tenant_id="t-1")
+PARAMS = SamplingConfig(max_tokens=4, stop_strings=("\n",))
+SEQ = SequenceResult(np.array([5, 6]), np.array([-0.1, -0.2], np.float32), "stop", ((0, 2, 3),))
+
+#: one request of each type, with what the engine answers to it
+EXAMPLES: list[m.Request[Any]] = [
+    m.CreateModel(ModelSpec("m-1", "t-1", "tiny", 8, 16.0, 3, "float32"), "s3://b/ckpt", 4),
+    m.DeleteModel("m-1"),
+    m.UnloadModel("m-1", "s3://b/unload", force=True),
+    m.Submit("m-1", 7, OptimStepOp(AdamConfig(learning_rate=1e-3)), "digest"),
+    m.Sample(TARGET, SampleOp(np.arange(5), 2, PARAMS), ("sampler-1", 3, "d")),
+    m.SampleStream(TARGET, SampleOp(np.arange(5), 1, PARAMS)),
+    m.Resume(TARGET, ("rh-1", "rh-2"), PARAMS),
+    m.CheckTarget(TARGET),
+    m.Export("m-1", "s3://b/export", merged=True),
+]
+
+ANSWERS: dict[str, Any] = {
+    "create_model": ModelStatus("m-1", 3, 4, 0),
+    "delete_model": None,
+    "unload_model": SaveResult(step=3, seq_id=9, size_bytes=10),
+    "submit": OptimStepResult(step=4, metrics={"grad_norm": 0.5}),
+    "sample": SampleResult((SEQ,)),
+    "resume": SampleResult((SEQ, SEQ)),
+    "check_sampler_target": 3,
+    "export_weights": ["adapter_model.safetensors", "adapter_config.json"],
+}
+
+
+class RecordingAPI:
+    """An ``EngineAPI`` that records each call and answers at once."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, tuple[Any, ...], dict[str, Any]]] = []
+
+    def __getattr__(self, name: str) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Future[Any]:
+            self.calls.append((name, args, kwargs))
+            on_sequence = kwargs.get("on_sequence")
+            if on_sequence is not None:
+                on_sequence(0, SEQ, 0.5)
+            fut: Future[Any] = Future()
+            fut.set_result(ANSWERS[name])
+            return fut
+
+        return call
+
+
+def _future_methods() -> set[str]:
+    """The EngineAPI calls that answer with a future (the rest are local queries)."""
+    return {
+        name
+        for name, fn in vars(EngineAPI).items()
+        if inspect.isfunction(fn)
+        and not name.startswith("_")
+        and "Future" in str(inspect.signature(fn).return_annotation)
+    }
+
+
+def test_every_engine_call_has_its_message_and_answers_its_response_type() -> None:
+    assert {type(msg) for msg in EXAMPLES} == set(m.REQUESTS.values())
+    methods = _future_methods()
+    assert methods == set(ANSWERS)  # model_status / has_model stay local queries
+    called = set()
+    for msg in EXAMPLES:
+        api = RecordingAPI()
+        answer = msg.call(api).result(timeout=1)  # type: ignore[arg-type]
+        ((name, _, _),) = api.calls
+        called.add(name)
+        assert isinstance(answer, type(msg).response), (msg, answer)
+    assert called == methods
+
+
+def test_requests_pass_their_fields_to_the_engine() -> None:
+    api = RecordingAPI()
+    create, delete, unload, submit, sample, stream, resume, check, export = EXAMPLES
+    for msg in EXAMPLES:
+        msg.call(api)  # type: ignore[arg-type]
+    assert [
+        (n, a, {k: v for k, v in kw.items() if k != "on_sequence"}) for n, a, kw in api.calls
+    ] == [
+        ("create_model", (create.spec,), {"from_state": "s3://b/ckpt", "next_seq_id": 4}),  # type: ignore[attr-defined]
+        ("delete_model", ("m-1",), {}),
+        ("unload_model", ("m-1", "s3://b/unload"), {"force": True}),
+        ("submit", ("m-1", 7, submit.op, "digest"), {}),  # type: ignore[attr-defined]
+        ("sample", (TARGET, sample.op), {"dedupe_key": ("sampler-1", 3, "d")}),  # type: ignore[attr-defined]
+        ("sample", (TARGET, stream.op), {}),  # type: ignore[attr-defined]
+        ("resume", (TARGET, ("rh-1", "rh-2"), PARAMS), {}),
+        ("check_sampler_target", (TARGET,), {}),
+        ("export_weights", ("m-1", "s3://b/export"), {"merged": True}),
+    ]
+    assert m.Export("m", "p", merged=True).call(api).result() == m.Exported(  # type: ignore[arg-type]
+        ("adapter_model.safetensors", "adapter_config.json")
+    )
+    assert check.call(api).result() == m.TargetVersion(3)  # type: ignore[arg-type]
+    assert delete.call(api).result() == m.Deleted("m-1")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("msg", EXAMPLES, ids=lambda msg: type(msg).__name__)
+def test_each_request_round_trips_through_the_codec(msg: m.Request[Any]) -> None:
+    data = codec.encode_message(msg)
+    _same(msg, codec.decode_message(data, tuple(m.REQUESTS.values())))
+
+
+def test_replies_round_trip_values_errors_and_status() -> None:
+    status = ModelStatus("m-1", 3, 4, 0)
+    ok = decode_reply(encode_reply("c1", SampleResult((SEQ,)), status))
+    assert ok.cid == "c1" and ok.error is None and ok.status == status and not ok.more
+    _same(ok.value, SampleResult((SEQ,)))
+    bad = decode_reply(encode_reply("c2", NotFoundError("model m-9 not found")))
+    assert isinstance(bad.error, NotFoundError) and bad.error.message == "model m-9 not found"
+    bug = decode_reply(encode_reply("c3", KeyError("x")))
+    assert isinstance(bug.error, InternalError) and "KeyError" in bug.error.message
+
+
+def test_another_version_or_type_is_refused_by_name() -> None:
+    requests = tuple(m.REQUESTS.values())
+    body = codec.encode(m.DeleteModel("m-1"))  # the message without its version
+    with pytest.raises(codec.CodecError, match="carries no message version"):
+        codec.decode_message(body, requests)
+    newer = msgpack.packb(m.VERSION + 1) + body
+    with pytest.raises(codec.CodecError, match=f"message version {m.VERSION + 1}, but this side"):
+        codec.decode_message(newer, requests)
+    unknown = msgpack.packb(m.VERSION) + msgpack.packb(
+        msgpack.ExtType(2, msgpack.packb(("RenameModel", {"model_id": "m-1"})))
+    )
+    with pytest.raises(codec.CodecError, match="unknown domain type 'RenameModel'"):
+        codec.decode_message(unknown, requests)
+    status = ModelStatus("m-1", 3, 4, 0)
+    not_a_request = msgpack.packb(m.VERSION) + codec.encode(status)
+    with pytest.raises(codec.CodecError, match="unexpected message ModelStatus"):
+        codec.decode_message(not_a_request, requests)
+    with pytest.raises(codec.CodecError, match="not an engine message"):
+        codec.encode_message(status)
+    assert issubclass(codec.CodecError, InvalidArgumentError)
+
+
+class _Replies:
+    def __init__(self) -> None:
+        self.sent: list[tuple[str, Any, str | None, bool]] = []
+
+    def put(
+        self, reply_to: str, cid: str, outcome: Any, model_id: str | None, *, more: bool = False
+    ) -> None:
+        if isinstance(outcome, Future):
+            outcome = outcome.result()
+        self.sent.append((cid, outcome, model_id, more))
+
+
+def _worker(capacity: int = 4) -> Any:
+    """A ``Worker`` without its broker, database and engine: the task alone."""
+    w = Worker.__new__(Worker)
+    w.staged = RecordingAPI()  # type: ignore[assignment]
+    w.engine = SimpleNamespace(has_model=lambda _: False)  # type: ignore[assignment]
+    w.replies = _Replies()  # type: ignore[assignment]
+    w.config = SimpleNamespace(capacity=capacity)  # type: ignore[assignment]
+    w.worker_id = "w-1"
+    w.hosted = set()
+    w._hosted_lock = threading.Lock()
+    w._calls = 0
+    return w
+
+
+def test_the_worker_dispatches_on_the_message_type() -> None:
+    w = _worker()
+    for i, msg in enumerate(EXAMPLES):
+        w.handle(f"c{i}", "reply-q", codec.encode_message(msg))
+    assert [name for name, _, _ in w.staged.calls] == [
+        "create_model",
+        "delete_model",
+        "unload_model",
+        "submit",
+        "sample",
+        "sample",
+        "resume",
+        "check_sampler_target",
+        "export_weights",
+    ]
+    sent = {cid: (out, model_id, more) for cid, out, model_id, more in w.replies.sent if not more}
+    assert sent["c0"] == (ANSWERS["create_model"], "m-1", False)  # carries its status
+    assert sent["c3"] == (ANSWERS["submit"], "m-1", False)
+    assert sent["c5"] == (m.StreamEnd(1), None, False)
+    assert sent["c7"] == (m.TargetVersion(3), None, False)
+    (item,) = [out for cid, out, _, more in w.replies.sent if more]
+    assert item.index == 0 and item.sequence is SEQ  # the streamed sample, before its end
+    assert w.hosted == set() and w._calls == 0  # created, then deleted; all answered
+
+
+def test_the_worker_refuses_another_version_with_a_clear_error() -> None:
+    w = _worker()
+    body = msgpack.packb(m.VERSION + 1) + codec.encode(m.DeleteModel("m-1"))
+    w.handle("c1", "reply-q", body)
+    assert w.staged.calls == []
+    ((cid, err, _, _),) = w.replies.sent
+    assert cid == "c1" and isinstance(err, codec.CodecError)
+    back = decode_reply(encode_reply(cid, err)).error
+    assert isinstance(back, InvalidArgumentError) and "message version" in back.message
+
+
+def test_the_server_fails_a_reply_of_the_wrong_type() -> None:
+    loop = asyncio.new_event_loop()
+    try:
+        pending = Pending(loop.create_future(), loop, "w-1", None, m.CheckTarget(TARGET))
+        wrong = _outcome(pending, decode_reply(encode_reply("c", SampleResult((SEQ,)))))
+        assert isinstance(wrong, InternalError)
+        assert "answered CheckTarget with SampleResult" in wrong.message
+        right = _outcome(pending, decode_reply(encode_reply("c", m.TargetVersion(4))))
+        assert right == m.TargetVersion(4)
+    finally:
+        loop.close()
+
+
+def test_a_reply_of_another_version_fails_its_call_with_the_reason() -> None:
+    from treadle.server.celery_transport import CeleryTransport
+
+    transport = CeleryTransport.__new__(CeleryTransport)
+    transport._lock = threading.Lock()
+    transport._on_status = lambda status: None
+    loop = asyncio.new_event_loop()
+    try:
+        fut = loop.create_future()
+        transport._pending = {"c1": Pending(fut, loop, "w-1", None, m.DeleteModel("m-1"))}
+        reply = codec.encode(m.Reply("c1", value=m.Deleted("m-1")))
+        newer = SimpleNamespace(body=msgpack.packb(m.VERSION + 1) + reply, headers={"cid": "c1"})
+        transport._on_reply(newer)
+        loop.run_until_complete(asyncio.wait_for(asyncio.shield(fut), 1))
+    except InvalidArgumentError as err:
+        assert "message version" in err.message
+        assert transport._pending == {}
+    else:
+        raise AssertionError("the call did not fail")
+    finally:
+        loop.close()
