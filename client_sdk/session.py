@@ -21,6 +21,8 @@ import platform
 import sys
 import threading
 import weakref
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FuturesTimeout
 from typing import TYPE_CHECKING
 
 import treadle
@@ -37,6 +39,8 @@ log = logging.getLogger("treadle")
 #: every session whose heartbeat thread may run, to stop them all at exit
 _LIVE: weakref.WeakSet[ClientSession] = weakref.WeakSet()
 _EXITING = threading.Event()
+#: a heartbeat unanswered this long is worth a warning (it is still waited for)
+SLOW_BEAT_S = 60.0
 
 
 @atexit.register
@@ -105,9 +109,9 @@ class ClientSession:
         failing = False  # warn once per outage, not once per beat
         while not stop.wait(interval) and not _quiet(stop):
             try:
-                self._caller.call(
-                    self._stub.Heartbeat, request, lambda r: None, retry=False
-                ).result(timeout=max(interval, 5.0))
+                beat = self._caller.call(self._stub.Heartbeat, request, lambda r: None, retry=False)
+                if not self._answered(beat, session_id, interval, stop):
+                    return
                 self.beats += 1
                 failing = False
             except Exception as err:
@@ -126,6 +130,33 @@ class ClientSession:
                     str(err) or type(err).__name__,
                 )
                 failing = True
+
+    def _answered(
+        self, beat: Future[None], session_id: str, interval: float, stop: threading.Event
+    ) -> bool:
+        """Wait for the beat's answer (raising its error); False when told to stop
+        meanwhile. A slow answer is no failure: the server keeps a model loaded
+        for its TTL (an hour by default) after the last beat, so a beat queued
+        behind a busy server's work is waited for, and the next one is sent only
+        after it (never a pile of beats); a warning only once it is unanswered
+        for ``SLOW_BEAT_S``. A server gone or a connection lost fails the call
+        (UNAVAILABLE, gRPC's keepalive), and closing the client cancels it."""
+        waited, warned = 0.0, False
+        while True:
+            try:
+                beat.result(timeout=interval)
+                return True
+            except FuturesTimeout:
+                if _quiet(stop):
+                    return False
+                waited += interval
+                if waited >= SLOW_BEAT_S and not warned:
+                    log.warning(
+                        "treadle: heartbeat of session %s unanswered for %.0f s; still waiting",
+                        session_id,
+                        waited,
+                    )
+                    warned = True
 
     def stop(self) -> None:
         """Stop the heartbeats without a word to the server (from a finalizer or at

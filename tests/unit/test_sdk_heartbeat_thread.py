@@ -101,6 +101,28 @@ def test_close_ends_the_thread_with_a_beat_in_flight(
     assert [r.getMessage() for r in caplog.records if "heartbeat" in r.getMessage()] == []
 
 
+def test_a_slow_heartbeat_is_waited_for_not_failed(
+    fake: tuple[FakeSessions, grpc.Server, str], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A busy server answers a beat after 6 s (past the 5 s the SDK waited
+    before): no failure, no warning, no second beat meanwhile; beats go on."""
+    sessions, _, address = fake
+    caplog.set_level(logging.DEBUG, logger="treadle")
+    with _client(address) as client:
+        _heartbeat_thread(client)
+        _wait_for(lambda: sessions.beats >= 2)
+        sessions.hang.set()
+        seen = sessions.beats
+        _wait_for(lambda: sessions.beats > seen)  # this beat waits in the server
+        threading.Event().wait(6.0)
+        assert sessions.beats == seen + 1  # no beat was sent beside the one waiting
+        sessions.hang.clear()
+        sessions.release.set()
+        acked = client._session.beats  # type: ignore[union-attr]
+        _wait_for(lambda: client._session.beats > acked + 2)  # type: ignore[union-attr]
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
+
+
 def test_close_ends_the_thread_of_a_client_whose_server_went_away(
     fake: tuple[FakeSessions, grpc.Server, str], caplog: pytest.LogCaptureFixture
 ) -> None:
