@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import os
 import tempfile
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -81,6 +82,9 @@ class ServiceClient:
         self._server = server_pb2_grpc.ServerServiceStub(self._channel)
         self._tokenizers: dict[str, Tokenizer] = {}
         self._session = ClientSession(self._channel, self._caller, heartbeat_s) if session else None
+        # Garbage-collected without close(): stop the heartbeats and close the
+        # channel (no call to the server from a finalizer: the session lapses).
+        self._release = weakref.finalize(self, _release, self._session, self._channel)
 
     @property
     def server_instance(self) -> str:
@@ -270,12 +274,22 @@ class ServiceClient:
         return tok
 
     def close(self) -> None:
+        """End the session, close the channel; no heartbeat thread is left running."""
         if self._session is not None:
             self._session.end()
-        self._channel.close()
+        self._release()  # closes the channel: a beat in flight ends now
+        if self._session is not None:
+            self._session.join(timeout=5.0)
 
     def __enter__(self) -> ServiceClient:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _release(session: ClientSession | None, channel: grpc.Channel) -> None:
+    """What a client holds, let go: its heartbeats stopped, its channel closed."""
+    if session is not None:
+        session.stop()
+    channel.close()
