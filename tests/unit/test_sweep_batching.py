@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from treadle.workers import ordered_executor as engine_mod
-from treadle.workers import sampler as sampler_mod
+from treadle.workers import sampler_forward as sampler_mod  # where the decode forward runs
 from treadle.workers.base_models import BaseModelRegistry
 from treadle.workers.domain import (
     AdamConfig,
