@@ -6,6 +6,7 @@ each call is timed, counted and given its request id for the logs."""
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -104,6 +105,20 @@ def _wrap_unary(
     return wrapped
 
 
+async def stream_items(
+    behavior: Callable[..., Any], request: Any, context: grpc.aio.ServicerContext
+) -> AsyncIterator[Any]:
+    """A server-streaming behaviour's items, whichever of grpc's two styles it uses:
+    an async generator's items, or none for a coroutine that writes its answers with
+    ``context.write`` and returns (grpc's health ``Watch``)."""
+    out = behavior(request, context)
+    if inspect.isawaitable(out) and not hasattr(out, "__aiter__"):
+        await out
+        return
+    async for item in out:
+        yield item
+
+
 def _wrap_stream(
     behavior: Callable[..., AsyncIterator[Any]], method: str, instance: str
 ) -> Callable[..., AsyncIterator[Any]]:
@@ -111,7 +126,7 @@ def _wrap_stream(
 
     async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
         try:
-            async for item in behavior(request, context):
+            async for item in stream_items(behavior, request, context):
                 yield item
             context.set_trailing_metadata(stamp)
         except TreadleError as err:
@@ -180,7 +195,7 @@ class DecodeInterceptor(grpc.aio.ServerInterceptor):
             async def stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
                 if isinstance(request, _Undecodable):
                     raise refuse(request)
-                async for item in inner_stream(request, context):
+                async for item in stream_items(inner_stream, request, context):
                     yield item
 
             return handler._replace(request_deserializer=tolerant, unary_stream=stream)
@@ -269,7 +284,7 @@ class ObserveInterceptor(grpc.aio.ServerInterceptor):
             t0, status = time.perf_counter(), ""
             try:
                 with request_context(record.request_id):
-                    async for item in behavior(request, context):
+                    async for item in stream_items(behavior, request, context):
                         yield item
             except (asyncio.CancelledError, GeneratorExit):
                 status = "CANCELLED"

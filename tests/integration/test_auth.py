@@ -112,6 +112,18 @@ def test_health_and_reflection_stay_open(server: EmbeddedServer) -> None:
         assert "treadle.v1.TrainingService" in names
 
 
+def test_health_watch_streams_the_status(server: EmbeddedServer) -> None:
+    """Watch (a streaming RPC whose handler writes with ``context.write`` and returns
+    nothing) goes through every interceptor: its first answer is the status."""
+    with grpc.insecure_channel(server.address) as channel:
+        watch = health_pb2_grpc.HealthStub(channel).Watch(
+            health_pb2.HealthCheckRequest(service=""), timeout=30
+        )
+        first = next(watch)
+        watch.cancel()
+    assert first.status == health_pb2.HealthCheckResponse.SERVING
+
+
 def test_default_key_file(server: EmbeddedServer) -> None:
     path = server.config.data_dir / "api_key"
     assert path.read_text().strip() == server.api_key
