@@ -28,9 +28,6 @@ def test_a_test_configures_logging_on_its_own_stderr(monkeypatch: pytest.MonkeyP
 
 def test_later_log_lines_find_no_closed_stream() -> None:
     assert STREAMS, "runs after the test above"
-    closed = [
-        h
-        for h in logging.getLogger().handlers
-        if isinstance(getattr(h, "stream", None), io.IOBase) and h.stream.closed
-    ]
+    streams = [getattr(h, "stream", None) for h in logging.getLogger().handlers]
+    closed = [s for s in streams if isinstance(s, io.IOBase) and s.closed]
     assert closed == []
