@@ -25,6 +25,7 @@ Exit status 0 when no call failed.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import re
 import socket
@@ -176,6 +177,7 @@ def deploy(
 class Results:
     latencies: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
     errors: Counter[str] = field(default_factory=Counter)
+    examples: dict[str, str] = field(default_factory=dict)  # error kind -> its first message
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def record(self, rpc: str, seconds: float, error: BaseException | None) -> None:
@@ -183,7 +185,9 @@ class Results:
             if error is None:
                 self.latencies[rpc].append(seconds)
             else:
-                self.errors[f"{rpc}: {type(error).__name__}"] += 1
+                kind = f"{rpc}: {type(error).__name__}"
+                self.errors[kind] += 1
+                self.examples.setdefault(kind, (str(error) or repr(error))[:300])
 
 
 def _datum(rng: np.random.Generator) -> treadle.Datum:
@@ -330,7 +334,10 @@ def report(results: Results, wall_s: float) -> str:
     out = table(["rpc", "calls ok", "p50 ms", "p99 ms"], rows)
     out += f"\n\nthroughput {total / wall_s:.1f} calls/s over {wall_s:.1f} s; errors {errors}"
     if results.errors:
-        out += "\n" + "\n".join(f"  {k}: {v}" for k, v in results.errors.most_common())
+        out += "\n" + "\n".join(
+            f"  {k}: {v} (first: {results.examples.get(k, '')})"
+            for k, v in results.errors.most_common()
+        )
     return out
 
 
@@ -372,6 +379,27 @@ def engine_report(dep: Deployment) -> str:
     return table([*headers, "mean queue wait ms", "RSS MiB"], rows)
 
 
+class SdkWarnings(logging.Handler):
+    """Counts the SDK's warnings (heartbeat failures, retries) by their first words."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.counts: Counter[str] = Counter()
+        self.examples: dict[str, str] = {}
+
+    def emit(self, record: logging.LogRecord) -> None:
+        text = record.getMessage()
+        kind = " ".join(text.split()[:3])
+        self.counts[kind] += 1
+        self.examples.setdefault(kind, text[:300])
+
+    def report(self) -> str:
+        if not self.counts:
+            return "SDK warnings: none"
+        lines = [f"  {k}: {n} (first: {self.examples[k]})" for k, n in self.counts.most_common()]
+        return "SDK warnings:\n" + "\n".join(lines)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--clients", type=int, default=64)
@@ -394,6 +422,8 @@ def main() -> int:
     print(f"{os.cpu_count()} CPUs, load average {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}")
     failed = 0
     for path in [p for p in args.paths.split(",") if p]:
+        warnings = SdkWarnings()
+        logging.getLogger("treadle").addHandler(warnings)
         with deploy(path, model, tmp, args.workers, args.json_logs) as dep:
             if args.json_logs:
                 print(f"logs of the {path} path in {tmp / path}")
@@ -410,6 +440,8 @@ def main() -> int:
                     dep, args.clients, args.calls, args.max_seconds, threading.Event()
                 )
             print(report(results, wall), flush=True)
+            print(warnings.report(), flush=True)
+            logging.getLogger("treadle").removeHandler(warnings)
             print("\nfrom the processes' metrics endpoints\n\n" + engine_report(dep), flush=True)
             failed += sum(results.errors.values())
     return 0 if failed == 0 else 1

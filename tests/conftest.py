@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import secrets
 from collections.abc import Iterator
@@ -35,6 +36,24 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         for item in items:
             if "gpu" in item.keywords:
                 item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _root_logging_restored() -> Iterator[None]:
+    """A test that runs the CLI in-process (``cli.main`` configures the root
+    logger, as a ``treadle`` process does) leaves a handler writing to the
+    stream pytest captured the test's stderr in, closed once the test ends;
+    every later log line of the session (a heartbeat thread's, at exit too)
+    then prints "--- Logging error --- ValueError: I/O operation on closed
+    file". The root logger's handlers and level are put back after each test
+    (pytest's own capture handlers are left to pytest)."""
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    yield
+    for handler in list(root.handlers):
+        if handler not in handlers and not type(handler).__module__.startswith("_pytest"):
+            root.removeHandler(handler)
+    root.setLevel(level)
 
 
 @pytest.fixture(scope="session")
