@@ -19,6 +19,15 @@ switch interval is 5 ms): with ``sys.setswitchinterval(0.0005)`` the p50 fell
 from ~20 ms to ~9 ms in one measurement on a loaded machine. A client in its own
 process does not wait for the server's threads.
 
+HTTP's own cost, measured in the same run: each tinker-path request is stamped
+(a header) in the SDK's httpx call and in the server's app; the SDK's wait
+minus the app's time is what the HTTP path adds (serialising, the socket,
+httpx, the SDK's event loop, their turns at the GIL). Its sum per step is
+printed with the ratio it alone would give, ``grpc / (grpc + it)``: a bound
+for what removing every HTTP cost could reach (overlapping requests make the
+sum an overestimate). When the measured ratio is far below it, the gap is not
+the transport.
+
     python benchmarks/tinker_api.py               # ~3 min on 2 idle CPU cores
     python benchmarks/tinker_api.py --rounds 6 --steps 4
 
@@ -34,12 +43,15 @@ import statistics
 import sys
 import tempfile
 import time
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("TINKER_TELEMETRY", "0")
 
+import fastapi  # noqa: E402
+import httpx  # noqa: E402
 import numpy as np  # noqa: E402
 import tinker  # noqa: E402
 from _common import THREADS, model_dir, table  # noqa: E402
@@ -57,6 +69,38 @@ PROMPT = [1, 5, 9, 13, 17, 21, 25, 29]
 
 #: request_id -> when the SDK had its answer (monotonic)
 RECEIVED: dict[str, float] = {}
+#: per HTTP request of the tinker path: bench id -> seconds the SDK's httpx call took,
+#: and the seconds the server's app spent on it (the rest is transport + SDK + GIL turns)
+CLIENT_S: dict[str, float] = {}
+SERVER_S: dict[str, float] = {}
+_send = httpx.AsyncClient.send
+
+
+async def _timed_send(self, request, **kw):  # type: ignore[no-untyped-def]
+    rid = uuid.uuid4().hex
+    request.headers["x-bench-id"] = rid
+    t0 = time.perf_counter()
+    try:
+        return await _send(self, request, **kw)
+    finally:
+        CLIENT_S[rid] = time.perf_counter() - t0
+
+
+httpx.AsyncClient.send = _timed_send  # type: ignore[method-assign]
+_app_call = fastapi.FastAPI.__call__
+
+
+async def _timed_app(self, scope, receive, send):  # type: ignore[no-untyped-def]
+    rid = dict(scope.get("headers") or []).get(b"x-bench-id", b"").decode()
+    t0 = time.perf_counter()
+    try:
+        await _app_call(self, scope, receive, send)
+    finally:
+        if rid:
+            SERVER_S[rid] = time.perf_counter() - t0
+
+
+fastapi.FastAPI.__call__ = _timed_app  # type: ignore[method-assign]
 _fetch = api_future_impl._APIFuture._fetch_via_rest
 
 
@@ -175,6 +219,8 @@ def main() -> int:
         for step in paths.values():  # warm-up
             step()
         RECEIVED.clear()
+        CLIENT_S.clear()
+        SERVER_S.clear()
         times: dict[str, list[float]] = {name: [] for name in paths}
         order = list(paths)
         for r in range(args.rounds):
@@ -199,12 +245,22 @@ def main() -> int:
         f"\nRL step (G={G}, {MAX_TOKENS} tokens, 5m preset, LoRA r8), threads={THREADS}, load {os.getloadavg()[0]:.2f}\n"
     )
     print(table(["path", "median step ms", "steps/s", "steps"], rows))
+    # The HTTP path's own cost: per request, the SDK's wait minus the server app's
+    # time (serialising, the socket, httpx, the SDK's event loop, their GIL turns).
+    n_http = len(times["tinker SDK / HTTP"])
+    over = [CLIENT_S[r] - SERVER_S[r] for r in CLIENT_S if r in SERVER_S]
+    over_step = sum(over) / n_http if n_http else float("nan")
+    bound = grpc_ / (grpc_ + over_step)  # the ratio if HTTP cost only this over gRPC
     p50 = statistics.median(delays_ms) if delays_ms else float("nan")
     p90 = float(np.percentile(delays_ms, 90)) if delays_ms else float("nan")
     print(
         f"\nHTTP/gRPC steps/s: {ratio:.3f} (target >= {RATIO_TARGET})\n"
         f"result ready -> tinker SDK has it: p50 {p50:.2f} ms, p90 {p90:.2f} ms over "
-        f"{len(delays_ms)} results (target p50 <= {DELAY_TARGET_MS} ms)"
+        f"{len(delays_ms)} results (target p50 <= {DELAY_TARGET_MS} ms)\n"
+        f"HTTP transport + tinker SDK per step: {over_step * 1e3:.1f} ms over "
+        f"{len(over) / max(n_http, 1):.1f} requests/step (median "
+        f"{statistics.median(over) * 1e3 if over else float('nan'):.2f} ms each); "
+        f"the ratio if that were the only difference: {bound:.3f}"
     )
     return 0 if ratio >= RATIO_TARGET and p50 <= DELAY_TARGET_MS else 1
 

@@ -27,10 +27,6 @@ TESTS = sorted(
     str(p.relative_to(ROOT)) for p in (ROOT / "tests" / "integration").glob("test_tinker_*.py")
 )
 
-#: why a loss the SDK can send is not served
-LOSS_WHY = {
-    "stable_reinforce": "refused as an unknown loss (400 naming it): its objective needs stability information recorded by the sampler (record_stability_info, sequence_id provenance), which treadle does not record, and the objective is not published in full",
-}
 
 #: why a method no test calls does not work here (what the server answers)
 WHY = {
@@ -121,7 +117,7 @@ def losses(record: dict[str, dict[str, list[str]]]) -> list[str]:
     """The losses the SDK can send (its ``LossFnType``), from test_every_sdk_loss."""
     from tinker import types
 
-    from treadle.workers.losses import LOSSES
+    from treadle.workers.losses import LOSSES, UNSERVED
 
     tests = record.get("__tests__", {"passed": [], "failed": []})
     lines = [
@@ -150,9 +146,12 @@ def losses(record: dict[str, dict[str, list[str]]]) -> list[str]:
             keys = ", ".join(f"`{k}`={v:g}" for k, v in LOSSES[name].config_defaults.items())
             mark, why = "✓", f"trains; config defaults: {keys or 'none'}"
         else:
+            reason = UNSERVED.get(name)
             mark, why = (
                 "✗",
-                LOSS_WHY.get(name, "refused as an unknown loss (the error lists the served ones)"),
+                f"refused with 400 naming the loss and why: {reason}"
+                if reason
+                else "refused as an unknown loss (the error lists the served ones)",
             )
         lines.append(f"| `{name}` | {mark} | {why} |")
     return [*lines, ""]

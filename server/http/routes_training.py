@@ -24,6 +24,7 @@ from treadle.server.http.state import HttpState, state
 from treadle.server.service import CallHandle
 from treadle.server.service.types import CreateModel, OrderedCall, parse
 from treadle.workers.domain import ForwardBackwardOp, ForwardResult
+from treadle.workers.losses import LOSSES, unserved_loss
 
 router = APIRouter(prefix="/api/v1")
 
@@ -184,7 +185,14 @@ async def forward_backward(
         method = st.service.training.forward_logprobs
     else:
         method = st.service.training.forward_backward
-    return await submit(st, tenant_id, method, call, op, encode=encode, model_id=msg.model_id)
+    answer = await submit(st, tenant_id, method, call, op, encode=encode, model_id=msg.model_id)
+    if not msg.forward_only and loss_fn not in LOSSES:
+        # A loss we do not serve is a 400 on the request itself, naming the loss and
+        # why; the call has taken its seq_id first (its recorded answer is the same
+        # error), so the model's next call does not wait on a gap and the SDK's
+        # TrainingClient goes on.
+        raise unserved_loss(loss_fn)
+    return answer
 
 
 def _ce_weights(msg: Any) -> list[Any] | None:

@@ -355,10 +355,12 @@ SDK_LOSSES = [name for name in T.LossFnType.__args__ if name != "custom"]  # typ
 
 @pytest.mark.parametrize("loss", SDK_LOSSES)
 def test_every_sdk_loss(sc: tinker.ServiceClient, loss: str) -> None:
-    """Each loss the SDK can send: served ones train, the others are refused
-    with an error naming the loss and the ones served (the compatibility table
-    lists both from this test's results)."""
-    from treadle.workers.losses import LOSSES
+    """Each loss the SDK can send: served ones train; the others are refused
+    with a 400 on the request naming the loss, why, and the ones served, after
+    which the same TrainingClient goes on training (the refused call took its
+    seq_id: the next call does not wait on a gap). The compatibility table lists
+    both from this test's results."""
+    from treadle.workers.losses import LOSSES, UNSERVED
 
     tc = _loss_client(sc)
     tokens = [1, 5, 9, 13, 17]
@@ -374,8 +376,20 @@ def test_every_sdk_loss(sc: tinker.ServiceClient, loss: str) -> None:
         out = tc.forward_backward([datum], loss).result()
         assert np.isfinite(out.metrics["loss:sum"])
     else:
-        with pytest.raises(tinker.RequestFailedError, match=f"unknown loss '{loss}'"):
+        assert loss in UNSERVED, f"{loss}: the SDK can send it; say why it is not served"
+        with pytest.raises(tinker.BadRequestError, match=f"'{loss}' is not served") as err:
             tc.forward_backward([datum], loss).result()
+        assert err.value.status_code == 400
+        body = err.value.body
+        assert isinstance(body, dict) and body["code"] == "INVALID_ARGUMENT"
+        assert UNSERVED[loss] in body["error"]
+        ce = {
+            "target_tokens": inputs["target_tokens"],
+            "weights": T.TensorData.from_numpy(np.ones(n, np.float32)),
+        }
+        again = T.Datum(model_input=datum.model_input, loss_fn_inputs=ce)
+        out = tc.forward_backward([again], "cross_entropy").result(timeout=30)
+        assert np.isfinite(out.metrics["loss:sum"])
 
 
 _LOSS_CLIENT: list[tinker.TrainingClient] = []

@@ -476,3 +476,24 @@ def test_registry_covers_the_wire_enum() -> None:
     names = [value.name for value in common_pb2.LossFn.DESCRIPTOR.values]
     wire = {name.lower() for name in names if name != "LOSS_FN_UNSPECIFIED"}
     assert wire == set(LOSSES)
+
+
+def test_unserved_sdk_loss_is_refused_with_why() -> None:
+    """A loss the tinker SDK can send but treadle does not serve (its objective is
+    not public) is refused before any work, on every path, saying why and what is
+    served; an unknown name still gets the plain refusal."""
+    from treadle.workers.losses import UNSERVED
+
+    assert set(UNSERVED) == {"stable_reinforce"}
+    assert not set(UNSERVED) & set(LOSSES)
+    with pytest.raises(InvalidArgumentError) as err:
+        validate_loss_request("stable_reinforce", RL_KEYS, {})
+    message = str(err.value)
+    assert message.startswith("INVALID_ARGUMENT: loss_fn: 'stable_reinforce' is not served")
+    assert "not public" in message and "record_stability_info" in message
+    assert str(sorted(LOSSES)) in message
+    logp = leaf([-1.0])
+    with pytest.raises(InvalidArgumentError, match="'stable_reinforce' is not served"):
+        compute_loss("stable_reinforce", LossBatch(logp, {"advantages": t([1.0])}), {})
+    with pytest.raises(InvalidArgumentError, match="unknown loss 'grpo'"):
+        validate_loss_request("grpo", RL_KEYS, {})

@@ -39,8 +39,10 @@ from treadle.workers.losses.policy import cispo, dro, gspo, importance_sampling,
 from treadle.workers.losses.registry import (
     KNOWN_INPUTS,
     LOSSES,
+    UNSERVED,
     compute_loss,
     needs_reference,
+    unserved_loss,
     validate_loss_request,
 )
 
@@ -52,6 +54,7 @@ __all__ = [
     "LossFn",
     "LossResult",
     "LossSpec",
+    "UNSERVED",
     "cispo",
     "compute_loss",
     "cross_entropy",
@@ -60,5 +63,6 @@ __all__ = [
     "importance_sampling",
     "needs_reference",
     "ppo",
+    "unserved_loss",
     "validate_loss_request",
 ]

@@ -79,6 +79,19 @@ LOSSES: Mapping[str, LossSpec] = MappingProxyType(
     }
 )
 
+#: Losses the tinker SDK can name that treadle refuses, and why (the refusal says it).
+UNSERVED: Mapping[str, str] = MappingProxyType(
+    {
+        "stable_reinforce": (
+            "its objective is not public: tinker documents it as an alpha loss computed "
+            "from stability information its own sampler records (record_stability_info=True, "
+            "named by sequence_id) and never returns to the client, so no server outside "
+            "tinker can compute the same quantity; use ppo, cispo or gspo for off-policy "
+            "data, or forward_backward_custom for an objective of your own"
+        ),
+    }
+)
+
 #: Every input name some loss reads; anything else is a typo and is rejected.
 KNOWN_INPUTS = frozenset().union(*(spec.known_inputs for spec in LOSSES.values()))
 
@@ -95,10 +108,19 @@ _CONFIG_RULES: Mapping[str, tuple[Callable[[float], bool], str]] = {
 def _spec(name: str) -> LossSpec:
     spec = LOSSES.get(name)
     if spec is None:
-        raise InvalidArgumentError(
-            f"loss_fn: unknown loss {name!r}; expected one of {sorted(LOSSES)}"
-        )
+        raise unserved_loss(name)
     return spec
+
+
+def unserved_loss(name: str) -> InvalidArgumentError:
+    """The refusal of a loss name treadle does not serve: why, when it is one the
+    tinker SDK can send, and the served ones either way."""
+    if name in UNSERVED:
+        return InvalidArgumentError(
+            f"loss_fn: {name!r} is not served by treadle: {UNSERVED[name]} "
+            f"(served: {sorted(LOSSES)})"
+        )
+    return InvalidArgumentError(f"loss_fn: unknown loss {name!r}; expected one of {sorted(LOSSES)}")
 
 
 def _resolve_config(spec: LossSpec, config: Mapping[str, float] | None) -> dict[str, float]:
