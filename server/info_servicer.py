@@ -59,6 +59,8 @@ class InfoServicer(server_pb2_grpc.ServerServiceServicer):
                 tokens_generated=m.tokens_generated,
                 prompt_tokens=m.prompt_tokens,
                 prefix_reused_tokens=m.prefix_reused_tokens,
+                kv_cache_usage=m.kv_cache_usage,
+                kv_cache_peak_usage=m.kv_cache_peak_usage,
             )
         for p in d.pass_metrics():
             info.training_pass_metrics.add(

