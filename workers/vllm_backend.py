@@ -16,10 +16,9 @@ how treadle's sampling maps onto vLLM).
   each, prompt and tokens so far, under the new weights (a vLLM request's
   adapter is fixed for its life; the earlier tokens' KV is recomputed).
 * ``token_budget`` caps a vLLM request's ``max_tokens``; a sample stopped by the
-  budget alone becomes a partial rollout (``workers.vllm_rows``) that
-  ``resume`` submits again as prompt + tokens so far.
-* A vLLM engine that dies fails its running requests with UNAVAILABLE and is
-  started again at the next request; nothing of training lives in it.
+  budget alone becomes a partial rollout (``workers.vllm_rows``) that ``resume``
+  submits again as prompt + tokens so far. A vLLM engine that dies fails its
+  running requests with UNAVAILABLE and starts again at the next request.
 """
 
 from __future__ import annotations
@@ -66,7 +65,7 @@ from treadle.workers.vllm_params import (
     sampling_kwargs,
     stop_reason_of,
 )
-from treadle.workers.vllm_pool import EngineKey, EnginePool, VllmEngine
+from treadle.workers.vllm_pool import EnginePool, VllmEngine
 from treadle.workers.vllm_rows import PartialStore, VllmRequest, VllmRow, sequence_of
 from treadle.workers.vllm_stats import StatsBoard
 
@@ -228,7 +227,7 @@ class VllmBackend:
             return
         weights = req.rows[0].weights
         try:
-            eng = self._pool.engine_for(base, weights, self._forget_stats)
+            eng = self._pool.engine_for(base, weights, self._stats.forget)
         except TreadleError as err:
             self._fail_request(req, err)
             return
@@ -326,12 +325,18 @@ class VllmBackend:
                 continue
             spent = time.perf_counter() - t0
             self._take(eng, outputs, spent)
-            self._publish_stats(eng)
+            self._stats.publish(eng, self.limits.num_slots)
 
     def _take(self, eng: VllmEngine, outputs: list[Any], spent: float) -> None:
         produced = 0
         per_row = spent / max(1, len(outputs))
-        for out in outputs:
+
+        def length(out: Any) -> int:  # rows ending in one step: shorter first (streams)
+            return len(getattr(eng.rows.get(out.request_id), "tokens", ())) + len(
+                out.outputs[0].token_ids
+            )
+
+        for out in sorted(outputs, key=length):
             row = eng.rows.get(out.request_id)
             if row is None:
                 continue  # aborted (cancelled, or moved to new weights)
@@ -414,7 +419,7 @@ class VllmBackend:
         if not moving:
             return
         try:
-            target = self._pool.engine_for(base, weights, self._forget_stats)
+            target = self._pool.engine_for(base, weights, self._stats.forget)
             if target.full is not None:
                 target.full.requeue(moving)  # sent once its engine holds ``weights``
                 return
@@ -485,12 +490,6 @@ class VllmBackend:
     def _fail_everything(self, error: TreadleError) -> None:
         for eng in self._pool.all():
             self._fail_engine(eng, error)
-
-    def _forget_stats(self, key: EngineKey) -> None:
-        self._stats.forget(key)
-
-    def _publish_stats(self, eng: VllmEngine) -> None:
-        self._stats.publish(eng, self.limits.num_slots)
 
 
 def make_vllm_backend(limits: SamplerLimits, options: dict[str, Any]) -> VllmBackend:
