@@ -18,16 +18,9 @@ os.environ.setdefault("OMP_NUM_THREADS", str(THREADS))
 # process, under the same policy.
 OMP_WAIT_POLICY = os.environ.get("OMP_WAIT_POLICY", "default")
 
-import multiprocessing  # noqa: E402
-
 import torch  # noqa: E402
 
-# Only in the benchmark's own process: a child started with spawn (vLLM's engine
-# and worker processes, the torch-process sampler) re-imports the benchmark's
-# main module, and this line there gave vLLM's CPU worker two OpenMP threads on
-# the one core it binds to (the 5m preset decoded ~150 tok/s instead of ~2,000).
-if multiprocessing.parent_process() is None:
-    torch.set_num_threads(THREADS)
+torch.set_num_threads(THREADS)
 
 
 def model_dir(preset: str, given: str | None) -> Path:

