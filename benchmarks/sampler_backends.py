@@ -3,12 +3,11 @@
 Same prompts, same forced lengths (EOS ignored), temperature 1, one run each
 after a warm-up, in this one process on the same thread budget:
 
-* ``raw vLLM``: vLLM's engine in-process with the configuration treadle's
-  backend starts it with (``workers.vllm_engine.start_engine``: prefix caching,
-  multi-LoRA with base rows under the backend's all-zero adapter on CPU,
-  ``processed_logprobs``, the same rows, context and KV cache), ``n = G`` per
-  prompt, driven by a bare ``add_request``/``step`` loop: the ceiling of the
-  vLLM backend;
+* ``raw vLLM``: ``vllm.LLM`` in-process on the base model, plainly (no LoRA),
+  ``LLM.generate`` with ``n = G`` per prompt, under the settings treadle's
+  backend gives its base-model engine (prefix caching, ``processed_logprobs``,
+  the same rows, context and KV cache): what a user would compare with, the
+  ceiling of the vLLM backend;
 * ``treadle --sampler vllm``: an embedded ``treadle serve`` with the vLLM
   backend, every request through the SDK (gRPC, auth, dedupe, conversion);
 * ``treadle --sampler torch``: the same with treadle's own torch sampler;
@@ -55,54 +54,47 @@ def lengths_of(workload: str) -> list[int]:
 def run_raw_vllm(
     path: Path, prompts: np.ndarray, workloads: dict[str, list[int]]
 ) -> dict[str, float]:
-    """vLLM's own engine, started by treadle's ``start_engine`` with the settings the
-    server's row gets (prefix caching, multi-LoRA, ``processed_logprobs``, eager, the
-    same KV cache, rows and context, the same reserved core), base rows under the
-    same all-zero adapter on CPU, driven by a bare ``add_request``/``step`` loop
-    with ``n = G``: what treadle's backend could reach at best."""
-    from vllm import SamplingParams
-    from vllm.lora.request import LoRARequest
-    from vllm.sampling_params import RequestOutputKind
+    """What a user would compare with: ``vllm.LLM`` on the base model, plainly
+    (no LoRA), ``LLM.generate`` with ``n = G`` per prompt and every prompt in one
+    call, under the engine settings treadle's backend gives its base-model engine
+    on this host (prefix caching, ``processed_logprobs``, eager, the same rows,
+    context, KV cache and reserved core, no chunked prefill on CPU, as many
+    OpenMP threads as the worker's cores)."""
+    from vllm import LLM, SamplingParams
 
-    from treadle.workers.base_models import BaseModel
-    from treadle.workers.model.loading import load_config
-    from treadle.workers.vllm_adapters import AdapterRegistry
-    from treadle.workers.vllm_engine import on_gpu, start_engine
-    from treadle.workers.vllm_settings import VllmSettings
+    from treadle.workers.vllm_engine import cpu_worker_threads, on_gpu
+    from treadle.workers.vllm_params import LOGPROBS_MODE
 
-    cfg = load_config(path)
-    base = BaseModel("m", path, cfg, None, torch.float32)  # type: ignore[arg-type]
-    adapters = AdapterRegistry("m")
-    llm = start_engine(
-        base, VllmSettings(gpu_memory_utilization=0.2), max_len=MAX_LEN, max_seqs=SLOTS
-    )
+    gpu = on_gpu()
+    if not gpu:  # as treadle's start_engine sets them (VllmSettings' CPU defaults)
+        os.environ["VLLM_CPU_KVCACHE_SPACE"] = "1"
+        os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "1"
+    with cpu_worker_threads(None if gpu else 1):  # OpenMP threads = the worker's cores
+        llm = LLM(
+            model=str(path),
+            dtype="float32",
+            max_model_len=MAX_LEN,
+            max_num_seqs=SLOTS,
+            seed=0,
+            enable_prefix_caching=True,
+            gpu_memory_utilization=0.9 if gpu else 0.2,
+            enforce_eager=True,
+            logprobs_mode=LOGPROBS_MODE,
+            **({} if gpu else {"enable_chunked_prefill": False}),
+        )
     try:
-        lora = None
-        if not on_gpu():  # as the backend samples the base model on CPU
-            a = adapters.base_adapter(cfg)
-            lora = LoRARequest(a.name, a.lora_id, str(a.path))
-        calls = iter(range(1 << 30))
 
         def once(lengths: list[int]) -> float:
-            call = next(calls)
-            t0 = time.perf_counter()
-            for i, n in enumerate(lengths):
-                sp = SamplingParams(
-                    n=G,
-                    max_tokens=n,
-                    ignore_eos=True,
-                    logprobs=0,
-                    seed=i,
-                    temperature=1.0,
-                    output_kind=RequestOutputKind.FINAL_ONLY,
+            params = [
+                SamplingParams(
+                    n=G, max_tokens=n, ignore_eos=True, logprobs=0, seed=i, temperature=1.0
                 )
-                ids = {"prompt_token_ids": prompts[i].tolist()}
-                llm.add_request(f"{call}-{i}", ids, sp, lora_request=lora)
-            outs = []
-            while llm.has_unfinished_requests():
-                outs += [o for o in llm.step() if o.finished]
+                for i, n in enumerate(lengths)
+            ]
+            inputs = [{"prompt_token_ids": prompts[i].tolist()} for i in range(len(lengths))]
+            t0 = time.perf_counter()
+            outs = llm.generate(inputs, params, use_tqdm=False)  # type: ignore[arg-type]
             seconds = time.perf_counter() - t0
-            outs.sort(key=lambda o: int(o.request_id.split("-")[1]))
             got = [len(c.token_ids) for o in outs for c in o.outputs]
             assert got == [n for n in lengths for _ in range(G)], got
             return G * sum(lengths) / seconds
@@ -110,8 +102,7 @@ def run_raw_vllm(
         once([8] * 4)  # warm-up
         return {w: once(lengths) for w, lengths in workloads.items()}
     finally:
-        llm.engine_core.shutdown()  # always: no engine process outlives its row
-        adapters.close()
+        llm.llm_engine.engine_core.shutdown()  # always: no engine process outlives its row
 
 
 def run_treadle(
@@ -213,7 +204,11 @@ def main() -> None:
     skip = set(args.skip.split(",")) - {""}
     rows: dict[str, dict[str, float]] = {}
     steps = [
-        ("raw", "raw vLLM engine (in-process)", lambda: run_raw_vllm(path, prompts, workloads)),
+        (
+            "raw",
+            "raw vLLM LLM.generate (in-process)",
+            lambda: run_raw_vllm(path, prompts, workloads),
+        ),
         (
             "vllm",
             "treadle --sampler vllm (SDK)",
@@ -242,7 +237,7 @@ def main() -> None:
         f"model {args.preset}: {cfg.num_params() / 1e6:.1f}M params, float32, {PROMPTS} prompts x "
         f"G={G}, {PROMPT_TOKENS}-token prompts, {_common.THREADS} threads; load {os.getloadavg()[0]:.1f}"
     )
-    raw = rows.get("raw vLLM engine (in-process)")
+    raw = rows.get("raw vLLM LLM.generate (in-process)")
     for w in workloads:
         print()
         print(f"workload {w}: lengths {sorted(set(workloads[w]), reverse=True)}")

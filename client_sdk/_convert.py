@@ -246,6 +246,8 @@ def server_info_from_wire(msg: server_pb2.ServerInfo) -> ServerInfo:
                 m.tokens_generated,
                 m.prompt_tokens,
                 m.prefix_reused_tokens,
+                m.kv_cache_usage,
+                m.kv_cache_peak_usage,
             )
             for m in msg.sampler_metrics
         ],

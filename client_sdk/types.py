@@ -278,6 +278,10 @@ class SamplerMetrics:
     tokens_generated: int
     prompt_tokens: int
     prefix_reused_tokens: int
+    # the fraction of the KV cache in use at the last step, and the largest over
+    # recent steps (the vllm backend; 0 on torch, whose cache is preallocated slots)
+    kv_cache_usage: float = 0.0
+    kv_cache_peak_usage: float = 0.0
 
 
 @dataclass(frozen=True)

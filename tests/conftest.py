@@ -118,9 +118,10 @@ VLLM_SETTINGS: dict[str, object] = {
 def vllm_server(
     tmp_path_factory: pytest.TempPathFactory, vllm_model_dir: Path
 ) -> Iterator[EmbeddedServer]:
-    """One server with ``--sampler vllm`` for the whole session, its engine started
-    here: a vLLM engine takes 15 s to minutes to start on 2 busy cores, so every
-    vLLM test (the conformance suite's vllm case too) shares this one."""
+    """One server with ``--sampler vllm`` for the whole session, its engines started
+    here (on a CPU host the base model's and its LoRA tenants'): a vLLM engine
+    takes 15 s to minutes to start on 2 busy cores, so every vLLM test (the
+    conformance suite's vllm case too) shares this one."""
     reason = vllm_skip_reason()
     if reason is not None:
         pytest.skip(reason)
@@ -129,7 +130,10 @@ def vllm_server(
     )
     with treadle.ServiceClient(srv.address, api_key=srv.api_key) as client:
         warm = client.create_sampling_client(base_model=VLLM_BASE).sample([1, 2], 1)
+        lora = client.create_lora_training_client(VLLM_BASE, rank=4).sync_weights()
+        warm_lora = lora.sample([1, 2], 1)
         warm.result(timeout=900)
+        warm_lora.result(timeout=900)
     yield srv
     srv.stop()
 

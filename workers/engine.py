@@ -301,6 +301,8 @@ class Engine:
         out = self.scheduler.schedule(time.monotonic() if now is None else now)
         for call in out.timed_out:
             self.executor.resolve(call, self._gap_error(call), record=False)
+        if out.units:
+            self.sampler.training()  # a colocated sampler may free memory first
         self.executor.execute_units(out.units)
         sampled = False
         if between_calls:

@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from treadle.errors import InvalidArgumentError
+from treadle.errors import FailedPreconditionError, InvalidArgumentError
 from treadle.workers.sampler_backends import SAMPLERS, check_available
 from treadle.workers.thread_choice import POLICIES
 from treadle.workers.vllm_settings import VllmSettings
@@ -205,6 +205,14 @@ def _add_vllm_flags(parser: argparse.ArgumentParser) -> None:
         help="full fine-tune models sampled at once, each on a vLLM engine of its own "
         "(default 2; an idle one is closed to make room)",
     )
+    vllm.add_argument(
+        "--vllm-sleep-during-training",
+        action="store_true",
+        default=env("TREADLE_VLLM_SLEEP_DURING_TRAINING", "") not in ("", "0"),
+        help="GPU only (refused on a CPU host): an idle vLLM engine sleeps (weights to host "
+        "memory, KV cache freed) before each round of training passes, and wakes at its "
+        "next request; for a trainer and sampler sharing one GPU",
+    )
 
 
 def _sampler_from_old_env() -> str:
@@ -255,6 +263,7 @@ def _sampler_options(args: argparse.Namespace) -> dict[str, Any]:
         "enforce_eager": not args.vllm_compile,
         "reserved_cpus": args.vllm_reserved_cpus,
         "max_full_models": args.vllm_max_full_models,
+        "sleep_during_training": args.vllm_sleep_during_training,
     }
 
 
@@ -269,7 +278,12 @@ def check_engine_settings(config: Any) -> None:
         )
     check_available(config.sampler)
     if config.sampler == "vllm":
-        VllmSettings.from_options(dict(config.sampler_options))
+        vllm = VllmSettings.from_options(dict(config.sampler_options))
+        if vllm.sleep_during_training:
+            from treadle.workers.vllm_engine import SLEEP_NEEDS_GPU, on_gpu
+
+            if not on_gpu():
+                raise FailedPreconditionError(SLEEP_NEEDS_GPU)
     for name, ok in (
         ("threads", config.threads >= 0),
         ("sampler_threads", config.sampler_threads >= 0),

@@ -169,6 +169,12 @@ class SamplerBackend(Protocol):
         """Fail every request queued or running with ``error`` (the backend stays up)."""
         ...
 
+    def training(self) -> None:
+        """A round of training passes is about to run on the engine thread (called
+        before each such round). A backend that shares a device with the trainer
+        may free memory here (``--vllm-sleep-during-training``); the others do nothing."""
+        ...
+
     def stats(self) -> list[SamplerStats]:
         """The latest stats of each of its samplers (one per base model and dtype)."""
         ...

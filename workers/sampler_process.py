@@ -247,6 +247,9 @@ class ProcessTorchBackend:
         if self._dead is None:
             self._outbox.put(FailAll(error))
 
+    def training(self) -> None:
+        """Nothing to free: the child's KV cache is preallocated."""
+
     def stats(self) -> list[SamplerStats]:
         """Asked of the child now (1 s at most; a dead child's last ones)."""
         self.refresh_stats(1.0)

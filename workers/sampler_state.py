@@ -152,6 +152,8 @@ class SamplerStats:
     base_model: str = ""
     dtype: str = ""
     last_step_at: float = 0.0  # time.monotonic() of the last decode step (0: none yet)
+    kv_cache_usage: float = 0.0  # fraction of the KV cache's blocks in use, last step
+    kv_cache_peak_usage: float = 0.0  # the largest such fraction over the recent window
 
 
 def sequence_of(row: Row) -> SequenceResult:

@@ -182,6 +182,9 @@ class _LocalTorchBackend:
     def fail_all(self, error: TreadleError) -> None:
         self._post(lambda: self.core.fail_all(error))
 
+    def training(self) -> None:
+        """Nothing to free: the samplers' KV cache is preallocated."""
+
 
 class InlineTorchBackend(_LocalTorchBackend):
     """The torch samplers on the engine thread, stepped between rounds of training

@@ -21,8 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from treadle.workers.export import write_peft
-from treadle.workers.model.config import ModelConfig
-from treadle.workers.model.lora import LEGACY_TARGETS, LoraAdapter
+from treadle.workers.model.lora import LoraAdapter
 
 
 @dataclass
@@ -45,17 +44,6 @@ class AdapterRegistry:
         self._by_object: dict[int, VllmAdapter] = {}  # id(LoraAdapter) -> adapter
         self.loaded = 0  # adapters written (metrics, tests)
         self.unloaded = 0
-        self._zero: LoraAdapter | None = None  # kept alive: its adapter is never collected
-
-    def base_adapter(self, cfg: ModelConfig) -> VllmAdapter:
-        """An all-zero adapter (``B = 0``) that base-model rows are sampled under on the
-        CPU. vLLM 0.32's CPU LoRA ops (``lora/ops/torch_ops``) index the adapter slots
-        with a no-LoRA row's ``-1``, i.e. the last slot, and a deactivated adapter's
-        weights stay in its slot: a base row would read whichever adapter sits, or
-        sat, in slot ``max_loras - 1``. Under this adapter it reads its own zeros."""
-        if self._zero is None:
-            self._zero = LoraAdapter(cfg, 1, 1.0, targets=LEGACY_TARGETS, requires_grad=False)
-        return self.adapter_for("base", 0, self._zero)
 
     def adapter_for(self, model_id: str, version: int, lora: LoraAdapter) -> VllmAdapter:
         """The vLLM adapter of this published version, written on first use."""

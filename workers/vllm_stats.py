@@ -1,11 +1,18 @@
 """The vLLM backend's sampler metrics: what one engine generated, over a recent
 window, as the ``SamplerStats`` every backend reports (``GetServerInfo``, the
-metrics endpoint)."""
+metrics endpoint).
+
+KV cache usage comes from vLLM's own scheduler statistics, through its public
+stat-logger hook (``LLMEngine.from_engine_args(..., stat_loggers=[...])``):
+``kv_logger`` gives the engine a logger that writes each step's
+``kv_cache_usage`` into the engine's meter."""
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import deque
+from typing import Any
 
 from treadle.workers.sampler_state import SamplerStats
 
@@ -19,6 +26,16 @@ class EngineMeter:
         self.prefix_reused_tokens = 0
         self.steps = 0
         self.window: deque[tuple[float, int, int]] = deque()  # (time, tokens, rows)
+        self.kv_usage = 0.0  # the fraction of KV blocks in use at vLLM's last step
+        self.kv_window: deque[tuple[float, float]] = deque()  # (time, kv usage)
+
+    def kv_recorded(self, usage: float) -> None:
+        """vLLM's scheduler reported ``usage`` (a fraction of its KV cache's blocks)."""
+        self.kv_usage = usage
+        now = time.monotonic()
+        self.kv_window.append((now, usage))
+        while len(self.kv_window) > 256 or now - self.kv_window[0][0] > 10.0:
+            self.kv_window.popleft()
 
     def stepped(self, produced: int, running: int) -> None:
         self.tokens_generated += produced
@@ -51,4 +68,61 @@ class EngineMeter:
             base_model=base_model,
             dtype=dtype,
             last_step_at=w[-1][0] if w else 0.0,
+            kv_cache_usage=self.kv_usage,
+            kv_cache_peak_usage=max((u for _, u in self.kv_window), default=0.0),
         )
+
+
+def kv_logger(meter: EngineMeter) -> Any:
+    """A per-engine stat-logger factory for ``LLMEngine.from_engine_args``: the
+    logger it makes writes each step's ``SchedulerStats.kv_cache_usage`` into
+    ``meter`` (imports vLLM: call it only where vLLM is installed)."""
+    from vllm.v1.metrics.loggers import StatLoggerBase
+
+    class KvUsageLogger(StatLoggerBase):
+        def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+            pass
+
+        def record(
+            self,
+            scheduler_stats: Any,
+            iteration_stats: Any,
+            mm_cache_stats: Any = None,
+            engine_idx: int = 0,
+        ) -> None:
+            if scheduler_stats is not None:
+                meter.kv_recorded(float(scheduler_stats.kv_cache_usage))
+
+        def log_engine_initialized(self) -> None:
+            pass
+
+    return KvUsageLogger
+
+
+class StatsBoard:
+    """The latest ``SamplerStats`` of each engine, published by the loop thread after
+    its steps and read by any thread (``GetServerInfo``)."""
+
+    def __init__(self) -> None:
+        self._stats: dict[Any, SamplerStats] = {}
+        self._lock = threading.Lock()
+
+    def all(self) -> list[SamplerStats]:
+        with self._lock:
+            return list(self._stats.values())
+
+    def forget(self, key: Any) -> None:
+        with self._lock:
+            self._stats.pop(key, None)
+
+    def publish(self, eng: Any, slots: int) -> None:
+        """``eng``: a ``workers.vllm_pool.VllmEngine`` (its key, base, rows and meter)."""
+        stats = eng.meter.stats(
+            running=len(eng.rows),
+            waiting=len(eng.waiting()),
+            slots=slots,
+            base_model=eng.base.name,
+            dtype=str(eng.base.dtype).removeprefix("torch."),
+        )
+        with self._lock:
+            self._stats[eng.key] = stats

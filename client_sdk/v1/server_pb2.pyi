@@ -76,7 +76,7 @@ class TrainingPassMetrics(_message.Message):
     def __init__(self, base_model: _Optional[str] = ..., dtype: _Optional[str] = ..., passes: _Optional[int] = ..., batched_passes: _Optional[int] = ..., calls_batched: _Optional[int] = ..., calls_alone: _Optional[int] = ..., tokens_batched: _Optional[int] = ..., tokens_alone: _Optional[int] = ..., calls_per_batched_pass: _Optional[float] = ..., max_calls_per_pass: _Optional[int] = ...) -> None: ...
 
 class SamplerMetrics(_message.Message):
-    __slots__ = ("base_model", "dtype", "tokens_per_s", "occupancy", "running_rows", "num_slots", "queued_requests", "prefilling_requests", "tokens_generated", "prompt_tokens", "prefix_reused_tokens")
+    __slots__ = ("base_model", "dtype", "tokens_per_s", "occupancy", "running_rows", "num_slots", "queued_requests", "prefilling_requests", "tokens_generated", "prompt_tokens", "prefix_reused_tokens", "kv_cache_usage", "kv_cache_peak_usage")
     BASE_MODEL_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
@@ -88,6 +88,8 @@ class SamplerMetrics(_message.Message):
     TOKENS_GENERATED_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_REUSED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_USAGE_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_PEAK_USAGE_FIELD_NUMBER: _ClassVar[int]
     base_model: str
     dtype: str
     tokens_per_s: float
@@ -99,7 +101,9 @@ class SamplerMetrics(_message.Message):
     tokens_generated: int
     prompt_tokens: int
     prefix_reused_tokens: int
-    def __init__(self, base_model: _Optional[str] = ..., dtype: _Optional[str] = ..., tokens_per_s: _Optional[float] = ..., occupancy: _Optional[float] = ..., running_rows: _Optional[int] = ..., num_slots: _Optional[int] = ..., queued_requests: _Optional[int] = ..., prefilling_requests: _Optional[int] = ..., tokens_generated: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., prefix_reused_tokens: _Optional[int] = ...) -> None: ...
+    kv_cache_usage: float
+    kv_cache_peak_usage: float
+    def __init__(self, base_model: _Optional[str] = ..., dtype: _Optional[str] = ..., tokens_per_s: _Optional[float] = ..., occupancy: _Optional[float] = ..., running_rows: _Optional[int] = ..., num_slots: _Optional[int] = ..., queued_requests: _Optional[int] = ..., prefilling_requests: _Optional[int] = ..., tokens_generated: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., prefix_reused_tokens: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., kv_cache_peak_usage: _Optional[float] = ...) -> None: ...
 
 class GetTokenizerRequest(_message.Message):
     __slots__ = ("base_model",)

@@ -192,6 +192,22 @@ def test_what_vllm_cannot_do_is_refused_naming_the_field(
         big.sync_weights().sample([1, 2, 3], 1).result()
 
 
+def test_server_info_reports_the_kv_cache_usage_vllm_measures(
+    service: treadle.ServiceClient,
+) -> None:
+    """GetServerInfo carries each vLLM engine's KV cache usage, as vLLM's scheduler
+    reports it: a fraction of the cache, above 0 while 8 rows of 200 tokens decode."""
+    base = service.create_sampling_client(base_model=BASE)
+    params = treadle.SamplingParams(max_tokens=200, ignore_eos=True, seed=5)
+    assert len(base.sample([7] * 40, 8, params).result(timeout=300).sequences) == 8
+    metrics = [m for m in service.get_server_info().sampler_metrics if m.base_model == BASE]
+    assert metrics and all(0.0 <= m.kv_cache_usage <= 1.0 for m in metrics), metrics
+    assert all(m.kv_cache_usage <= m.kv_cache_peak_usage <= 1.0 for m in metrics), metrics
+    peak = max(m.kv_cache_peak_usage for m in metrics)
+    print(f"\nvllm KV cache peak usage: {peak:.4f}")
+    assert 0.0 < peak <= 1.0
+
+
 def test_seeded_prompts_longer_than_a_steps_token_budget_sample(
     service: treadle.ServiceClient,
 ) -> None:

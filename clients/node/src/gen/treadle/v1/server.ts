@@ -136,6 +136,10 @@ export interface SamplerMetrics {
   promptTokens: number;
   /** prompt tokens copied from the prefix cache instead */
   prefixReusedTokens: number;
+  /** fraction of the KV cache in use at the last step (vllm; 0 on torch) */
+  kvCacheUsage: number;
+  /** the largest such fraction over recent steps (vllm; 0 on torch) */
+  kvCachePeakUsage: number;
 }
 
 /** Which tokenizer to send. */
@@ -678,6 +682,8 @@ function createBaseSamplerMetrics(): SamplerMetrics {
     tokensGenerated: 0,
     promptTokens: 0,
     prefixReusedTokens: 0,
+    kvCacheUsage: 0,
+    kvCachePeakUsage: 0,
   };
 }
 
@@ -715,6 +721,12 @@ export const SamplerMetrics: MessageFns<SamplerMetrics> = {
     }
     if (message.prefixReusedTokens !== 0) {
       writer.uint32(88).int64(message.prefixReusedTokens);
+    }
+    if (message.kvCacheUsage !== 0) {
+      writer.uint32(97).double(message.kvCacheUsage);
+    }
+    if (message.kvCachePeakUsage !== 0) {
+      writer.uint32(105).double(message.kvCachePeakUsage);
     }
     return writer;
   },
@@ -820,6 +832,22 @@ export const SamplerMetrics: MessageFns<SamplerMetrics> = {
             message.prefixReusedTokens = longToNumber(reader.int64());
             continue;
           }
+          case 12: {
+            if (tag !== 97) {
+              break;
+            }
+
+            message.kvCacheUsage = reader.double();
+            continue;
+          }
+          case 13: {
+            if (tag !== 105) {
+              break;
+            }
+
+            message.kvCachePeakUsage = reader.double();
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -848,6 +876,8 @@ export const SamplerMetrics: MessageFns<SamplerMetrics> = {
     message.tokensGenerated = object.tokensGenerated ?? 0;
     message.promptTokens = object.promptTokens ?? 0;
     message.prefixReusedTokens = object.prefixReusedTokens ?? 0;
+    message.kvCacheUsage = object.kvCacheUsage ?? 0;
+    message.kvCachePeakUsage = object.kvCachePeakUsage ?? 0;
     return message;
   },
 };
