@@ -5,36 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
 import treadle
-from treadle.server.config import ServerConfig
 from treadle.server.embedded import EmbeddedServer
 
 BASE = "tiny"
-
-
-@pytest.fixture(scope="module")
-def server(
-    tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path
-) -> Iterator[EmbeddedServer]:
-    config = ServerConfig(
-        data_dir=tmp_path_factory.mktemp("async") / "data",
-        models={BASE: tiny_model_dir},
-        port=0,
-        threads=1,
-    )
-    srv = EmbeddedServer(config).start()
-    yield srv
-    srv.stop()
-
-
-@pytest.fixture(scope="module")
-def tok(service: treadle.ServiceClient) -> treadle.Tokenizer:
-    return service.get_tokenizer(BASE)
 
 
 #: a third of the tiny vocabulary stops a row: lengths spread between 1 and max_tokens
