@@ -38,6 +38,7 @@ from treadle.workers.device import upload
 from treadle.workers.model.config import ModelConfig
 from treadle.workers.model.llama import LlamaParams
 from treadle.workers.model.low_rank import low_rank_add
+from treadle.workers.model.params import TensorSet
 
 ATTN_TARGETS: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_TARGETS: tuple[str, ...] = ("gate_proj", "up_proj", "down_proj")
@@ -101,7 +102,7 @@ def _in_layer(layer: int, target: str) -> bool:
     return (target == UNEMBED_TARGET) == (layer == HEAD)
 
 
-class LoraAdapter:
+class LoraAdapter(TensorSet):
     """One adapter: ``A`` ``[r, in]`` and ``B`` ``[out, r]`` per (layer, target module).
 
     ``a``/``b`` hold ``num_layers + 1`` dicts: one per decoder layer, then the
@@ -162,14 +163,6 @@ class LoraAdapter:
             for t in self.a[n]:
                 yield peft_name(n, t, "A"), self.a[n][t]
                 yield peft_name(n, t, "B"), self.b[n][t]
-
-    def parameters(self) -> list[Tensor]:
-        return [t for _, t in self.named_tensors()]
-
-    def requires_grad_(self, requires_grad: bool = True) -> LoraAdapter:
-        for t in self.parameters():
-            t.requires_grad_(requires_grad)
-        return self
 
     def clone(self) -> LoraAdapter:
         """An independent, detached copy (e.g. a published weight version)."""

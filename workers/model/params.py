@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, fields, replace
+from typing import TypeVar
 
 import torch
 from torch import Tensor
@@ -66,6 +67,25 @@ def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+_T = TypeVar("_T", bound="TensorSet")
+
+
+class TensorSet:
+    """Weights listed by ``named_tensors()``: their list and their ``requires_grad``
+    (full parameters and LoRA adapters alike)."""
+
+    def named_tensors(self) -> Iterator[tuple[str, Tensor]]:
+        raise NotImplementedError
+
+    def parameters(self) -> list[Tensor]:
+        return [t for _, t in self.named_tensors()]
+
+    def requires_grad_(self: _T, requires_grad: bool = True) -> _T:
+        for t in self.parameters():
+            t.requires_grad_(requires_grad)
+        return self
+
+
 @dataclass
 class LayerParams:
     """One decoder layer's tensors; optional ones are None when the arch has none."""
@@ -88,7 +108,7 @@ class LayerParams:
 
 
 @dataclass
-class LlamaParams:
+class LlamaParams(TensorSet):
     """All weights of a model as plain tensors, convertible to and from HF names.
 
     Sharing is explicit: ``from_state_dict`` keeps the given tensors (no copy),
@@ -148,14 +168,6 @@ class LlamaParams:
 
     def state_dict(self) -> dict[str, Tensor]:
         return dict(self.named_tensors())
-
-    def parameters(self) -> list[Tensor]:
-        return [t for _, t in self.named_tensors()]
-
-    def requires_grad_(self, requires_grad: bool = True) -> LlamaParams:
-        for t in self.parameters():
-            t.requires_grad_(requires_grad)
-        return self
 
     def clone(self) -> LlamaParams:
         """An independent, detached copy (same dtype and device)."""
