@@ -16,3 +16,17 @@ def train_step(engine: Engine, model_id: str, seq_id: int) -> int:
     engine.submit(model_id, seq_id, ForwardBackwardOp((datum,), "cross_entropy", {}), f"fb{seq_id}")
     engine.submit(model_id, seq_id + 1, OptimStepOp(AdamConfig(learning_rate=5e-2)), f"o{seq_id}")
     return seq_id + 2
+
+
+def random_datum(rng: np.random.Generator, n: int) -> DatumData:
+    """``n`` random tokens with random targets, weights, advantages and behaviour
+    logprobs: a datum every loss accepts."""
+    return DatumData(
+        rng.integers(3, 90, size=n),
+        {
+            "target_tokens": rng.integers(3, 90, size=n),
+            "weights": rng.random(n).astype(np.float32),
+            "advantages": rng.standard_normal(n).astype(np.float32),
+            "logprobs": (-3 - rng.random(n)).astype(np.float32),
+        },
+    )
