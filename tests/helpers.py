@@ -16,6 +16,8 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 import treadle
+from treadle.server.auth import generate_key, hash_key
+from treadle.server.db import queries
 
 
 def char_ids(text: str) -> list[int]:
@@ -104,3 +106,15 @@ def self_signed(
         )
     )
     return cert_path, key_path
+
+
+def tenant_key(srv: Any, name: str) -> str:
+    """A new API key of tenant ``name`` (made if need be) of an embedded server,
+    written straight to its database."""
+    assert srv.ctx is not None
+    key = generate_key()
+    with srv.ctx.sessions() as s:
+        tenant = queries.ensure_tenant(s, name)
+        queries.create_api_key(s, tenant.id, hash_key(key), key[:12])
+        s.commit()
+    return key
