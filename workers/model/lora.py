@@ -38,7 +38,7 @@ from treadle.workers.device import upload
 from treadle.workers.model.config import ModelConfig
 from treadle.workers.model.llama import LlamaParams
 from treadle.workers.model.low_rank import low_rank_add
-from treadle.workers.model.params import TensorSet
+from treadle.workers.model.params import TensorSet, projection_shapes
 
 ATTN_TARGETS: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_TARGETS: tuple[str, ...] = ("gate_proj", "up_proj", "down_proj")
@@ -72,18 +72,9 @@ def targets_for(*, train_attn: bool, train_mlp: bool, train_unembed: bool) -> tu
 
 def projection_shape(cfg: ModelConfig, target: str) -> tuple[int, int]:
     """(out_features, in_features) of a base projection."""
-    h, i, q, kv = cfg.hidden_size, cfg.intermediate_size, cfg.q_size, cfg.kv_size
-    shapes = {
-        "q_proj": (q, h),
-        "k_proj": (kv, h),
-        "v_proj": (kv, h),
-        "o_proj": (h, q),
-        "gate_proj": (i, h),
-        "up_proj": (i, h),
-        "down_proj": (h, i),
-        "lm_head": (cfg.vocab_size, h),
-    }
-    return shapes[target]
+    if target == "lm_head":
+        return (cfg.vocab_size, cfg.hidden_size)
+    return projection_shapes(cfg)[target]
 
 
 def peft_name(layer: int, target: str, which: str) -> str:

@@ -36,10 +36,10 @@ _LAYER_HF_NAMES: dict[str, str] = {
 }
 
 
-def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor a checkpoint of ``cfg`` holds, by HF name, with its shape."""
+def projection_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
+    """(out_features, in_features) of each projection of a decoder layer."""
     h, i, q, kv = cfg.hidden_size, cfg.intermediate_size, cfg.q_size, cfg.kv_size
-    layer: dict[str, tuple[int, ...]] = {
+    return {
         "q_proj": (q, h),
         "k_proj": (kv, h),
         "v_proj": (kv, h),
@@ -47,6 +47,14 @@ def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         "gate_proj": (i, h),
         "up_proj": (i, h),
         "down_proj": (h, i),
+    }
+
+
+def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor a checkpoint of ``cfg`` holds, by HF name, with its shape."""
+    h, q, kv = cfg.hidden_size, cfg.q_size, cfg.kv_size
+    layer: dict[str, tuple[int, ...]] = {
+        **projection_shapes(cfg),
         "input_layernorm": (h,),
         "post_attention_layernorm": (h,),
     }
