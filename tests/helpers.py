@@ -10,12 +10,14 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import pytest
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 import treadle
+from treadle.errors import TreadleError
 from treadle.server.auth import generate_key, hash_key
 from treadle.server.db import queries
 
@@ -118,3 +120,20 @@ def tenant_key(srv: Any, name: str) -> str:
         queries.create_api_key(s, tenant.id, hash_key(key), key[:12])
         s.commit()
     return key
+
+
+def assert_connection_refused(address: str, api_key: str | None, root: Path | None) -> None:
+    """A client trusting ``root`` (None: plaintext) gets no call served at ``address``:
+    the handshake fails, UNAVAILABLE, without retries."""
+    with (
+        treadle.ServiceClient(
+            address,
+            api_key=api_key,
+            root_certificates=root.read_bytes() if root is not None else None,
+            timeout_s=5,
+            max_retries=0,
+        ) as client,
+        pytest.raises(TreadleError) as info,
+    ):
+        client.get_server_info()
+    assert info.value.code == "UNAVAILABLE"

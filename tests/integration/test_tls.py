@@ -10,8 +10,8 @@ import pytest
 
 import treadle
 from tests.conftest import make_server
-from tests.helpers import self_signed
-from treadle.errors import InvalidArgumentError, TreadleError
+from tests.helpers import assert_connection_refused, self_signed
+from treadle.errors import InvalidArgumentError
 from treadle.server.config import ServerConfig
 from treadle.server.embedded import EmbeddedServer
 
@@ -62,30 +62,12 @@ def test_sdk_trusting_the_root_runs_a_step(
 
 
 def test_plaintext_client_is_refused(tls_server: EmbeddedServer) -> None:
-    with (
-        treadle.ServiceClient(
-            tls_server.address, api_key=_key(tls_server), timeout_s=5, max_retries=0
-        ) as client,
-        pytest.raises(TreadleError) as info,
-    ):
-        client.get_server_info()
-    assert info.value.code == "UNAVAILABLE"
+    assert_connection_refused(tls_server.address, _key(tls_server), None)
 
 
 def test_untrusted_certificate_is_refused(tls_server: EmbeddedServer, tmp_path: Path) -> None:
     other_root, _ = self_signed(tmp_path)  # same names, another key: not the server's
-    with (
-        treadle.ServiceClient(
-            tls_server.address,
-            api_key=_key(tls_server),
-            root_certificates=other_root.read_bytes(),
-            timeout_s=5,
-            max_retries=0,
-        ) as client,
-        pytest.raises(TreadleError) as info,
-    ):
-        client.get_server_info()
-    assert info.value.code == "UNAVAILABLE"
+    assert_connection_refused(tls_server.address, _key(tls_server), other_root)
 
 
 def test_http_api_takes_the_same_certificate(

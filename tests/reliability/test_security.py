@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 import treadle
 from tests.conftest import make_server
-from tests.helpers import LOCAL_NAMES, self_signed
+from tests.helpers import LOCAL_NAMES, assert_connection_refused, self_signed
 from tests.integration.rpc_walk import all_methods, call_raw
 from tests.reliability.world import MAX_BYTES, Holdings, seed, server_config, tenant_key
 from treadle.common.store import LocalStore, check_name, parse_state_uri
@@ -293,18 +293,7 @@ def test_tls_refuses_a_certificate_for_another_host_or_expired(
     cert, key = self_signed(tmp_path / "tls", sans, days, "treadle-test")
     srv = make_server(tmp_path, {"tiny": tiny_model_dir}, tls_cert=cert, tls_key=key)
     try:
-        with (
-            treadle.ServiceClient(
-                f"127.0.0.1:{srv.port}",
-                api_key=srv.api_key,
-                root_certificates=cert.read_bytes(),
-                timeout_s=5,
-                max_retries=0,
-            ) as client,
-            pytest.raises(TreadleError) as info,
-        ):
-            client.get_server_info()
-        assert info.value.code == "UNAVAILABLE"
+        assert_connection_refused(f"127.0.0.1:{srv.port}", srv.api_key, cert)
     finally:
         srv.stop()
 
