@@ -9,6 +9,7 @@ import time
 import pytest
 
 import treadle
+from tests.helpers import next_token_datum
 from treadle.server.embedded import EmbeddedServer
 
 BASE = "tiny"
@@ -31,11 +32,7 @@ def test_inflight_sync_switches_sequences_still_generating(
     params = treadle.SamplingParams(max_tokens=600, seed=4)
     running = latest.sample(prompt, 16, params)
     # a step and an in-flight sync, all sent at once: they land a few decode steps in
-    tokens = tok.encode("abcabcabc")
-    datum = treadle.Datum(
-        model_input=treadle.ModelInput.from_ints(tokens[:-1]),
-        loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)},
-    )
+    datum = next_token_datum(tok.encode("abcabcabc"))
     tc.forward_backward([datum], "cross_entropy")
     tc.optim_step(treadle.AdamParams(learning_rate=5e-2))
     pinned = tc.sync_weights(inflight=True)
@@ -148,11 +145,7 @@ def test_a_resumed_partial_rollout_continues_the_same_sequence(
     assert partial, [s.stop_reason for s in first]
     for s in partial:
         assert len(s.tokens) == 5 and s.resume_handle and s.token_versions() == [0] * 5
-    tokens = tok.encode("abcabcabc")
-    datum = treadle.Datum(
-        model_input=treadle.ModelInput.from_ints(tokens[:-1]),
-        loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)},
-    )
+    datum = next_token_datum(tok.encode("abcabcabc"))
     tc.forward_backward([datum], "cross_entropy")
     tc.optim_step(treadle.AdamParams(learning_rate=5e-2))
     assert tc.sync_weights().version == 1
