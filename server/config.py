@@ -16,6 +16,7 @@ from treadle.server.quotas import QuotaLimits
 from treadle.workers.engine_flags import (
     add_engine_flags,
     add_model_flag,
+    add_store_flags,
     check_engine_settings,
     engine_settings,
     models_from_args,
@@ -242,16 +243,7 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
         help="run engines in `treadle worker` processes through Celery: redis://host:6379/0 "
         "or amqp://user:pass@host:5672//; default: the engine runs in this process",
     )
-    parser.add_argument(
-        "--store",
-        default=env("TREADLE_STORE", ""),
-        help="checkpoint store: s3://bucket/prefix, or a directory (default: DATA_DIR/checkpoints)",
-    )
-    parser.add_argument(
-        "--s3-endpoint-url",
-        default=env("TREADLE_S3_ENDPOINT_URL", ""),
-        help="endpoint of an S3-compatible store (MinIO, Ceph, ...)",
-    )
+    add_store_flags(parser, "default: DATA_DIR/checkpoints")
     parser.add_argument(
         "--worker-timeout",
         type=float,

@@ -84,6 +84,12 @@ def service(server: EmbeddedServer) -> Iterator[treadle.ServiceClient]:
     client.close()
 
 
+@pytest.fixture(scope="module")
+def tok(service: treadle.ServiceClient) -> treadle.Tokenizer:
+    """The tokenizer of the tiny base model, as the server serves it."""
+    return service.get_tokenizer("tiny")
+
+
 def vllm_skip_reason() -> str | None:
     """Why the vLLM backend's tests cannot run here (None: they can)."""
     from treadle.errors import TreadleError

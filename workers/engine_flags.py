@@ -341,6 +341,22 @@ def add_model_flag(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_store_flags(parser: argparse.ArgumentParser, directory: str) -> None:
+    """``--store`` and ``--s3-endpoint-url``, of a server and of a worker alike;
+    ``directory`` says which directory a plain path is (or the default)."""
+    env = os.environ.get
+    parser.add_argument(
+        "--store",
+        default=env("TREADLE_STORE", ""),
+        help=f"checkpoint store: s3://bucket/prefix, or a directory ({directory})",
+    )
+    parser.add_argument(
+        "--s3-endpoint-url",
+        default=env("TREADLE_S3_ENDPOINT_URL", ""),
+        help="endpoint of an S3-compatible store (MinIO, Ceph, ...)",
+    )
+
+
 def models_from_args(args: argparse.Namespace) -> dict[str, Path]:
     """The base models of ``--model`` flags, or of ``TREADLE_MODELS`` when none was given."""
     values = list(args.model)

@@ -14,6 +14,7 @@ from treadle.errors import InvalidArgumentError
 from treadle.workers.engine_flags import (
     add_engine_flags,
     add_model_flag,
+    add_store_flags,
     check_engine_settings,
     engine_settings,
     models_from_args,
@@ -99,12 +100,7 @@ def add_worker_flags(parser: argparse.ArgumentParser) -> None:
         default=env("TREADLE_DATABASE_URL", ""),
         help="the server's database, e.g. postgresql+psycopg://user@host/treadle",
     )
-    parser.add_argument(
-        "--store",
-        default=env("TREADLE_STORE", ""),
-        help="checkpoint store: s3://bucket/prefix, or a directory shared with the server",
-    )
-    parser.add_argument("--s3-endpoint-url", default=env("TREADLE_S3_ENDPOINT_URL", ""))
+    add_store_flags(parser, "shared with the server")
     parser.add_argument("--data-dir", default=env("TREADLE_DATA_DIR", "treadle-worker"))
     parser.add_argument("--worker-id", default=env("TREADLE_WORKER_ID", ""))
     parser.add_argument("--capacity", type=int, default=int(env("TREADLE_CAPACITY", "64")))

@@ -5,36 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
 import treadle
-from treadle.server.config import ServerConfig
+from tests.helpers import next_token_datum
 from treadle.server.embedded import EmbeddedServer
 
 BASE = "tiny"
-
-
-@pytest.fixture(scope="module")
-def server(
-    tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path
-) -> Iterator[EmbeddedServer]:
-    config = ServerConfig(
-        data_dir=tmp_path_factory.mktemp("async") / "data",
-        models={BASE: tiny_model_dir},
-        port=0,
-        threads=1,
-    )
-    srv = EmbeddedServer(config).start()
-    yield srv
-    srv.stop()
-
-
-@pytest.fixture(scope="module")
-def tok(service: treadle.ServiceClient) -> treadle.Tokenizer:
-    return service.get_tokenizer(BASE)
 
 
 #: a third of the tiny vocabulary stops a row: lengths spread between 1 and max_tokens
@@ -54,11 +32,7 @@ def test_inflight_sync_switches_sequences_still_generating(
     params = treadle.SamplingParams(max_tokens=600, seed=4)
     running = latest.sample(prompt, 16, params)
     # a step and an in-flight sync, all sent at once: they land a few decode steps in
-    tokens = tok.encode("abcabcabc")
-    datum = treadle.Datum(
-        model_input=treadle.ModelInput.from_ints(tokens[:-1]),
-        loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)},
-    )
+    datum = next_token_datum(tok.encode("abcabcabc"))
     tc.forward_backward([datum], "cross_entropy")
     tc.optim_step(treadle.AdamParams(learning_rate=5e-2))
     pinned = tc.sync_weights(inflight=True)
@@ -171,11 +145,7 @@ def test_a_resumed_partial_rollout_continues_the_same_sequence(
     assert partial, [s.stop_reason for s in first]
     for s in partial:
         assert len(s.tokens) == 5 and s.resume_handle and s.token_versions() == [0] * 5
-    tokens = tok.encode("abcabcabc")
-    datum = treadle.Datum(
-        model_input=treadle.ModelInput.from_ints(tokens[:-1]),
-        loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)},
-    )
+    datum = next_token_datum(tok.encode("abcabcabc"))
     tc.forward_backward([datum], "cross_entropy")
     tc.optim_step(treadle.AdamParams(learning_rate=5e-2))
     assert tc.sync_weights().version == 1

@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -20,11 +19,11 @@ from sqlalchemy import create_engine, text
 
 import treadle
 from treadle.errors import UnavailableError
-from treadle.server.config import ServerConfig
 from treadle.server.embedded import EmbeddedServer
 
 from .distributed.cluster import create_tenant as _create_tenant
 from .distributed.cluster import datum as _datum
+from .distributed.cluster import server_config, start_worker, stop_worker
 from .services import free_port, fresh_postgres, port_open, wait_for_workers
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
@@ -88,43 +87,24 @@ def single(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> It
     worker: subprocess.Popen[bytes] | None = None
     try:
         with fresh_postgres() as database_url:
-            config = ServerConfig(
-                data_dir=tmp / "server",
-                models={BASE: tiny_model_dir},
-                port=0,
-                threads=1,
-                database_url=database_url,
-                broker=redis.url,
-                store=store,
-                worker_timeout_s=10.0,
-            )
+            config = server_config(tmp, tiny_model_dir, database_url, redis.url, store)
             server = EmbeddedServer(config).start()
-            log = tmp / "worker.log"
-            cmd = [
-                *(sys.executable, "-m", "treadle.server.cli", "worker"),
-                *("--model", f"{BASE}={tiny_model_dir}", "--broker", redis.url),
-                *("--database-url", database_url, "--store", store),
-                *("--data-dir", str(tmp / "worker"), "--worker-id", f"outage-w-{os.getpid()}"),
-                *("--heartbeat", "0.5", "--threads", "1", "--drain-timeout", "0"),
-                *("--gap-timeout", str(GAP_TIMEOUT_S)),
-            ]
-            with open(log, "wb") as out:
-                worker = subprocess.Popen(
-                    cmd,
-                    stdout=out,
-                    stderr=subprocess.STDOUT,
-                    env=dict(os.environ, OMP_NUM_THREADS="1"),
-                )
+            worker, log = start_worker(
+                f"outage-w-{os.getpid()}",
+                tiny_model_dir,
+                redis.url,
+                database_url,
+                store,
+                "",
+                tmp,
+                flags=("--gap-timeout", str(GAP_TIMEOUT_S)),
+            )
             try:
                 wait_for_workers(database_url, [f"outage-w-{os.getpid()}"], timeout_s=120)
                 key = _create_tenant(database_url, "alice")
                 yield Single(server, redis, worker, log, key, database_url)
             finally:
-                worker.terminate()
-                try:
-                    worker.wait(20)
-                except subprocess.TimeoutExpired:
-                    worker.kill()
+                stop_worker(worker)
                 server.stop()
     finally:
         redis.stop()

@@ -17,68 +17,12 @@ import numpy as np
 import pytest
 
 import treadle
+from tests.integration import logprob_checks as lp
 from treadle import rl
 
 TOLERANCE = 1e-4
-PROMPTS = ("12+3=", "4*5=", "Hello", "x")
-GROUP = 4
 SETTINGS = [(1.0, 1.0), (0.7, 0.9)]  # (temperature, top_p)
 LR = {"lora": 1e-2, "full": 1e-3}
-
-
-def _train_a_little(tc: treadle.TrainingClient, mode: str) -> None:
-    """A few SFT steps, so the adapter (or the full copy) differs from the base."""
-    tok = tc.get_tokenizer()
-    seqs = [tok.encode(t) for t in ("12+3=15", "4*5=20", "Hello world")]
-    data = [
-        treadle.Datum(
-            model_input=treadle.ModelInput.from_ints(s[:-1]),
-            loss_fn_inputs={"target_tokens": s[1:], "weights": [1.0 / 20] * (len(s) - 1)},
-        )
-        for s in seqs
-    ]
-    steps = []
-    for _ in range(3):
-        tc.forward_backward(data, "cross_entropy")
-        steps.append(tc.optim_step(treadle.AdamParams(learning_rate=LR[mode])))
-    assert [s.result().step for s in steps] == [1, 2, 3]
-
-
-def _rollouts(
-    sampler: treadle.SamplingClient, tok: treadle.Tokenizer, temperature: float, top_p: float
-) -> list[rl.Rollout]:
-    params = treadle.SamplingParams(max_tokens=16, temperature=temperature, top_p=top_p, seed=3)
-    futures = [(p, sampler.sample(tok.encode(p), GROUP, params)) for p in PROMPTS]
-    rollouts = []
-    for prompt, fut in futures:
-        for i, seq in enumerate(fut.result().sequences):
-            assert seq.tokens, "empty completion"
-            rollouts.append(rl.Rollout.from_sequence(tok.encode(prompt), seq, reward=float(i % 2)))
-    return rollouts
-
-
-def _max_diff(
-    tc: treadle.TrainingClient,
-    rollouts: list[rl.Rollout],
-    temperature: float,
-    *,
-    reference: bool = False,
-) -> float:
-    """Largest |sampler logprob - forward_logprobs| over every sampled token."""
-    datums = rl.build_datums(rollouts, [0.0] * len(rollouts), include_logprobs=False)
-    probe = [
-        treadle.Datum(d.model_input, {"target_tokens": d.loss_fn_inputs["target_tokens"]})
-        for d in datums
-    ]
-    out = tc.forward_logprobs(probe, reference=reference, temperature=temperature).result()
-    worst = 0.0
-    for rollout, output in zip(rollouts, out.loss_fn_outputs, strict=True):
-        n = len(rollout.completion_tokens)
-        trainer_lp = output.logprobs[-n:]
-        worst = max(
-            worst, float(np.abs(trainer_lp - np.asarray(rollout.completion_logprobs)).max())
-        )
-    return worst
 
 
 @pytest.mark.parametrize("mode", ["lora", "full"])
@@ -87,25 +31,25 @@ def test_sampler_and_trainer_agree(service: treadle.ServiceClient, mode: str) ->
         tc = service.create_lora_training_client("tiny", rank=4, seed=2)
     else:
         tc = service.create_training_client("tiny", seed=2)
-    _train_a_little(tc, mode)
+    assert lp.sft_steps(tc, 3, LR[mode]) == [1, 2, 3]
     tok = tc.get_tokenizer()
     sampler = tc.sync_weights()
     base_sampler = service.create_sampling_client(base_model="tiny")
 
     for temperature, top_p in SETTINGS:
-        rollouts = _rollouts(sampler, tok, temperature, top_p)
-        diff = _max_diff(tc, rollouts, temperature)
+        rollouts = lp.rollouts(sampler, tok, temperature, top_p)
+        diff = lp.max_diff(tc, rollouts, temperature)
         print(f"\n{mode} T={temperature} top_p={top_p}: max |sampler - trainer| = {diff:.2e}")
         assert diff <= TOLERANCE
         # the check can fail: the same tokens scored at another temperature disagree
-        assert _max_diff(tc, rollouts, 1.0 if temperature != 1.0 else 0.7) > 100 * TOLERANCE
+        assert lp.max_diff(tc, rollouts, 1.0 if temperature != 1.0 else 0.7) > 100 * TOLERANCE
 
-        base_rollouts = _rollouts(base_sampler, tok, temperature, top_p)
-        base_diff = _max_diff(tc, base_rollouts, temperature, reference=True)
+        base_rollouts = lp.rollouts(base_sampler, tok, temperature, top_p)
+        base_diff = lp.max_diff(tc, base_rollouts, temperature, reference=True)
         print(f"{mode} base T={temperature}: max |sampler - trainer(reference)| = {base_diff:.2e}")
         assert base_diff <= TOLERANCE
         # ... and the trained weights are not the base weights
-        assert _max_diff(tc, base_rollouts, temperature) > 100 * TOLERANCE
+        assert lp.max_diff(tc, base_rollouts, temperature) > 100 * TOLERANCE
 
 
 @pytest.mark.parametrize("mode", ["lora", "full"])
@@ -120,9 +64,9 @@ def test_first_ppo_minibatch_is_on_policy(
         tc = service.create_lora_training_client("tiny", rank=4, seed=5)
     else:
         tc = service.create_training_client("tiny", seed=5)
-    _train_a_little(tc, mode)
-    rollouts = _rollouts(tc.sync_weights(), tc.get_tokenizer(), temperature, top_p)
-    advantages = rl.group_advantages([r.reward for r in rollouts], GROUP)
+    assert lp.sft_steps(tc, 3, LR[mode]) == [1, 2, 3]
+    rollouts = lp.rollouts(tc.sync_weights(), tc.get_tokenizer(), temperature, top_p)
+    advantages = rl.group_advantages([r.reward for r in rollouts], lp.GROUP)
     order = np.random.default_rng(0).permutation(len(rollouts))
     minibatches = np.array_split(order, 4)
     config = {"clip_low_threshold": 0.8, "clip_high_threshold": 1.28}

@@ -10,7 +10,6 @@ import logging
 import os
 import re
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,12 +17,13 @@ from pathlib import Path
 import pytest
 
 import treadle
+from tests.helpers import next_token_datum
 from treadle import _rpc
-from treadle.server.config import ServerConfig
 from treadle.server.embedded import EmbeddedServer
 
+from .distributed.cluster import server_config, start_worker, stop_worker
 from .services import REDIS_URL, fresh_postgres, port_open, wait_for_workers
-from .test_observability import _datum, scrape, value
+from .test_observability import scrape, value
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
 
@@ -47,34 +47,20 @@ def cluster(
     tmp = tmp_path_factory.mktemp("observe-dist")
     store = tmp / "store"
     with fresh_postgres("treadle_obs") as database_url:
-        config = ServerConfig(
-            data_dir=tmp / "server",
-            models={BASE: tiny_model_dir},
-            port=0,
-            threads=1,
-            database_url=database_url,
-            broker=REDIS_URL,
-            store=str(store),
-            worker_timeout_s=10.0,
-        )
+        config = server_config(tmp, tiny_model_dir, database_url, REDIS_URL, str(store))
         server = EmbeddedServer(config).start()
         worker_id = f"obs-w1-{os.getpid()}"
-        log = tmp / "worker.log"
-        cmd = [
-            *(sys.executable, "-m", "treadle.server.cli", "-v", "worker"),
-            *("--model", f"{BASE}={tiny_model_dir}", "--broker", REDIS_URL),
-            *("--database-url", database_url, "--store", str(store)),
-            *("--data-dir", str(tmp / "worker"), "--worker-id", worker_id),
-            *("--heartbeat", "0.5", "--threads", "1", "--drain-timeout", "0"),
-            *("--log-format", "json", "--metrics-port", "0"),
-        ]
-        with open(log, "wb") as out:
-            proc = subprocess.Popen(
-                cmd,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                env=dict(os.environ, OMP_NUM_THREADS="1"),
-            )
+        proc, log = start_worker(
+            worker_id,
+            tiny_model_dir,
+            REDIS_URL,
+            database_url,
+            str(store),
+            "",
+            tmp,
+            flags=("--log-format", "json", "--metrics-port", "0"),
+            verbose=True,
+        )
         try:
             try:
                 wait_for_workers(database_url, [worker_id], timeout_s=120)
@@ -82,12 +68,7 @@ def cluster(
                 raise AssertionError(f"{err}\n{log.read_text(errors='replace')}") from None
             yield server, log, proc
         finally:
-            if proc.poll() is None:
-                proc.terminate()
-            try:
-                proc.wait(20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            stop_worker(proc)
             server.stop()
 
 
@@ -102,7 +83,7 @@ def test_a_calls_request_id_is_on_the_server_and_worker_log_lines(
     monkeypatch.setattr(_rpc, "new_request_id", lambda: next(ids))
     with treadle.ServiceClient(server.address, api_key=server.api_key) as client:
         tc = client.create_lora_training_client(BASE, rank=2, seed=0)
-        fb = tc.forward_backward([_datum([1, 2, 3, 4, 5])], "cross_entropy")
+        fb = tc.forward_backward([next_token_datum([1, 2, 3, 4, 5])], "cross_entropy")
         fb.result(timeout=120)
     server_lines = {
         getattr(r, "rpc", ""): getattr(r, "request_id", "")

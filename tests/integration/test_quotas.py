@@ -15,13 +15,12 @@ import numpy as np
 import pytest
 
 import treadle
-from tests.helpers import next_token_datum
+from tests.helpers import next_token_datum, tenant_key
 from treadle._convert import datums_to_wire
 from treadle._rpc import RETRY_AFTER_KEY
 from treadle.errors import ResourceExhaustedError
-from treadle.server.auth import generate_key, hash_key
 from treadle.server.config import ServerConfig
-from treadle.server.db import queries, tenancy
+from treadle.server.db import tenancy
 from treadle.server.embedded import EmbeddedServer
 from treadle.v1 import common_pb2, training_pb2
 
@@ -30,16 +29,6 @@ BASE = "tiny"
 
 def _datum(n: int) -> treadle.Datum:
     return next_token_datum([1 + i % 60 for i in range(n + 1)])
-
-
-def _tenant(srv: EmbeddedServer, name: str) -> str:
-    assert srv.ctx is not None
-    key = generate_key()
-    with srv.ctx.sessions() as s:
-        tenant = queries.ensure_tenant(s, name)
-        queries.create_api_key(s, tenant.id, hash_key(key), key[:12])
-        s.commit()
-    return key
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +53,7 @@ def server(
 def test_tokens_per_minute_is_waited_out_by_the_sdk(
     server: EmbeddedServer, caplog: pytest.LogCaptureFixture
 ) -> None:
-    key = _tenant(server, "rate")
+    key = tenant_key(server, "rate")
     with treadle.ServiceClient(server.address, api_key=key) as client:
         trainer = client.create_lora_training_client(BASE, rank=2)
         # 600 tokens: the whole minute's worth, admitted at once
@@ -107,7 +96,7 @@ def test_tokens_per_minute_is_waited_out_by_the_sdk(
 def test_calls_in_flight_are_retried_until_they_fit(
     server: EmbeddedServer, caplog: pytest.LogCaptureFixture
 ) -> None:
-    key = _tenant(server, "busy")
+    key = tenant_key(server, "busy")
     caplog.set_level(logging.WARNING, logger="treadle")
     with treadle.ServiceClient(server.address, api_key=key) as client:
         sampler = client.create_sampling_client(base_model=BASE)
@@ -124,7 +113,7 @@ def test_calls_in_flight_are_retried_until_they_fit(
 def test_ordered_calls_in_flight_do_not_deadlock(server: EmbeddedServer) -> None:
     """Calls sent ahead hold the only slot while the one they wait for is refused:
     that one is let in anyway, so they all finish."""
-    key = _tenant(server, "ahead")
+    key = tenant_key(server, "ahead")
     with treadle.ServiceClient(server.address, api_key=key) as client:
         trainer = client.create_lora_training_client(BASE, rank=2)
         futures = [trainer.forward_logprobs([_datum(4)]) for _ in range(6)]
@@ -135,7 +124,7 @@ def test_ordered_calls_in_flight_do_not_deadlock(server: EmbeddedServer) -> None
 def test_tokens_per_request_is_final_and_takes_its_seq_id(
     server: EmbeddedServer, caplog: pytest.LogCaptureFixture
 ) -> None:
-    key = _tenant(server, "big")
+    key = tenant_key(server, "big")
     with treadle.ServiceClient(server.address, api_key=key) as client:
         assert client.get_server_info().max_tokens_per_request == 1000  # the quota shows
         trainer = client.create_lora_training_client(BASE, rank=2)
@@ -149,7 +138,7 @@ def test_tokens_per_request_is_final_and_takes_its_seq_id(
 
 
 def test_max_models_and_a_tenant_override(server: EmbeddedServer) -> None:
-    key = _tenant(server, "many")
+    key = tenant_key(server, "many")
     with treadle.ServiceClient(server.address, api_key=key) as client:
         first = client.create_lora_training_client(BASE, rank=2)
         client.create_lora_training_client(BASE, rank=2)
@@ -171,7 +160,7 @@ def test_max_models_and_a_tenant_override(server: EmbeddedServer) -> None:
 def test_one_tenant_over_quota_leaves_others_alone(
     server: EmbeddedServer, caplog: pytest.LogCaptureFixture
 ) -> None:
-    hog, other = _tenant(server, "hog"), _tenant(server, "calm")
+    hog, other = tenant_key(server, "hog"), tenant_key(server, "calm")
     with treadle.ServiceClient(server.address, api_key=hog) as client:
         trainer = client.create_lora_training_client(BASE, rank=2)
         trainer.forward_backward([_datum(100)] * 6, "cross_entropy").result()  # bucket empty

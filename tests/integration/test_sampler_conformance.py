@@ -60,18 +60,6 @@ def server(
     srv.stop()
 
 
-@pytest.fixture(scope="module")
-def service(server: EmbeddedServer) -> Iterator[treadle.ServiceClient]:
-    client = treadle.ServiceClient(server.address, api_key=server.api_key)
-    yield client
-    client.close()
-
-
-@pytest.fixture(scope="module")
-def tok(service: treadle.ServiceClient) -> treadle.Tokenizer:
-    return service.get_tokenizer(BASE)
-
-
 def _datum(tokens: list[int], weights: bool = True) -> treadle.Datum:
     inputs: dict[str, list[int] | list[float]] = {"target_tokens": tokens[1:]}
     if weights:

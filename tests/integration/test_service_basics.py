@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from concurrent.futures import CancelledError
 from pathlib import Path
 
@@ -14,33 +14,10 @@ import pytest
 
 import treadle
 from tests.helpers import next_token_datum
-from treadle.server.config import ServerConfig
 from treadle.server.embedded import EmbeddedServer
 
 BASE = "tiny"
 TOL = 1e-4
-
-
-@pytest.fixture(scope="module")
-def server(
-    tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path
-) -> Iterator[EmbeddedServer]:
-    """Like the shared fixture, with one engine thread: on 2 loaded cores a
-    2-thread pool makes a tiny model's decode step ~10x slower."""
-    config = ServerConfig(
-        data_dir=tmp_path_factory.mktemp("basics") / "data",
-        models={BASE: tiny_model_dir},
-        port=0,
-        threads=1,
-    )
-    srv = EmbeddedServer(config).start()
-    yield srv
-    srv.stop()
-
-
-@pytest.fixture(scope="module")
-def tok(service: treadle.ServiceClient) -> treadle.Tokenizer:
-    return service.get_tokenizer(BASE)
 
 
 def _completion_datum(prompt: Sequence[int], completion: Sequence[int]) -> treadle.Datum:

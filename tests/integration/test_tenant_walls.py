@@ -21,11 +21,10 @@ import pytest
 from google.protobuf.message import Message
 
 import treadle
+from tests.helpers import tenant_key
 from tests.integration.rpc_walk import all_methods, call_raw
 from treadle._convert import adam_to_wire, datums_to_wire, prompt_to_wire
-from treadle.server.auth import generate_key, hash_key
 from treadle.server.config import ServerConfig
-from treadle.server.db import queries
 from treadle.server.embedded import EmbeddedServer
 from treadle.v1 import common_pb2, sampling_pb2, server_pb2, training_pb2
 
@@ -53,16 +52,6 @@ class World:
         return self.seq_b
 
 
-def _tenant_key(srv: EmbeddedServer, name: str) -> str:
-    assert srv.ctx is not None
-    key = generate_key()
-    with srv.ctx.sessions() as s:
-        tenant = queries.ensure_tenant(s, name)
-        queries.create_api_key(s, tenant.id, hash_key(key), key[:12])
-        s.commit()
-    return key
-
-
 def _datum() -> treadle.Datum:
     return treadle.Datum(
         model_input=treadle.ModelInput.from_ints([1, 2, 3, 4]),
@@ -85,7 +74,7 @@ def world(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Ite
         threads=1,
     )
     srv = EmbeddedServer(config).start()
-    key_a, key_b = _tenant_key(srv, "alice"), _tenant_key(srv, "bob")
+    key_a, key_b = tenant_key(srv, "alice"), tenant_key(srv, "bob")
     with treadle.ServiceClient(srv.address, api_key=key_a) as a:
         trainer = a.create_lora_training_client(BASE, rank=2)
         trainer.forward_backward([_datum()], "cross_entropy").result()

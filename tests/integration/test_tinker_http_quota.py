@@ -15,7 +15,8 @@ httpx = pytest.importorskip("httpx")
 
 from tinker import types as T  # noqa: E402
 
-from tests.integration.test_tinker_sdk import BASE, _tenant_key  # noqa: E402
+from tests.helpers import tenant_key  # noqa: E402
+from tests.integration.test_tinker_sdk import BASE  # noqa: E402
 from treadle.server.config import ServerConfig  # noqa: E402
 from treadle.server.embedded import EmbeddedServer  # noqa: E402
 
@@ -50,7 +51,7 @@ def _datum(n: int) -> T.Datum:
 
 def test_sampling_over_quota_is_429_and_the_sdk_waits_it_out(server: EmbeddedServer) -> None:
     assert server.http_url
-    key = "tml-" + _tenant_key(server, "sampling-quota")
+    key = "tml-" + tenant_key(server, "sampling-quota")
     sc = tinker.ServiceClient(base_url=server.http_url, api_key=key)
     try:
         tc = sc.create_lora_training_client(base_model=BASE, rank=2).result()

@@ -19,9 +19,9 @@ httpx = pytest.importorskip("httpx")
 from tinker import types as T  # noqa: E402
 from tinker.proto import tinker_public_pb2 as sdk_pb  # noqa: E402
 
-from treadle.server.auth import generate_key, hash_key  # noqa: E402
+from tests.helpers import tenant_key  # noqa: E402
 from treadle.server.config import ServerConfig  # noqa: E402
-from treadle.server.db import queries, tenancy  # noqa: E402
+from treadle.server.db import tenancy  # noqa: E402
 from treadle.server.embedded import EmbeddedServer  # noqa: E402
 
 os.environ.setdefault("TINKER_TELEMETRY", "0")
@@ -54,16 +54,6 @@ class World:
         return self.server.ctx.dispatcher.model_status(model_id).version
 
 
-def _tenant_key(srv: EmbeddedServer, name: str) -> str:
-    assert srv.ctx is not None
-    key = generate_key()
-    with srv.ctx.sessions() as s:
-        tenant = queries.ensure_tenant(s, name)
-        queries.create_api_key(s, tenant.id, hash_key(key), key[:12])
-        s.commit()
-    return key
-
-
 def _datum(tokens: list[int]) -> T.Datum:
     return T.Datum(
         model_input=T.ModelInput.from_ints(tokens[:-1]),
@@ -93,7 +83,7 @@ def world(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Ite
         srv,
         srv.http_url,
         key_a,
-        "tml-" + _tenant_key(srv, "b"),
+        "tml-" + tenant_key(srv, "b"),
         tc.model_id,
         sampler_path,
         state_path,
@@ -235,7 +225,7 @@ def test_over_quota_is_429_with_the_retry_delay(world: World) -> None:
     (Retry-After), on the request itself; nothing is applied."""
     srv = world.server
     assert srv.ctx is not None
-    key_c = "tml-" + _tenant_key(srv, "c")
+    key_c = "tml-" + tenant_key(srv, "c")
     sc = tinker.ServiceClient(base_url=world.url, api_key=key_c)
     try:
         model_c = sc.create_lora_training_client(base_model=BASE, rank=2).result().model_id

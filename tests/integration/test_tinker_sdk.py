@@ -22,9 +22,8 @@ httpx = pytest.importorskip("httpx")
 from tinker import types as T  # noqa: E402
 
 import treadle  # noqa: E402
-from treadle.server.auth import generate_key, hash_key  # noqa: E402
+from tests.helpers import tenant_key  # noqa: E402
 from treadle.server.config import ServerConfig  # noqa: E402
-from treadle.server.db import queries  # noqa: E402
 from treadle.server.embedded import EmbeddedServer  # noqa: E402
 
 os.environ.setdefault("TINKER_TELEMETRY", "0")
@@ -47,16 +46,6 @@ class World:
         return httpx.post(f"{self.url}/api/v1/{route}", headers=headers, timeout=60, **kw)  # type: ignore[arg-type]
 
 
-def _tenant_key(srv: EmbeddedServer, name: str) -> str:
-    assert srv.ctx is not None
-    key = generate_key()
-    with srv.ctx.sessions() as s:
-        tenant = queries.ensure_tenant(s, name)
-        queries.create_api_key(s, tenant.id, hash_key(key), key[:12])
-        s.commit()
-    return key
-
-
 @pytest.fixture(scope="module")
 def world(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Iterator[World]:
     tmp = tmp_path_factory.mktemp("tinker")
@@ -65,7 +54,7 @@ def world(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Ite
     )
     srv = EmbeddedServer(config).start()
     assert srv.api_key and srv.http_url
-    yield World(srv, srv.http_url, "tml-" + srv.api_key, "tml-" + _tenant_key(srv, "b"))
+    yield World(srv, srv.http_url, "tml-" + srv.api_key, "tml-" + tenant_key(srv, "b"))
     srv.stop()
 
 

@@ -3,56 +3,17 @@ as its root, and a plaintext client refused."""
 
 from __future__ import annotations
 
-import datetime as dt
-import ipaddress
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
 
 import treadle
 from tests.conftest import make_server
-from treadle.errors import InvalidArgumentError, TreadleError
+from tests.helpers import assert_connection_refused, self_signed
+from treadle.errors import InvalidArgumentError
 from treadle.server.config import ServerConfig
 from treadle.server.embedded import EmbeddedServer
-
-
-def self_signed(directory: Path, common_name: str = "localhost") -> tuple[Path, Path]:
-    """A CA-less certificate for localhost and 127.0.0.1, valid for a day."""
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
-    now = dt.datetime.now(dt.timezone.utc)
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(name)
-        .issuer_name(name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - dt.timedelta(minutes=5))
-        .not_valid_after(now + dt.timedelta(days=1))
-        .add_extension(
-            x509.SubjectAlternativeName(
-                [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
-            ),
-            critical=False,
-        )
-        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-        .sign(key, hashes.SHA256())
-    )
-    cert_path, key_path = directory / "server.crt", directory / "server.key"
-    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    key_path.write_bytes(
-        key.private_bytes(
-            serialization.Encoding.PEM,
-            serialization.PrivateFormat.PKCS8,
-            serialization.NoEncryption(),
-        )
-    )
-    return cert_path, key_path
 
 
 def _key(srv: EmbeddedServer) -> str | None:
@@ -101,30 +62,12 @@ def test_sdk_trusting_the_root_runs_a_step(
 
 
 def test_plaintext_client_is_refused(tls_server: EmbeddedServer) -> None:
-    with (
-        treadle.ServiceClient(
-            tls_server.address, api_key=_key(tls_server), timeout_s=5, max_retries=0
-        ) as client,
-        pytest.raises(TreadleError) as info,
-    ):
-        client.get_server_info()
-    assert info.value.code == "UNAVAILABLE"
+    assert_connection_refused(tls_server.address, _key(tls_server), None)
 
 
 def test_untrusted_certificate_is_refused(tls_server: EmbeddedServer, tmp_path: Path) -> None:
     other_root, _ = self_signed(tmp_path)  # same names, another key: not the server's
-    with (
-        treadle.ServiceClient(
-            tls_server.address,
-            api_key=_key(tls_server),
-            root_certificates=other_root.read_bytes(),
-            timeout_s=5,
-            max_retries=0,
-        ) as client,
-        pytest.raises(TreadleError) as info,
-    ):
-        client.get_server_info()
-    assert info.value.code == "UNAVAILABLE"
+    assert_connection_refused(tls_server.address, _key(tls_server), other_root)
 
 
 def test_http_api_takes_the_same_certificate(

@@ -25,18 +25,15 @@ import pytest
 
 import treadle
 from tests.conftest import VLLM_BASE, VLLM_SETTINGS
-from treadle import rl
+from tests.helpers import tenant_key
+from tests.integration import logprob_checks as lp
 from treadle.errors import InvalidArgumentError
-from treadle.server.auth import generate_key, hash_key
-from treadle.server.db import queries
 from treadle.server.embedded import EmbeddedServer
 
 pytestmark = pytest.mark.slow
 
 BASE = VLLM_BASE  # the 5m preset
 TOLERANCE = 1e-4
-PROMPTS = ("12+3=", "4*5=", "Hello", "x")
-GROUP = 4
 
 
 @pytest.fixture(scope="module")
@@ -44,84 +41,26 @@ def service(vllm_server: EmbeddedServer) -> treadle.ServiceClient:
     return treadle.ServiceClient(vllm_server.address, api_key=vllm_server.api_key)
 
 
-def _tenant(srv: EmbeddedServer, name: str) -> treadle.ServiceClient:
-    assert srv.ctx is not None
-    key = generate_key()
-    with srv.ctx.sessions() as s:
-        tenant = queries.ensure_tenant(s, name)
-        queries.create_api_key(s, tenant.id, hash_key(key), key[:12])
-        s.commit()
-    return treadle.ServiceClient(srv.address, api_key=key)
-
-
-def _train(tc: treadle.TrainingClient, steps: int, lr: float = 1e-2) -> None:
-    tok = tc.get_tokenizer()
-    seqs = [tok.encode(t) for t in ("12+3=15", "4*5=20", "Hello world")]
-    data = [
-        treadle.Datum(
-            model_input=treadle.ModelInput.from_ints(s[:-1]),
-            loss_fn_inputs={"target_tokens": s[1:], "weights": [1.0 / 20] * (len(s) - 1)},
-        )
-        for s in seqs
-    ]
-    for _ in range(steps):
-        tc.forward_backward(data, "cross_entropy")
-        last = tc.optim_step(treadle.AdamParams(learning_rate=lr))
-    last.result()
-
-
-def _rollouts(
-    sampler: treadle.SamplingClient, tok: treadle.Tokenizer, temperature: float
-) -> list[rl.Rollout]:
-    params = treadle.SamplingParams(max_tokens=16, temperature=temperature, seed=3)
-    futures = [(p, sampler.sample(tok.encode(p), GROUP, params)) for p in PROMPTS]
-    rollouts = []
-    for prompt, fut in futures:
-        for seq in fut.result().sequences:
-            assert seq.tokens, "empty completion"
-            rollouts.append(rl.Rollout.from_sequence(tok.encode(prompt), seq, reward=0.0))
-    return rollouts
-
-
-def _max_diff(
-    tc: treadle.TrainingClient,
-    rollouts: list[rl.Rollout],
-    temperature: float,
-    *,
-    reference: bool = False,
-) -> float:
-    datums = rl.build_datums(rollouts, [0.0] * len(rollouts), include_logprobs=False)
-    probe = [
-        treadle.Datum(d.model_input, {"target_tokens": d.loss_fn_inputs["target_tokens"]})
-        for d in datums
-    ]
-    out = tc.forward_logprobs(probe, reference=reference, temperature=temperature).result()
-    worst = 0.0
-    for rollout, output in zip(rollouts, out.loss_fn_outputs, strict=True):
-        n = len(rollout.completion_tokens)
-        got = np.asarray(rollout.completion_logprobs)
-        worst = max(worst, float(np.abs(output.logprobs[-n:] - got).max()))
-    return worst
-
-
 def test_logprobs_keep_the_temperature_contract(service: treadle.ServiceClient) -> None:
     tc = service.create_lora_training_client(BASE, rank=4, seed=2)
-    _train(tc, 3)
+    lp.sft_steps(tc, 3, 1e-2)
     tok = tc.get_tokenizer()
     sampler = tc.sync_weights()
     base = service.create_sampling_client(base_model=BASE)
     for temperature in (1.0, 0.7):
-        rollouts = _rollouts(sampler, tok, temperature)
-        diff = _max_diff(tc, rollouts, temperature)
+        rollouts = lp.rollouts(sampler, tok, temperature)
+        diff = lp.max_diff(tc, rollouts, temperature)
         print(f"\nvllm lora T={temperature}: max |sampler - trainer| = {diff:.2e}")
         assert diff <= TOLERANCE
         # the check can fail: the same tokens at another temperature disagree
-        assert _max_diff(tc, rollouts, 1.0 if temperature != 1.0 else 0.7) > 100 * TOLERANCE
-        base_diff = _max_diff(tc, _rollouts(base, tok, temperature), temperature, reference=True)
+        assert lp.max_diff(tc, rollouts, 1.0 if temperature != 1.0 else 0.7) > 100 * TOLERANCE
+        base_diff = lp.max_diff(
+            tc, lp.rollouts(base, tok, temperature), temperature, reference=True
+        )
         print(f"vllm base T={temperature}: max |sampler - trainer(reference)| = {base_diff:.2e}")
         assert base_diff <= TOLERANCE
-    greedy = _rollouts(sampler, tok, 0.0)
-    assert _max_diff(tc, greedy, 1.0) <= TOLERANCE  # greedy reports T = 1
+    greedy = lp.rollouts(sampler, tok, 0.0)
+    assert lp.max_diff(tc, greedy, 1.0) <= TOLERANCE  # greedy reports T = 1
 
 
 def test_three_tenants_adapters_at_different_versions_in_one_batch(
@@ -129,15 +68,17 @@ def test_three_tenants_adapters_at_different_versions_in_one_batch(
 ) -> None:
     samplers = []
     for i, steps in enumerate((1, 2, 3)):
-        client = _tenant(vllm_server, f"vllm-tenant-{i}")
+        client = treadle.ServiceClient(
+            vllm_server.address, api_key=tenant_key(vllm_server, f"vllm-tenant-{i}")
+        )
         tc = client.create_lora_training_client(BASE, rank=4, seed=10 + i)
-        _train(tc, steps, lr=2e-2)
+        lp.sft_steps(tc, steps, 2e-2)
         samplers.append((tc.get_tokenizer(), tc.sync_weights()))
     params = treadle.SamplingParams(max_tokens=12, seed=7)
 
     def run(i: int) -> treadle.APIFuture[treadle.SampleResponse]:
         tok, sampler = samplers[i]
-        return sampler.sample(tok.encode(PROMPTS[i]), GROUP, params)
+        return sampler.sample(tok.encode(lp.PROMPTS[i]), lp.GROUP, params)
 
     alone = [run(i).result() for i in range(3)]
     together = [f.result() for f in [run(i) for i in range(3)]]
@@ -162,13 +103,13 @@ def test_base_rows_are_exact_after_every_lora_slot_held_a_trained_adapter(
     trainers = []
     for i in range(VLLM_SETTINGS["sampler_options"]["max_loras"]):  # type: ignore[index]
         tc = service.create_lora_training_client(BASE, rank=4, seed=30 + i)
-        _train(tc, 2, lr=2e-2)
+        lp.sft_steps(tc, 2, 2e-2)
         trainers.append(tc)
     tok = trainers[0].get_tokenizer()
     for tc in trainers:  # each adapter loaded into its own slot
-        _rollouts(tc.sync_weights(), tok, 1.0)
+        lp.rollouts(tc.sync_weights(), tok, 1.0)
     base = service.create_sampling_client(base_model=BASE)
-    base_diff = _max_diff(trainers[0], _rollouts(base, tok, 1.0), 1.0, reference=True)
+    base_diff = lp.max_diff(trainers[0], lp.rollouts(base, tok, 1.0), 1.0, reference=True)
     print(f"\nvllm base after {len(trainers)} adapters: max |sampler - base| = {base_diff:.2e}")
     assert base_diff <= TOLERANCE
 
@@ -245,7 +186,7 @@ def test_engine_level_budget_resume_and_inflight_spans(vllm_server: EmbeddedServ
 
     # the in-flight update, on the backend itself: version 1 is published (plainly)
     # first, so the update lands the moment the running sequence has a few tokens
-    _train(tc, 1)
+    lp.sft_steps(tc, 1, 1e-2)
     assert tc.sync_weights().version == 1
     engine = vllm_server.ctx.dispatcher.engine  # type: ignore[union-attr]
     backend = engine.sampler

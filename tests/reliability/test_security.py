@@ -5,8 +5,6 @@ ends, and TLS refusing a certificate that is not the server's."""
 
 from __future__ import annotations
 
-import datetime as dt
-import ipaddress
 import logging
 import urllib.request
 from collections.abc import Iterator
@@ -15,14 +13,12 @@ from pathlib import Path
 import grpc
 import pytest
 from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import treadle
 from tests.conftest import make_server
+from tests.helpers import LOCAL_NAMES, assert_connection_refused, self_signed
 from tests.integration.rpc_walk import all_methods, call_raw
 from tests.reliability.world import MAX_BYTES, Holdings, seed, server_config, tenant_key
 from treadle.common.store import LocalStore, check_name, parse_state_uri
@@ -284,41 +280,9 @@ def _varint(n: int) -> bytes:
 # ---- TLS with a certificate that is not the server's ----------------------------------
 
 
-def _cert(directory: Path, sans: list[x509.GeneralName], days: float) -> tuple[Path, Path]:
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "treadle-test")])
-    now = dt.datetime.now(dt.timezone.utc)
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(name)
-        .issuer_name(name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - dt.timedelta(days=2))
-        .not_valid_after(now + dt.timedelta(days=days))
-        .add_extension(x509.SubjectAlternativeName(sans), critical=False)
-        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-        .sign(key, hashes.SHA256())
-    )
-    directory.mkdir(parents=True, exist_ok=True)
-    cert_path, key_path = directory / "server.crt", directory / "server.key"
-    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    key_path.write_bytes(
-        key.private_bytes(
-            serialization.Encoding.PEM,
-            serialization.PrivateFormat.PKCS8,
-            serialization.NoEncryption(),
-        )
-    )
-    return cert_path, key_path
-
-
-LOCAL = [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
-
-
 @pytest.mark.parametrize(
     "sans, days",
-    [([x509.DNSName("other.example")], 1.0), (LOCAL, -1.0)],
+    [([x509.DNSName("other.example")], 1.0), (LOCAL_NAMES, -1.0)],
     ids=["wrong-host", "expired"],
 )
 def test_tls_refuses_a_certificate_for_another_host_or_expired(
@@ -326,21 +290,10 @@ def test_tls_refuses_a_certificate_for_another_host_or_expired(
 ) -> None:
     """The client trusts the very certificate the server shows, but it names another
     host, or it has expired: the handshake fails (UNAVAILABLE), no call is served."""
-    cert, key = _cert(tmp_path / "tls", sans, days)
+    cert, key = self_signed(tmp_path / "tls", sans, days, "treadle-test")
     srv = make_server(tmp_path, {"tiny": tiny_model_dir}, tls_cert=cert, tls_key=key)
     try:
-        with (
-            treadle.ServiceClient(
-                f"127.0.0.1:{srv.port}",
-                api_key=srv.api_key,
-                root_certificates=cert.read_bytes(),
-                timeout_s=5,
-                max_retries=0,
-            ) as client,
-            pytest.raises(TreadleError) as info,
-        ):
-            client.get_server_info()
-        assert info.value.code == "UNAVAILABLE"
+        assert_connection_refused(f"127.0.0.1:{srv.port}", srv.api_key, cert)
     finally:
         srv.stop()
 

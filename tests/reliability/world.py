@@ -20,12 +20,11 @@ from google.protobuf.descriptor import Descriptor
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import treadle
+from tests.helpers import tenant_key as tenant_key
 from tests.integration.rpc_walk import call_raw
 from tests.reliability.messages import Pools
 from treadle._convert import datums_to_wire
-from treadle.server.auth import generate_key, hash_key
 from treadle.server.config import ServerConfig
-from treadle.server.db import queries
 from treadle.server.embedded import EmbeddedServer
 from treadle.v1 import (
     sampling_pb2,
@@ -74,16 +73,6 @@ def server_config(data_dir: Path, model_dir: Path) -> ServerConfig:
         # tokens and would starve the weights probe; the quota has its own tests
         quota_tokens_per_minute=0,
     )
-
-
-def tenant_key(srv: EmbeddedServer, name: str) -> str:
-    assert srv.ctx is not None
-    key = generate_key()
-    with srv.ctx.sessions() as s:
-        tenant = queries.ensure_tenant(s, name)
-        queries.create_api_key(s, tenant.id, hash_key(key), key[:12])
-        s.commit()
-    return key
 
 
 def field_names(desc: Descriptor, seen: set[str] | None = None) -> set[str]:

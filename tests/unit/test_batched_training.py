@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.unit.engine_ops import random_datum
 from treadle.errors import InternalError, InvalidArgumentError
 from treadle.workers import batching, trainer
 from treadle.workers import ordered_executor as engine_mod
@@ -51,28 +52,16 @@ def _model(base: BaseModel, i: int, rank: int = 4) -> TrainingModel:
     return model
 
 
-def _datum(rng: np.random.Generator, n: int) -> DatumData:
-    return DatumData(
-        rng.integers(3, 90, size=n),
-        {
-            "target_tokens": rng.integers(3, 90, size=n),
-            "weights": rng.random(n).astype(np.float32),
-            "advantages": rng.standard_normal(n).astype(np.float32),
-            "logprobs": (-3 - rng.random(n)).astype(np.float32),
-        },
-    )
-
-
 def _calls(base: BaseModel) -> list[tuple[TrainingModel, Any]]:
     rng = np.random.default_rng(0)
     m0, m1, m2 = _model(base, 0), _model(base, 1, rank=8), _model(base, 2)
     return [
-        (m0, ForwardBackwardOp((_datum(rng, 7), _datum(rng, 13)), "cross_entropy", {})),
-        (m1, ForwardBackwardOp((_datum(rng, 20),), "ppo", {"kl_beta": 0.1}, temperature=0.7)),
-        (m2, ForwardLogprobsOp((_datum(rng, 5), _datum(rng, 9)))),
-        (m2, ForwardLogprobsOp((_datum(rng, 11),), reference=True, temperature=1.3)),
-        (m0, ForwardBackwardOp((_datum(rng, 4),), "importance_sampling", {})),
-        (m2, ForwardBackwardOp((_datum(rng, 16),), "cispo", {})),
+        (m0, ForwardBackwardOp((random_datum(rng, 7), random_datum(rng, 13)), "cross_entropy", {})),
+        (m1, ForwardBackwardOp((random_datum(rng, 20),), "ppo", {"kl_beta": 0.1}, temperature=0.7)),
+        (m2, ForwardLogprobsOp((random_datum(rng, 5), random_datum(rng, 9)))),
+        (m2, ForwardLogprobsOp((random_datum(rng, 11),), reference=True, temperature=1.3)),
+        (m0, ForwardBackwardOp((random_datum(rng, 4),), "importance_sampling", {})),
+        (m2, ForwardBackwardOp((random_datum(rng, 16),), "cispo", {})),
     ]
 
 
@@ -124,15 +113,15 @@ def test_a_batch_equals_each_call_alone(base: BaseModel) -> None:
 def test_an_invalid_call_fails_alone(base: BaseModel) -> None:
     rng = np.random.default_rng(1)
     m0, m1, m2 = _model(base, 0), _model(base, 1), _model(base, 2)
-    bad_token = _datum(rng, 6)
+    bad_token = random_datum(rng, 6)
     bad_token.tokens[2] = 10_000
-    good_fb = ForwardBackwardOp((_datum(rng, 9),), "cross_entropy", {})
-    good_fl = ForwardLogprobsOp((_datum(rng, 9),))
-    too_long = ForwardBackwardOp((_datum(rng, 30),), "cross_entropy", {})
+    good_fb = ForwardBackwardOp((random_datum(rng, 9),), "cross_entropy", {})
+    good_fl = ForwardLogprobsOp((random_datum(rng, 9),))
+    too_long = ForwardBackwardOp((random_datum(rng, 30),), "cross_entropy", {})
     work: list[tuple[TrainingModel, Any]] = [
         (m0, good_fb),
         (m1, ForwardBackwardOp((bad_token,), "cross_entropy", {})),
-        (m1, ForwardBackwardOp((_datum(rng, 5),), "no_such_loss", {})),
+        (m1, ForwardBackwardOp((random_datum(rng, 5),), "no_such_loss", {})),
         (m2, too_long),
         (m2, good_fl),
     ]
@@ -203,7 +192,7 @@ def test_lora_rows_take_segments_only_for_equal_runs(base: BaseModel, ids: list[
 def test_calls_of_one_shape_batch_like_alone(base: BaseModel) -> None:
     rng = np.random.default_rng(3)
     models = [_model(base, 10 + i) for i in range(4)]
-    work = [(m, ForwardBackwardOp((_datum(rng, 12),), "ppo", {})) for m in models]
+    work = [(m, ForwardBackwardOp((random_datum(rng, 12),), "ppo", {})) for m in models]
     alone = [_alone(m, op) for m, op in work]
     grads_alone = _grads(models)
     batch = [BatchCall(m, op) for m, op in work]
@@ -246,14 +235,14 @@ def _engine_run(model_dir: Path, batched: bool) -> tuple[list[Any], list[dict[st
         engine.create_model(ModelSpec(mid, f"t{i}", "tiny", 4, 8.0, i, "float32"))
     rng = np.random.default_rng(2)
     plan: list[tuple[str, OrderedOp]] = [
-        ("a", ForwardBackwardOp((_datum(rng, 8),), "cross_entropy", {})),
-        ("a", ForwardBackwardOp((_datum(rng, 12),), "cross_entropy", {})),
+        ("a", ForwardBackwardOp((random_datum(rng, 8),), "cross_entropy", {})),
+        ("a", ForwardBackwardOp((random_datum(rng, 12),), "cross_entropy", {})),
         ("a", OptimStepOp(AdamConfig(learning_rate=0.05))),
-        ("a", ForwardLogprobsOp((_datum(rng, 8),))),  # after the barrier: the new weights
-        ("b", ForwardBackwardOp((_datum(rng, 10),), "ppo", {"kl_beta": 0.05})),
-        ("b", ForwardLogprobsOp((_datum(rng, 6),), reference=True)),
-        ("c", ForwardLogprobsOp((_datum(rng, 14),))),
-        ("c", ForwardBackwardOp((_datum(rng, 3),), "cross_entropy", {"nonsense": 1.0})),
+        ("a", ForwardLogprobsOp((random_datum(rng, 8),))),  # after the barrier: the new weights
+        ("b", ForwardBackwardOp((random_datum(rng, 10),), "ppo", {"kl_beta": 0.05})),
+        ("b", ForwardLogprobsOp((random_datum(rng, 6),), reference=True)),
+        ("c", ForwardLogprobsOp((random_datum(rng, 14),))),
+        ("c", ForwardBackwardOp((random_datum(rng, 3),), "cross_entropy", {"nonsense": 1.0})),
     ]
     seq = dict.fromkeys(ids, 0)
     futures = []
@@ -311,7 +300,7 @@ def test_a_call_that_fails_in_its_backward_keeps_the_earlier_gradients(
     on the one-call path (the engine) and on the batched one."""
     rng = np.random.default_rng(1)
     m0, m1 = _model(base, 0), _model(base, 1)
-    op = ForwardBackwardOp((_datum(rng, 9),), "cross_entropy", {})
+    op = ForwardBackwardOp((random_datum(rng, 9),), "cross_entropy", {})
     trainer.forward_backward(m0, op)
     trainer.forward_backward(m1, op)
     before = _snapshot_grads([m0, m1])
@@ -354,8 +343,8 @@ def test_training_threads_are_chosen_per_call_and_restored(
 
     monkeypatch.setattr(trainer, "forward_logprobs", spy)
     rng = np.random.default_rng(2)
-    op = ForwardLogprobsOp((_datum(rng, 8),))
-    bad = ForwardLogprobsOp((_datum(rng, 8),), temperature=-1.0)  # fails validation
+    op = ForwardLogprobsOp((random_datum(rng, 8),))
+    bad = ForwardLogprobsOp((random_datum(rng, 8),), temperature=-1.0)  # fails validation
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import datetime as dt
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 from sqlalchemy.exc import IntegrityError
@@ -12,17 +10,8 @@ from sqlalchemy.orm import Session
 
 from treadle.common.db.models import Model
 from treadle.errors import AlreadyExistsError
-from treadle.server.db import make_engine, make_session_factory, ops_log, upgrade_to_head
+from treadle.server.db import ops_log
 from treadle.server.db import queries as q
-
-
-@pytest.fixture
-def session(tmp_path: Path) -> Iterator[Session]:
-    engine = make_engine(f"sqlite:///{tmp_path / 'treadle.db'}")
-    upgrade_to_head(engine)
-    with make_session_factory(engine)() as s:
-        yield s
-    engine.dispose()
 
 
 def _model(s: Session, tenant_id: str) -> Model:

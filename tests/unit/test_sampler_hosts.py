@@ -13,12 +13,9 @@ import numpy as np
 import pytest
 import torch
 
+from tests.unit.engine_ops import train_step
 from treadle.workers.domain import (
-    AdamConfig,
-    DatumData,
-    ForwardBackwardOp,
     ModelSpec,
-    OptimStepOp,
     SampleOp,
     SampleResult,
     SamplerTarget,
@@ -38,15 +35,6 @@ def _engine(model_dir: Path, sampler: str) -> Engine:
     return Engine(config).start()
 
 
-def _train(engine: Engine, model_id: str, seq_id: int) -> int:
-    """forward_backward + optim_step through the ordered API; the next seq_id."""
-    toks = np.arange(3, 27)
-    datum = DatumData(toks[:-1], {"target_tokens": toks[1:], "weights": np.ones(23, np.float32)})
-    engine.submit(model_id, seq_id, ForwardBackwardOp((datum,), "cross_entropy", {}), f"fb{seq_id}")
-    engine.submit(model_id, seq_id + 1, OptimStepOp(AdamConfig(learning_rate=5e-2)), f"o{seq_id}")
-    return seq_id + 2
-
-
 def _ops() -> list[SampleOp]:
     rng = np.random.default_rng(0)
     return [
@@ -64,13 +52,13 @@ def _run(engine: Engine, rank: int) -> list[SampleResult]:
     its latest weights (version 4: trained further, published again)."""
     model_id = f"m{rank}"
     engine.create_model(ModelSpec(model_id, "t", "tiny", rank, 8.0, 3, "float32")).result(30)
-    seq = _train(engine, model_id, 1)
+    seq = train_step(engine, model_id, 1)
     engine.submit(model_id, seq, SyncWeightsOp(), "sync").result(30)  # version 1
     targets = [SamplerTarget("tiny"), SamplerTarget("tiny", model_id, version=1)]
     futures = [engine.sample(targets[i % 2], op) for i, op in enumerate(_ops())]
     seq += 1
     for _ in range(3):  # training goes on beside the sampling
-        seq = _train(engine, model_id, seq)
+        seq = train_step(engine, model_id, seq)
     engine.submit(model_id, seq, SyncWeightsOp(), "sync2").result(30)  # version 4
     futures.append(engine.sample(SamplerTarget("tiny", model_id), _ops()[0]))
     return [f.result(60) for f in futures]

@@ -19,14 +19,11 @@ import numpy as np
 import pytest
 import torch
 
+from tests.unit.engine_ops import train_step
 from treadle.errors import InvalidArgumentError, NotFoundError, UnavailableError
 from treadle.workers import sampler_process
 from treadle.workers.domain import (
-    AdamConfig,
-    DatumData,
-    ForwardBackwardOp,
     ModelSpec,
-    OptimStepOp,
     SampleOp,
     SampleResult,
     SamplerTarget,
@@ -72,15 +69,6 @@ def engine(tiny_model_dir: Path) -> Iterator[Engine]:
 
 def _model(engine: Engine, model_id: str, rank: int = 4) -> None:
     engine.create_model(ModelSpec(model_id, "t", "tiny", rank, 8.0, 3, "float32")).result(30)
-
-
-def _train(engine: Engine, model_id: str, seq_id: int) -> int:
-    """forward_backward + optim_step through the ordered API; the next seq_id."""
-    toks = np.arange(3, 27)
-    datum = DatumData(toks[:-1], {"target_tokens": toks[1:], "weights": np.ones(23, np.float32)})
-    engine.submit(model_id, seq_id, ForwardBackwardOp((datum,), "cross_entropy", {}), f"fb{seq_id}")
-    engine.submit(model_id, seq_id + 1, OptimStepOp(AdamConfig(learning_rate=5e-2)), f"o{seq_id}")
-    return seq_id + 2
 
 
 def _running_rows(engine: Engine) -> int:
@@ -130,7 +118,7 @@ def test_a_full_fine_tunes_versions_live_in_shared_memory(engine: Engine) -> Non
     """With a sampler process, a full fine-tune's published version is made once,
     in shared memory, and shipped to the child from there."""
     _model(engine, "shm-full", rank=0)
-    seq = _train(engine, "shm-full", 1)
+    seq = train_step(engine, "shm-full", 1)
     engine.submit("shm-full", seq, SyncWeightsOp(), "sync").result(30)
     snap = engine.versions.get("shm-full", 1)
     named = snap.params.state_dict()
@@ -165,7 +153,7 @@ def test_version_buffers_are_reused_and_samples_stay_right(
         _model(eng, mid, rank=0)
         seq, pinned, latest = 1, [], []
         for v in range(1, 31):  # well past KEEP_SNAPSHOTS (16) and keep_versions (4)
-            seq = _train(eng, mid, seq)
+            seq = train_step(eng, mid, seq)
             eng.submit(mid, seq, SyncWeightsOp(inflight=v > 1), f"s{v}").result(30)
             seq += 1
             if v == 2:  # still decoding version 2 long after the parent let it go
@@ -256,7 +244,7 @@ def test_a_dead_child_is_restarted_for_the_next_request(
     engine = _start(tiny_model_dir)
     try:
         _model(engine, "r")
-        seq = _train(engine, "r", 1)
+        seq = train_step(engine, "r", 1)
         engine.submit("r", seq, SyncWeightsOp(), "sync").result(30)  # version 1
         cut = SampleOp(PROMPT, 1, SamplingConfig(max_tokens=20, token_budget=5, seed=3))
         (part,) = engine.sample(SamplerTarget("tiny", "r", tenant_id="t"), cut).result(30).sequences

@@ -13,13 +13,10 @@ import numpy as np
 import pytest
 import torch
 
+from tests.unit.engine_ops import train_step
 from treadle.errors import UnavailableError
 from treadle.workers.domain import (
-    AdamConfig,
-    DatumData,
-    ForwardBackwardOp,
     ModelSpec,
-    OptimStepOp,
     SampleOp,
     SampleResult,
     SamplerTarget,
@@ -43,15 +40,6 @@ def _engine(model_dir: Path, *, threaded: bool) -> Engine:
     return engine
 
 
-def _train(engine: Engine, seq_id: int) -> int:
-    """forward_backward + optim_step on model m through the ordered API; the next seq_id."""
-    toks = np.arange(3, 27)
-    datum = DatumData(toks[:-1], {"target_tokens": toks[1:], "weights": np.ones(23, np.float32)})
-    engine.submit("m", seq_id, ForwardBackwardOp((datum,), "cross_entropy", {}), f"fb{seq_id}")
-    engine.submit("m", seq_id + 1, OptimStepOp(AdamConfig(learning_rate=5e-2)), f"o{seq_id}")
-    return seq_id + 2
-
-
 def test_inflight_update_lands_between_decode_steps(tiny_model_dir: Path) -> None:
     engine = _engine(tiny_model_dir, threaded=True)
     try:
@@ -73,7 +61,7 @@ def test_inflight_update_lands_between_decode_steps(tiny_model_dir: Path) -> Non
         engine.check_sampler_target(SamplerTarget("tiny")).result(30)
         engine.sampler.loop.post(tick)
         assert paused.wait(30)
-        seq = _train(engine, 1)
+        seq = train_step(engine, "m", 1)
         engine.submit("m", seq, SyncWeightsOp(inflight=True), "sync").result(30)
         gate.set()
         for s in fut.result(60).sequences:

@@ -14,12 +14,12 @@ import numpy as np
 import pytest
 import torch
 
+from tests.unit.engine_ops import random_datum
 from treadle.workers import ordered_executor as engine_mod
 from treadle.workers import sampler_forward as sampler_mod  # where the decode forward runs
 from treadle.workers.base_models import BaseModelRegistry
 from treadle.workers.domain import (
     AdamConfig,
-    DatumData,
     ForwardBackwardOp,
     ForwardLogprobsOp,
     ForwardResult,
@@ -54,18 +54,6 @@ def passes(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[list[str]]]:
     yield seen
 
 
-def _datum(rng: np.random.Generator, n: int) -> DatumData:
-    return DatumData(
-        rng.integers(3, 90, size=n),
-        {
-            "target_tokens": rng.integers(3, 90, size=n),
-            "weights": rng.random(n).astype(np.float32),
-            "advantages": rng.standard_normal(n).astype(np.float32),
-            "logprobs": (-3 - rng.random(n)).astype(np.float32),
-        },
-    )
-
-
 def _sweep(
     bases: dict[str, Path], models: list[tuple[str, str, int]], batched: bool
 ) -> tuple[Engine, list[Any]]:
@@ -79,11 +67,11 @@ def _sweep(
     futures = []
     for mid, _, _ in models:
         plan: list[OrderedOp] = [
-            ForwardBackwardOp((_datum(rng, 9),), "cross_entropy", {}),
+            ForwardBackwardOp((random_datum(rng, 9),), "cross_entropy", {}),
             OptimStepOp(AdamConfig(learning_rate=0.05)),
-            ForwardBackwardOp((_datum(rng, 7), _datum(rng, 12)), "ppo", {}),
+            ForwardBackwardOp((random_datum(rng, 7), random_datum(rng, 12)), "ppo", {}),
             OptimStepOp(AdamConfig(learning_rate=0.05)),
-            ForwardLogprobsOp((_datum(rng, 10),)),
+            ForwardLogprobsOp((random_datum(rng, 10),)),
         ]
         futures += [engine.submit(mid, s, op, f"{mid}-{s}") for s, op in enumerate(plan, 1)]
     engine.start()

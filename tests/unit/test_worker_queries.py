@@ -4,25 +4,12 @@ their models lost, and placement loads."""
 from __future__ import annotations
 
 import datetime as dt
-from collections.abc import Iterator
-from pathlib import Path
 
-import pytest
 from sqlalchemy.orm import Session
 
 from treadle.common.db import workers as wq
 from treadle.common.db.models import Model, Worker, utcnow
-from treadle.server.db import make_engine, make_session_factory, upgrade_to_head
 from treadle.server.db import queries as q
-
-
-@pytest.fixture
-def session(tmp_path: Path) -> Iterator[Session]:
-    engine = make_engine(f"sqlite:///{tmp_path / 'treadle.db'}")
-    upgrade_to_head(engine)
-    with make_session_factory(engine)() as s:
-        yield s
-    engine.dispose()
 
 
 def _model(s: Session, tenant_id: str, worker_id: str) -> str:

@@ -38,6 +38,7 @@ from treadle.workers.device import upload
 from treadle.workers.model.config import ModelConfig
 from treadle.workers.model.llama import LlamaParams
 from treadle.workers.model.low_rank import low_rank_add
+from treadle.workers.model.params import TensorSet, projection_shapes
 
 ATTN_TARGETS: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_TARGETS: tuple[str, ...] = ("gate_proj", "up_proj", "down_proj")
@@ -71,18 +72,9 @@ def targets_for(*, train_attn: bool, train_mlp: bool, train_unembed: bool) -> tu
 
 def projection_shape(cfg: ModelConfig, target: str) -> tuple[int, int]:
     """(out_features, in_features) of a base projection."""
-    h, i, q, kv = cfg.hidden_size, cfg.intermediate_size, cfg.q_size, cfg.kv_size
-    shapes = {
-        "q_proj": (q, h),
-        "k_proj": (kv, h),
-        "v_proj": (kv, h),
-        "o_proj": (h, q),
-        "gate_proj": (i, h),
-        "up_proj": (i, h),
-        "down_proj": (h, i),
-        "lm_head": (cfg.vocab_size, h),
-    }
-    return shapes[target]
+    if target == "lm_head":
+        return (cfg.vocab_size, cfg.hidden_size)
+    return projection_shapes(cfg)[target]
 
 
 def peft_name(layer: int, target: str, which: str) -> str:
@@ -101,7 +93,7 @@ def _in_layer(layer: int, target: str) -> bool:
     return (target == UNEMBED_TARGET) == (layer == HEAD)
 
 
-class LoraAdapter:
+class LoraAdapter(TensorSet):
     """One adapter: ``A`` ``[r, in]`` and ``B`` ``[out, r]`` per (layer, target module).
 
     ``a``/``b`` hold ``num_layers + 1`` dicts: one per decoder layer, then the
@@ -162,14 +154,6 @@ class LoraAdapter:
             for t in self.a[n]:
                 yield peft_name(n, t, "A"), self.a[n][t]
                 yield peft_name(n, t, "B"), self.b[n][t]
-
-    def parameters(self) -> list[Tensor]:
-        return [t for _, t in self.named_tensors()]
-
-    def requires_grad_(self, requires_grad: bool = True) -> LoraAdapter:
-        for t in self.parameters():
-            t.requires_grad_(requires_grad)
-        return self
 
     def clone(self) -> LoraAdapter:
         """An independent, detached copy (e.g. a published weight version)."""

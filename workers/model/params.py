@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, fields, replace
+from typing import TypeVar
 
 import torch
 from torch import Tensor
@@ -35,10 +36,10 @@ _LAYER_HF_NAMES: dict[str, str] = {
 }
 
 
-def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor a checkpoint of ``cfg`` holds, by HF name, with its shape."""
+def projection_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
+    """(out_features, in_features) of each projection of a decoder layer."""
     h, i, q, kv = cfg.hidden_size, cfg.intermediate_size, cfg.q_size, cfg.kv_size
-    layer: dict[str, tuple[int, ...]] = {
+    return {
         "q_proj": (q, h),
         "k_proj": (kv, h),
         "v_proj": (kv, h),
@@ -46,6 +47,14 @@ def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         "gate_proj": (i, h),
         "up_proj": (i, h),
         "down_proj": (h, i),
+    }
+
+
+def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor a checkpoint of ``cfg`` holds, by HF name, with its shape."""
+    h, q, kv = cfg.hidden_size, cfg.q_size, cfg.kv_size
+    layer: dict[str, tuple[int, ...]] = {
+        **projection_shapes(cfg),
         "input_layernorm": (h,),
         "post_attention_layernorm": (h,),
     }
@@ -64,6 +73,25 @@ def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     if not cfg.tie_word_embeddings:
         shapes["lm_head.weight"] = (cfg.vocab_size, h)
     return shapes
+
+
+_T = TypeVar("_T", bound="TensorSet")
+
+
+class TensorSet:
+    """Weights listed by ``named_tensors()``: their list and their ``requires_grad``
+    (full parameters and LoRA adapters alike)."""
+
+    def named_tensors(self) -> Iterator[tuple[str, Tensor]]:
+        raise NotImplementedError
+
+    def parameters(self) -> list[Tensor]:
+        return [t for _, t in self.named_tensors()]
+
+    def requires_grad_(self: _T, requires_grad: bool = True) -> _T:
+        for t in self.parameters():
+            t.requires_grad_(requires_grad)
+        return self
 
 
 @dataclass
@@ -88,7 +116,7 @@ class LayerParams:
 
 
 @dataclass
-class LlamaParams:
+class LlamaParams(TensorSet):
     """All weights of a model as plain tensors, convertible to and from HF names.
 
     Sharing is explicit: ``from_state_dict`` keeps the given tensors (no copy),
@@ -148,14 +176,6 @@ class LlamaParams:
 
     def state_dict(self) -> dict[str, Tensor]:
         return dict(self.named_tensors())
-
-    def parameters(self) -> list[Tensor]:
-        return [t for _, t in self.named_tensors()]
-
-    def requires_grad_(self, requires_grad: bool = True) -> LlamaParams:
-        for t in self.parameters():
-            t.requires_grad_(requires_grad)
-        return self
 
     def clone(self) -> LlamaParams:
         """An independent, detached copy (same dtype and device)."""

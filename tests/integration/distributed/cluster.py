@@ -10,8 +10,10 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import load_file
@@ -19,6 +21,7 @@ from sqlalchemy import create_engine, text
 
 import treadle
 from tests.helpers import next_token_datum
+from treadle.server.config import ServerConfig
 from treadle.server.embedded import EmbeddedServer
 
 from ..services import AMQP_URL, REDIS_URL, S3_ENV, wait_for_workers
@@ -78,6 +81,24 @@ def create_tenant(database_url: str, name: str) -> str:
     return out.getvalue().strip().splitlines()[-1]
 
 
+def server_config(
+    tmp: Path, model: Path, database_url: str, broker: str, store: str, **more: Any
+) -> ServerConfig:
+    """An embedded server of a distributed deployment: PostgreSQL, a broker, a shared
+    store, one engine thread, workers dead after 10 s without a heartbeat unless ``more``
+    says otherwise."""
+    settings: dict[str, Any] = {"threads": 1, "worker_timeout_s": 10.0, **more}
+    return ServerConfig(
+        data_dir=tmp / "server",
+        models={BASE: model},
+        port=0,
+        database_url=database_url,
+        broker=broker,
+        store=store,
+        **settings,
+    )
+
+
 def start_worker(
     worker_id: str,
     model: Path,
@@ -88,19 +109,33 @@ def start_worker(
     tmp: Path,
     *,
     drain_timeout_s: float = 0.0,  # the fixture's workers stop at once at teardown
+    flags: Sequence[str] = (),
+    verbose: bool = False,
 ) -> tuple[subprocess.Popen[bytes], Path]:
+    """A ``treadle worker`` process (one thread, heartbeat 0.5 s) logging to
+    ``tmp/<worker_id>.log``; ``flags`` are added to its command line."""
     log = tmp / f"{worker_id}.log"
     cmd = [
-        *(sys.executable, "-m", "treadle.server.cli", "worker"),
+        *(sys.executable, "-m", "treadle.server.cli", *(("-v",) if verbose else ()), "worker"),
         *("--model", f"{BASE}={model}", "--broker", broker, "--database-url", database_url),
         *("--store", store, "--s3-endpoint-url", s3, "--data-dir", str(tmp / worker_id)),
         *("--worker-id", worker_id, "--heartbeat", "0.5", "--threads", "1"),
-        *("--drain-timeout", str(drain_timeout_s)),
+        *("--drain-timeout", str(drain_timeout_s), *flags),
     ]
     env = dict(os.environ, **S3_ENV, OMP_NUM_THREADS="1")
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
     return proc, log
+
+
+def stop_worker(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM, then SIGKILL after 20 s."""
+    if proc.poll() is None:
+        proc.terminate()
+    try:
+        proc.wait(20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
 
 
 #: the datum the distributed tests train on

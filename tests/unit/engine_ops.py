@@ -1,0 +1,32 @@
+"""Ordered calls the engine-level sampler suites share (one definition each)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from treadle.workers.domain import AdamConfig, DatumData, ForwardBackwardOp, OptimStepOp
+from treadle.workers.engine import Engine
+
+
+def train_step(engine: Engine, model_id: str, seq_id: int) -> int:
+    """forward_backward + optim_step (lr 5e-2) through the ordered API on one fixed
+    datum; the next seq_id."""
+    toks = np.arange(3, 27)
+    datum = DatumData(toks[:-1], {"target_tokens": toks[1:], "weights": np.ones(23, np.float32)})
+    engine.submit(model_id, seq_id, ForwardBackwardOp((datum,), "cross_entropy", {}), f"fb{seq_id}")
+    engine.submit(model_id, seq_id + 1, OptimStepOp(AdamConfig(learning_rate=5e-2)), f"o{seq_id}")
+    return seq_id + 2
+
+
+def random_datum(rng: np.random.Generator, n: int) -> DatumData:
+    """``n`` random tokens with random targets, weights, advantages and behaviour
+    logprobs: a datum every loss accepts."""
+    return DatumData(
+        rng.integers(3, 90, size=n),
+        {
+            "target_tokens": rng.integers(3, 90, size=n),
+            "weights": rng.random(n).astype(np.float32),
+            "advantages": rng.standard_normal(n).astype(np.float32),
+            "logprobs": (-3 - rng.random(n)).astype(np.float32),
+        },
+    )
