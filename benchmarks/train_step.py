@@ -220,7 +220,10 @@ def run_row(spec: dict) -> None:
     times, cpu = _timed(step, spec["steps"], spec["warmup"])
     print(json.dumps({"times": times, "cpu_s": cpu, "peak_mb": _peak_mb()}), flush=True)
     if spec.get("profile"):
-        profile_engine(Path(spec["dir"]), spec["mode"], spec["n"], spec["length"])
+        from train_step_profile import profile_engine
+
+        model = engine_model(Path(spec["dir"]), spec["mode"])
+        profile_engine(model, engine_op(model, spec["n"], spec["length"]), spec["mode"])
 
 
 def serve(spec: dict) -> None:
@@ -312,88 +315,6 @@ def child_row(spec: dict) -> dict:
     for line in out[1:]:
         print(line)
     return json.loads(out[0])
-
-
-# ---- the profile --------------------------------------------------------------------
-
-
-def profile_engine(path: Path, mode: str, n: int, length: int) -> None:
-    """Wall time of each phase of the engine's step, and torch.profiler's top ops."""
-    from torch.profiler import ProfilerActivity, profile, record_function
-
-    from treadle.workers import losses, trainer
-    from treadle.workers.domain import AdamConfig
-
-    model = engine_model(path, mode)
-    op = engine_op(model, n, length)
-    phases: dict[str, list[float]] = {}
-
-    def phase(name: str, fn: Callable[[], object]) -> object:
-        t0 = time.perf_counter()
-        with record_function(name):
-            out = fn()
-        phases.setdefault(name, []).append(time.perf_counter() - t0)
-        return out
-
-    def step() -> None:
-        prep = phase("prepare", lambda: trainer.prepare_forward_backward(model, op))
-        hidden = phase(
-            "forward",
-            lambda: trainer.forward_hidden(
-                model.cfg, model.params, prep.batch.tokens_B_T, lora=model.adapter
-            ),
-        )
-        logits = phase("lm_head", lambda: trainer.lm_logits(model.cfg, model.params, hidden))
-        lp, ent = phase(
-            "logprobs+entropy",
-            lambda: trainer.logprobs_from_logits(
-                logits, prep.batch.targets_B_T, op.temperature, with_entropy=True
-            ),
-        )
-        loss, _ = phase("loss", lambda: trainer.finish_forward_backward(model, op, prep, lp, ent))
-        phase("backward+accumulate", lambda: trainer.accumulate_gradients(loss, [model]))
-        phase("optimizer+metrics", lambda: model.optim_step(AdamConfig()))
-
-    del losses
-    step()
-    phases.clear()
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        for _ in range(2):
-            step()
-    total = sum(statistics.median(v) for v in phases.values())
-    print(f"\nprofile: engine step, {mode}, {n} x {length}: {total * 1e3:.0f} ms")
-    print(
-        table(
-            ["phase", "ms", "share"],
-            [
-                [k, statistics.median(v) * 1e3, f"{statistics.median(v) / total:.0%}"]
-                for k, v in phases.items()
-            ],
-        )
-    )
-    # inside the phases: the ranges the trainer and the optimizer name themselves
-    named = {
-        e.key: e.cpu_time_total / 1e3 / 2  # ms a step (two profiled steps)
-        for e in prof.key_averages()
-        if e.key.startswith("treadle.")
-    }
-    labels = {
-        "treadle.backward": "backward (autograd)",
-        "treadle.accumulate": "gradient accumulation",
-        "treadle.adamw": "optimizer (fused AdamW)",
-        "treadle.grad_norm": "metrics: grad norm",
-        "treadle.update_norm": "metrics: update norm",
-    }
-    print(
-        table(
-            ["inside", "ms", "share of step"],
-            [
-                [label, named.get(key, 0.0), f"{named.get(key, 0.0) / 1e3 / total:.1%}"]
-                for key, label in labels.items()
-            ],
-        )
-    )
-    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
 
 
 # ---- the parent ---------------------------------------------------------------------
