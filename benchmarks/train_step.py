@@ -34,6 +34,13 @@ Needs PEFT for the LoRA baseline (a benchmark-only dependency, the ``bench`` ext
     python benchmarks/train_step.py --presets 5m --shapes short --steps 3   # quick
     python benchmarks/train_step.py --presets 110m --modes full --profile
 
+``--calls K`` splits each step's batch into K ``forward_backward`` calls (of
+n/K rows each) before its one optimizer step, as gradient accumulation does;
+plain torch runs K ``backward()`` calls, accumulating into ``.grad`` in place.
+Every call after the first keeps its new gradients whole until they are added
+(a call that fails leaves no gradient behind): what that costs shows in
+``--calls 2`` against ``--calls 1``.
+
 ``--profile`` also prints, per configuration, where the engine's step time
 goes (torch.profiler over the in-process step: forward, loss, backward,
 gradient accumulation, optimizer, metrics).
@@ -112,7 +119,15 @@ def _timed(
 # ---- the rows (each in its own process) ---------------------------------------------
 
 
-def torch_step(path: Path, mode: str, n: int, length: int) -> Callable[[], None]:
+def _splits(n: int, calls: int) -> list[slice]:
+    """The rows of each of ``calls`` forward_backward calls of an ``n``-row batch."""
+    if not 1 <= calls <= n or n % calls:
+        raise SystemExit(f"--calls {calls}: must divide the batch's {n} rows")
+    k = n // calls
+    return [slice(i, i + k) for i in range(0, n, k)]
+
+
+def torch_step(path: Path, mode: str, n: int, length: int, calls: int = 1) -> Callable[[], None]:
     import transformers
 
     from treadle.workers.domain import AdamConfig
@@ -142,11 +157,13 @@ def torch_step(path: Path, mode: str, n: int, length: int) -> Callable[[], None]
     weights = torch.from_numpy(np.stack([_weights(n, length)] * n))
 
     def step() -> None:
-        logits = model(input_ids=tokens).logits
-        nll = torch.nn.functional.cross_entropy(
-            logits.flatten(0, 1), targets.flatten(), reduction="none"
-        )
-        (nll * weights.flatten()).sum().backward()
+        for rows in _splits(n, calls):
+            logits = model(input_ids=tokens[rows]).logits
+            nll = torch.nn.functional.cross_entropy(
+                logits.flatten(0, 1), targets[rows].flatten(), reduction="none"
+            )
+            (nll * weights[rows].flatten()).sum().backward()
+            del logits, nll
         opt.step()
         opt.zero_grad(set_to_none=True)
 
@@ -164,27 +181,28 @@ def engine_model(path: Path, mode: str, checkpointing: bool = False):  # type: i
     return TrainingModel(spec, base, checkpoint_activations=checkpointing)
 
 
-def engine_op(model, n: int, length: int):  # type: ignore[no-untyped-def]
+def engine_op(model, n: int, length: int, rows: slice = slice(None)):  # type: ignore[no-untyped-def]
     from treadle.workers.domain import DatumData, ForwardBackwardOp
 
     data = tuple(
         DatumData(tok.astype(np.int64), {"target_tokens": tgt, "weights": _weights(n, length)})
-        for tok, tgt in _batch(n, length, model.cfg.vocab_size)
+        for tok, tgt in _batch(n, length, model.cfg.vocab_size)[rows]
     )
     return ForwardBackwardOp(data=data, loss_fn="cross_entropy", loss_config={})
 
 
 def engine_step(
-    path: Path, mode: str, n: int, length: int, checkpointing: bool = False
+    path: Path, mode: str, n: int, length: int, calls: int = 1, checkpointing: bool = False
 ) -> Callable[[], None]:
     from treadle.workers.domain import AdamConfig
     from treadle.workers.trainer import forward_backward
 
     model = engine_model(path, mode, checkpointing)
-    op = engine_op(model, n, length)
+    ops = [engine_op(model, n, length, rows) for rows in _splits(n, calls)]
 
     def step() -> None:
-        forward_backward(model, op)
+        for op in ops:
+            forward_backward(model, op)
         model.optim_step(AdamConfig())
 
     return step
@@ -198,11 +216,14 @@ def run_row(spec: dict) -> None:
         "engine": engine_step,
         "engine-ckpt": functools.partial(engine_step, checkpointing=True),
     }[spec["path"]]
-    step = make(Path(spec["dir"]), spec["mode"], spec["n"], spec["length"])
+    step = make(Path(spec["dir"]), spec["mode"], spec["n"], spec["length"], spec["calls"])
     times, cpu = _timed(step, spec["steps"], spec["warmup"])
     print(json.dumps({"times": times, "cpu_s": cpu, "peak_mb": _peak_mb()}), flush=True)
     if spec.get("profile"):
-        profile_engine(Path(spec["dir"]), spec["mode"], spec["n"], spec["length"])
+        from train_step_profile import profile_engine
+
+        model = engine_model(Path(spec["dir"]), spec["mode"])
+        profile_engine(model, engine_op(model, spec["n"], spec["length"]), spec["mode"])
 
 
 def serve(spec: dict) -> None:
@@ -260,9 +281,13 @@ def sdk_row(spec: dict) -> dict:
             adam = treadle.AdamParams()
 
             def step() -> None:
-                fb = trainer.forward_backward(batch, "cross_entropy")
+                fbs = [
+                    trainer.forward_backward(batch[rows], "cross_entropy")
+                    for rows in _splits(spec["n"], spec["calls"])
+                ]
                 trainer.optim_step(adam).result()
-                fb.result()
+                for fb in fbs:
+                    fb.result()
 
             def cpu() -> float:  # the server's CPU and this client's: the SDK path's work
                 assert proc.stdin is not None and proc.stdout is not None
@@ -292,88 +317,6 @@ def child_row(spec: dict) -> dict:
     return json.loads(out[0])
 
 
-# ---- the profile --------------------------------------------------------------------
-
-
-def profile_engine(path: Path, mode: str, n: int, length: int) -> None:
-    """Wall time of each phase of the engine's step, and torch.profiler's top ops."""
-    from torch.profiler import ProfilerActivity, profile, record_function
-
-    from treadle.workers import losses, trainer
-    from treadle.workers.domain import AdamConfig
-
-    model = engine_model(path, mode)
-    op = engine_op(model, n, length)
-    phases: dict[str, list[float]] = {}
-
-    def phase(name: str, fn: Callable[[], object]) -> object:
-        t0 = time.perf_counter()
-        with record_function(name):
-            out = fn()
-        phases.setdefault(name, []).append(time.perf_counter() - t0)
-        return out
-
-    def step() -> None:
-        prep = phase("prepare", lambda: trainer.prepare_forward_backward(model, op))
-        hidden = phase(
-            "forward",
-            lambda: trainer.forward_hidden(
-                model.cfg, model.params, prep.batch.tokens_B_T, lora=model.adapter
-            ),
-        )
-        logits = phase("lm_head", lambda: trainer.lm_logits(model.cfg, model.params, hidden))
-        lp, ent = phase(
-            "logprobs+entropy",
-            lambda: trainer.logprobs_from_logits(
-                logits, prep.batch.targets_B_T, op.temperature, with_entropy=True
-            ),
-        )
-        loss, _ = phase("loss", lambda: trainer.finish_forward_backward(model, op, prep, lp, ent))
-        phase("backward+accumulate", lambda: trainer.accumulate_gradients(loss, [model]))
-        phase("optimizer+metrics", lambda: model.optim_step(AdamConfig()))
-
-    del losses
-    step()
-    phases.clear()
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        for _ in range(2):
-            step()
-    total = sum(statistics.median(v) for v in phases.values())
-    print(f"\nprofile: engine step, {mode}, {n} x {length}: {total * 1e3:.0f} ms")
-    print(
-        table(
-            ["phase", "ms", "share"],
-            [
-                [k, statistics.median(v) * 1e3, f"{statistics.median(v) / total:.0%}"]
-                for k, v in phases.items()
-            ],
-        )
-    )
-    # inside the phases: the ranges the trainer and the optimizer name themselves
-    named = {
-        e.key: e.cpu_time_total / 1e3 / 2  # ms a step (two profiled steps)
-        for e in prof.key_averages()
-        if e.key.startswith("treadle.")
-    }
-    labels = {
-        "treadle.backward": "backward (autograd)",
-        "treadle.accumulate": "gradient accumulation",
-        "treadle.adamw": "optimizer (fused AdamW)",
-        "treadle.grad_norm": "metrics: grad norm",
-        "treadle.update_norm": "metrics: update norm",
-    }
-    print(
-        table(
-            ["inside", "ms", "share of step"],
-            [
-                [label, named.get(key, 0.0), f"{named.get(key, 0.0) / 1e3 / total:.1%}"]
-                for key, label in labels.items()
-            ],
-        )
-    )
-    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
-
-
 # ---- the parent ---------------------------------------------------------------------
 
 
@@ -384,6 +327,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shapes", default="short,long")
     ap.add_argument("--paths", default="torch,engine,sdk")
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument(
+        "--calls", type=int, default=1, help="forward_backward calls a step (accumulation)"
+    )
     ap.add_argument("--warmup", type=int, default=WARMUP, help="untimed steps before them")
     ap.add_argument("--threads", type=int, default=THREADS)
     ap.add_argument("--model-dir", default=None, help="a directory per preset: DIR/<preset>")
@@ -422,6 +368,7 @@ def main(argv: list[str] | None = None) -> int:
                         "length": length,
                         "steps": args.steps,
                         "warmup": args.warmup,
+                        "calls": args.calls,
                         "threads": args.threads,
                         "profile": args.profile and which == "engine",
                     }
@@ -454,7 +401,8 @@ def main(argv: list[str] | None = None) -> int:
                     records.append(dict(zip(HEADERS, rows[-1], strict=True)))
                     print(table(HEADERS, rows[-1:]).splitlines()[-1], flush=True)
     print(
-        f"\ntrain step: started {started}, {args.threads} torch threads, {args.steps} steps "
+        f"\ntrain step: started {started}, {args.threads} torch threads, {args.calls} "
+        f"forward_backward call(s) a step, {args.steps} steps "
         f"per row (median, after {args.warmup} warm-up), matmul {gflops:.0f} GFLOP/s\n"
     )
     print(table(HEADERS, rows))

@@ -163,3 +163,51 @@ def test_version_zero_of_a_full_fine_tune_shares_the_base_weights(base64: BaseMo
         assert t.data_ptr() != w.data_ptr(), n  # a copy, not the live weights
         assert torch.equal(t, w.detach()), n
     assert not torch.equal(v1.params.embed_tokens, base64.params.embed_tokens)
+
+
+def test_a_full_fine_tune_failing_mid_backward_keeps_the_earlier_gradients(
+    base64: BaseModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A later ``forward_backward`` of a step that fails deep in its backward (here
+    at the embedding's output: every layer's and the head's gradients exist by
+    then) leaves the gradients of the calls before it bit for bit as they were;
+    the weights too; accumulation then goes on from there. In-place accumulation
+    during the backward (``loss.backward()``) would have changed every layer's."""
+    model = _full(base64)
+    op = _op(2, 9)
+    trainer.forward_backward(model, op)
+    trainer.forward_backward(model, _op(3, 7, seed=1))
+    before = _grads(model)
+    weights = {n: p.detach().clone() for n, p in model.trainable.items()}
+    assert before.keys() == model.trainable.keys()
+    reached: list[str] = []
+    real = torch.nn.functional.embedding
+
+    def failing_backward(g: torch.Tensor) -> torch.Tensor:
+        # the head's and every layer's gradients were computed before this point
+        reached.append("embedding output")
+        raise RuntimeError("out of memory (injected, mid-backward)")
+
+    def embedding(*args: object, **kwargs: object) -> torch.Tensor:
+        out = real(*args, **kwargs)  # type: ignore[arg-type]
+        if out.requires_grad:
+            out.register_hook(failing_backward)
+        return out
+
+    monkeypatch.setattr(torch.nn.functional, "embedding", embedding)
+    with pytest.raises(RuntimeError, match="mid-backward"):
+        trainer.forward_backward(model, _op(2, 11, seed=2))
+    monkeypatch.undo()
+    assert reached == ["embedding output"]
+    after = _grads(model)
+    for name, g in before.items():
+        assert torch.equal(after[name], g), f"{name}: the failed call changed its gradient"
+    for name, p in model.trainable.items():
+        assert torch.equal(p.detach(), weights[name])
+
+    trainer.forward_backward(model, _op(2, 11, seed=2))
+    fresh = _full(base64)
+    for o in (op, _op(3, 7, seed=1), _op(2, 11, seed=2)):
+        trainer.forward_backward(fresh, o)
+    for name, p in model.trainable.items():
+        assert torch.equal(p.grad, fresh.trainable[name].grad), name
