@@ -92,7 +92,7 @@ def _pack(obj: Any) -> bytes:
     return msgpack.packb(obj, default=_default, use_bin_type=True)  # type: ignore[no-any-return]
 
 
-def _unpack(data: bytes) -> Any:
+def _unpack(data: bytes | memoryview) -> Any:
     return msgpack.unpackb(
         data, ext_hook=_ext_hook, raw=False, use_list=False, strict_map_key=False
     )
@@ -104,7 +104,7 @@ def encode(obj: Any) -> bytes:
     return _pack(obj)
 
 
-def decode(data: bytes) -> Any:
+def decode(data: bytes | memoryview) -> Any:
     try:
         return _unpack(data)
     except CodecError:
@@ -123,19 +123,12 @@ def encode_message(msg: Any) -> bytes:
 def decode_message(data: bytes, expect: tuple[type, ...]) -> Any:
     """The message framed in ``data``; a message of another version, or not one of
     ``expect`` (the request types, or ``Reply``), is refused with a CodecError."""
-    unpacker = msgpack.Unpacker(
-        None,
-        ext_hook=_ext_hook,
-        raw=False,
-        use_list=False,
-        strict_map_key=False,
-        max_buffer_size=max(len(data), 1),
-    )
-    unpacker.feed(data)
+    head = msgpack.Unpacker(raw=False)
+    head.feed(data[:9])  # an int's msgpack form is at most 9 bytes
     try:
-        version = next(unpacker)
-    except Exception as err:
-        raise CodecError(f"not a treadle message: {type(err).__name__}: {err}") from None
+        version = next(head)
+    except Exception:  # cut short, or a first object longer than an int
+        version = None
     if not isinstance(version, int) or isinstance(version, bool):
         raise CodecError("not a treadle message: it carries no message version")
     if version != engine_messages.VERSION:
@@ -143,19 +136,10 @@ def decode_message(data: bytes, expect: tuple[type, ...]) -> Any:
             f"message version {version}, but this side speaks version "
             f"{engine_messages.VERSION}: run the server and its workers at the same release"
         )
-    try:
-        msg = next(unpacker)
-    except CodecError:
-        raise
-    except Exception as err:
-        raise CodecError(f"not a treadle message: {type(err).__name__}: {err}") from None
+    msg = decode(memoryview(data)[head.tell() :])  # no copy of the body
     if not isinstance(msg, expect):
         raise CodecError(
             f"unexpected message {type(msg).__name__}; expected one of "
             + ", ".join(t.__name__ for t in expect)
         )
-    try:
-        next(unpacker)
-    except StopIteration:
-        return msg
-    raise CodecError("not a treadle message: bytes after the message")
+    return msg
