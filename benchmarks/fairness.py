@@ -108,7 +108,10 @@ class Bench:
         self.engine = Engine(config)
         # before start, for the engine and its ordered-call executor alike
         self.engine.scheduler = self.engine.executor.scheduler = Scheduler(
-            gap_timeout_s=LONG, policy=policy, max_quantum_tokens=setup.max_quantum_tokens
+            gap_timeout_s=LONG,
+            policy=policy,
+            max_quantum_tokens=setup.max_quantum_tokens,
+            anticipate_batched=setup.batch_across_models,
         )
         self.engine.start()
         self.models = {

@@ -92,7 +92,9 @@ class Engine:
         device.check_dtype(self.device, config.default_dtype)
         self.bases = BaseModelRegistry(config.base_models, self.device)
         self.scheduler = Scheduler(
-            gap_timeout_s=config.gap_timeout_s, max_quantum_tokens=config.max_quantum_tokens
+            gap_timeout_s=config.gap_timeout_s,
+            max_quantum_tokens=config.max_quantum_tokens,
+            anticipate_batched=config.batch_across_models,
         )
         self.versions = VersionStore(config.keep_versions)
         self.registry = ModelRegistry()

@@ -137,6 +137,7 @@ class Scheduler:
         policy: str = "drr",
         anticipate_rounds: int = 4,
         anticipate_fraction: float = 0.25,
+        anticipate_batched: bool = False,
     ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"policy: {policy!r}; choose from {POLICIES}")
@@ -155,6 +156,9 @@ class Scheduler:
         #: how long a round waits for the next call of a tenant the last round
         #: served, as a share of the last round's time (0: never waits)
         self.anticipate_fraction = anticipate_fraction
+        #: the engine runs a round's calls of one base in one pass: a returning
+        #: call shares the others' pass, so the wait pays even when nobody borrows
+        self.anticipate_batched = anticipate_batched
         self._models: dict[str, _ModelQueue] = {}
         self._tenants: dict[str, _Tenant] = {}
         self._new: deque[str] = deque()  # just became backlogged: served first
@@ -255,7 +259,7 @@ class Scheduler:
         heads = self._heads()
         if not heads or not (self._served_last - heads.keys()):
             return False  # nothing to hold back, or nobody to wait for
-        if not self._could_borrow():
+        if not (self.anticipate_batched or self._could_borrow()):
             return False  # no pass longer than one call to wait behind: no wait either
         self._held_until = now + self.anticipate_fraction * (now - self._round_started)
         return now < self._held_until

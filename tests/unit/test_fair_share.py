@@ -509,3 +509,38 @@ def test_no_wait_when_nobody_could_borrow() -> None:
                 s.complete(call, None)
         assert s.held_until() is None
     assert [u.model_id for u in s.schedule(clock).units] == ["heavy/m"]
+
+
+def test_wait_for_a_call_that_shares_the_pass() -> None:
+    """One model per tenant, but the engine runs a round's calls in one pass
+    (``anticipate_batched``): the round after a light tenant's call waits for
+    its next one, which then runs in the heavy tenant's pass (a pass of two
+    calls costs less than two passes) instead of behind the whole next call
+    (failed before: the heavy tenant's call started at once, alone)."""
+    s = Scheduler(anticipate_batched=True)
+    s.add_model("heavy/m", "heavy")
+    for seq in range(1, 21):
+        s.submit(OrderedCall("heavy/m", seq, "forward_backward", f"d{seq}", 0.0, cost=100))
+    s.add_model("light/m", "light")
+    clock = 0.0
+
+    def run(units: tuple[WorkUnit, ...]) -> list[str]:
+        nonlocal clock
+        clock += 1.0
+        for unit in units:
+            for call in unit.calls:
+                s.complete(call, None)
+        return sorted(u.model_id for u in units)
+
+    assert run(s.schedule(clock).units) == ["heavy/m"]
+    for seq in range(1, 4):
+        s.submit(OrderedCall("light/m", seq, "forward_backward", f"l{seq}", clock, cost=100))
+        assert "light/m" in run(s.schedule(clock).units)
+        assert s.schedule(clock).units == ()  # held: the light's next call is on its way
+        assert s.held_until() == pytest.approx(clock + 0.25)
+        clock += 0.1  # it comes within the hold, and shares the heavy tenant's round
+    s.submit(OrderedCall("light/m", 4, "forward_backward", "l4", clock, cost=100))
+    assert run(s.schedule(clock).units) == ["heavy/m", "light/m"]
+    assert s.schedule(clock).units == ()  # nothing comes this time
+    clock += 0.3
+    assert run(s.schedule(clock).units) == ["heavy/m"]  # the wait is over
