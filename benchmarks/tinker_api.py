@@ -31,9 +31,11 @@ Its sum per step is printed with the ratio it alone would give,
 (overlapping requests make the sum an overestimate). When the measured ratio is
 far above it, the requests overlap; far below it, the gap is not the transport.
 
-Measured on a shared 2-core machine (load ~2.6), server in its own process:
-HTTP 0.84x gRPC steps/s (120 vs 101 ms a step), delay p50 2.3 ms (p90 7.5 ms),
-~4 ms of HTTP cost per request, 8.2 requests a step.
+Measured on a shared 2-core machine (load 2-3), server in its own process, two
+runs: HTTP 0.842x gRPC steps/s (120 vs 101 ms a step; 3 rounds), delay p50
+2.3 ms (p90 7.5 ms); 0.898x (97 vs 87 ms; 4 rounds), p50 1.9 ms (p90 8.3 ms);
+HTTP's own cost 4.1 / 2.7 ms per request (median), ~8.2 requests a step. With
+``--embedded``, run between them: 0.767x (91 vs 70 ms), p50 1.7 ms.
 
     python benchmarks/tinker_api.py               # ~5 min on 2 loaded CPU cores
     python benchmarks/tinker_api.py --rounds 6 --steps 4
