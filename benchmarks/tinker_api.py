@@ -2,34 +2,44 @@
 treadle's SDK over gRPC, one server, one run; and how long a finished result
 takes to reach the tinker SDK.
 
+The server is ``treadle serve`` in its own process (ports picked by the OS,
+found in its log), both SDKs clients in this one, as a user's would be;
+``--embedded`` runs it in this process instead (then the server's event loop and
+engine threads share this process's GIL with both SDKs, Python's switch interval
+being 5 ms), to compare the two.
+
 One RL step, both ways, on the same kind of model (the "5m" preset, LoRA rank 8,
 a fresh model per path): publish the weights and get a sampler of them, sample
-G=4 completions of 16 tokens, importance_sampling forward_backward on them
+G=4 completions of 8 tokens, importance_sampling forward_backward on them
 (advantage = reward - mean, reward = completion length), optim_step. Rounds
 alternate the two paths (a block of steps each, the order flipping every round)
 so a slow spell of a shared machine hits both; medians of per-step times.
 
-Delay: the server stamps each HTTP future when its task finishes; the SDK's
-result poll is stamped when its answer arrives (the server is embedded in this
-process, so both clocks are one ``time.monotonic``). p50 target <= 5 ms:
-retrieve_future is answered the moment the result exists, with no poll interval.
-That same process holds the engine's threads, the server's event loop and the
-SDK's own loop thread, so the delay includes their turns at the GIL (Python's
-switch interval is 5 ms): with ``sys.setswitchinterval(0.0005)`` the p50 fell
-from ~20 ms to ~9 ms in one measurement on a loaded machine. A client in its own
-process does not wait for the server's threads.
+Delay: a retrieve_future answer with a result carries the server's
+``time.monotonic()`` when that result was ready (``x-treadle-ready-monotonic``);
+the SDK's result poll is stamped with this process's ``time.monotonic()`` when
+its answer arrives. CLOCK_MONOTONIC is one clock for every process of a Linux
+host, so the two compare across processes. p50 target <= 5 ms: retrieve_future
+is answered the moment the result exists, with no poll interval.
 
-HTTP's own cost, measured in the same run: each tinker-path request is stamped
-(a header) in the SDK's httpx call and in the server's app; the SDK's wait
-minus the app's time is what the HTTP path adds (serialising, the socket,
-httpx, the SDK's event loop, their turns at the GIL). Its sum per step is
-printed with the ratio it alone would give, ``grpc / (grpc + it)``: a bound
-for what removing every HTTP cost could reach (overlapping requests make the
-sum an overestimate). When the measured ratio is far below it, the gap is not
-the transport.
+HTTP's own cost, measured in the same run: each tinker-path request's httpx
+call is timed in the SDK, and the server's app time comes back in its
+``Server-Timing: app;dur=<ms>`` header; the SDK's wait minus the app's time is
+what the HTTP path adds (serialising, the socket, httpx, the SDK's event loop).
+Its sum per step is printed with the ratio it alone would give,
+``grpc / (grpc + it)``: a bound for what removing every HTTP cost could reach
+(overlapping requests make the sum an overestimate). When the measured ratio is
+far above it, the requests overlap; far below it, the gap is not the transport.
 
-    python benchmarks/tinker_api.py               # ~3 min on 2 idle CPU cores
+Measured on a shared 2-core machine (load 2-3), server in its own process, two
+runs: HTTP 0.842x gRPC steps/s (120 vs 101 ms a step; 3 rounds), delay p50
+2.3 ms (p90 7.5 ms); 0.898x (97 vs 87 ms; 4 rounds), p50 1.9 ms (p90 8.3 ms);
+HTTP's own cost 4.1 / 2.7 ms per request (median), ~8.2 requests a step. With
+``--embedded``, run between them: 0.767x (91 vs 70 ms), p50 1.7 ms.
+
+    python benchmarks/tinker_api.py               # ~5 min on 2 loaded CPU cores
     python benchmarks/tinker_api.py --rounds 6 --steps 4
+    python benchmarks/tinker_api.py --embedded    # the server in this process
 
 Targets: tinker/HTTP steps/s >= 0.9 x treadle/gRPC steps/s; delay p50 <= 5 ms.
 Exit status 0 when both are met.
@@ -38,69 +48,77 @@ Exit status 0 when both are met.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("TINKER_TELEMETRY", "0")
 
-import fastapi  # noqa: E402
 import httpx  # noqa: E402
 import numpy as np  # noqa: E402
 import tinker  # noqa: E402
 from _common import THREADS, model_dir, table  # noqa: E402
+from load import _wait_for  # noqa: E402
 from tinker import types as T  # noqa: E402
 from tinker.lib import api_future_impl  # noqa: E402
 
 import treadle  # noqa: E402
 from treadle.server.config import ServerConfig  # noqa: E402
 from treadle.server.embedded import EmbeddedServer  # noqa: E402
+from treadle.server.http.futures import READY_HEADER  # noqa: E402
 
 RATIO_TARGET = 0.9
 DELAY_TARGET_MS = 5.0
 G, MAX_TOKENS, LR = 4, 8, 1e-3
 PROMPT = [1, 5, 9, 13, 17, 21, 25, 29]
 
-#: request_id -> when the SDK had its answer (monotonic)
+#: request_id -> when the SDK had its answer, and when the server had it ready
+#: (both time.monotonic(): CLOCK_MONOTONIC is one clock for every process of a host)
 RECEIVED: dict[str, float] = {}
+READY: dict[str, float] = {}
 #: per HTTP request of the tinker path: bench id -> seconds the SDK's httpx call took,
-#: and the seconds the server's app spent on it (the rest is transport + SDK + GIL turns)
+#: and the seconds the server's app spent on it (its Server-Timing header); the rest
+#: is transport + SDK (+ GIL turns when the server shares this process)
 CLIENT_S: dict[str, float] = {}
 SERVER_S: dict[str, float] = {}
 _send = httpx.AsyncClient.send
 
 
+def _app_ms(header: str) -> float | None:
+    for part in header.split(","):
+        name, _, params = part.strip().partition(";")
+        if name == "app":
+            for p in params.split(";"):
+                key, _, value = p.strip().partition("=")
+                if key == "dur":
+                    return float(value)
+    return None
+
+
 async def _timed_send(self, request, **kw):  # type: ignore[no-untyped-def]
     rid = uuid.uuid4().hex
-    request.headers["x-bench-id"] = rid
     t0 = time.perf_counter()
-    try:
-        return await _send(self, request, **kw)
-    finally:
-        CLIENT_S[rid] = time.perf_counter() - t0
+    response = await _send(self, request, **kw)
+    CLIENT_S[rid] = time.perf_counter() - t0
+    app_ms = _app_ms(response.headers.get("server-timing", ""))
+    if app_ms is not None:
+        SERVER_S[rid] = app_ms / 1e3
+    ready = response.headers.get(READY_HEADER)
+    if ready is not None and request.url.path.endswith("/retrieve_future"):
+        READY[json.loads(request.content)["request_id"]] = float(ready)
+    return response
 
 
 httpx.AsyncClient.send = _timed_send  # type: ignore[method-assign]
-_app_call = fastapi.FastAPI.__call__
-
-
-async def _timed_app(self, scope, receive, send):  # type: ignore[no-untyped-def]
-    rid = dict(scope.get("headers") or []).get(b"x-bench-id", b"").decode()
-    t0 = time.perf_counter()
-    try:
-        await _app_call(self, scope, receive, send)
-    finally:
-        if rid:
-            SERVER_S[rid] = time.perf_counter() - t0
-
-
-fastapi.FastAPI.__call__ = _timed_app  # type: ignore[method-assign]
 _fetch = api_future_impl._APIFuture._fetch_via_rest
 
 
@@ -112,6 +130,51 @@ async def _stamped_fetch(self, state, iteration):  # type: ignore[no-untyped-def
 
 
 api_future_impl._APIFuture._fetch_via_rest = _stamped_fetch  # type: ignore[method-assign]
+
+
+@contextlib.contextmanager
+def served(directory: Path, tmp: Path, embedded: bool) -> Iterator[tuple[str, str, str]]:
+    """(gRPC address, HTTP base url, API key) of a server on ``directory``: in
+    this process (``embedded``) or ``treadle serve`` as a subprocess."""
+    if embedded:
+        config = ServerConfig(
+            data_dir=tmp / "data",
+            models={"bench": directory},
+            port=0,
+            http_port=0,
+            threads=THREADS,
+            quota_max_models=0,
+            quota_calls_in_flight=0,
+        )
+        srv = EmbeddedServer(config).start()
+        assert srv.api_key
+        try:
+            yield srv.address, srv.http_url, srv.api_key
+        finally:
+            srv.stop()
+        return
+    env = dict(os.environ, OMP_NUM_THREADS=str(THREADS))
+    env.pop("TREADLE_API_KEY", None)
+    cmd = [
+        *(sys.executable, "-m", "treadle.server.cli", "serve"),
+        *("--model", f"bench={directory}", "--port", "0", "--http-port", "0"),
+        *("--threads", str(THREADS), "--data-dir", str(tmp / "data")),
+        *("--quota-max-models", "0", "--quota-calls-in-flight", "0"),
+    ]
+    log = tmp / "server.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+    try:
+        key_file = _wait_for(log, r"API key is in (\S+) ", proc, 180)
+        port = _wait_for(log, r"serving .* on \S+:(\d+)", proc, 5)
+        http = _wait_for(log, r"HTTP API on (\S+) ", proc, 5)
+        yield f"127.0.0.1:{port}", http, Path(key_file).read_text().strip()
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
 
 
 def _advantages(lengths: list[int]) -> np.ndarray:
@@ -199,42 +262,36 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=2, help="steps per path per round")
     parser.add_argument("--model-dir", default=None)
+    parser.add_argument(
+        "--embedded",
+        action="store_true",
+        help="the server in this process (sharing its GIL with both SDKs), not a subprocess",
+    )
     args = parser.parse_args()
 
     directory = model_dir("5m", args.model_dir)
     tmp = Path(tempfile.mkdtemp(prefix="treadle-bench-tinker-"))
-    config = ServerConfig(
-        data_dir=tmp / "data", models={"bench": directory}, port=0, http_port=0, threads=THREADS
-    )
-    srv = EmbeddedServer(config).start()
-    assert srv.ctx is not None and srv.ctx.http is not None and srv.api_key
-    futures = srv.ctx.http.state.futures
-    sc = tinker.ServiceClient(base_url=srv.http_url, api_key="tml-" + srv.api_key)
-    service = treadle.ServiceClient(srv.address, api_key=srv.api_key)
-    try:
-        paths = {
-            "tinker SDK / HTTP": tinker_stepper(sc),
-            "treadle SDK / gRPC": treadle_stepper(service),
-        }
-        for step in paths.values():  # warm-up
-            step()
-        RECEIVED.clear()
-        CLIENT_S.clear()
-        SERVER_S.clear()
-        times: dict[str, list[float]] = {name: [] for name in paths}
-        order = list(paths)
-        for r in range(args.rounds):
-            for name in order if r % 2 == 0 else order[::-1]:
-                times[name] += timed(paths[name], args.steps)
-        delays_ms = []
-        for rid, got in RECEIVED.items():
-            entry = futures._entries.get(rid)
-            if entry is not None and entry.finished is not None:
-                delays_ms.append((got - entry.finished) * 1e3)
-    finally:
-        sc.close("success").result()
-        service.close()
-        srv.stop()
+    with served(directory, tmp, args.embedded) as (address, http_url, key):
+        sc = tinker.ServiceClient(base_url=http_url, api_key="tml-" + key)
+        service = treadle.ServiceClient(address, api_key=key)
+        try:
+            paths = {
+                "tinker SDK / HTTP": tinker_stepper(sc),
+                "treadle SDK / gRPC": treadle_stepper(service),
+            }
+            for step in paths.values():  # warm-up
+                step()
+            for stamps in (RECEIVED, READY, CLIENT_S, SERVER_S):
+                stamps.clear()
+            times: dict[str, list[float]] = {name: [] for name in paths}
+            order = list(paths)
+            for r in range(args.rounds):
+                for name in order if r % 2 == 0 else order[::-1]:
+                    times[name] += timed(paths[name], args.steps)
+        finally:
+            sc.close("success").result()
+            service.close()
+    delays_ms = [(got - READY[rid]) * 1e3 for rid, got in RECEIVED.items() if rid in READY]
     med = {name: statistics.median(t) for name, t in times.items()}
     http, grpc_ = med["tinker SDK / HTTP"], med["treadle SDK / gRPC"]
     ratio = grpc_ / http  # HTTP steps/s over gRPC steps/s
@@ -242,7 +299,7 @@ def main() -> int:
         [name, f"{med[name] * 1e3:.1f}", f"{1 / med[name]:.2f}", len(times[name])] for name in paths
     ]
     print(
-        f"\nRL step (G={G}, {MAX_TOKENS} tokens, 5m preset, LoRA r8), threads={THREADS}, load {os.getloadavg()[0]:.2f}\n"
+        f"\nRL step (G={G}, {MAX_TOKENS} tokens, 5m preset, LoRA r8), threads={THREADS}, server {'embedded' if args.embedded else 'in its own process'}, load {os.getloadavg()[0]:.2f}\n"
     )
     print(table(["path", "median step ms", "steps/s", "steps"], rows))
     # The HTTP path's own cost: per request, the SDK's wait minus the server app's

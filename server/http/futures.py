@@ -7,6 +7,11 @@ once), so a result reaches the client the moment the engine has it: no polling
 interval. A request id the server does not know (expired, or made before a
 restart, or another tenant's) answers 410, on which the SDK resubmits the
 original request; its ``seq_id`` makes that resubmission exactly-once.
+
+An answer that carries the result (or its error) has the header
+``x-treadle-ready-monotonic``: when the call's task finished, in this host's
+``time.monotonic()`` seconds (CLOCK_MONOTONIC, system-wide on Linux), so a
+client on the same host can measure how long the result took to reach it.
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ from starlette.responses import JSONResponse, Response
 from treadle.server.http import errors
 from treadle.server.http.wire import PROTOBUF
 
+#: on a retrieve_future answer with the result: when it was ready (time.monotonic() seconds)
+READY_HEADER = "x-treadle-ready-monotonic"
 #: turns a call's result into the answer of retrieve_future: JSON (a dict) or protobuf (bytes)
 Encoder = Callable[[Any], "dict[str, Any] | bytes"]
 
@@ -87,17 +94,10 @@ class Futures:
             return JSONResponse(
                 {"type": "try_again", "request_id": request_id, "queue_state": "active"}
             )
-        if entry.task.cancelled():
-            return JSONResponse(
-                {"error": "CANCELLED: the request was cancelled", "category": "user"}
-            )
-        err = entry.task.exception()
-        if err is not None:
-            return JSONResponse(errors.failed_future(err))
-        body = entry.encode(entry.task.result())
-        if isinstance(body, bytes):
-            return Response(body, media_type=PROTOBUF)
-        return JSONResponse(body)
+        answer = _answer(entry)
+        if entry.finished is not None:
+            answer.headers[READY_HEADER] = f"{entry.finished:.6f}"
+        return answer
 
     def cancel(self, tenant: str, request_id: str) -> bool:
         entry = self._entries.get(request_id)
@@ -119,6 +119,18 @@ class Futures:
             if e.finished is not None and now - e.finished > self.keep_s
         ]:
             del self._entries[rid]
+
+
+def _answer(entry: _Entry) -> Response:
+    if entry.task.cancelled():
+        return JSONResponse({"error": "CANCELLED: the request was cancelled", "category": "user"})
+    err = entry.task.exception()
+    if err is not None:
+        return JSONResponse(errors.failed_future(err))
+    body = entry.encode(entry.task.result())
+    if isinstance(body, bytes):
+        return Response(body, media_type=PROTOBUF)
+    return JSONResponse(body)
 
 
 def _finished(entry: _Entry, task: asyncio.Task[Any]) -> None:
