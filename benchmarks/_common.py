@@ -20,7 +20,17 @@ OMP_WAIT_POLICY = os.environ.get("OMP_WAIT_POLICY", "default")
 
 import torch  # noqa: E402
 
-torch.set_num_threads(THREADS)
+# In the benchmark's own process only. A child started with spawn (vLLM's engine
+# core and worker, the torch-process sampler) re-imports the benchmark's main
+# module and with it this one; vLLM's CPU worker binds its OpenMP threads to the
+# one core left after the reserved one, and a set_num_threads(2) there put two
+# spinning threads on it: raw LLM.generate on the 5m preset decoded 156-168 tok/s
+# instead of 3,100-4,700 (multiprocessing.parent_process() is None in vLLM's
+# children too, so the process that first imported this module is remembered).
+_OWNER = "TREADLE_BENCH_PID"
+os.environ.setdefault(_OWNER, str(os.getpid()))
+if os.environ[_OWNER] == str(os.getpid()):
+    torch.set_num_threads(THREADS)
 
 
 def model_dir(preset: str, given: str | None) -> Path:
