@@ -15,7 +15,6 @@ import torch
 from torch import Tensor
 from torch.profiler import record_function
 
-from treadle.errors import InvalidArgumentError
 from treadle.workers import losses, train_memory
 from treadle.workers.base_models import BaseModel
 from treadle.workers.chunked_logprobs import chunked_target_logprobs
@@ -32,6 +31,12 @@ from treadle.workers.model.config import ModelConfig
 from treadle.workers.model.llama import LlamaParams, forward_hidden, lm_logits, target_logprobs
 from treadle.workers.model.lora import HEAD, UNEMBED_TARGET, LoraAdapter, targets_for
 from treadle.workers.optimizer import AdamW
+from treadle.workers.train_validation import (
+    check_adam,
+    check_temperature,
+    common_input_keys,
+    validate_data,
+)
 from treadle.workers.versions import BaseVersion, ReferenceCache, WeightSnapshot
 
 #: float32 logits larger than this are computed in chunks of positions (a 110M
@@ -132,7 +137,7 @@ class TrainingModel:
         return self.snapshot(copy)
 
     def optim_step(self, cfg: AdamConfig) -> OptimStepResult:
-        _check_adam(cfg)
+        check_adam(cfg)
         metrics = self.optimizer.step(cfg)
         self.version += 1
         return OptimStepResult(step=self.version, metrics=metrics)
@@ -151,64 +156,6 @@ class _Batch:
 
 #: A call's padded batch (what ``prepare_forward_logprobs`` returns).
 TrainBatch = _Batch
-
-
-def validate_data(
-    data: Sequence[DatumData], vocab_size: int, max_len: int, *, need_targets: bool = True
-) -> None:
-    if not data:
-        raise InvalidArgumentError("data: empty batch")
-    for i, datum in enumerate(data):
-        tokens = datum.tokens
-        if tokens.ndim != 1 or tokens.size == 0:
-            raise InvalidArgumentError(
-                f"data[{i}].model_input: must be a non-empty 1-D token sequence"
-            )
-        if tokens.size > max_len:
-            raise InvalidArgumentError(
-                f"data[{i}].model_input: {tokens.size} tokens exceed the context of {max_len} "
-                "tokens (the same limit the sampler applies; GetServerInfo's max_context): "
-                "shorten or split the datum"
-            )
-        _check_ids(tokens, vocab_size, f"data[{i}].model_input")
-        for key, arr in datum.inputs.items():
-            if arr.shape != tokens.shape:
-                raise InvalidArgumentError(
-                    f"data[{i}].loss_fn_inputs.{key}: length {arr.shape[0] if arr.ndim else 0} "
-                    f"differs from model_input length {tokens.size}"
-                )
-            if key == "target_tokens":
-                _check_ids(arr, vocab_size, f"data[{i}].loss_fn_inputs.target_tokens")
-            elif not np.all(np.isfinite(arr)):
-                raise InvalidArgumentError(
-                    f"data[{i}].loss_fn_inputs.{key}: contains NaN or infinity"
-                )
-        if need_targets and "target_tokens" not in datum.inputs:
-            raise InvalidArgumentError(f"data[{i}].loss_fn_inputs.target_tokens: required")
-
-
-def _check_ids(ids: np.ndarray, vocab_size: int, field: str) -> None:
-    if ids.dtype.kind not in "iu":
-        raise InvalidArgumentError(f"{field}: token ids must be integers")
-    bad = (ids < 0) | (ids >= vocab_size)
-    if bad.any():
-        raise InvalidArgumentError(
-            f"{field}: token id {int(ids[bad][0])} is outside the vocabulary [0, {vocab_size})"
-        )
-
-
-def _check_adam(cfg: AdamConfig) -> None:
-    checks = {
-        "adam_params.learning_rate": cfg.learning_rate >= 0,
-        "adam_params.beta1": 0 <= cfg.beta1 < 1,
-        "adam_params.beta2": 0 <= cfg.beta2 < 1,
-        "adam_params.eps": cfg.eps >= 0,
-        "adam_params.weight_decay": cfg.weight_decay >= 0,
-        "adam_params.grad_clip_norm": cfg.grad_clip_norm >= 0,
-    }
-    for field, ok in checks.items():
-        if not ok or not np.isfinite(getattr(cfg, field.split(".")[1])):
-            raise InvalidArgumentError(f"{field}: out of range")
 
 
 def _make_batch(data: Sequence[DatumData], pad_id: int, device: torch.device) -> _Batch:
@@ -347,7 +294,7 @@ class PreparedForwardBackward:
 
 
 def prepare_forward_logprobs(model: TrainingModel, op: ForwardLogprobsOp) -> _Batch:
-    _check_temperature(op.temperature)
+    check_temperature(op.temperature)
     validate_data(op.data, model.cfg.vocab_size, model.max_context)
     return _make_batch(op.data, model.cfg.pad_token_id or 0, model.params.device)
 
@@ -355,9 +302,9 @@ def prepare_forward_logprobs(model: TrainingModel, op: ForwardLogprobsOp) -> _Ba
 def prepare_forward_backward(
     model: TrainingModel, op: ForwardBackwardOp
 ) -> PreparedForwardBackward:
-    _check_temperature(op.temperature)
+    check_temperature(op.temperature)
     validate_data(op.data, model.cfg.vocab_size, model.max_context)
-    keys = _common_input_keys(op.data)
+    keys = common_input_keys(op.data)
     config = losses.validate_loss_request(op.loss_fn, keys, op.loss_config)
     _check_memory(model, op.data)
     float_keys = [k for k in keys if k != "target_tokens"]
@@ -488,19 +435,3 @@ def accumulate_gradients(loss: Tensor, models: Sequence[TrainingModel]) -> None:
 
 def _loss_dtype(model: TrainingModel) -> torch.dtype:
     return model.base.dtype if model.base.dtype == torch.float64 else torch.float32
-
-
-def _common_input_keys(data: Sequence[DatumData]) -> list[str]:
-    keys = list(data[0].inputs)
-    for i, d in enumerate(data[1:], start=1):
-        if set(d.inputs) != set(keys):
-            diff = sorted(set(d.inputs) ^ set(keys))
-            raise InvalidArgumentError(
-                f"data[{i}].loss_fn_inputs: keys differ from data[0] ({diff})"
-            )
-    return keys
-
-
-def _check_temperature(t: float) -> None:
-    if not (np.isfinite(t) and t > 0):
-        raise InvalidArgumentError(f"temperature: must be a positive number, got {t}")

@@ -1,0 +1,46 @@
+"""A scheduler driven the way the engine drives it, for the fair-share tests."""
+
+from __future__ import annotations
+
+from treadle.workers.scheduler import OrderedCall, Scheduler, WorkUnit
+
+
+def jain(values: list[float]) -> float:
+    return sum(values) ** 2 / (len(values) * sum(v * v for v in values))
+
+
+class Sim:
+    """Drives a scheduler the way the engine does: schedule, run every unit, complete."""
+
+    def __init__(self, **kwargs: object) -> None:
+        self.s = Scheduler(**kwargs)  # type: ignore[arg-type]
+        self.next_seq: dict[str, int] = {}
+        self.clock = 0.0
+        self.served: list[OrderedCall] = []
+
+    def model(self, model_id: str, tenant: str) -> None:
+        self.s.add_model(model_id, tenant)
+        self.next_seq[model_id] = 1
+
+    def send(self, model_id: str, cost: int = 100, kind: str = "forward_backward") -> None:
+        seq = self.next_seq[model_id]
+        self.next_seq[model_id] = seq + 1
+        self.clock += 1e-6
+        call = OrderedCall(model_id, seq, kind, f"d{seq}", self.clock, cost=cost)
+        assert self.s.submit(call).admission.value == "queued"
+
+    def round(self) -> list[WorkUnit]:
+        out = self.s.schedule(self.clock)
+        while not out.units and (held := self.s.held_until()) is not None:
+            self.clock = max(self.clock, held)  # the engine waits out the hold: nothing came
+            out = self.s.schedule(self.clock)
+        units = list(out.units)
+        for unit in units:
+            for call in unit.calls:
+                self.served.append(call)
+                self.s.complete(call, None)
+        return units
+
+
+def tenant_of(call: OrderedCall) -> str:
+    return call.model_id.split("/")[0]
