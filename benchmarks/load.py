@@ -135,7 +135,7 @@ def deploy(
         *("serve", *logs, "--model", f"tiny={model}", "--port", str(port), "--threads", "1"),
         *("--data-dir", str(run / "server"), "--store", str(run / "checkpoints")),
         *("--quota-max-models", "0", "--quota-calls-in-flight", "0"),
-        *("--metrics-port", "0"),
+        *("--metrics-port", "0", "--http-port", "-1"),  # HTTP is not measured here
     ]
     procs: list[subprocess.Popen[bytes]] = []
     with ExitStack() as stack:
