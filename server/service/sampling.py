@@ -9,6 +9,7 @@ with a ``seq_id`` gets the first call's result and is not charged again.
 from __future__ import annotations
 
 import contextlib
+from collections import OrderedDict
 from collections.abc import AsyncIterator
 from dataclasses import replace
 
@@ -30,12 +31,24 @@ from treadle.workers.domain import (
     StreamedSequence,
 )
 
+#: samplers whose target is kept in memory (the most recently used); an older
+#: one is read again from the database. Every ``sync_weights`` makes a sampler,
+#: so an unbounded cache grows by one entry per sync for the server's lifetime.
+MAX_CACHED_SAMPLERS = 4096
+
 
 class SamplingService:
     def __init__(self, ctx: ServerContext, meter: CallMeter) -> None:
         self.ctx = ctx
         self.meter = meter
-        self._targets: dict[str, tuple[str, SamplerTarget]] = {}  # sampler_id -> (tenant, target)
+        #: sampler_id -> (tenant, target), at most ``MAX_CACHED_SAMPLERS``, LRU
+        self._targets: OrderedDict[str, tuple[str, SamplerTarget]] = OrderedDict()
+
+    def _cache(self, sampler_id: str, entry: tuple[str, SamplerTarget]) -> None:
+        self._targets[sampler_id] = entry
+        self._targets.move_to_end(sampler_id)
+        while len(self._targets) > MAX_CACHED_SAMPLERS:
+            self._targets.popitem(last=False)
 
     async def create_sampler(
         self, tenant: str, source: SamplerSource, session_id: str = ""
@@ -78,7 +91,7 @@ class SamplingService:
                 session_id=session_id or None,
             )
             sampler_id = row_s.id
-        self._targets[sampler_id] = (tenant, target)
+        self._cache(sampler_id, (tenant, target))
         return SamplerInfo(
             sampler_id=sampler_id,
             base_model=target.base_model,
@@ -97,7 +110,7 @@ class SamplingService:
                     raise NotFoundError(f"sampler {sampler_id!r} not found")
                 target = SamplerTarget(row.base_model, row.model_id, row.pinned_version)
                 cached = (row.tenant_id, target)
-            self._targets[sampler_id] = cached
+        self._cache(sampler_id, cached)
         owner, target = cached
         if owner != tenant:
             raise NotFoundError(f"sampler {sampler_id!r} not found")

@@ -222,3 +222,24 @@ def test_a_call_handle_is_awaited_without_polling(world: World) -> None:
 
 async def _await(handle: CallHandle[Any]) -> Any:
     return await handle
+
+
+def test_sampler_cache_stays_bounded(world: World, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every sync_weights makes a sampler: the server keeps the targets of the
+    latest ones only, and reads an older one again from the database."""
+    from treadle.server.service import sampling
+
+    w, svc = world, world.service
+    monkeypatch.setattr(sampling, "MAX_CACHED_SAMPLERS", 3, raising=False)
+    made = [
+        w.run(svc.sampling.create_sampler(w.a, SamplerSource(base_model=BASE))).sampler_id
+        for _ in range(8)
+    ]
+    cache = svc.sampling._targets
+    assert len(cache) <= 3
+    assert made[0] not in cache  # the oldest went first
+    # an evicted sampler still resolves, and still only for its tenant
+    assert svc.sampling.target(w.a, made[0]).base_model == BASE
+    with pytest.raises(NotFoundError):
+        svc.sampling.target(w.b, made[1])
+    assert len(cache) <= 3
