@@ -37,6 +37,18 @@ runs: HTTP 0.842x gRPC steps/s (120 vs 101 ms a step; 3 rounds), delay p50
 HTTP's own cost 4.1 / 2.7 ms per request (median), ~8.2 requests a step. With
 ``--embedded``, run between them: 0.767x (91 vs 70 ms), p50 1.7 ms.
 
+After the HTTP routes stopped hopping to a thread per request (the ``state``
+dependency was a plain function, run in FastAPI's thread pool) and stopped
+validating each answer against a response model inferred from its annotation,
+one pair of runs (``--rounds 4``, the server under py-spy at 100 Hz, load
+3.5-3.8, a saturated machine: steps 5-10x slower than above, so ratios only):
+before 0.626x (987 vs 618 ms), submission routes' app time median 2.95 ms;
+after 0.812x (479 vs 389 ms), 1.55 ms; p50 delay 4.9 / 3.3 ms. The server's
+event loop was mostly idle in both profiles (the engine threads take ~90% of
+the samples), so the remaining gap is the client side (the tinker SDK's event
+loop thread and httpx: ~53 ms a step over 8.2 requests, the bound 0.88) and
+the engine, not the routes.
+
     python benchmarks/tinker_api.py               # ~5 min on 2 loaded CPU cores
     python benchmarks/tinker_api.py --rounds 6 --steps 4
     python benchmarks/tinker_api.py --embedded    # the server in this process
