@@ -43,7 +43,11 @@ validating each answer against a response model inferred from its annotation,
 one pair of runs (``--rounds 4``, the server under py-spy at 100 Hz, load
 3.5-3.8, a saturated machine: steps 5-10x slower than above, so ratios only):
 before 0.626x (987 vs 618 ms), submission routes' app time median 2.95 ms;
-after 0.812x (479 vs 389 ms), 1.55 ms; p50 delay 4.9 / 3.3 ms. The server's
+after 0.812x (479 vs 389 ms), 1.55 ms; p50 delay 4.9 / 3.3 ms. A second pair
+right after, no py-spy, load 1.5-1.7: before 0.967x (107 vs 104 ms), 2.45 ms;
+after 1.239x (204 vs 253 ms: a load spike hit both paths), 1.99 ms. Step-time
+ratios on this shared machine swing more than the change moves them; the
+submissions' app time is the figure it moves, most under load. The server's
 event loop was mostly idle in both profiles (the engine threads take ~90% of
 the samples), so the remaining gap is the client side (the tinker SDK's event
 loop thread and httpx: ~53 ms a step over 8.2 requests, the bound 0.88) and
