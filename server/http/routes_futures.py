@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import Depends, Request
 from starlette.responses import Response
 
 from treadle.server.http import wire
 from treadle.server.http.auth import tenant
-from treadle.server.http.state import HttpState, state
+from treadle.server.http.state import HttpState, api_router, state
 
-router = APIRouter(prefix="/api/v1")
+router = api_router()
 
 
 @router.post("/retrieve_future")

@@ -5,17 +5,17 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import Depends, Request
 
 from treadle.errors import InvalidArgumentError
 from treadle.server.http import wire
 from treadle.server.http.auth import tenant
-from treadle.server.http.state import HttpState, state
+from treadle.server.http.state import HttpState, api_router, state
 from treadle.server.service import CallHandle
 from treadle.server.service.types import SamplerSource, parse
 from treadle.workers.domain import SampleResult
 
-router = APIRouter(prefix="/api/v1")
+router = api_router()
 
 
 async def _await(handle: CallHandle[SampleResult]) -> SampleResult:

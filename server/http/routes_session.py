@@ -6,15 +6,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import Depends, Request
 
 from treadle.errors import InvalidArgumentError
 from treadle.server.http import wire
 from treadle.server.http.auth import tenant
 from treadle.server.http.errors import GoneError
-from treadle.server.http.state import HttpState, state
+from treadle.server.http.state import HttpState, api_router, state
 
-router = APIRouter(prefix="/api/v1")
+router = api_router()
 
 
 @router.post("/client/config")

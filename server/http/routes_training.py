@@ -14,19 +14,19 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import Depends, Request
 
 from treadle.errors import InvalidArgumentError, TreadleError
 from treadle.server.http import wire
 from treadle.server.http.auth import tenant
 from treadle.server.http.futures import Encoder
-from treadle.server.http.state import HttpState, state
+from treadle.server.http.state import HttpState, api_router, state
 from treadle.server.service import CallHandle
 from treadle.server.service.types import CreateModel, OrderedCall, parse
 from treadle.workers.domain import ForwardBackwardOp, ForwardResult
 from treadle.workers.losses import LOSSES, unserved_loss
 
-router = APIRouter(prefix="/api/v1")
+router = api_router()
 
 
 async def _await(handle: CallHandle[Any]) -> Any:

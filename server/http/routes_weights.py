@@ -7,16 +7,16 @@ from __future__ import annotations
 import datetime as dt
 from typing import Any
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import Depends, Request
 
 from treadle.errors import InvalidArgumentError
 from treadle.server.http import wire
 from treadle.server.http.auth import tenant
 from treadle.server.http.routes_checkpoints import checkpoint_json
-from treadle.server.http.state import HttpState, state
+from treadle.server.http.state import HttpState, api_router, state
 from treadle.server.service.types import ModelInfo
 
-router = APIRouter(prefix="/api/v1")
+router = api_router()
 
 
 def _time(seconds: float) -> str:
