@@ -21,13 +21,14 @@ from treadle.workers.engine_flags import (
     engine_settings,
     models_from_args,
 )
+from treadle.workers.engine_options import EngineOptions
 from treadle.workers.logs import add_observe_flags, metrics_port_of
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1", "[::1]")
 
 
 @dataclass(frozen=True)
-class ServerConfig:
+class ServerConfig(EngineOptions):
     data_dir: Path = Path("treadle-data")
     models: Mapping[str, Path] = field(default_factory=dict)  # base model name -> HF directory
     host: str = "127.0.0.1"
@@ -36,29 +37,7 @@ class ServerConfig:
     #: None = off (`treadle serve` turns it on at 8080: --http-port)
     http_port: int | None = None
     database_url: str = ""  # "" = SQLite file in data_dir
-    #: where the engine's tensors live: "cpu" or "cuda:N" (the flag's "auto" resolved)
-    device: str = "cpu"
-    default_dtype: str = "float32"
-    threads: int = 0  # torch threads of the engine; 0 = torch's default
-    #: the sampler backend: torch | torch-thread | torch-process | vllm (``--sampler``)
-    sampler: str = "torch"
-    sampler_threads: int = 0  # torch threads of the sampler's thread or process; 0 = threads
-    #: backend-specific settings (``--vllm-*`` for vllm)
-    sampler_options: Mapping[str, Any] = field(default_factory=dict)
-    training_threads: str = "measure"  # forward passes: "measure" | "all" | "one"
-    max_quantum_tokens: int = 0  # a tenant's tokens a scheduling round at most; 0 = no cap
-    gap_timeout_s: float = 60.0
-    keep_versions: int = 4
-    auto_checkpoint_steps: int = 0  # 0 = off; else checkpoint every N optimizer steps
-    sampler_slots: int = 0  # rows decoding together; 0 = sized by memory (--sampler-slots)
-    kv_cache_memory_fraction: float = 0.0  # of free memory, for sampler_slots 0; 0 = default
-    sampler_max_len: int = 1024
     max_message_bytes: int = MAX_MESSAGE_BYTES
-    max_tokens_per_call: int = 262_144
-    #: recompute each layer in the backward (long sequences: less memory, ~1 more forward)
-    activation_checkpointing: bool = False
-    #: what one ForwardBackward may need (activations + new gradients); 0 = available memory
-    train_memory_limit_bytes: int = 0
     #: TLS on the gRPC port: PEM certificate chain and private key (both or neither)
     tls_cert: Path | None = None
     tls_key: Path | None = None

@@ -2,8 +2,8 @@
 worker`` (Celery worker) share, in one place: their flags and ``TREADLE_*``
 variables, their ranges, and the ``EngineConfig`` they become.
 
-``ServerConfig`` and ``WorkerConfig`` both carry these as plain fields (named
-as in ``ENGINE_FIELDS``); each reads them with ``engine_settings(args)``, checks
+``ServerConfig`` and ``WorkerConfig`` both extend ``EngineOptions`` (the fields
+named in ``ENGINE_FIELDS``); each reads them with ``engine_settings(args)``, checks
 them with ``check_engine_settings`` and builds its engine with
 ``engine_config``.
 """
@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from treadle.errors import FailedPreconditionError, InvalidArgumentError
+from treadle.workers.engine_options import ENGINE_FIELDS, EngineOptions
 from treadle.workers.sampler_backends import SAMPLERS, check_available
 from treadle.workers.thread_choice import POLICIES
 from treadle.workers.vllm_settings import VllmSettings
@@ -26,27 +27,6 @@ if TYPE_CHECKING:
 
 DTYPES = ("float32", "float64", "bfloat16")
 TRAINING_THREADS = POLICIES  # how training passes pick their torch threads
-
-#: the fields both configs carry (the same names as ``EngineConfig``'s)
-ENGINE_FIELDS = (
-    "device",
-    "default_dtype",
-    "threads",
-    "sampler",
-    "sampler_threads",
-    "sampler_options",
-    "training_threads",
-    "gap_timeout_s",
-    "keep_versions",
-    "sampler_slots",
-    "kv_cache_memory_fraction",
-    "sampler_max_len",
-    "max_tokens_per_call",
-    "auto_checkpoint_steps",
-    "max_quantum_tokens",
-    "activation_checkpointing",
-    "train_memory_limit_bytes",
-)
 
 
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
@@ -267,7 +247,7 @@ def _sampler_options(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def check_engine_settings(config: Any) -> None:
+def check_engine_settings(config: EngineOptions) -> None:
     """INVALID_ARGUMENT naming the first engine field of ``config`` out of range."""
     if config.default_dtype not in DTYPES:
         raise InvalidArgumentError(f"dtype: {config.default_dtype!r}; choose from {DTYPES}")
@@ -301,7 +281,7 @@ def check_engine_settings(config: Any) -> None:
             raise InvalidArgumentError(f"{name}: out of range ({getattr(config, name)})")
 
 
-def _check_device(config: Any) -> None:
+def _check_device(config: EngineOptions) -> None:
     """The device exists here and runs the dtype; CPU-only modes stay on the CPU.
     Probes CUDA (imports torch) only when a CUDA device is named."""
     if config.device == "cpu":
@@ -318,7 +298,7 @@ def _check_device(config: Any) -> None:
 
 
 def engine_config(
-    config: Any, models: Mapping[str, Path], auto_checkpoint_root: str | Path | None
+    config: EngineOptions, models: Mapping[str, Path], auto_checkpoint_root: str | Path | None
 ) -> EngineConfig:
     """The ``EngineConfig`` of a server's or worker's config."""
     from treadle.workers.engine import EngineConfig  # torch: only where an engine is made

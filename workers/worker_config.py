@@ -8,7 +8,6 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from treadle.errors import InvalidArgumentError
 from treadle.workers.engine_flags import (
@@ -19,11 +18,12 @@ from treadle.workers.engine_flags import (
     engine_settings,
     models_from_args,
 )
+from treadle.workers.engine_options import EngineOptions
 from treadle.workers.logs import add_observe_flags, metrics_port_of
 
 
 @dataclass(frozen=True)
-class WorkerConfig:
+class WorkerConfig(EngineOptions):
     models: Mapping[str, Path] = field(default_factory=dict)  # base model name -> HF directory
     broker: str = ""
     database_url: str = ""
@@ -36,26 +36,6 @@ class WorkerConfig:
     #: on SIGTERM, serve this long at most while servers move the models off (0: stop
     #: at once, and the models still here are lost)
     drain_timeout_s: float = 60.0
-    threads: int = 0  # torch threads of the engine; 0 = torch's default
-    #: the sampler backend: torch | torch-thread | torch-process | vllm (``--sampler``)
-    sampler: str = "torch"
-    sampler_threads: int = 0  # torch threads of the sampler's thread or process; 0 = threads
-    #: backend-specific settings (``--vllm-*`` for vllm)
-    sampler_options: Mapping[str, Any] = field(default_factory=dict)
-    training_threads: str = "measure"  # forward passes: "measure" | "all" | "one"
-    max_quantum_tokens: int = 0  # a tenant's tokens a scheduling round at most; 0 = no cap
-    #: where the engine's tensors live: "cpu" or "cuda:N" (the flag's "auto" resolved)
-    device: str = "cpu"
-    default_dtype: str = "float32"
-    gap_timeout_s: float = 60.0
-    keep_versions: int = 4
-    sampler_slots: int = 0  # as ServerConfig's
-    kv_cache_memory_fraction: float = 0.0  # as ServerConfig's
-    sampler_max_len: int = 1024
-    max_tokens_per_call: int = 262_144
-    activation_checkpointing: bool = False  # as ServerConfig's
-    train_memory_limit_bytes: int = 0  # as ServerConfig's
-    auto_checkpoint_steps: int = 0
     #: Prometheus metrics on http://metrics_host:metrics_port/metrics (None: off; 0: any port)
     metrics_port: int | None = None
     metrics_host: str = "127.0.0.1"
