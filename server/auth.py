@@ -33,6 +33,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from treadle.errors import InvalidArgumentError, UnauthenticatedError
 from treadle.server.call_record import note_tenant
 from treadle.server.db import queries, tenancy
+from treadle.server.interceptor_base import WrappingInterceptor
 
 log = logging.getLogger("treadle.server")
 
@@ -148,33 +149,22 @@ class Authenticator:
         return self.authenticate(metadata)
 
 
-class AuthInterceptor(grpc.aio.ServerInterceptor):
+class AuthInterceptor(WrappingInterceptor):
     """Authenticates every RPC but the open ones, before the handler runs.
 
     Listed after ``ErrorInterceptor``, so UNAUTHENTICATED is answered by the one
     place that maps errors to status codes.
     """
 
+    open_prefixes = OPEN_METHOD_PREFIXES
+    client_streams = True
+
     def __init__(self, auth: Authenticator) -> None:
         self.auth = auth
 
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
-        handler = await continuation(handler_call_details)
-        if handler is None or handler_call_details.method.startswith(OPEN_METHOD_PREFIXES):
-            return handler
-        if handler.unary_unary is not None:
-            return handler._replace(unary_unary=self._unary(handler.unary_unary))
-        if handler.stream_unary is not None:
-            return handler._replace(stream_unary=self._unary(handler.stream_unary))
-        if handler.unary_stream is not None:
-            return handler._replace(unary_stream=self._stream(handler.unary_stream))
-        return handler._replace(stream_stream=self._stream(handler.stream_stream))
-
-    def _unary(self, behavior: Callable[..., Any]) -> Callable[..., Awaitable[Any]]:
+    def wrap_unary(
+        self, behavior: Callable[..., Any], method: str
+    ) -> Callable[..., Awaitable[Any]]:
         async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> Any:
             token = _current_tenant.set(self.auth.authenticate(context.invocation_metadata()))
             note_tenant(_current_tenant.get() or "")
@@ -185,7 +175,9 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
 
         return wrapped
 
-    def _stream(self, behavior: Callable[..., AsyncIterator[Any]]) -> Callable[..., Any]:
+    def wrap_stream(
+        self, behavior: Callable[..., AsyncIterator[Any]], method: str
+    ) -> Callable[..., AsyncIterator[Any]]:
         async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
             token = _current_tenant.set(self.auth.authenticate(context.invocation_metadata()))
             note_tenant(_current_tenant.get() or "")

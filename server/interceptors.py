@@ -22,6 +22,7 @@ from treadle.server.call_record import (
     set_current_call,
 )
 from treadle.server.db.outage import database_outage
+from treadle.server.interceptor_base import WrappingInterceptor
 from treadle.server.metrics import ServerMetrics, rpc_name
 from treadle.workers.logs import request_context
 
@@ -55,7 +56,7 @@ async def _abort_unexpected(
     await context.abort(grpc.StatusCode.INTERNAL, f"{type(err).__name__}: {err}", stamp)
 
 
-class ErrorInterceptor(grpc.aio.ServerInterceptor):
+class ErrorInterceptor(WrappingInterceptor):
     """Maps ``TreadleError`` to its status (with a retry delay in the trailers for
     RESOURCE_EXHAUSTED, and the kind and details of an error that shares its code
     with another); a lost database connection is UNAVAILABLE; any other exception
@@ -65,24 +66,15 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
     def __init__(self, instance: str = "") -> None:
         self.instance = instance
 
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
-        handler = await continuation(handler_call_details)
-        if handler is None:
-            return handler
-        method = handler_call_details.method
-        if handler.unary_unary is not None:
-            return handler._replace(
-                unary_unary=_wrap_unary(handler.unary_unary, method, self.instance)
-            )
-        if handler.unary_stream is not None:
-            return handler._replace(
-                unary_stream=_wrap_stream(handler.unary_stream, method, self.instance)
-            )
-        return handler
+    def wrap_unary(
+        self, behavior: Callable[..., Any], method: str
+    ) -> Callable[..., Awaitable[Any]]:
+        return _wrap_unary(behavior, method, self.instance)
+
+    def wrap_stream(
+        self, behavior: Callable[..., AsyncIterator[Any]], method: str
+    ) -> Callable[..., AsyncIterator[Any]]:
+        return _wrap_stream(behavior, method, self.instance)
 
 
 def _wrap_unary(
@@ -202,7 +194,7 @@ class DecodeInterceptor(grpc.aio.ServerInterceptor):
         return handler
 
 
-class ObserveInterceptor(grpc.aio.ServerInterceptor):
+class ObserveInterceptor(WrappingInterceptor):
     """Outermost: each call's request id (the SDK's, or a new one) set for every
     log line written while it is answered, one access line at INFO when it ends
     (method, status, tenant, milliseconds), and, with ``metrics``, its count and
@@ -210,21 +202,6 @@ class ObserveInterceptor(grpc.aio.ServerInterceptor):
 
     def __init__(self, metrics: ServerMetrics | None = None) -> None:
         self.metrics = metrics
-
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
-        handler = await continuation(handler_call_details)
-        if handler is None:
-            return handler
-        rpc = rpc_name(handler_call_details.method)
-        if handler.unary_unary is not None:
-            return handler._replace(unary_unary=self._unary(handler.unary_unary, rpc))
-        if handler.unary_stream is not None:
-            return handler._replace(unary_stream=self._stream(handler.unary_stream, rpc))
-        return handler
 
     def _begin(self, rpc: str, context: grpc.aio.ServicerContext) -> CallRecord:
         request_id = ""
@@ -258,7 +235,11 @@ class ObserveInterceptor(grpc.aio.ServerInterceptor):
             },
         )
 
-    def _unary(self, behavior: Callable[..., Any], rpc: str) -> Callable[..., Awaitable[Any]]:
+    def wrap_unary(
+        self, behavior: Callable[..., Any], method: str
+    ) -> Callable[..., Awaitable[Any]]:
+        rpc = rpc_name(method)
+
         async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> Any:
             record = self._begin(rpc, context)
             token = set_current_call(record)
@@ -275,9 +256,11 @@ class ObserveInterceptor(grpc.aio.ServerInterceptor):
 
         return wrapped
 
-    def _stream(
-        self, behavior: Callable[..., AsyncIterator[Any]], rpc: str
+    def wrap_stream(
+        self, behavior: Callable[..., AsyncIterator[Any]], method: str
     ) -> Callable[..., AsyncIterator[Any]]:
+        rpc = rpc_name(method)
+
         async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
             record = self._begin(rpc, context)
             token = set_current_call(record)
