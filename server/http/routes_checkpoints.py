@@ -10,7 +10,7 @@ caller's own models); only its owner can delete, unpublish or set its TTL.
 from __future__ import annotations
 
 import asyncio
-import datetime as dt
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Depends, Request
@@ -24,20 +24,16 @@ from treadle.server.service.types import CheckpointInfo
 router = api_router()
 
 
-def _time(seconds: float) -> str:
-    return dt.datetime.fromtimestamp(seconds, dt.timezone.utc).isoformat()
-
-
 def checkpoint_json(st: HttpState, c: CheckpointInfo, model_id: str = "") -> dict[str, Any]:
     """A treadle checkpoint as the SDK's ``Checkpoint`` (under the id the caller uses)."""
     return {
         "checkpoint_id": f"weights/{c.name}",
         "checkpoint_type": "training",
-        "time": _time(c.created_at),
+        "time": wire.iso_time(c.created_at),
         "tinker_path": st.names.weights_path(model_id or c.model_id, c.name),
         "size_bytes": c.size_bytes,
         "public": c.public,
-        "expires_at": _time(c.expires_at) if c.expires_at is not None else None,
+        "expires_at": wire.iso_time(c.expires_at) if c.expires_at is not None else None,
     }
 
 
@@ -45,12 +41,28 @@ def _uri(st: HttpState, tenant_id: str, model_id: str, kind: str, name: str) -> 
     return st.names.state_uri(tenant_id, f"tinker://{model_id}/{kind}/{name}")
 
 
+@dataclass(frozen=True)
+class CheckpointRef:
+    """The checkpoint a ``.../checkpoints/{kind}/{name}...`` route names, resolved
+    for the calling tenant (a route dependency: ``Depends(checkpoint_ref)``)."""
+
+    tenant_id: str
+    uri: str
+    st: HttpState
+
+
+async def checkpoint_ref(
+    model_id: str,
+    kind: str,
+    name: str,
+    tenant_id: str = Depends(tenant),
+    st: HttpState = Depends(state),
+) -> CheckpointRef:
+    return CheckpointRef(tenant_id, _uri(st, tenant_id, model_id, kind, name), st)
+
+
 def _page(request: Request) -> tuple[int, int]:
-    try:
-        limit = int(request.query_params.get("limit", 100))
-        offset = int(request.query_params.get("offset", 0))
-    except ValueError as err:
-        raise InvalidArgumentError(f"limit, offset: integers ({err})") from err
+    limit, offset = wire.page(request.query_params, 100)
     if limit < 1 or offset < 0:
         raise InvalidArgumentError(
             f"limit, offset: limit >= 1, offset >= 0 (got {limit}, {offset})"
@@ -107,26 +119,14 @@ async def set_checkpoint_ttl(
 
 
 @router.post("/training_runs/{model_id}/checkpoints/{kind}/{name}/publish")
-async def publish_checkpoint(
-    model_id: str,
-    kind: str,
-    name: str,
-    tenant_id: str = Depends(tenant),
-    st: HttpState = Depends(state),
-) -> dict[str, Any]:
-    st.service.checkpoints.set_public(tenant_id, _uri(st, tenant_id, model_id, kind, name), True)
+async def publish_checkpoint(ref: CheckpointRef = Depends(checkpoint_ref)) -> dict[str, Any]:
+    ref.st.service.checkpoints.set_public(ref.tenant_id, ref.uri, True)
     return {}
 
 
 @router.delete("/training_runs/{model_id}/checkpoints/{kind}/{name}/publish")
-async def unpublish_checkpoint(
-    model_id: str,
-    kind: str,
-    name: str,
-    tenant_id: str = Depends(tenant),
-    st: HttpState = Depends(state),
-) -> dict[str, Any]:
-    st.service.checkpoints.set_public(tenant_id, _uri(st, tenant_id, model_id, kind, name), False)
+async def unpublish_checkpoint(ref: CheckpointRef = Depends(checkpoint_ref)) -> dict[str, Any]:
+    ref.st.service.checkpoints.set_public(ref.tenant_id, ref.uri, False)
     return {}
 
 

@@ -8,7 +8,6 @@ from typing import Any
 
 from fastapi import Depends, Request
 
-from treadle.errors import InvalidArgumentError
 from treadle.server.http import wire
 from treadle.server.http.auth import tenant
 from treadle.server.http.errors import GoneError
@@ -90,11 +89,7 @@ async def session_heartbeat(
 async def list_sessions(
     request: Request, tenant_id: str = Depends(tenant), st: HttpState = Depends(state)
 ) -> dict[str, Any]:
-    try:
-        limit = int(request.query_params.get("limit", 20))
-        offset = int(request.query_params.get("offset", 0))
-    except ValueError as err:
-        raise InvalidArgumentError(f"limit, offset: integers ({err})") from err
+    limit, offset = wire.page(request.query_params, 20)
     ids = st.service.sessions.list_ids(tenant_id)
     return {"sessions": ids[offset : offset + limit]}
 

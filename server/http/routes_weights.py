@@ -4,23 +4,17 @@ ids answer 404."""
 
 from __future__ import annotations
 
-import datetime as dt
 from typing import Any
 
 from fastapi import Depends, Request
 
-from treadle.errors import InvalidArgumentError
 from treadle.server.http import wire
 from treadle.server.http.auth import tenant
-from treadle.server.http.routes_checkpoints import checkpoint_json
+from treadle.server.http.routes_checkpoints import CheckpointRef, checkpoint_json, checkpoint_ref
 from treadle.server.http.state import HttpState, api_router, state
 from treadle.server.service.types import ModelInfo
 
 router = api_router()
-
-
-def _time(seconds: float) -> str:
-    return dt.datetime.fromtimestamp(seconds, dt.timezone.utc).isoformat()
 
 
 def _run(info: ModelInfo, tenant_id: str) -> dict[str, Any]:
@@ -31,7 +25,7 @@ def _run(info: ModelInfo, tenant_id: str) -> dict[str, Any]:
         "is_lora": info.is_lora,
         "corrupted": info.status == "lost",
         "lora_rank": info.lora_rank if info.is_lora else None,
-        "last_request_time": _time(info.created_at),
+        "last_request_time": wire.iso_time(info.created_at),
     }
 
 
@@ -39,11 +33,7 @@ def _run(info: ModelInfo, tenant_id: str) -> dict[str, Any]:
 async def list_training_runs(
     request: Request, tenant_id: str = Depends(tenant), st: HttpState = Depends(state)
 ) -> dict[str, Any]:
-    try:
-        limit = int(request.query_params.get("limit", 20))
-        offset = int(request.query_params.get("offset", 0))
-    except ValueError as err:
-        raise InvalidArgumentError(f"limit, offset: integers ({err})") from err
+    limit, offset = wire.page(request.query_params, 20)
     runs = st.service.models.list(tenant_id)
     page = runs[offset : offset + limit]
     return {
@@ -72,15 +62,8 @@ async def list_checkpoints(
 
 
 @router.delete("/training_runs/{model_id}/checkpoints/{kind}/{name}")
-async def delete_checkpoint(
-    model_id: str,
-    kind: str,
-    name: str,
-    tenant_id: str = Depends(tenant),
-    st: HttpState = Depends(state),
-) -> dict[str, Any]:
-    path = f"tinker://{model_id}/{kind}/{name}"
-    st.service.checkpoints.delete(tenant_id, st.names.state_uri(tenant_id, path))
+async def delete_checkpoint(ref: CheckpointRef = Depends(checkpoint_ref)) -> dict[str, Any]:
+    ref.st.service.checkpoints.delete(ref.tenant_id, ref.uri)
     return {}
 
 

@@ -8,6 +8,7 @@ in the SDK's own spelling (``data[2].loss_fn_inputs.weights``).
 
 from __future__ import annotations
 
+import datetime as dt
 import hashlib
 import json
 import math
@@ -90,6 +91,21 @@ def field(
             f"{name}: expected {getattr(kind, '__name__', kind)}, got {type(value).__name__}"
         )
     return value
+
+
+def page(query: Mapping[str, str], default_limit: int) -> tuple[int, int]:
+    """A listing's ``limit`` and ``offset`` query parameters (INVALID_ARGUMENT unless integers)."""
+    try:
+        limit = int(query.get("limit", default_limit))
+        offset = int(query.get("offset", 0))
+    except ValueError as err:
+        raise InvalidArgumentError(f"limit, offset: integers ({err})") from err
+    return limit, offset
+
+
+def iso_time(seconds: float) -> str:
+    """A Unix time as the SDK reads times (ISO 8601, UTC)."""
+    return dt.datetime.fromtimestamp(seconds, dt.timezone.utc).isoformat()
 
 
 def digest(payload: bytes | Mapping[str, Any]) -> str:

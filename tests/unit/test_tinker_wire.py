@@ -172,3 +172,14 @@ def test_asample_reads_the_prompt_logprob_options() -> None:
 def test_bad_prompt_logprob_options_name_the_field(extra: dict[str, object], field: str) -> None:
     with pytest.raises(InvalidArgumentError, match=f"{field}:"):
         wire.sample_op(_sample_body(**extra))
+
+
+def test_listing_pages_read_limit_and_offset_with_a_default_limit() -> None:
+    assert wire.page({}, 20) == (20, 0)
+    assert wire.page({"limit": "5", "offset": "10"}, 100) == (5, 10)
+    with pytest.raises(InvalidArgumentError, match="limit, offset: integers"):
+        wire.page({"limit": "many"}, 20)
+
+
+def test_times_reach_the_sdk_as_iso_8601_utc() -> None:
+    assert wire.iso_time(86400.5) == "1970-01-02T00:00:00.500000+00:00"
