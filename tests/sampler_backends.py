@@ -56,3 +56,12 @@ BACKENDS: tuple[BackendCase, ...] = (
         scores_prompt=False,
     ),
 )
+
+
+def vllm_imports() -> bool:
+    """vLLM imports here (any failure to import counts as no)."""
+    try:
+        importlib.import_module("vllm")
+    except Exception:
+        return False
+    return True

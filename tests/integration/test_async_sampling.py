@@ -9,7 +9,7 @@ import time
 import pytest
 
 import treadle
-from tests.helpers import next_token_datum
+from tests.helpers import next_token_datum, tenant_key
 from treadle.server.embedded import EmbeddedServer
 
 BASE = "tiny"
@@ -191,8 +191,6 @@ def test_a_resumed_partial_rollout_continues_the_same_sequence(
 def test_a_handle_of_another_model_or_tenant_is_not_found(
     server: EmbeddedServer, service: treadle.ServiceClient, tok: treadle.Tokenizer
 ) -> None:
-    from treadle.server.auth import generate_key, hash_key
-    from treadle.server.db import queries
 
     tc = service.create_lora_training_client(BASE, rank=4, seed=8)
     mine = service.create_sampling_client(weights=f"treadle://{tc.model_id}/latest")
@@ -205,12 +203,7 @@ def test_a_handle_of_another_model_or_tenant_is_not_found(
     for sampler in (theirs, base):
         with pytest.raises(treadle.NotFoundError, match="resume handle"):
             sampler.resume([handle], params).result(timeout=30)
-    assert server.ctx is not None
-    key = generate_key()
-    with server.ctx.sessions() as s:
-        tenant = queries.ensure_tenant(s, "intruder")
-        queries.create_api_key(s, tenant.id, hash_key(key), key[:12])
-        s.commit()
+    key = tenant_key(server, "intruder")
     intruder = treadle.ServiceClient(server.address, api_key=key)
     try:
         # the intruder cannot even name our sampler; with its own base sampler the

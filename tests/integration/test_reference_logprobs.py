@@ -17,10 +17,9 @@ import pytest
 
 import treadle
 from tests.conftest import make_server
+from tests.helpers import tenant_key
 from treadle.errors import InvalidArgumentError, NotFoundError
 from treadle.rl.kl import kl_k3
-from treadle.server.auth import generate_key, hash_key
-from treadle.server.db import queries
 from treadle.server.embedded import EmbeddedServer
 
 TEXTS = ("3+4=7", "9+9=18", "5+0=5", "2+7=9")
@@ -41,13 +40,7 @@ def client(srv: EmbeddedServer) -> Iterator[treadle.ServiceClient]:
 
 
 def _other_tenant(srv: EmbeddedServer) -> str:
-    assert srv.ctx is not None
-    key = generate_key()
-    with srv.ctx.sessions() as s:
-        tenant = queries.ensure_tenant(s, "mallory")
-        queries.create_api_key(s, tenant.id, hash_key(key), key[:12])
-        s.commit()
-    return key
+    return tenant_key(srv, "mallory")
 
 
 def _data(client: treadle.ServiceClient) -> list[treadle.Datum]:

@@ -1,11 +1,36 @@
-"""Ordered calls the engine-level sampler suites share (one definition each)."""
+"""The engines, models and ordered calls the engine-level sampler suites share (one
+definition each)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
 import numpy as np
 
-from treadle.workers.domain import AdamConfig, DatumData, ForwardBackwardOp, OptimStepOp
-from treadle.workers.engine import Engine
+from treadle.workers.domain import (
+    AdamConfig,
+    DatumData,
+    ForwardBackwardOp,
+    ModelSpec,
+    OptimStepOp,
+)
+from treadle.workers.engine import Engine, EngineConfig
+
+
+def tiny_config(model_dir: Path, **overrides: Any) -> EngineConfig:
+    """An engine on the tiny base model: 8 sampler slots, one torch thread."""
+    return EngineConfig(base_models={"tiny": model_dir}, sampler_slots=8, threads=1, **overrides)
+
+
+def tiny_engine(model_dir: Path, sampler: str = "torch", **overrides: Any) -> Engine:
+    """``tiny_config``'s engine with the sampler backend ``sampler``, started."""
+    return Engine(tiny_config(model_dir, sampler=sampler, **overrides)).start()
+
+
+def create_lora(engine: Engine, model_id: str, rank: int = 4) -> None:
+    """A model of the tiny base (LoRA rank ``rank``; 0 = a full fine-tune), seed 3."""
+    engine.create_model(ModelSpec(model_id, "t", "tiny", rank, 8.0, 3, "float32")).result(30)
 
 
 def train_step(engine: Engine, model_id: str, seq_id: int) -> int:

@@ -17,7 +17,7 @@ from tests.unit.engine_ops import random_datum
 from treadle.errors import InternalError, InvalidArgumentError
 from treadle.workers import batching, trainer
 from treadle.workers import ordered_executor as engine_mod
-from treadle.workers.base_models import BaseModel, BaseModelRegistry
+from treadle.workers.base_models import BaseModel
 from treadle.workers.batching import BatchCall, run_batch
 from treadle.workers.domain import (
     AdamConfig,
@@ -35,11 +35,6 @@ from treadle.workers.trainer import TrainingModel
 
 torch.set_num_threads(1)
 TOL = 1e-5
-
-
-@pytest.fixture(scope="module")
-def base(tiny_model_dir: Path) -> BaseModel:
-    return BaseModelRegistry({"tiny": tiny_model_dir}).get("tiny", torch.float32)
 
 
 def _model(base: BaseModel, i: int, rank: int = 4) -> TrainingModel:

@@ -6,14 +6,13 @@ answers RESOURCE_EXHAUSTED. A tiny model built on the spot."""
 from __future__ import annotations
 
 from concurrent.futures import Future
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
 from treadle.errors import InvalidArgumentError, ResourceExhaustedError
-from treadle.workers.base_models import BaseModel, BaseModelRegistry
+from treadle.workers.base_models import BaseModel
 from treadle.workers.domain import (
     AdamConfig,
     DatumData,
@@ -31,16 +30,6 @@ from treadle.workers.versions import WeightSnapshot
 
 torch.set_num_threads(1)  # a tiny model on 2 shared cores: one thread is fastest
 EOS = 2
-
-
-@pytest.fixture(scope="module")
-def base(tiny_model_dir: Path) -> BaseModel:
-    return BaseModelRegistry({"tiny": tiny_model_dir}).get("tiny", torch.float32)
-
-
-@pytest.fixture(scope="module")
-def snap(base: BaseModel) -> WeightSnapshot:
-    return WeightSnapshot(None, 0, base.params, None)
 
 
 def _trained(base: BaseModel, model_id: str, seed: int) -> TrainingModel:
@@ -104,23 +93,25 @@ def _assert_same(a: SampleResult, b: SampleResult) -> None:
 
 
 def test_continuous_batching_equals_sequential_sampling(
-    base: BaseModel, snap: WeightSnapshot
+    base: BaseModel, base_snap: WeightSnapshot
 ) -> None:
     """More requests than slots, chunked prefill, few staging slots: same tokens."""
     ops = _ops(14)
     limits = SamplerLimits(num_slots=6, max_len=64, prefill_slots=2, max_prefill_tokens=16)
-    batched = _run(TorchSampler(base, limits=limits), [(op, snap) for op in ops])
+    batched = _run(TorchSampler(base, limits=limits), [(op, base_snap) for op in ops])
     for op, got in zip(ops, batched, strict=True):
-        _assert_same(got, _alone(base, op, snap))
+        _assert_same(got, _alone(base, op, base_snap))
 
 
-def test_multi_lora_rows_equal_single_adapter_runs(base: BaseModel, snap: WeightSnapshot) -> None:
+def test_multi_lora_rows_equal_single_adapter_runs(
+    base: BaseModel, base_snap: WeightSnapshot
+) -> None:
     """One decode batch mixing two adapters, two versions of one, and the base."""
     m1, m2 = _trained(base, "a", 1), _trained(base, "b", 2)
     v_old = m1.snapshot()
     m1.adapter.b[0]["q_proj"].data.add_(0.05)  # type: ignore[union-attr]
     m1.version += 1
-    snaps = [snap, m1.snapshot(), v_old, m2.snapshot()]
+    snaps = [base_snap, m1.snapshot(), v_old, m2.snapshot()]
     ops = _ops(8, seed=3)
     work = [(op, snaps[i % len(snaps)]) for i, op in enumerate(ops)]
     batched = _run(TorchSampler(base, limits=SamplerLimits(num_slots=16, max_len=64)), work)
@@ -128,13 +119,15 @@ def test_multi_lora_rows_equal_single_adapter_runs(base: BaseModel, snap: Weight
         _assert_same(got, _alone(base, op, s))
 
 
-def test_full_finetune_rows_decode_beside_lora_rows(base: BaseModel, snap: WeightSnapshot) -> None:
+def test_full_finetune_rows_decode_beside_lora_rows(
+    base: BaseModel, base_snap: WeightSnapshot
+) -> None:
     """Rows of different base weights decode as separate groups (gathered slots)."""
     spec = ModelSpec("full", "t", "tiny", 0, 0.0, 0, "float32")
     full = TrainingModel(spec, base)
     with torch.no_grad():
         full.params.layers[0].q_proj.add_(0.05)
-    work = [(op, [snap, full.snapshot()][i % 2]) for i, op in enumerate(_ops(6, seed=5))]
+    work = [(op, [base_snap, full.snapshot()][i % 2]) for i, op in enumerate(_ops(6, seed=5))]
     batched = _run(TorchSampler(base, limits=SamplerLimits(num_slots=8, max_len=64)), work)
     for (op, s), got in zip(work, batched, strict=True):
         _assert_same(got, _alone(base, op, s))
@@ -157,7 +150,7 @@ def test_sampled_logprobs_agree_with_forward_logprobs(base: BaseModel) -> None:
 
 
 def test_rows_that_stop_early_free_their_slot_at_once(
-    base: BaseModel, snap: WeightSnapshot
+    base: BaseModel, base_snap: WeightSnapshot
 ) -> None:
     sampler = TorchSampler(base, limits=SamplerLimits(num_slots=3, max_len=64))
     short = SampleOp(np.arange(3, 9), 2, SamplingConfig(max_tokens=3, seed=1, ignore_eos=True))
@@ -166,7 +159,7 @@ def test_rows_that_stop_early_free_their_slot_at_once(
     futures = []
     for o in (short, long, waiting):
         fut: Future[SampleResult] = Future()
-        sampler.submit(o, snap, fut)
+        sampler.submit(o, base_snap, fut)
         futures.append(fut)
     sampler.step()  # short (2 rows) and long (1 row) fill the 3 slots; waiting queues
     assert len(sampler.running) == 3 and len(sampler.queue) == 1
@@ -186,7 +179,7 @@ def test_rows_that_stop_early_free_their_slot_at_once(
 
 
 def test_prefix_reuse_gives_identical_tokens_and_logprobs(
-    base: BaseModel, snap: WeightSnapshot
+    base: BaseModel, base_snap: WeightSnapshot
 ) -> None:
     rng = np.random.default_rng(7)
     system = rng.integers(3, 90, size=40)
@@ -202,42 +195,42 @@ def test_prefix_reuse_gives_identical_tokens_and_logprobs(
     sampler = TorchSampler(base, limits=SamplerLimits(num_slots=8, max_len=96, prefill_slots=2))
     got = []
     for o in ops:  # one after another: each finds the previous prompt staged
-        got.append(_run(sampler, [(o, snap)])[0])
+        got.append(_run(sampler, [(o, base_snap)])[0])
     assert sampler.stats().prefix_reused_tokens >= 3 * 40 - 1
     for o, g in zip(ops, got, strict=True):
-        _assert_same(g, _alone(base, o, snap))
+        _assert_same(g, _alone(base, o, base_snap))
 
 
 def test_separate_requests_for_one_prompt_share_its_prefill(
-    base: BaseModel, snap: WeightSnapshot
+    base: BaseModel, base_snap: WeightSnapshot
 ) -> None:
     """G samples sent as G requests at once: one prefill, the others copy it."""
     prompt = np.arange(3, 43)
     ops = [SampleOp(prompt, 1, SamplingConfig(max_tokens=6, seed=s)) for s in range(5)]
     sampler = TorchSampler(base, limits=SamplerLimits(num_slots=8, max_len=64, prefill_slots=4))
-    got = _run(sampler, [(o, snap) for o in ops])
+    got = _run(sampler, [(o, base_snap) for o in ops])
     assert sampler.stats().prompt_tokens == prompt.size + 4  # the last token, 4 times
     assert sampler.stats().prefix_reused_tokens == 4 * (prompt.size - 1)
     for o, g in zip(ops, got, strict=True):
-        _assert_same(g, _alone(base, o, snap))
+        _assert_same(g, _alone(base, o, base_snap))
 
 
-def test_prefix_cache_is_keyed_by_weights(base: BaseModel, snap: WeightSnapshot) -> None:
+def test_prefix_cache_is_keyed_by_weights(base: BaseModel, base_snap: WeightSnapshot) -> None:
     model = _trained(base, "pk", 5)
     prompt = np.arange(3, 43)
     op = SampleOp(prompt, 1, SamplingConfig(max_tokens=8, seed=3))
     sampler = TorchSampler(base, limits=SamplerLimits(num_slots=4, max_len=64))
-    _run(sampler, [(op, snap)])
+    _run(sampler, [(op, base_snap)])
     assert sampler.stats().prefix_reused_tokens == 0
     lora = _run(sampler, [(op, model.snapshot())])[0]
     assert sampler.stats().prefix_reused_tokens == 0  # other weights: no reuse
     _assert_same(lora, _alone(base, op, model.snapshot()))
-    _run(sampler, [(op, snap)])
+    _run(sampler, [(op, base_snap)])
     assert sampler.stats().prefix_reused_tokens == prompt.size - 1
 
 
 def test_a_long_prompt_prefills_in_chunks_while_rows_decode(
-    base: BaseModel, snap: WeightSnapshot
+    base: BaseModel, base_snap: WeightSnapshot
 ) -> None:
     limits = SamplerLimits(num_slots=4, max_len=128, max_prefill_tokens=16)
     sampler = TorchSampler(base, limits=limits)
@@ -245,9 +238,9 @@ def test_a_long_prompt_prefills_in_chunks_while_rows_decode(
     long = SampleOp(np.arange(3, 83), 1, SamplingConfig(max_tokens=4, seed=2))
     fut_a: Future[SampleResult] = Future()
     fut_b: Future[SampleResult] = Future()
-    sampler.submit(running, snap, fut_a)
+    sampler.submit(running, base_snap, fut_a)
     sampler.step()
-    sampler.submit(long, snap, fut_b)
+    sampler.submit(long, base_snap, fut_b)
     before = sampler.tokens_generated
     steps = 0
     while sampler.prefilling or sampler.queue:
@@ -257,27 +250,29 @@ def test_a_long_prompt_prefills_in_chunks_while_rows_decode(
     assert sampler.tokens_generated - before >= 5  # the running row kept decoding
     while sampler.has_work():
         sampler.step()
-    _assert_same(fut_b.result(), _alone(base, long, snap))
-    _assert_same(fut_a.result(), _alone(base, running, snap))
+    _assert_same(fut_b.result(), _alone(base, long, base_snap))
+    _assert_same(fut_a.result(), _alone(base, running, base_snap))
 
 
-def test_a_full_queue_answers_resource_exhausted(base: BaseModel, snap: WeightSnapshot) -> None:
+def test_a_full_queue_answers_resource_exhausted(
+    base: BaseModel, base_snap: WeightSnapshot
+) -> None:
     sampler = TorchSampler(base, limits=SamplerLimits(num_slots=2, max_len=32, max_queued=3))
     op = SampleOp(np.arange(3, 8), 2, SamplingConfig(max_tokens=4, seed=0))
     futures = []
     for _ in range(3):
         fut: Future[SampleResult] = Future()
-        sampler.submit(op, snap, fut)
+        sampler.submit(op, base_snap, fut)
         futures.append(fut)
     with pytest.raises(ResourceExhaustedError, match="queued"):
-        sampler.submit(op, snap, Future())
+        sampler.submit(op, base_snap, Future())
     while sampler.has_work():  # the queued ones still complete, one group at a time
         sampler.step()
     assert all(len(f.result().sequences) == 2 for f in futures)
 
 
 def test_ignore_eos_runs_every_sequence_to_max_tokens(
-    base: BaseModel, snap: WeightSnapshot
+    base: BaseModel, base_snap: WeightSnapshot
 ) -> None:
     # A biased sampler would stop early on EOS; ignore_eos must not.
     ops = [
@@ -285,7 +280,8 @@ def test_ignore_eos_runs_every_sequence_to_max_tokens(
         for s in range(3)
     ]
     results = _run(
-        TorchSampler(base, limits=SamplerLimits(num_slots=16, max_len=64)), [(o, snap) for o in ops]
+        TorchSampler(base, limits=SamplerLimits(num_slots=16, max_len=64)),
+        [(o, base_snap) for o in ops],
     )
     for r in results:
         assert all(len(s.tokens) == 25 and s.stop_reason == "length" for s in r.sequences)
@@ -339,10 +335,10 @@ def test_inverse_cdf_sampling_matches_the_distribution() -> None:
     ],
 )
 def test_bad_input_is_invalid_argument_naming_the_field(
-    base: BaseModel, snap: WeightSnapshot, params: dict, prompt_len: int, field: str
+    base: BaseModel, base_snap: WeightSnapshot, params: dict, prompt_len: int, field: str
 ) -> None:
     sampler = TorchSampler(base, limits=SamplerLimits(num_slots=2, max_len=64))
     op = SampleOp(np.arange(3, 3 + prompt_len), 1, SamplingConfig(**params))
     with pytest.raises(InvalidArgumentError, match=rf"^INVALID_ARGUMENT: {field}\b"):
-        sampler.submit(op, snap, Future())
+        sampler.submit(op, base_snap, Future())
     assert not sampler.has_work()

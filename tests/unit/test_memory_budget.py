@@ -11,7 +11,7 @@ import torch
 
 from treadle.errors import ResourceExhaustedError
 from treadle.workers import memory_budget
-from treadle.workers.base_models import BaseModel, BaseModelRegistry
+from treadle.workers.base_models import BaseModel
 from treadle.workers.domain import ModelSpec
 from treadle.workers.engine import Engine, EngineConfig
 from treadle.workers.sampler import TorchSampler
@@ -20,11 +20,6 @@ from treadle.workers.trainer import TrainingModel
 
 torch.set_num_threads(1)
 MAX_LEN = 64
-
-
-@pytest.fixture(scope="module")
-def base(tiny_model_dir: Path) -> BaseModel:
-    return BaseModelRegistry({"tiny": tiny_model_dir}).get("tiny", torch.float32)
 
 
 def reading(monkeypatch: pytest.MonkeyPatch, free: int) -> None:

@@ -23,11 +23,6 @@ METHODS = prepack.methods()
 pytestmark = pytest.mark.skipif(not METHODS, reason="this torch has neither MKL nor oneDNN")
 
 
-@pytest.fixture(scope="module")
-def base(tiny_model_dir: Path) -> BaseModel:
-    return BaseModelRegistry({"tiny": tiny_model_dir}).get("tiny", torch.float32)
-
-
 def _entry(w: torch.Tensor) -> object:
     return getattr(w, "_treadle_packed", None)
 

@@ -5,7 +5,6 @@ same weights at the same temperature; a cached prefix does not leave holes."""
 from __future__ import annotations
 
 from concurrent.futures import Future
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,7 +12,7 @@ import torch
 
 from treadle.errors import InvalidArgumentError
 from treadle.workers import trainer
-from treadle.workers.base_models import BaseModel, BaseModelRegistry
+from treadle.workers.base_models import BaseModel
 from treadle.workers.domain import (
     AdamConfig,
     DatumData,
@@ -31,11 +30,6 @@ from treadle.workers.versions import WeightSnapshot
 
 torch.set_num_threads(1)
 PROMPT = np.array([5 + (7 * i) % 50 for i in range(40)], dtype=np.int64)
-
-
-@pytest.fixture(scope="module")
-def base(tiny_model_dir: Path) -> BaseModel:
-    return BaseModelRegistry({"tiny": tiny_model_dir}).get("tiny", torch.float32)
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from concurrent.futures import Future
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,7 +12,7 @@ import torch
 
 from treadle.errors import InvalidArgumentError
 from treadle.workers import trainer
-from treadle.workers.base_models import BaseModel, BaseModelRegistry
+from treadle.workers.base_models import BaseModel
 from treadle.workers.domain import (
     AdamConfig,
     DatumData,
@@ -36,16 +35,6 @@ EOS = 2
 
 def ids(text: str) -> np.ndarray:
     return np.array([3 + (ord(c) - 32) for c in text], dtype=np.int64)  # char ids
-
-
-@pytest.fixture(scope="module")
-def base(tiny_model_dir: Path) -> BaseModel:
-    return BaseModelRegistry({"tiny": tiny_model_dir}).get("tiny", torch.float32)
-
-
-@pytest.fixture(scope="module")
-def base_snap(base: BaseModel) -> WeightSnapshot:
-    return WeightSnapshot(None, 0, base.params, None)
 
 
 CANDIDATES = ("hello", "abc", "12+3=", "xyz", "The ", "q")

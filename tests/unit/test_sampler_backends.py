@@ -4,11 +4,11 @@ backend that cannot run here refused at start (``workers.sampler_backends``)."""
 from __future__ import annotations
 
 import argparse
-import importlib
 from pathlib import Path
 
 import pytest
 
+from tests.sampler_backends import vllm_imports
 from treadle.errors import FailedPreconditionError, InvalidArgumentError
 from treadle.workers import sampler_backends
 from treadle.workers.engine_flags import add_engine_flags, engine_config, engine_settings
@@ -54,15 +54,7 @@ def test_an_unknown_backend_is_invalid(tmp_path: Path) -> None:
         ServerConfig(data_dir=tmp_path, sampler="tgi")
 
 
-def _vllm_imports() -> bool:
-    try:
-        importlib.import_module("vllm")
-    except Exception:
-        return False
-    return True
-
-
-@pytest.mark.skipif(_vllm_imports(), reason="vllm imports here")
+@pytest.mark.skipif(vllm_imports(), reason="vllm imports here")
 def test_vllm_without_vllm_fails_at_start_naming_the_extras(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

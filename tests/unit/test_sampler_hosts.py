@@ -13,26 +13,18 @@ import numpy as np
 import pytest
 import torch
 
-from tests.unit.engine_ops import train_step
+from tests.unit.engine_ops import create_lora, tiny_engine, train_step
 from treadle.workers.domain import (
-    ModelSpec,
     SampleOp,
     SampleResult,
     SamplerTarget,
     SamplingConfig,
     SyncWeightsOp,
 )
-from treadle.workers.engine import Engine, EngineConfig
+from treadle.workers.engine import Engine
 
 torch.set_num_threads(1)
 pytestmark = pytest.mark.timeout(180)
-
-
-def _engine(model_dir: Path, sampler: str) -> Engine:
-    config = EngineConfig(
-        base_models={"tiny": model_dir}, sampler_slots=8, threads=1, sampler=sampler
-    )
-    return Engine(config).start()
 
 
 def _ops() -> list[SampleOp]:
@@ -51,7 +43,7 @@ def _run(engine: Engine, rank: int) -> list[SampleResult]:
     """Samples of the base and of a pinned version while the model trains, then of
     its latest weights (version 4: trained further, published again)."""
     model_id = f"m{rank}"
-    engine.create_model(ModelSpec(model_id, "t", "tiny", rank, 8.0, 3, "float32")).result(30)
+    create_lora(engine, model_id, rank)
     seq = train_step(engine, model_id, 1)
     engine.submit(model_id, seq, SyncWeightsOp(), "sync").result(30)  # version 1
     targets = [SamplerTarget("tiny"), SamplerTarget("tiny", model_id, version=1)]
@@ -67,7 +59,7 @@ def _run(engine: Engine, rank: int) -> list[SampleResult]:
 @pytest.fixture(scope="module")
 def inline(tiny_model_dir: Path) -> Iterator[dict[int, list[SampleResult]]]:
     """What the sampler on the engine thread samples, for each rank (once)."""
-    engine = _engine(tiny_model_dir, "torch")
+    engine = tiny_engine(tiny_model_dir, "torch")
     try:
         yield {rank: _run(engine, rank) for rank in (4, 0)}
     finally:
@@ -76,7 +68,7 @@ def inline(tiny_model_dir: Path) -> Iterator[dict[int, list[SampleResult]]]:
 
 @pytest.fixture(scope="module", params=["torch-thread", "torch-process"])
 def hosted(request: pytest.FixtureRequest, tiny_model_dir: Path) -> Iterator[Engine]:
-    engine = _engine(tiny_model_dir, request.param)
+    engine = tiny_engine(tiny_model_dir, request.param)
     yield engine
     engine.stop()
 

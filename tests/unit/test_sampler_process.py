@@ -19,18 +19,17 @@ import numpy as np
 import pytest
 import torch
 
-from tests.unit.engine_ops import train_step
+from tests.unit.engine_ops import create_lora, tiny_engine, train_step
 from treadle.errors import InvalidArgumentError, NotFoundError, UnavailableError
 from treadle.workers import sampler_process
 from treadle.workers.domain import (
-    ModelSpec,
     SampleOp,
     SampleResult,
     SamplerTarget,
     SamplingConfig,
     SyncWeightsOp,
 )
-from treadle.workers.engine import Engine, EngineConfig
+from treadle.workers.engine import Engine
 from treadle.workers.sampler_process import ProcessTorchBackend
 from treadle.workers.shm import flatten
 
@@ -45,12 +44,8 @@ PROMPT = np.arange(5, 17)  # 12 tokens
 LONG = CONTEXT - PROMPT.size
 
 
-def _config(model_dir: Path, **overrides: Any) -> EngineConfig:
-    return EngineConfig(base_models={"tiny": model_dir}, sampler_slots=8, threads=1, **overrides)
-
-
 def _start(model_dir: Path, **overrides: Any) -> Engine:
-    return Engine(_config(model_dir, sampler="torch-process", **overrides)).start()
+    return tiny_engine(model_dir, "torch-process", **overrides)
 
 
 def _child(engine: Engine) -> ProcessTorchBackend:
@@ -65,10 +60,6 @@ def engine(tiny_model_dir: Path) -> Iterator[Engine]:
     eng = _start(tiny_model_dir)
     yield eng
     eng.stop()
-
-
-def _model(engine: Engine, model_id: str, rank: int = 4) -> None:
-    engine.create_model(ModelSpec(model_id, "t", "tiny", rank, 8.0, 3, "float32")).result(30)
 
 
 def _running_rows(engine: Engine) -> int:
@@ -117,7 +108,7 @@ def test_the_long_requests_fit(engine: Engine) -> None:
 def test_a_full_fine_tunes_versions_live_in_shared_memory(engine: Engine) -> None:
     """With a sampler process, a full fine-tune's published version is made once,
     in shared memory, and shipped to the child from there."""
-    _model(engine, "shm-full", rank=0)
+    create_lora(engine, "shm-full", rank=0)
     seq = train_step(engine, "shm-full", 1)
     engine.submit("shm-full", seq, SyncWeightsOp(), "sync").result(30)
     snap = engine.versions.get("shm-full", 1)
@@ -150,7 +141,7 @@ def test_version_buffers_are_reused_and_samples_stay_right(
     op = SampleOp(PROMPT, 2, SamplingConfig(max_tokens=32, seed=3, temperature=0.9))
 
     def run(eng: Engine, mid: str) -> list[SampleResult]:
-        _model(eng, mid, rank=0)
+        create_lora(eng, mid, rank=0)
         seq, pinned, latest = 1, [], []
         for v in range(1, 31):  # well past KEEP_SNAPSHOTS (16) and keep_versions (4)
             seq = train_step(eng, mid, seq)
@@ -167,7 +158,7 @@ def test_version_buffers_are_reused_and_samples_stay_right(
             f.result(60)
         return [f.result(60) for f in [*pinned, old]]
 
-    one_thread = Engine(_config(tiny_model_dir)).start()
+    one_thread = tiny_engine(tiny_model_dir)
     try:
         want = run(one_thread, "reuse")
     finally:
@@ -243,7 +234,7 @@ def test_a_dead_child_is_restarted_for_the_next_request(
     monkeypatch.setattr(sampler_process, "RESTART_EVERY_S", 0.0)
     engine = _start(tiny_model_dir)
     try:
-        _model(engine, "r")
+        create_lora(engine, "r")
         seq = train_step(engine, "r", 1)
         engine.submit("r", seq, SyncWeightsOp(), "sync").result(30)  # version 1
         cut = SampleOp(PROMPT, 1, SamplingConfig(max_tokens=20, token_budget=5, seed=3))

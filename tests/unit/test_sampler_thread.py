@@ -13,30 +13,23 @@ import numpy as np
 import pytest
 import torch
 
-from tests.unit.engine_ops import train_step
+from tests.unit.engine_ops import create_lora, tiny_engine, train_step
 from treadle.errors import UnavailableError
 from treadle.workers.domain import (
-    ModelSpec,
     SampleOp,
     SampleResult,
     SamplerTarget,
     SamplingConfig,
     SyncWeightsOp,
 )
-from treadle.workers.engine import Engine, EngineConfig
+from treadle.workers.engine import Engine
 
 torch.set_num_threads(1)
 
 
 def _engine(model_dir: Path, *, threaded: bool) -> Engine:
-    config = EngineConfig(
-        base_models={"tiny": model_dir},
-        sampler_slots=8,
-        threads=1,
-        sampler="torch-thread" if threaded else "torch",
-    )
-    engine = Engine(config).start()
-    engine.create_model(ModelSpec("m", "t", "tiny", 4, 8.0, 3, "float32")).result(30)
+    engine = tiny_engine(model_dir, "torch-thread" if threaded else "torch")
+    create_lora(engine, "m")
     return engine
 
 

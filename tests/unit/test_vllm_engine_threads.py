@@ -4,7 +4,6 @@ OpenMP threads than cores make them take turns on one core)."""
 
 from __future__ import annotations
 
-import importlib
 import os
 from pathlib import Path
 from typing import Any
@@ -12,16 +11,9 @@ from typing import Any
 import pytest
 import torch
 
+from tests.sampler_backends import vllm_imports
 from treadle.workers import vllm_engine
 from treadle.workers.vllm_settings import VllmSettings
-
-
-def _vllm_imports() -> bool:
-    try:
-        importlib.import_module("vllm")
-    except Exception:
-        return False
-    return True
 
 
 class _Base:
@@ -30,7 +22,7 @@ class _Base:
     path = Path("/nonexistent-model")
 
 
-@pytest.mark.skipif(not _vllm_imports(), reason="vllm does not import here")
+@pytest.mark.skipif(not vllm_imports(), reason="vllm does not import here")
 @pytest.mark.parametrize(("cores", "reserved", "threads"), [(2, 1, "1"), (8, 1, "7"), (1, 1, "1")])
 def test_the_cpu_engine_is_spawned_with_one_openmp_thread_per_worker_core(
     monkeypatch: pytest.MonkeyPatch, cores: int, reserved: int, threads: str

@@ -7,13 +7,13 @@ calls vLLM's ``LLMEngine`` would get (no GPU build of vLLM runs here)."""
 
 from __future__ import annotations
 
-import importlib
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
+from tests.sampler_backends import vllm_imports
 from treadle.workers.sampler_state import SamplerLimits
 from treadle.workers.vllm_backend import VllmBackend
 from treadle.workers.vllm_pool import VllmEngine
@@ -91,18 +91,8 @@ def test_without_the_flag_training_leaves_engines_alone() -> None:
         backend._loop.stop()
 
 
-def _vllm_imports() -> bool:
-    try:
-        importlib.import_module("vllm")
-    except Exception:
-        return False
-    return True
-
-
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU host: the flag is allowed")
-@pytest.mark.skipif(
-    not _vllm_imports(), reason="vllm does not import: --sampler vllm refused first"
-)
+@pytest.mark.skipif(not vllm_imports(), reason="vllm does not import: --sampler vllm refused first")
 def test_a_host_without_a_gpu_refuses_the_flag_at_start_saying_why(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
