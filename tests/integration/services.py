@@ -47,6 +47,30 @@ def require_port(host: str, port: int, what: str) -> None:
         pytest.skip(f"{what} is not running at {host}:{port}")
 
 
+def start_listening(
+    argv: list[str], port: int, what: str, timeout_s: float = 30.0
+) -> subprocess.Popen[bytes]:
+    """``argv`` started (its output discarded) and listening on 127.0.0.1:``port``;
+    stopped again, and RuntimeError, if it exits or is not listening in time."""
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + timeout_s
+    while not port_open("127.0.0.1", port):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            stop_process(proc, 10)
+            raise RuntimeError(f"{what} did not start")
+        time.sleep(0.05)
+    return proc
+
+
+def stop_process(proc: subprocess.Popen[bytes], timeout_s: float) -> None:
+    """SIGTERM, then SIGKILL if it has not exited after ``timeout_s``."""
+    proc.terminate()
+    try:
+        proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
 def _moto_server() -> str:
     found = shutil.which("moto_server", path=str(Path(sys.executable).parent)) or shutil.which(
         "moto_server"
@@ -65,26 +89,15 @@ def moto_s3(bucket: str = "treadle-test") -> Iterator[str]:
     for key, value in S3_ENV.items():
         os.environ.setdefault(key, value)
     port = free_port()
-    proc = subprocess.Popen(
-        [_moto_server(), "-H", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
+    proc = start_listening(
+        [_moto_server(), "-H", "127.0.0.1", "-p", str(port)], port, "moto_server"
     )
     endpoint = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 30
-        while not port_open("127.0.0.1", port):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("moto_server did not start")
-            time.sleep(0.05)
         boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket=bucket)
         yield endpoint
     finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_process(proc, 10)
 
 
 @contextmanager

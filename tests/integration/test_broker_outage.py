@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +23,7 @@ from treadle.server.embedded import EmbeddedServer
 from .distributed.cluster import create_tenant as _create_tenant
 from .distributed.cluster import datum as _datum
 from .distributed.cluster import server_config, start_worker, stop_worker
-from .services import free_port, fresh_postgres, port_open, wait_for_workers
+from .services import free_port, fresh_postgres, start_listening, wait_for_workers
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
 
@@ -47,16 +46,9 @@ class PrivateRedis:
         binary = shutil.which("redis-server")
         if binary is None:
             pytest.skip("redis-server is not installed")
-        self.proc = subprocess.Popen(
-            [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", ""]
-            + ["--appendonly", "no", "--dir", str(self.tmp)],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        deadline = time.monotonic() + 20
-        while not port_open("127.0.0.1", self.port):
-            assert self.proc.poll() is None and time.monotonic() < deadline, "redis did not start"
-            time.sleep(0.05)
+        argv = [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", ""]
+        argv += ["--appendonly", "no", "--dir", str(self.tmp)]
+        self.proc = start_listening(argv, self.port, "redis", timeout_s=20)
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

@@ -4,20 +4,27 @@ from __future__ import annotations
 
 import importlib.util
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
+def _load(name: str) -> ModuleType:
+    """``examples/<name>.py`` as a module (its ``main`` not yet run)."""
+    spec = importlib.util.spec_from_file_location(name, EXAMPLES / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    return example
+
+
 def test_async_grpo_example_runs(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.delenv("TREADLE_ADDRESS", raising=False)  # its own embedded server
-    spec = importlib.util.spec_from_file_location("async_grpo", EXAMPLES / "async_grpo.py")
-    assert spec is not None and spec.loader is not None
-    example = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(example)
+    example = _load("async_grpo")
     example.STEPS = 3  # its warm-up, server and loop as written, three steps of it
     example.main()
     rows = [ln.split() for ln in capsys.readouterr().out.splitlines() if ln[:4].strip().isdigit()]
@@ -29,10 +36,7 @@ def test_sweep_example_runs(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
     monkeypatch.delenv("TREADLE_ADDRESS", raising=False)  # its own embedded servers
-    spec = importlib.util.spec_from_file_location("sweep", EXAMPLES / "sweep.py")
-    assert spec is not None and spec.loader is not None
-    example = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(example)
+    example = _load("sweep")
     # its warm-up, export, servers and sweep as written, smaller
     example.LRS, example.STEPS, example.GROUPS_PER_STEP = (1e-3, 1e-2), 2, 4
     example.WARMUP_MAX_STEPS = 10

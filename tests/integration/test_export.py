@@ -45,8 +45,8 @@ def client(srv: EmbeddedServer) -> Iterator[treadle.ServiceClient]:
         yield c
 
 
-def _datums(client: treadle.ServiceClient) -> list[treadle.Datum]:
-    tok = client.get_tokenizer("tiny")
+def _datums(client: treadle.ServiceClient, base: str = "tiny") -> list[treadle.Datum]:
+    tok = client.get_tokenizer(base)
     out = []
     for text in TEXTS:
         ids = tok.encode(text)
@@ -187,16 +187,7 @@ def test_merged_export_of_a_tied_model_with_an_adapted_head(
     server = make_server(tmp_path_factory.mktemp("tied-srv"), {"tied": tied_dir})
     try:
         with treadle.ServiceClient(server.address, api_key=server.api_key) as c:
-            tok = c.get_tokenizer("tied")
-            data = []
-            for text in TEXTS:
-                ids = tok.encode(text)
-                data.append(
-                    treadle.Datum(
-                        model_input=treadle.ModelInput.from_ints(ids[:-1]),
-                        loss_fn_inputs={"target_tokens": ids[1:], "weights": np.ones(len(ids) - 1)},
-                    )
-                )
+            data = _datums(c, "tied")
             tc = c.create_lora_training_client("tied", rank=4, seed=2)
             _train(tc, data, steps=3, lr=2e-2)
             out = tc.export_weights(tmp_path / "merged", merged=True)

@@ -75,6 +75,22 @@ def _step(tc: treadle.TrainingClient, tok: treadle.Tokenizer, text: str = "abcab
     tc.optim_step(treadle.AdamParams(learning_rate=5e-2)).result(timeout=60)
 
 
+def _train_and_sync_inflight(tc: treadle.TrainingClient, tok: treadle.Tokenizer) -> None:
+    """A step and an in-flight sync, sent at once: they land while rows decode."""
+    tc.forward_backward([_datum(tok.encode("abcabcabc"))], "cross_entropy")
+    tc.optim_step(treadle.AdamParams(learning_rate=5e-2))
+    assert tc.sync_weights(inflight=True).version == 1
+
+
+def _assert_v0_then_v1(response: treadle.SampleResponse, max_tokens: int) -> None:
+    """Every sequence ran ``max_tokens`` tokens: version 0, then version 1 to its end."""
+    for seq in response.sequences:
+        spans = [(v.start, v.length, v.version) for v in seq.versions]
+        assert len(spans) == 2, spans  # v0 then v1, contiguous, never back
+        (s0, n0, v0), (s1, n1, v1) = spans
+        assert (s0, v0, v1, s1, n0 + n1) == (0, 0, 1, n0, max_tokens)
+
+
 def _trainer_logprobs(
     tc: treadle.TrainingClient, prompt: list[int], seq: treadle.SampledSequence, temperature: float
 ) -> np.ndarray:
@@ -280,14 +296,8 @@ def test_an_inflight_update_shows_as_a_second_version_span(
         for s in (pinned, service.create_sampling_client(BASE))
     ]
     # a step and an in-flight sync, sent at once: they land while the rows decode
-    tc.forward_backward([_datum(tok.encode("abcabcabc"))], "cross_entropy")
-    tc.optim_step(treadle.AdamParams(learning_rate=5e-2))
-    assert tc.sync_weights(inflight=True).version == 1
-    for seq in running.result(timeout=180).sequences:
-        spans = [(v.start, v.length, v.version) for v in seq.versions]
-        assert len(spans) == 2, spans  # v0 then v1, contiguous, never back
-        (s0, n0, v0), (s1, n1, v1) = spans
-        assert (s0, v0, v1, s1, n0 + n1) == (0, 0, 1, n0, 1000)
+    _train_and_sync_inflight(tc, tok)
+    _assert_v0_then_v1(running.result(timeout=180), 1000)
     # neither a pinned version nor the base follows the model's updates
     for fut in beside:
         assert fut.result(timeout=180).sequences[0].token_versions() == [0] * 1000
@@ -351,14 +361,8 @@ def test_a_full_fine_tunes_inflight_update_shows_as_a_second_version_span(
     latest.sample([1, 2], 1).result(timeout=FIRST_FULL_S)  # its engine started (vLLM)
     running = latest.sample(tok.encode("abc"), 4, params)
     beside = pinned.sample(tok.encode("abc"), 1, params)
-    tc.forward_backward([_datum(tok.encode("abcabcabc"))], "cross_entropy")
-    tc.optim_step(treadle.AdamParams(learning_rate=5e-2))
-    assert tc.sync_weights(inflight=True).version == 1
-    for seq in running.result(timeout=240).sequences:
-        spans = [(v.start, v.length, v.version) for v in seq.versions]
-        assert len(spans) == 2, spans  # v0 then v1, contiguous, never back
-        (s0, n0, v0), (s1, n1, v1) = spans
-        assert (s0, v0, v1, s1, n0 + n1) == (0, 0, 1, n0, 600)
+    _train_and_sync_inflight(tc, tok)
+    _assert_v0_then_v1(running.result(timeout=240), 600)
     assert beside.result(timeout=240).sequences[0].token_versions() == [0] * 600
     after = latest.sample(tok.encode("abc"), 1, treadle.SamplingParams(max_tokens=4))
     assert set(after.result(timeout=60).sequences[0].token_versions()) == {1}

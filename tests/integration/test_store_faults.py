@@ -21,7 +21,7 @@ from tests.conftest import make_server
 from treadle.errors import TreadleError
 
 from .distributed.cluster import datum as _datum
-from .services import S3_ENV, _moto_server, free_port, port_open
+from .services import S3_ENV, _moto_server, free_port, start_listening
 
 BUCKET = "faults"
 
@@ -35,15 +35,8 @@ class Moto:
     def start(self) -> None:
         import boto3
 
-        self.proc = subprocess.Popen(
-            [_moto_server(), "-H", "127.0.0.1", "-p", str(self.port)],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        deadline = time.monotonic() + 30
-        while not port_open("127.0.0.1", self.port):
-            assert self.proc.poll() is None and time.monotonic() < deadline, "moto did not start"
-            time.sleep(0.05)
+        argv = [_moto_server(), "-H", "127.0.0.1", "-p", str(self.port)]
+        self.proc = start_listening(argv, self.port, "moto")
         boto3.client("s3", endpoint_url=self.url).create_bucket(Bucket=BUCKET)
 
     def stop(self) -> None:

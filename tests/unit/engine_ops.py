@@ -3,6 +3,8 @@ definition each)."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +16,7 @@ from treadle.workers.domain import (
     ForwardBackwardOp,
     ModelSpec,
     OptimStepOp,
+    SequenceResult,
 )
 from treadle.workers.engine import Engine, EngineConfig
 
@@ -55,3 +58,29 @@ def random_datum(rng: np.random.Generator, n: int) -> DatumData:
             "logprobs": (-3 - rng.random(n)).astype(np.float32),
         },
     )
+
+
+class RecordingAPI:
+    """An engine (``EngineAPI``) that records each call. With ``answers``, each call's
+    future is answered at once with ``answers[name]`` (and a streamed sample's
+    ``on_sequence`` is sent ``streamed`` first); without, it stays pending."""
+
+    def __init__(
+        self, answers: Mapping[str, Any] | None = None, streamed: SequenceResult | None = None
+    ) -> None:
+        self.answers = answers
+        self.streamed = streamed
+        self.calls: list[tuple[str, tuple[Any, ...], dict[str, Any]]] = []
+
+    def __getattr__(self, name: str) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Future[Any]:
+            self.calls.append((name, args, kwargs))
+            fut: Future[Any] = Future()
+            if self.answers is not None:
+                on_sequence = kwargs.get("on_sequence")
+                if on_sequence is not None:
+                    on_sequence(0, self.streamed, 0.5)
+                fut.set_result(self.answers[name])
+            return fut
+
+        return call

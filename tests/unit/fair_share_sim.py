@@ -29,6 +29,13 @@ class Sim:
         call = OrderedCall(model_id, seq, kind, f"d{seq}", self.clock, cost=cost)
         assert self.s.submit(call).admission.value == "queued"
 
+    def sweep(self, calls_each: int, models: int = 8) -> None:
+        """Tenant ``sweep``'s models ``sweep/m0`` .. each with ``calls_each`` calls queued."""
+        for i in range(models):
+            self.model(f"sweep/m{i}", "sweep")
+            for _ in range(calls_each):
+                self.send(f"sweep/m{i}")
+
     def round(self) -> list[WorkUnit]:
         out = self.s.schedule(self.clock)
         while not out.units and (held := self.s.held_until()) is not None:

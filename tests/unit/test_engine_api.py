@@ -4,31 +4,16 @@ the staged engine)."""
 
 from __future__ import annotations
 
-from concurrent.futures import Future
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
+from tests.unit.engine_ops import RecordingAPI
 from treadle.common.store import LocalStore
 from treadle.workers.domain import SampleOp, SamplerTarget, SamplingConfig
 from treadle.workers.engine import Engine, EngineConfig
 from treadle.workers.engine_api import EngineAPI
 from treadle.workers.staging import StagedEngine
-
-
-class _Recorder:
-    """An engine that records what it was asked and answers a fresh future."""
-
-    def __init__(self) -> None:
-        self.calls: list[tuple[str, tuple[Any, ...], dict[str, Any]]] = []
-
-    def __getattr__(self, name: str) -> Any:
-        def call(*args: Any, **kwargs: Any) -> Future[Any]:
-            self.calls.append((name, args, kwargs))
-            return Future()
-
-        return call
 
 
 def test_engine_and_staged_engine_are_engine_apis(tiny_model_dir: Path, tmp_path: Path) -> None:
@@ -39,7 +24,7 @@ def test_engine_and_staged_engine_are_engine_apis(tiny_model_dir: Path, tmp_path
 
 
 def test_staged_engine_passes_resume_and_streamed_samples_through(tmp_path: Path) -> None:
-    inner = _Recorder()
+    inner = RecordingAPI()
     staged = StagedEngine(inner, LocalStore(tmp_path))  # type: ignore[arg-type]
     target = SamplerTarget("tiny", "m", tenant_id="t")
     params = SamplingConfig(max_tokens=4)

@@ -19,6 +19,7 @@ import msgpack
 import numpy as np
 import pytest
 
+from tests.unit.engine_ops import RecordingAPI
 from tests.unit.test_codec import _same
 from treadle.errors import InternalError, InvalidArgumentError, NotFoundError
 from treadle.server.celery_transport import Pending, _outcome
@@ -70,25 +71,6 @@ ANSWERS: dict[str, Any] = {
 }
 
 
-class RecordingAPI:
-    """An ``EngineAPI`` that records each call and answers at once."""
-
-    def __init__(self) -> None:
-        self.calls: list[tuple[str, tuple[Any, ...], dict[str, Any]]] = []
-
-    def __getattr__(self, name: str) -> Any:
-        def call(*args: Any, **kwargs: Any) -> Future[Any]:
-            self.calls.append((name, args, kwargs))
-            on_sequence = kwargs.get("on_sequence")
-            if on_sequence is not None:
-                on_sequence(0, SEQ, 0.5)
-            fut: Future[Any] = Future()
-            fut.set_result(ANSWERS[name])
-            return fut
-
-        return call
-
-
 def _future_methods() -> set[str]:
     """The EngineAPI calls that answer with a future (the rest are local queries)."""
     return {
@@ -106,7 +88,7 @@ def test_every_engine_call_has_its_message_and_answers_its_response_type() -> No
     assert methods == set(ANSWERS)  # model_status / has_model stay local queries
     called = set()
     for msg in EXAMPLES:
-        api = RecordingAPI()
+        api = RecordingAPI(ANSWERS, SEQ)
         answer = msg.call(api).result(timeout=1)  # type: ignore[arg-type]
         ((name, _, _),) = api.calls
         called.add(name)
@@ -115,7 +97,7 @@ def test_every_engine_call_has_its_message_and_answers_its_response_type() -> No
 
 
 def test_requests_pass_their_fields_to_the_engine() -> None:
-    api = RecordingAPI()
+    api = RecordingAPI(ANSWERS, SEQ)
     create, delete, unload, submit, sample, stream, resume, check, export = EXAMPLES
     for msg in EXAMPLES:
         msg.call(api)  # type: ignore[arg-type]
@@ -193,7 +175,7 @@ class _Replies:
 def _worker(capacity: int = 4) -> Any:
     """A ``Worker`` without its broker, database and engine: the task alone."""
     w = Worker.__new__(Worker)
-    w.staged = RecordingAPI()  # type: ignore[assignment]
+    w.staged = RecordingAPI(ANSWERS, SEQ)  # type: ignore[assignment]
     w.engine = SimpleNamespace(has_model=lambda _: False)  # type: ignore[assignment]
     w.replies = _Replies()  # type: ignore[assignment]
     w.config = SimpleNamespace(capacity=capacity)  # type: ignore[assignment]

@@ -14,12 +14,18 @@ from tests.unit.fair_share_sim import Sim, jain, tenant_of
 from treadle.workers.scheduler import Scheduler
 
 
-def test_light_tenant_is_served_within_one_round() -> None:
+def _heavy_and_light() -> Sim:
+    """A heavy tenant with 100 calls queued and a light one with none yet."""
     sim = Sim()
     sim.model("heavy/m", "heavy")
     sim.model("light/m", "light")
     for _ in range(100):
         sim.send("heavy/m")
+    return sim
+
+
+def test_light_tenant_is_served_within_one_round() -> None:
+    sim = _heavy_and_light()
     sim.send("light/m")
     units = sim.round()
     served = Counter(tenant_of(c) for u in units for c in u.calls)
@@ -27,11 +33,7 @@ def test_light_tenant_is_served_within_one_round() -> None:
 
 
 def test_newly_backlogged_tenant_goes_first() -> None:
-    sim = Sim()
-    sim.model("heavy/m", "heavy")
-    sim.model("light/m", "light")
-    for _ in range(100):
-        sim.send("heavy/m")
+    sim = _heavy_and_light()
     for _ in range(5):
         sim.round()  # heavy alone: one call a round
     sim.send("light/m")

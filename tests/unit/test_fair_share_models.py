@@ -130,10 +130,7 @@ def test_a_light_tenant_is_never_behind_more_than_one_pass() -> None:
     sweep runs one call a round, so the light call never waits behind a
     borrowed pass; once it stops, the sweep borrows again."""
     sim = Sim()
-    for i in range(8):
-        sim.model(f"sweep/m{i}", "sweep")
-        for _ in range(20):
-            sim.send(f"sweep/m{i}")
+    sim.sweep(20)
     sim.model("light/m", "light")
     assert len(sim.round()) == 8  # alone: a pass of all its models
     for _ in range(10):
@@ -152,10 +149,7 @@ def test_a_slow_light_client_is_not_behind_a_borrowed_pass() -> None:
     behind one call, never behind a pass of the sweep's 8 (failed before: from
     the second round on the sweep borrowed)."""
     sim = Sim()
-    for i in range(8):
-        sim.model(f"sweep/m{i}", "sweep")
-        for _ in range(40):
-            sim.send(f"sweep/m{i}")
+    sim.sweep(40)
     sim.model("light/m", "light")
     assert len(sim.round()) == 8  # alone: a pass of all its models
     for delay in (1, 2, 3, 4, 2, 3):
@@ -169,10 +163,7 @@ def test_anticipation_rounds_are_a_setting() -> None:
     """``anticipate_rounds=1``: only the round right after a light tenant's call
     holds borrowing back."""
     sim = Sim(anticipate_rounds=1)
-    for i in range(8):
-        sim.model(f"sweep/m{i}", "sweep")
-        for _ in range(20):
-            sim.send(f"sweep/m{i}")
+    sim.sweep(20)
     sim.model("light/m", "light")
     sim.round()
     sim.send("light/m")
@@ -186,20 +177,14 @@ def test_a_quantum_cap_bounds_a_sweeps_round() -> None:
     round holds as many calls as the cap pays for (never fewer than one)."""
     for cap, per_round in ((1, 1), (300, 3), (0, 8)):
         sim = Sim(max_quantum_tokens=cap)
-        for i in range(8):
-            sim.model(f"sweep/m{i}", "sweep")
-            for _ in range(3):
-                sim.send(f"sweep/m{i}", cost=100)
+        sim.sweep(3)
         assert len(sim.round()) == per_round, cap
         assert len(sim.round()) == per_round, cap
 
 
 def test_a_light_tenant_still_jumps_a_sweeps_backlog() -> None:
     sim = Sim()
-    for i in range(8):
-        sim.model(f"sweep/m{i}", "sweep")
-        for _ in range(10):
-            sim.send(f"sweep/m{i}")
+    sim.sweep(10)
     sim.model("light/m", "light")
     sim.round()
     sim.round()
