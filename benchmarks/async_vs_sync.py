@@ -66,6 +66,7 @@ os.environ.setdefault("OMP_NUM_THREADS", str(THREADS))
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import numpy as np  # noqa: E402
+from _procs import stop_all  # noqa: E402
 
 import treadle  # noqa: E402
 from treadle import rl  # noqa: E402
@@ -134,11 +135,7 @@ def serve(config: ServerConfig, own_process: bool) -> Iterator[tuple[str, str]]:
                     time.sleep(0.2)
         yield address, key_file.read_text().strip()
     finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_all([proc], 30)
 
 
 class Task:

@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import re
 import socket
 import subprocess
 import sys
@@ -51,6 +50,7 @@ from treadle.workers.model.tiny import build_tiny_model  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _common import table  # noqa: E402
+from _procs import stop_all, wait_for  # noqa: E402
 
 REDIS = os.environ.get("TREADLE_BENCH_REDIS", "redis://127.0.0.1:6379/0")
 PG_ADMIN = os.environ.get("TREADLE_BENCH_PG", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
@@ -74,31 +74,6 @@ class Deployment:
     api_key: str
     pids: dict[str, int]  # process name -> pid (the server, each worker)
     metrics: dict[str, int] = field(default_factory=dict)  # process name -> metrics port
-
-
-def _wait_for(path: Path, pattern: str, proc: subprocess.Popen[bytes], timeout: float) -> str:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        found = re.search(pattern, path.read_text(errors="replace")) if path.exists() else None
-        if found:
-            return found.group(1)
-        if proc.poll() is not None:
-            break
-        time.sleep(0.2)
-    raise RuntimeError(
-        f"{' '.join(map(str, proc.args))} did not start:\n{path.read_text()[-2000:]}"
-    )
-
-
-def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
-    for proc in procs:
-        if proc.poll() is None:
-            proc.terminate()
-    for proc in procs:
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
 
 
 @contextmanager
@@ -143,13 +118,13 @@ def deploy(
         if path == "distributed":
             database_url = stack.enter_context(_postgres())
             serve += ["--database-url", database_url, "--broker", REDIS]
-        stack.callback(_stop, procs)  # before the database is dropped (LIFO)
+        stack.callback(stop_all, procs)  # before the database is dropped (LIFO)
         log = run / "server.log"
         with open(log, "wb") as out:
             procs.append(subprocess.Popen(serve, stdout=out, stderr=subprocess.STDOUT, env=env))
-        key_file = _wait_for(log, r"API key is in (\S+) ", procs[0], 180)
+        key_file = wait_for(log, r"API key is in (\S+) ", procs[0], 180)
         pids = {"server": procs[0].pid}
-        metrics = {"server": int(_wait_for(log, METRICS_LINE, procs[0], 30))}
+        metrics = {"server": int(wait_for(log, METRICS_LINE, procs[0], 30))}
         for i in range(workers if path == "distributed" else 0):
             worker_id = f"load-w{i + 1}-{os.getpid()}"
             wlog = run / f"{worker_id}.log"
@@ -164,9 +139,9 @@ def deploy(
             with open(wlog, "wb") as out:
                 proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
             procs.append(proc)
-            _wait_for(wlog, r"(ready)", proc, 180)
+            wait_for(wlog, r"(ready)", proc, 180)
             pids[worker_id] = proc.pid
-            metrics[worker_id] = int(_wait_for(wlog, METRICS_LINE, proc, 30))
+            metrics[worker_id] = int(wait_for(wlog, METRICS_LINE, proc, 30))
         yield Deployment(f"127.0.0.1:{port}", Path(key_file).read_text().strip(), pids, metrics)
 
 

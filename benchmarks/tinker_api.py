@@ -83,7 +83,8 @@ import httpx  # noqa: E402
 import numpy as np  # noqa: E402
 import tinker  # noqa: E402
 from _common import THREADS, model_dir, table  # noqa: E402
-from load import _wait_for  # noqa: E402
+from _procs import stop_all, wait_for  # noqa: E402
+from sdk_overhead import timed  # noqa: E402
 from tinker import types as T  # noqa: E402
 from tinker.lib import api_future_impl  # noqa: E402
 
@@ -191,16 +192,12 @@ def served(directory: Path, tmp: Path, embedded: bool) -> Iterator[tuple[str, st
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
     try:
-        key_file = _wait_for(log, r"API key is in (\S+) ", proc, 180)
-        port = _wait_for(log, r"serving .* on \S+:(\d+)", proc, 5)
-        http = _wait_for(log, r"HTTP API on (\S+) ", proc, 5)
+        key_file = wait_for(log, r"API key is in (\S+) ", proc, 180)
+        port = wait_for(log, r"serving .* on \S+:(\d+)", proc, 5)
+        http = wait_for(log, r"HTTP API on (\S+) ", proc, 5)
         yield f"127.0.0.1:{port}", http, Path(key_file).read_text().strip()
     finally:
-        proc.terminate()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_all([proc])
 
 
 def _advantages(lengths: list[int]) -> np.ndarray:
@@ -272,15 +269,6 @@ def treadle_stepper(service: treadle.ServiceClient) -> Callable[[], None]:
         fb.result()
 
     return step
-
-
-def timed(step: Callable[[], None], n: int) -> list[float]:
-    out = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        step()
-        out.append(time.perf_counter() - t0)
-    return out
 
 
 def main() -> int:
