@@ -9,6 +9,7 @@ their own logprobs and versions (``sampler_state.sequence_of``).
 from __future__ import annotations
 
 import secrets
+import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import Future
@@ -18,34 +19,31 @@ import numpy as np
 
 from treadle.errors import InvalidArgumentError, NotFoundError
 from treadle.workers.domain import SampleOp, SampleResult, SamplingConfig
-from treadle.workers.sampler_state import Partial, Row
+from treadle.workers.sampler_state import Partial
 
 #: partial rollouts kept for resumption per sampler; beyond it the oldest are forgotten
 MAX_PARTIALS = 65536
 
 
 class PartialStore:
+    """Partial rollouts by resume handle, owned by the requester that made them
+    (bounded: beyond ``limit`` the oldest are forgotten). Thread-safe."""
+
     def __init__(self, limit: int = MAX_PARTIALS) -> None:
         self.limit = limit
         self._kept: OrderedDict[str, Partial] = OrderedDict()  # resume handle -> rollout
+        self._lock = threading.Lock()
 
     def __len__(self) -> int:
         return len(self._kept)
 
-    def keep(self, row: Row) -> str:
-        """Keep a row that stopped "partial" (with what it continues); its handle."""
-        prefix = row.request.prefix
-        kept = Partial(
-            owner=row.request.owner,
-            prompt=row.request.prompt if prefix is None else prefix.prompt,
-            tokens=(prefix.tokens if prefix else []) + row.tokens,
-            logprobs=(prefix.logprobs if prefix else []) + row.logprobs,
-            versions=(prefix.versions if prefix else []) + row.versions,
-        )
+    def keep(self, kept: Partial) -> str:
+        """Keep a rollout that stopped "partial" (``partial_of`` its row); its handle."""
         handle = "rh-" + secrets.token_urlsafe(18)
-        self._kept[handle] = kept
-        while len(self._kept) > self.limit:  # the oldest are forgotten
-            self._kept.popitem(last=False)
+        with self._lock:
+            self._kept[handle] = kept
+            while len(self._kept) > self.limit:  # the oldest are forgotten
+                self._kept.popitem(last=False)
         return handle
 
     def take(self, owner: tuple[str, str], handles: Sequence[str]) -> list[Partial]:
@@ -59,16 +57,18 @@ class PartialStore:
             raise InvalidArgumentError("resume_handles: give at least one")
         if len(set(handles)) != len(handles):
             raise InvalidArgumentError("resume_handles: a handle is given twice")
-        for h in handles:
-            kept = self._kept.get(h)
-            if kept is None or kept.owner != owner:
-                raise NotFoundError(f"resume handle {h[:48]!r} not found")
-        return [self._kept.pop(h) for h in handles]
+        with self._lock:
+            for h in handles:
+                kept = self._kept.get(h)
+                if kept is None or kept.owner != owner:
+                    raise NotFoundError(f"resume handle {h[:48]!r} not found")
+            return [self._kept.pop(h) for h in handles]
 
     def give_back(self, handles: Sequence[str], partials: Sequence[Partial]) -> None:
         """Undo ``take`` (the resume was refused before it started)."""
-        for h, kept in zip(handles, partials, strict=True):
-            self._kept[h] = kept
+        with self._lock:
+            for h, kept in zip(handles, partials, strict=True):
+                self._kept[h] = kept
 
 
 def resume_op(handle: str, part: Partial, params: SamplingConfig) -> SampleOp:

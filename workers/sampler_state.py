@@ -156,20 +156,44 @@ class SamplerStats:
     kv_cache_peak_usage: float = 0.0  # the largest such fraction over the recent window
 
 
+def continued(
+    prefix: Partial | None,
+    owner: tuple[str, str],
+    prompt: np.ndarray,
+    tokens: list[int],
+    logprobs: list[float],
+    versions: list[int],
+) -> Partial:
+    """A row's rollout so far (new lists), the partial rollout it continues in front."""
+    return Partial(
+        owner=owner,
+        prompt=prompt if prefix is None else prefix.prompt,
+        tokens=(prefix.tokens if prefix else []) + tokens,
+        logprobs=(prefix.logprobs if prefix else []) + logprobs,
+        versions=(prefix.versions if prefix else []) + versions,
+    )
+
+
+def sequence_result(whole: Partial, stop_reason: str, handle: str) -> SequenceResult:
+    """A rollout as the sequence a sample answers with."""
+    return SequenceResult(
+        tokens=np.asarray(whole.tokens, dtype=np.int64),
+        logprobs=np.asarray(whole.logprobs, dtype=np.float32),
+        stop_reason=stop_reason,
+        versions=version_spans(whole.versions),
+        resume_handle=handle,
+    )
+
+
+def partial_of(row: Row) -> Partial:
+    """The row's rollout so far, earlier parts of a resumed one included."""
+    req = row.request
+    return continued(req.prefix, req.owner, req.prompt, row.tokens, row.logprobs, row.versions)
+
+
 def sequence_of(row: Row) -> SequenceResult:
     """The row's sequence; a resumed partial rollout's includes its earlier parts."""
-    prefix = row.request.prefix
-    tokens, logprobs, versions = row.tokens, row.logprobs, row.versions
-    if prefix is not None:
-        tokens, logprobs = prefix.tokens + tokens, prefix.logprobs + logprobs
-        versions = prefix.versions + versions
-    return SequenceResult(
-        tokens=np.asarray(tokens, dtype=np.int64),
-        logprobs=np.asarray(logprobs, dtype=np.float32),
-        stop_reason=row.stop_reason or "length",
-        versions=version_spans(versions),
-        resume_handle=row.handle,
-    )
+    return sequence_result(partial_of(row), row.stop_reason or "length", row.handle)
 
 
 def common_prefix(a: np.ndarray, b: np.ndarray) -> int:

@@ -26,7 +26,7 @@ from torch import Tensor
 
 from treadle.workers import device
 from treadle.workers.partials import PartialStore
-from treadle.workers.sampler_state import Row
+from treadle.workers.sampler_state import Row, partial_of
 from treadle.workers.sampling import row_uniforms, sample_tokens
 
 
@@ -93,7 +93,7 @@ def record(
             row.stop_reason = "length"
         elif p.token_budget and len(row.tokens) >= p.token_budget:
             row.stop_reason = "partial"
-            row.handle = partials.keep(row)
+            row.handle = partials.keep(partial_of(row))
 
 
 def hit_stop_string(row: Row, tokenizer: Tokenizer | None) -> bool:

@@ -46,6 +46,7 @@ from treadle.errors import (
 from treadle.workers.base_models import BaseModel
 from treadle.workers.domain import SampleOp, SampleResult
 from treadle.workers.model.config import ModelConfig
+from treadle.workers.partials import PartialStore
 from treadle.workers.sampler_backend import (
     EngineThread,
     ResumeRequest,
@@ -66,7 +67,7 @@ from treadle.workers.vllm_params import (
     stop_reason_of,
 )
 from treadle.workers.vllm_pool import EnginePool, VllmEngine
-from treadle.workers.vllm_rows import PartialStore, VllmRequest, VllmRow, sequence_of
+from treadle.workers.vllm_rows import VllmRequest, VllmRow, partial_of, sequence_of
 from treadle.workers.vllm_stats import StatsBoard
 
 log = logging.getLogger("treadle.vllm")
@@ -365,7 +366,7 @@ class VllmBackend:
                     budget=p.token_budget,
                 )
                 if row.stop_reason == "partial":
-                    row.handle = self._partials.keep(row)
+                    row.handle = self._partials.keep(partial_of(row))
                 self._row_done(row)
         eng.meter.stepped(produced, len(eng.rows))
 

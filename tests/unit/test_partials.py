@@ -11,7 +11,14 @@ import pytest
 from treadle.errors import InvalidArgumentError, NotFoundError
 from treadle.workers.domain import SampleOp, SampleResult, SamplingConfig, SequenceResult
 from treadle.workers.partials import PartialStore, gather, resume_op
-from treadle.workers.sampler_state import Partial, Request, Row
+from treadle.workers.sampler_state import (
+    Partial,
+    Request,
+    Row,
+    continued,
+    partial_of,
+    sequence_result,
+)
 
 OWNER = ("t1", "m")
 
@@ -24,9 +31,13 @@ def _row(tokens: list[int], owner: tuple[str, str] = OWNER, prefix: Partial | No
     return row
 
 
+def _part(tokens: list[int], prefix: Partial | None = None) -> Partial:
+    return partial_of(_row(tokens, prefix=prefix))
+
+
 def test_a_handle_resumes_once_and_only_for_its_owner() -> None:
     store = PartialStore()
-    h = store.keep(_row([10, 11]))
+    h = store.keep(_part([10, 11]))
     with pytest.raises(NotFoundError, match="not found"):
         store.take(("t2", "m"), [h])  # another tenant: as unknown
     with pytest.raises(NotFoundError, match="not found"):
@@ -41,7 +52,7 @@ def test_a_handle_resumes_once_and_only_for_its_owner() -> None:
 
 def test_bad_handle_lists_are_invalid() -> None:
     store = PartialStore()
-    h = store.keep(_row([1]))
+    h = store.keep(_part([1]))
     with pytest.raises(InvalidArgumentError, match="resume_handles: give at least one"):
         store.take(OWNER, [])
     with pytest.raises(InvalidArgumentError, match="resume_handles: a handle is given twice"):
@@ -50,12 +61,12 @@ def test_bad_handle_lists_are_invalid() -> None:
 
 def test_a_resumed_row_keeps_its_earlier_parts_and_the_oldest_are_forgotten() -> None:
     store = PartialStore(limit=2)
-    first = store.keep(_row([10, 11]))
+    first = store.keep(_part([10, 11]))
     (part,) = store.take(OWNER, [first])
-    again = store.keep(_row([12], prefix=part))
+    again = store.keep(_part([12], prefix=part))
     (whole,) = store.take(OWNER, [again])
     assert whole.tokens == [10, 11, 12] and len(whole.logprobs) == len(whole.versions) == 3
-    handles = [store.keep(_row([i])) for i in range(3)]
+    handles = [store.keep(_part([i])) for i in range(3)]
     with pytest.raises(NotFoundError):
         store.take(OWNER, [handles[0]])
     assert len(store) == 2
@@ -91,3 +102,22 @@ def test_gather_resolves_in_order_and_fails_as_a_whole() -> None:
     with pytest.raises(InvalidArgumentError):
         out.result(0)
     assert parts[1].cancelled()
+
+
+def test_a_continued_rollout_has_its_prefix_in_front_and_lists_of_its_own() -> None:
+    prefix = Partial(OWNER, np.arange(3, 7), [10], [-1.0], [0])
+    tokens, logprobs, versions = [11, 12], [-0.5, -0.25], [1, 1]
+    whole = continued(prefix, OWNER, np.arange(9), tokens, logprobs, versions)
+    assert whole.prompt is prefix.prompt  # the prompt the first part was sampled from
+    assert (whole.tokens, whole.logprobs, whole.versions) == (
+        [10, 11, 12],
+        [-1, -0.5, -0.25],
+        [0, 1, 1],
+    )
+    alone = continued(None, OWNER, np.arange(9), tokens, logprobs, versions)
+    assert alone.prompt.tolist() == list(range(9)) and alone.tokens == tokens
+    assert alone.tokens is not tokens and alone.versions is not versions
+    seq = sequence_result(whole, "length", "rh-x")
+    assert seq.tokens.tolist() == [10, 11, 12] and seq.tokens.dtype == np.int64
+    assert seq.versions == ((0, 1, 0), (1, 2, 1))
+    assert (seq.stop_reason, seq.resume_handle) == ("length", "rh-x")
