@@ -1,5 +1,5 @@
-"""The plumbing the server's wrapping interceptors share: find the handler of a
-call and replace its behaviour with a wrapped one (``WrappingInterceptor``)."""
+"""The plumbing the server's interceptors share: find the handler of a call and
+replace its behaviour with a wrapped one (``WrappingInterceptor``)."""
 
 from __future__ import annotations
 
@@ -37,6 +37,11 @@ class WrappingInterceptor(grpc.aio.ServerInterceptor):
         method = handler_call_details.method
         if handler is None or method.startswith(self.open_prefixes):
             return handler
+        return self.wrap(handler, method)
+
+    def wrap(self, handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
+        """The handler with its behaviour wrapped (``wrap_unary`` / ``wrap_stream``);
+        an interceptor that changes more of a handler overrides this."""
         if handler.unary_unary is not None:
             return handler._replace(unary_unary=self.wrap_unary(handler.unary_unary, method))
         if handler.unary_stream is not None:

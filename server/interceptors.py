@@ -56,6 +56,20 @@ async def _abort_unexpected(
     await context.abort(grpc.StatusCode.INTERNAL, f"{type(err).__name__}: {err}", stamp)
 
 
+async def _answer_error(
+    context: grpc.aio.ServicerContext, err: Exception, method: str, instance: str
+) -> None:
+    """Abort the call with the status of a behaviour's exception: a ``TreadleError``'s
+    own, an abort already under way passed on as it is, anything else through
+    ``_abort_unexpected``."""
+    if isinstance(err, grpc.aio.AbortError):
+        raise err
+    if isinstance(err, TreadleError):
+        await abort_with(context, err, instance)
+    else:
+        await _abort_unexpected(context, err, method, instance)
+
+
 class ErrorInterceptor(WrappingInterceptor):
     """Maps ``TreadleError`` to its status (with a retry delay in the trailers for
     RESOURCE_EXHAUSTED, and the kind and details of an error that shares its code
@@ -87,12 +101,8 @@ def _wrap_unary(
             response = await behavior(request, context)
             context.set_trailing_metadata(stamp)
             return response
-        except TreadleError as err:
-            await abort_with(context, err, instance)
-        except (asyncio.CancelledError, grpc.aio.AbortError):
-            raise
-        except Exception as err:
-            await _abort_unexpected(context, err, method, instance)
+        except Exception as err:  # not CancelledError (a BaseException): it passes
+            await _answer_error(context, err, method, instance)
 
     return wrapped
 
@@ -121,12 +131,8 @@ def _wrap_stream(
             async for item in stream_items(behavior, request, context):
                 yield item
             context.set_trailing_metadata(stamp)
-        except TreadleError as err:
-            await abort_with(context, err, instance)
-        except (asyncio.CancelledError, grpc.aio.AbortError):
-            raise
-        except Exception as err:
-            await _abort_unexpected(context, err, method, instance)
+        except Exception as err:  # not CancelledError (a BaseException): it passes
+            await _answer_error(context, err, method, instance)
 
     return wrapped
 
@@ -138,7 +144,7 @@ class _Undecodable:
         self.error = error
 
 
-class DecodeInterceptor(grpc.aio.ServerInterceptor):
+class DecodeInterceptor(WrappingInterceptor):
     """Answers a request that is not a valid message INVALID_ARGUMENT.
 
     gRPC's own deserialization failure surfaces as UNKNOWN (the deserializer's
@@ -147,13 +153,8 @@ class DecodeInterceptor(grpc.aio.ServerInterceptor):
     caller without a key hears UNAUTHENTICATED first, whatever it sent.
     """
 
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
-        handler = await continuation(handler_call_details)
-        if handler is None or handler.request_deserializer is None:
+    def wrap(self, handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
+        if handler.request_deserializer is None:
             return handler
         if handler.request_streaming:
             return handler  # none of ours; a stream's messages are parsed as they come

@@ -7,8 +7,12 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
+import pytest
 
+from treadle._rpc import INSTANCE_KEY
+from treadle.errors import NotFoundError
 from treadle.server.interceptor_base import WrappingInterceptor
+from treadle.server.interceptors import ErrorInterceptor
 
 
 class _Tagging(WrappingInterceptor):
@@ -74,3 +78,67 @@ def test_open_methods_and_unknown_methods_pass_unwrapped() -> None:
     assert icpt.wrapped == []
     _pass(icpt, "/S/uu", handler)
     assert icpt.wrapped == [("unary", "/S/uu")]
+
+
+class _Context:
+    """What the error interceptor uses of a servicer context."""
+
+    def __init__(self) -> None:
+        self.aborted: tuple[grpc.StatusCode, str] | None = None
+        self.trailers: Any = None
+
+    async def abort(self, code: grpc.StatusCode, details: str = "", trailers: Any = ()) -> None:
+        self.aborted = (code, details)
+        raise grpc.aio.AbortError()
+
+    def set_trailing_metadata(self, trailers: Any) -> None:
+        self.trailers = trailers
+
+
+@pytest.mark.parametrize("streamed", [False, True])
+def test_error_interceptor_answers_each_kind_of_failure(streamed: bool) -> None:
+    icpt = ErrorInterceptor("inst-1")
+    mine = grpc.aio.AbortError()
+    cases = [
+        (NotFoundError("model m not found"), (grpc.StatusCode.NOT_FOUND, "model m not found")),
+        (ValueError("boom"), (grpc.StatusCode.INTERNAL, "ValueError: boom")),
+        (mine, None),  # an abort under way passes on as it is
+    ]
+
+    def failing(err: Exception) -> Callable[..., Any]:
+        if streamed:
+
+            async def stream(request: Any, context: Any) -> AsyncIterator[int]:
+                yield 1
+                raise err
+
+            return icpt.wrap_stream(stream, "/S/m")
+
+        async def unary(request: Any, context: Any) -> int:
+            raise err
+
+        return icpt.wrap_unary(unary, "/S/m")
+
+    async def call(behavior: Callable[..., Any], ctx: _Context) -> None:
+        if streamed:
+            async for _ in behavior(None, ctx):
+                pass
+        else:
+            await behavior(None, ctx)
+
+    for err, answer in cases:
+        ctx = _Context()
+        with pytest.raises(grpc.aio.AbortError) as raised:
+            asyncio.run(call(failing(err), ctx))
+        assert ctx.aborted == answer
+        assert (raised.value is mine) == (answer is None)
+        assert ctx.trailers is None  # no success stamp on a failure
+
+
+def test_error_interceptor_stamps_a_success_with_the_instance() -> None:
+    async def unary(request: Any, context: Any) -> int:
+        return 7
+
+    ctx = _Context()
+    assert asyncio.run(ErrorInterceptor("inst-1").wrap_unary(unary, "/S/m")(None, ctx)) == 7
+    assert ctx.trailers == ((INSTANCE_KEY, "inst-1"),) and ctx.aborted is None
