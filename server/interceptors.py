@@ -6,6 +6,7 @@ each call is timed, counted and given its request id for the logs."""
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import inspect
 import logging
 import time
@@ -204,7 +205,10 @@ class ObserveInterceptor(WrappingInterceptor):
     def __init__(self, metrics: ServerMetrics | None = None) -> None:
         self.metrics = metrics
 
-    def _begin(self, rpc: str, context: grpc.aio.ServicerContext) -> CallRecord:
+    def _begin(
+        self, rpc: str, context: grpc.aio.ServicerContext
+    ) -> tuple[CallRecord, contextvars.Token[CallRecord | None], float]:
+        """The call's record, made the current call (its reset token), and its start."""
         request_id = ""
         for key, value in context.invocation_metadata() or ():
             if key == REQUEST_ID_KEY:
@@ -212,11 +216,18 @@ class ObserveInterceptor(WrappingInterceptor):
                 break
         if self.metrics is not None:
             self.metrics.started()
-        return CallRecord(rpc, request_id or new_request_id())
+        record = CallRecord(rpc, request_id or new_request_id())
+        return record, set_current_call(record), time.perf_counter()
 
     def _end(
-        self, record: CallRecord, context: grpc.aio.ServicerContext, t0: float, status: str
+        self,
+        record: CallRecord,
+        token: contextvars.Token[CallRecord | None],
+        context: grpc.aio.ServicerContext,
+        t0: float,
+        status: str,
     ) -> None:
+        """Count and log the call (``status`` "": the one it ended with); no longer current."""
         seconds = time.perf_counter() - t0
         if status == "":
             status = _status_name(context)
@@ -235,6 +246,7 @@ class ObserveInterceptor(WrappingInterceptor):
                 "request_id": record.request_id,
             },
         )
+        reset_current_call(token)
 
     def wrap_unary(
         self, behavior: Callable[..., Any], method: str
@@ -242,9 +254,8 @@ class ObserveInterceptor(WrappingInterceptor):
         rpc = rpc_name(method)
 
         async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            record = self._begin(rpc, context)
-            token = set_current_call(record)
-            t0, status = time.perf_counter(), ""
+            record, token, t0 = self._begin(rpc, context)
+            status = ""
             try:
                 with request_context(record.request_id):
                     return await behavior(request, context)
@@ -252,8 +263,7 @@ class ObserveInterceptor(WrappingInterceptor):
                 status = "CANCELLED"
                 raise
             finally:
-                self._end(record, context, t0, status)
-                reset_current_call(token)
+                self._end(record, token, context, t0, status)
 
         return wrapped
 
@@ -263,9 +273,8 @@ class ObserveInterceptor(WrappingInterceptor):
         rpc = rpc_name(method)
 
         async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-            record = self._begin(rpc, context)
-            token = set_current_call(record)
-            t0, status = time.perf_counter(), ""
+            record, token, t0 = self._begin(rpc, context)
+            status = ""
             try:
                 with request_context(record.request_id):
                     async for item in stream_items(behavior, request, context):
@@ -274,8 +283,7 @@ class ObserveInterceptor(WrappingInterceptor):
                 status = "CANCELLED"
                 raise
             finally:
-                self._end(record, context, t0, status)
-                reset_current_call(token)
+                self._end(record, token, context, t0, status)
 
         return wrapped
 
