@@ -5,6 +5,8 @@ from __future__ import annotations
 import datetime as dt
 import ipaddress
 import os
+import subprocess
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -20,6 +22,21 @@ import treadle
 from treadle.errors import TreadleError
 from treadle.server.auth import generate_key, hash_key
 from treadle.server.db import queries
+
+#: the repository's root
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def script_check(script: str) -> subprocess.CompletedProcess[str]:
+    """``scripts/<script> --check`` run from the repository root (a generator's
+    drift check); what it printed is in the result."""
+    return subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / script), "--check"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
 
 
 def char_ids(text: str) -> list[int]:

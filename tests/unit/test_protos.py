@@ -9,8 +9,6 @@ from __future__ import annotations
 import importlib
 import inspect
 import pkgutil
-import subprocess
-import sys
 import typing
 from pathlib import Path
 from types import ModuleType
@@ -22,7 +20,7 @@ from google.protobuf.descriptor import MethodDescriptor, ServiceDescriptor
 
 import treadle.server
 import treadle.v1
-from tests.helpers import raw_channel
+from tests.helpers import raw_channel, script_check
 from treadle import _convert as sdk_convert
 from treadle import types as sdk_types
 from treadle.server import convert as server_convert
@@ -52,13 +50,7 @@ def _server_modules() -> list[ModuleType]:
 
 
 def test_committed_stubs_match_the_protos() -> None:
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "gen_protos.py"), "--check"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=ROOT,
-    )
+    proc = script_check("gen_protos.py")
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
