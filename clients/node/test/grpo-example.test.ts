@@ -1,26 +1,18 @@
 /** examples/grpo.ts learns: a short run (the demo's warm-up, then a few GRPO steps)
  * whose rollout reward rises. */
 import assert from "node:assert/strict";
-import { after, before, test } from "node:test";
+import { test } from "node:test";
 import { PLAN, runGrpo } from "../examples/grpo.js";
-import { ServiceClient } from "../src/index.js";
-import { DEMO, type TestServer, testServer } from "./harness.js";
+import { DEMO, sharedService } from "./harness.js";
 
-let server: TestServer;
-let service: ServiceClient;
-before(async () => {
-  server = await testServer();
-  service = new ServiceClient({ address: server.address, apiKey: server.apiKey });
-});
-after(async () => {
-  service.close();
-  await server.stop();
-});
+const shared = sharedService();
 
 test("the GRPO example's reward rises", async () => {
   const lines: string[] = [];
   const plan = { ...PLAN, baseModel: DEMO, rlSteps: 16 };
-  const { history, sftAccuracy } = await runGrpo(service, plan, (line) => lines.push(line));
+  const { history, sftAccuracy } = await runGrpo(shared.service, plan, (line) =>
+    lines.push(line),
+  );
   console.log(lines.join("\n"));
   assert.equal(history.length, plan.rlSteps);
   assert.ok(sftAccuracy >= plan.sftTarget, `warm-up reached ${sftAccuracy}`);

@@ -9,7 +9,9 @@ import { spawn, spawnSync, type ChildProcess } from "node:child_process";
 import { mkdtempSync, readFileSync, rmSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { dirname, join, resolve } from "node:path";
+import { after, before } from "node:test";
 import { fileURLToPath } from "node:url";
+import { ServiceClient } from "../src/index.js";
 
 /** The repository root (this file runs from clients/node/dist/test). */
 export const ROOT = resolve(dirname(fileURLToPath(import.meta.url)), "../../../..");
@@ -113,6 +115,22 @@ export async function testServer(): Promise<TestServer> {
   const dataDir = process.env["TREADLE_TEST_DATA_DIR"];
   if (address && apiKey && dataDir) return { address, apiKey, dataDir, stop: async () => {} };
   return startServer();
+}
+
+/** The file's server (`testServer`) and a client of it, made before its tests and
+ * closed after them; read them inside the tests. */
+export function sharedService(): { server: TestServer; service: ServiceClient } {
+  const shared = {} as { server: TestServer; service: ServiceClient };
+  before(async () => {
+    shared.server = await testServer();
+    const { address, apiKey } = shared.server;
+    shared.service = new ServiceClient({ address, apiKey });
+  });
+  after(async () => {
+    shared.service.close();
+    await shared.server.stop();
+  });
+  return shared;
 }
 
 /** Run `treadle admin ...` against the server's database; its stdout. */

@@ -7,9 +7,9 @@
 import assert from "node:assert/strict";
 import { spawnSync } from "node:child_process";
 import { join } from "node:path";
-import { after, before, test } from "node:test";
-import { type Datum, type LossFnName, ServiceClient } from "../src/index.js";
-import { PYTHON, ROOT, TINY, type TestServer, testServer } from "./harness.js";
+import { test } from "node:test";
+import { type Datum, type LossFnName } from "../src/index.js";
+import { PYTHON, ROOT, TINY, sharedService } from "./harness.js";
 
 interface Reference {
   seed: number;
@@ -27,16 +27,7 @@ interface Reference {
   final: string[][];
 }
 
-let server: TestServer;
-let service: ServiceClient;
-before(async () => {
-  server = await testServer();
-  service = new ServiceClient({ address: server.address, apiKey: server.apiKey });
-});
-after(async () => {
-  service.close();
-  await server.stop();
-});
+const shared = sharedService();
 
 /** float32 values as the hex of their little-endian bytes, as numpy's tobytes().hex(). */
 function bits(values: ArrayLike<number>): string[] {
@@ -49,11 +40,11 @@ function bits(values: ArrayLike<number>): string[] {
 
 test("forwardBackward + optimStep from Node equal the Python SDK's, bit for bit", async () => {
   const script = join(ROOT, "clients", "node", "test", "py_reference.py");
-  const py = spawnSync(PYTHON, [script, server.address, server.apiKey, TINY], { encoding: "utf8", timeout: 300_000 });
+  const py = spawnSync(PYTHON, [script, shared.server.address, shared.server.apiKey, TINY], { encoding: "utf8", timeout: 300_000 });
   assert.equal(py.status, 0, py.stderr);
   const ref = JSON.parse(py.stdout) as Reference;
 
-  const trainer = await service.createLoraTrainingClient(TINY, { rank: ref.rank, seed: ref.seed });
+  const trainer = await shared.service.createLoraTrainingClient(TINY, { rank: ref.rank, seed: ref.seed });
   // Same pipelining as Python: both calls of a step in flight before either answers.
   for (const [i, want] of ref.steps.entries()) {
     const [out, step] = await Promise.all([
