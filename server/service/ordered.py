@@ -24,6 +24,7 @@ from treadle.server import restarts
 from treadle.server.context import ServerContext
 from treadle.server.db import ops_log
 from treadle.server.metering import CallMeter
+from treadle.server.service.op_endings import Ending, OpEndings
 from treadle.server.service.types import OrderedCall
 from treadle.workers.domain import OpResult, OrderedOp, RejectedOp
 
@@ -36,9 +37,10 @@ Admission = asyncio.Future[None]
 class OrderedCalls:
     """Runs ordered calls through the pipeline; the one place they are metered."""
 
-    def __init__(self, ctx: ServerContext, meter: CallMeter) -> None:
+    def __init__(self, ctx: ServerContext, meter: CallMeter, endings: OpEndings) -> None:
         self.ctx = ctx
         self.meter = meter
+        self.endings = endings
 
     async def run(
         self,
@@ -104,17 +106,33 @@ class OrderedCalls:
             raise
         finally:
             self.meter.release_ordered(call.model_id, call.seq_id, ticket)
-        if self._finish(call, "done", None):  # applied now, exactly once: count it
-            self.meter.count_ordered(tenant, call.model_id, op, result)
+        # applied now, exactly once: counted by the call that ends its row
+        self._finish(
+            call, "done", None, lambda: self.meter.count_ordered(tenant, call.model_id, op, result)
+        )
         return result
 
-    def _finish(self, call: OrderedCall, status: str, code: str | None) -> bool:
-        """Record the call's end; whether this was the call that ended it (a call
-        that failed UNAVAILABLE ends done when its repeat, same payload, is applied)."""
+    def _finish(
+        self,
+        call: OrderedCall,
+        status: str,
+        code: str | None,
+        on_ended: Callable[[], None] | None = None,
+    ) -> None:
+        """Record the call's end; ``on_ended`` runs if this was the call that ended
+        it (a call that failed UNAVAILABLE ends done when its repeat, same payload,
+        is applied). With the engine in this process the end is written behind the
+        answer (``OpEndings``), else before it."""
+        ending = Ending(call.model_id, call.seq_id, status, code, call.digest, on_ended)
+        if self.ctx.dispatcher.engine_in_process:
+            self.endings.end(ending)
+            return
         with self.ctx.connection() as conn:
-            return ops_log.finish_pending_op(
+            ended = ops_log.finish_pending_op(
                 conn, call.model_id, call.seq_id, status, code, call.digest
             )
+        if ended and on_ended is not None:
+            on_ended()
 
 
 def _fail(admitted: Admission | None, err: BaseException) -> None:
