@@ -6,7 +6,8 @@ numbering; ``seq_id`` >= 1; the op built (bad input becomes a ``RejectedOp``
 that still takes its ``seq_id``); the op's row inserted unless the ``seq_id`` is
 a repeat (a repeat is neither admitted against the quota nor counted again);
 dispatched to the engine, which applies it in order exactly once; the row
-finished; usage counted once, by the call that finished the row.
+finished (with the engine in this process, behind the answer: ``OpEndings``);
+usage counted once, by the call that finished the row.
 
 ``CallHandle`` lets a transport that answers later (an HTTP future) start a
 call, learn at once whether it was admitted, and await its result the moment
