@@ -32,7 +32,7 @@ work (auth, the ops log, ordering, conversions) adds.
 
 ``CPU / call``: the process's CPU time (all its threads) over the calls, a
 measure the machine's load disturbs less than the wall-clock p50 (through
-Celery it leaves out the worker process's).
+Celery it leaves out the worker process's); printed by thread below the table.
 
 Measured here (2 cores shared with other work, load 1.0-1.6, four runs of
 ``--no-celery`` alternating with the code before, medians): embedded p50 / floor
@@ -190,9 +190,28 @@ def measure_floor(
     return rpc, fwd * 1e3, handed
 
 
+def thread_cpu_s() -> dict[str, float]:
+    """CPU seconds so far of each thread of this process, by thread name ({} where
+    ``/proc`` does not tell)."""
+    out: dict[str, float] = {}
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    for thread in threading.enumerate():
+        try:
+            with open(f"/proc/self/task/{thread.native_id}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        out[thread.name] = out.get(thread.name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
+#: the last embedded measure's CPU ms a call, by thread
+BY_THREAD: dict[str, float] = {}
+
+
 def measure(srv: EmbeddedServer, calls: int, warmup: int) -> tuple[np.ndarray, float]:
     """Round trips, ms each; the process's CPU ms a call (all its threads: the
-    SDK's, the server's, the engine's)."""
+    SDK's, the server's, the engine's; by thread in ``BY_THREAD``)."""
     client = treadle.ServiceClient(srv.address, api_key=srv.api_key)
     try:
         tc = client.create_lora_training_client("tiny", rank=4)
@@ -203,12 +222,18 @@ def measure(srv: EmbeddedServer, calls: int, warmup: int) -> tuple[np.ndarray, f
         for _ in range(warmup):
             tc.forward_logprobs([one]).result()
         out = np.empty(calls)
-        cpu0 = time.process_time()
+        cpu0, threads0 = time.process_time(), thread_cpu_s()
         for i in range(calls):
             t0 = time.perf_counter()
             tc.forward_logprobs([one]).result()
             out[i] = time.perf_counter() - t0
-        return out * 1e3, (time.process_time() - cpu0) * 1e3 / calls
+        cpu = (time.process_time() - cpu0) * 1e3 / calls
+        threads1 = thread_cpu_s()
+        BY_THREAD.clear()
+        BY_THREAD.update(
+            {name: (t - threads0.get(name, 0.0)) * 1e3 / calls for name, t in threads1.items()}
+        )
+        return out * 1e3, cpu
     finally:
         client.close()
 
@@ -272,6 +297,7 @@ def main() -> int:
     ok = True
     floor_parts = [measure_floor(model, args.calls, args.warmup)]
     results: list[tuple[str, tuple[np.ndarray, float]]] = []
+    by_thread: dict[str, dict[str, float]] = {}
     for name, broker, _kind in paths:
         run_dir = tmp / name  # a database of its own: no models of an earlier path
         database_url = args.database_url or f"sqlite:///{run_dir / 'treadle.db'}"
@@ -291,6 +317,7 @@ def main() -> int:
             else:
                 measured = measure(srv, args.calls, args.warmup)
         results.append((name, measured))
+        by_thread[name] = dict(BY_THREAD)
     floor_parts.append(measure_floor(model, args.calls, args.warmup))
     rpc = np.concatenate([r for r, _, _ in floor_parts])
     fwd = np.concatenate([f for _, f, _ in floor_parts])
@@ -324,6 +351,10 @@ def main() -> int:
             rows,
         )
     )
+    for name, threads in by_thread.items():
+        busiest = sorted(threads.items(), key=lambda item: -item[1])[:4]
+        shares = ", ".join(f"{thread} {ms:.2f}" for thread, ms in busiest)
+        print(f"{name}: CPU ms a call by thread: {shares}")
     return 0 if ok else 1
 
 
