@@ -90,6 +90,7 @@ async def graceful_stop(server: grpc.aio.Server, ctx: ServerContext) -> None:
             "is applied (gradients of a step not taken are dropped)",
             flush=True,
         )
+    await ctx.service.op_endings.close()  # the last ends of calls (they count usage)
     if ctx.usage is not None:
         await ctx.usage.close()  # the last usage counters
     ctx.dispatcher.close()

@@ -95,6 +95,8 @@ class EmbeddedServer:
                 self._run(self.ctx.http.stop())
             if self.server is not None:
                 self._run(self.server.stop(grace=1))
+            if self.ctx is not None:
+                self._run(self.ctx.service.op_endings.close())  # they count usage
             if self.ctx is not None and self.ctx.usage is not None:
                 self._run(self.ctx.usage.close())
             if self.ctx is not None:

@@ -20,6 +20,7 @@ from treadle.server.metering import CallMeter
 from treadle.server.service.checkpoints import CheckpointService
 from treadle.server.service.info import InfoService
 from treadle.server.service.models import ModelService
+from treadle.server.service.op_endings import OpEndings
 from treadle.server.service.ordered import CallHandle, OrderedCalls
 from treadle.server.service.sampling import SamplingService
 from treadle.server.service.sessions import SessionService
@@ -46,7 +47,10 @@ class Service:
         self.meter = CallMeter(ctx.quotas, ctx.usage)
         self.checkpoints = CheckpointService(ctx)
         self.models = ModelService(ctx, self.checkpoints)
-        self.training = TrainingService(ctx, OrderedCalls(ctx, self.meter), self.checkpoints)
+        #: the ends of ordered calls, written behind their answers (in-process engine)
+        self.op_endings = OpEndings(ctx.connection)
+        calls = OrderedCalls(ctx, self.meter, self.op_endings)
+        self.training = TrainingService(ctx, calls, self.checkpoints)
         self.sampling = SamplingService(ctx, self.meter)
         self.sessions = SessionService(ctx)
         self.info = InfoService(ctx)

@@ -6,7 +6,8 @@ numbering; ``seq_id`` >= 1; the op built (bad input becomes a ``RejectedOp``
 that still takes its ``seq_id``); the op's row inserted unless the ``seq_id`` is
 a repeat (a repeat is neither admitted against the quota nor counted again);
 dispatched to the engine, which applies it in order exactly once; the row
-finished; usage counted once, by the call that finished the row.
+finished (with the engine in this process, behind the answer: ``OpEndings``);
+usage counted once, by the call that finished the row.
 
 ``CallHandle`` lets a transport that answers later (an HTTP future) start a
 call, learn at once whether it was admitted, and await its result the moment
@@ -24,6 +25,7 @@ from treadle.server import restarts
 from treadle.server.context import ServerContext
 from treadle.server.db import ops_log
 from treadle.server.metering import CallMeter
+from treadle.server.service.op_endings import Ending, OpEndings
 from treadle.server.service.types import OrderedCall
 from treadle.workers.domain import OpResult, OrderedOp, RejectedOp
 
@@ -36,9 +38,10 @@ Admission = asyncio.Future[None]
 class OrderedCalls:
     """Runs ordered calls through the pipeline; the one place they are metered."""
 
-    def __init__(self, ctx: ServerContext, meter: CallMeter) -> None:
+    def __init__(self, ctx: ServerContext, meter: CallMeter, endings: OpEndings) -> None:
         self.ctx = ctx
         self.meter = meter
+        self.endings = endings
 
     async def run(
         self,
@@ -104,17 +107,33 @@ class OrderedCalls:
             raise
         finally:
             self.meter.release_ordered(call.model_id, call.seq_id, ticket)
-        if self._finish(call, "done", None):  # applied now, exactly once: count it
-            self.meter.count_ordered(tenant, call.model_id, op, result)
+        # applied now, exactly once: counted by the call that ends its row
+        self._finish(
+            call, "done", None, lambda: self.meter.count_ordered(tenant, call.model_id, op, result)
+        )
         return result
 
-    def _finish(self, call: OrderedCall, status: str, code: str | None) -> bool:
-        """Record the call's end; whether this was the call that ended it (a call
-        that failed UNAVAILABLE ends done when its repeat, same payload, is applied)."""
+    def _finish(
+        self,
+        call: OrderedCall,
+        status: str,
+        code: str | None,
+        on_ended: Callable[[], None] | None = None,
+    ) -> None:
+        """Record the call's end; ``on_ended`` runs if this was the call that ended
+        it (a call that failed UNAVAILABLE ends done when its repeat, same payload,
+        is applied). With the engine in this process the end is written behind the
+        answer (``OpEndings``), else before it."""
+        ending = Ending(call.model_id, call.seq_id, status, code, call.digest, on_ended)
+        if self.ctx.dispatcher.engine_in_process:
+            self.endings.end(ending)
+            return
         with self.ctx.connection() as conn:
-            return ops_log.finish_pending_op(
+            ended = ops_log.finish_pending_op(
                 conn, call.model_id, call.seq_id, status, code, call.digest
             )
+        if ended and on_ended is not None:
+            on_ended()
 
 
 def _fail(admitted: Admission | None, err: BaseException) -> None:

@@ -91,6 +91,7 @@ def _model(w: World, tenant: str) -> str:
 
 def _calls_counted(w: World, tenant: str, model_id: str) -> int:
     assert w.ctx.usage is not None
+    w.service.op_endings.flush()  # the ends of calls count them
     delta = w.ctx.usage.pending().get((tenant, model_id, ""))
     return 0 if delta is None else delta.calls
 
