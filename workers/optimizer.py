@@ -106,7 +106,9 @@ class AdamW:
             increment_version(ps)
             # summed on the device: one host read per step, not one per tensor
             with record_function("treadle.update_norm"):
-                moved = torch.stack([torch.dist(p, b) for p, b in zip(ps, before, strict=True)])
+                # the copies are ours: the move is taken in place, no new tensor per weight
+                torch._foreach_sub_(before, ps)
+                moved = torch.stack(torch._foreach_norm(before))
                 update_sq_t = update_sq_t + (moved.double() ** 2).sum()
             del before
         self.zero_grad()

@@ -31,6 +31,7 @@ from treadle.workers.model.config import ModelConfig
 from treadle.workers.model.llama import LlamaParams, forward_hidden, lm_logits, target_logprobs
 from treadle.workers.model.lora import HEAD, UNEMBED_TARGET, LoraAdapter, targets_for
 from treadle.workers.optimizer import AdamW
+from treadle.workers.softmax_logprobs import target_logprobs_and_entropy
 from treadle.workers.train_validation import (
     check_adam,
     check_temperature,
@@ -267,14 +268,14 @@ def logprobs_of_hidden(
 def logprobs_from_logits(
     logits_B_T_V: Tensor, targets_B_T: Tensor, temperature: float, *, with_entropy: bool
 ) -> tuple[Tensor, Tensor | None]:
-    """Target logprobs ``[B, T]`` at ``temperature`` and (optionally, no grad) the entropy."""
-    lp_B_T = target_logprobs(logits_B_T_V, targets_B_T, temperature)
-    entropy = None
-    if with_entropy:
-        with torch.no_grad():
-            logp = torch.log_softmax(logits_B_T_V.detach() / temperature, dim=-1)
-            entropy = -(logp.exp() * logp).sum(-1)
-    return lp_B_T, entropy
+    """Target logprobs ``[B, T]`` at ``temperature`` and (optionally, no grad) the entropy:
+    one softmax for both and the gradient (``workers.softmax_logprobs``); a
+    forward without either, one logsumexp."""
+    if with_entropy or (torch.is_grad_enabled() and logits_B_T_V.requires_grad):
+        return target_logprobs_and_entropy(
+            logits_B_T_V, targets_B_T, temperature, with_entropy=with_entropy
+        )
+    return target_logprobs(logits_B_T_V, targets_B_T, temperature), None
 
 
 @dataclass(frozen=True)
