@@ -46,7 +46,9 @@ class Service:
         self.meter = CallMeter(ctx.quotas, ctx.usage)
         self.checkpoints = CheckpointService(ctx)
         self.models = ModelService(ctx, self.checkpoints)
-        self.training = TrainingService(ctx, OrderedCalls(ctx, self.meter), self.checkpoints)
         self.sampling = SamplingService(ctx, self.meter)
+        self.training = TrainingService(
+            ctx, OrderedCalls(ctx, self.meter), self.checkpoints, self.sampling
+        )
         self.sessions = SessionService(ctx)
         self.info = InfoService(ctx)
