@@ -12,6 +12,10 @@ An answer that carries the result (or its error) has the header
 ``x-treadle-ready-monotonic``: when the call's task finished, in this host's
 ``time.monotonic()`` seconds (CLOCK_MONOTONIC, system-wide on Linux), so a
 client on the same host can measure how long the result took to reach it.
+
+Finished results are dropped ``keep_s`` after they finished, oldest first, from a
+queue in finishing order: a call's bookkeeping is O(1) amortised however many
+results are held (no scan of every entry per call).
 """
 
 from __future__ import annotations
@@ -20,8 +24,9 @@ import asyncio
 import contextlib
 import time
 import uuid
+from collections import deque
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from starlette.responses import JSONResponse, Response
@@ -40,16 +45,24 @@ class _Entry:
     tenant: str
     task: asyncio.Task[Any]
     encode: Encoder
-    created: float = field(default_factory=time.monotonic)
     finished: float | None = None
+    key: tuple[str, ...] | None = None  # its ``once`` key, dropped with it
 
 
 class Futures:
-    def __init__(self, hold_s: float = 30.0, keep_s: float = 900.0) -> None:
+    def __init__(
+        self,
+        hold_s: float = 30.0,
+        keep_s: float = 900.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.hold_s = hold_s
         self.keep_s = keep_s  # how long a finished result stays retrievable
+        self._clock = clock
         self._entries: dict[str, _Entry] = {}
         self._keys: dict[tuple[str, ...], str] = {}  # (tenant, *key) -> request id
+        #: (when it finished, request id), in finishing order: the next to expire first
+        self._done: deque[tuple[float, str]] = deque()
 
     def start(self, tenant: str, work: Awaitable[Any], encode: Encoder) -> str:
         """Run ``work`` in a task; its request id."""
@@ -57,7 +70,7 @@ class Futures:
         request_id = uuid.uuid4().hex
         task = asyncio.ensure_future(work)
         entry = _Entry(tenant, task, encode)
-        task.add_done_callback(lambda t: _finished(entry, t))
+        task.add_done_callback(lambda t: self._finished(request_id, entry, t))
         self._entries[request_id] = entry
         return request_id
 
@@ -80,6 +93,7 @@ class Futures:
                 return existing
         request_id = self.start(tenant, work(), encode)
         self._keys[(tenant, *key)] = request_id
+        self._entries[request_id].key = (tenant, *key)
         return request_id
 
     async def retrieve(self, tenant: str, request_id: str) -> Response:
@@ -110,15 +124,26 @@ class Futures:
         for entry in self._entries.values():
             entry.task.cancel()
         self._entries.clear()
+        self._keys.clear()
+        self._done.clear()
+
+    def _finished(self, request_id: str, entry: _Entry, task: asyncio.Task[Any]) -> None:
+        entry.finished = self._clock()
+        self._done.append((entry.finished, request_id))
+        if not task.cancelled():
+            with contextlib.suppress(BaseException):
+                task.exception()  # seen here: retrieve_future reports it
 
     def _expire(self) -> None:
-        now = time.monotonic()
-        for rid in [
-            rid
-            for rid, e in self._entries.items()
-            if e.finished is not None and now - e.finished > self.keep_s
-        ]:
-            del self._entries[rid]
+        """Drop the results finished more than ``keep_s`` ago: from the front of
+        the finishing-order queue, so each result is looked at once."""
+        horizon = self._clock() - self.keep_s
+        while self._done and self._done[0][0] < horizon:
+            _, request_id = self._done.popleft()
+            entry = self._entries.pop(request_id, None)
+            key = entry.key if entry is not None else None
+            if key is not None and self._keys.get(key) == request_id:
+                del self._keys[key]
 
 
 def _answer(entry: _Entry) -> Response:
@@ -131,10 +156,3 @@ def _answer(entry: _Entry) -> Response:
     if isinstance(body, bytes):
         return Response(body, media_type=PROTOBUF)
     return JSONResponse(body)
-
-
-def _finished(entry: _Entry, task: asyncio.Task[Any]) -> None:
-    entry.finished = time.monotonic()
-    if not task.cancelled():
-        with contextlib.suppress(BaseException):
-            task.exception()  # seen here: retrieve_future reports it

@@ -49,8 +49,9 @@ class Service:
         self.models = ModelService(ctx, self.checkpoints)
         #: the ends of ordered calls, written behind their answers (in-process engine)
         self.op_endings = OpEndings(ctx.connection)
-        calls = OrderedCalls(ctx, self.meter, self.op_endings)
-        self.training = TrainingService(ctx, calls, self.checkpoints)
         self.sampling = SamplingService(ctx, self.meter)
+        self.training = TrainingService(
+            ctx, OrderedCalls(ctx, self.meter, self.op_endings), self.checkpoints, self.sampling
+        )
         self.sessions = SessionService(ctx)
         self.info = InfoService(ctx)

@@ -44,6 +44,11 @@ class SamplingService:
         #: sampler_id -> (tenant, target), at most ``MAX_CACHED_SAMPLERS``, LRU
         self._targets: OrderedDict[str, tuple[str, SamplerTarget]] = OrderedDict()
 
+    def remember(self, tenant: str, sampler_id: str, target: SamplerTarget) -> None:
+        """Keep the target of a sampler made elsewhere (``sync_weights``'s), so its
+        first sample does not read it back from the database."""
+        self._cache(sampler_id, (tenant, target))
+
     def _cache(self, sampler_id: str, entry: tuple[str, SamplerTarget]) -> None:
         self._targets[sampler_id] = entry
         self._targets.move_to_end(sampler_id)

@@ -20,6 +20,7 @@ from treadle.server.context import ServerContext
 from treadle.server.db import queries
 from treadle.server.service.checkpoints import CheckpointService
 from treadle.server.service.ordered import Admission, OrderedCalls
+from treadle.server.service.sampling import SamplingService
 from treadle.server.service.types import OrderedCall, Parsed, SavedState, SyncOutcome, unwrap
 from treadle.workers.domain import (
     AdamConfig,
@@ -31,6 +32,7 @@ from treadle.workers.domain import (
     OptimStepOp,
     OptimStepResult,
     OrderedOp,
+    SamplerTarget,
     SaveResult,
     SaveStateOp,
     SyncResult,
@@ -40,11 +42,16 @@ from treadle.workers.domain import (
 
 class TrainingService:
     def __init__(
-        self, ctx: ServerContext, calls: OrderedCalls, checkpoints: CheckpointService
+        self,
+        ctx: ServerContext,
+        calls: OrderedCalls,
+        checkpoints: CheckpointService,
+        samplers: SamplingService,
     ) -> None:
         self.ctx = ctx
         self.calls = calls
         self.checkpoints = checkpoints
+        self.samplers = samplers  # knows the sampler a sync makes, as create_sampler's
 
     async def forward_backward(
         self,
@@ -169,6 +176,9 @@ class TrainingService:
                     pinned_version=result.version,
                 )
                 sampler_id = sampler.id
+                target = SamplerTarget(row.base_model, call.model_id, result.version)
+        if sampler_id:  # committed: its first sample finds it without a database read
+            self.samplers.remember(tenant, sampler_id, target)
         return SyncOutcome(result.version, uri, sampler_id)
 
     async def save_state(

@@ -244,3 +244,24 @@ def test_sampler_cache_stays_bounded(world: World, monkeypatch: pytest.MonkeyPat
     with pytest.raises(NotFoundError):
         svc.sampling.target(w.b, made[1])
     assert len(cache) <= 3
+
+
+def test_the_sampler_a_sync_makes_is_known_without_a_database_read(
+    world: World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """sync_weights's sampler is sampled right after (every RL step): its target
+    is kept when it is made, as create_sampler's is, not read back per step."""
+    from treadle.server.service import sampling
+
+    w, svc = world, world.service
+    model = _model(w, w.a)
+    out = w.run(svc.training.sync_weights(w.a, _call(model, 1), create_sampler=True))
+
+    def no_read(*args: Any, **kw: Any) -> Any:
+        raise AssertionError("the sampler's target was read from the database")
+
+    monkeypatch.setattr(sampling.queries, "get_sampler", no_read)
+    target = svc.sampling.target(w.a, out.sampler_id)
+    assert (target.model_id, target.version) == (model, out.version)
+    with pytest.raises(NotFoundError):  # still the tenant's own
+        svc.sampling.target(w.b, out.sampler_id)
