@@ -224,13 +224,16 @@ def serial(spans: list[tuple[float, float]]) -> int:
 
 
 def empty_calls(
-    sc: tinker.ServiceClient, service: treadle.ServiceClient, n: int
-) -> tuple[float, float]:
+    sc: tinker.ServiceClient, service: treadle.ServiceClient, n: int, base_url: str
+) -> tuple[float, float, float]:
     """Median ms of an empty call from this thread, alternating: ``healthz``
     through the tinker SDK's own client (its event loop thread, its connection
-    pool and transport), and gRPC's health Check through treadle SDK's caller
-    and channel. What one round trip costs with no treadle code in it."""
+    pool and transport), gRPC's health Check through treadle SDK's caller and
+    channel, and the same ``healthz`` through a bare synchronous httpx client
+    (keep-alive): what one round trip costs with no treadle code in it, and how
+    much of the tinker SDK's is its client's own."""
     holder = sc.holder
+    bare = httpx.Client(base_url=base_url)
 
     async def healthz() -> object:
         with holder.aclient(ClientConnectionPoolType.TRAIN) as client:
@@ -238,17 +241,20 @@ def empty_calls(
 
     check = health_pb2_grpc.HealthStub(service._channel).Check
     request = health_pb2.HealthCheckRequest()
-    ms: dict[str, list[float]] = {"http": [], "grpc": []}
+    ms: dict[str, list[float]] = {"http": [], "grpc": [], "bare": []}
     for i in range(n + 10):
-        for name in ("http", "grpc") if i % 2 == 0 else ("grpc", "http"):
+        for name in ("http", "grpc", "bare") if i % 2 == 0 else ("bare", "grpc", "http"):
             t0 = time.perf_counter()
             if name == "http":
                 holder.run_coroutine_threadsafe(healthz()).result()
-            else:
+            elif name == "grpc":
                 service._caller.call(check, request, lambda r: r).result()
+            else:
+                bare.get("/api/v1/healthz").raise_for_status()
             if i >= 10:  # the first ones warm up
                 ms[name].append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(ms["http"]), statistics.median(ms["grpc"])
+    bare.close()
+    return tuple(statistics.median(ms[k]) for k in ("http", "grpc", "bare"))  # type: ignore[return-value]
 
 
 @contextlib.contextmanager
@@ -415,7 +421,9 @@ def main() -> int:
             for r in range(args.rounds):
                 for name in order if r % 2 == 0 else order[::-1]:
                     times[name] += timed(paths[name], args.steps, chains[name])
-            empty_http, empty_grpc = empty_calls(sc, service, args.empty_calls)
+            empty_http, empty_grpc, empty_bare = empty_calls(
+                sc, service, args.empty_calls, http_url
+            )
         finally:
             sc.close("success").result()
             service.close()
@@ -464,7 +472,9 @@ def main() -> int:
         f"requests a step (mean) / in sequence (median): HTTP {req['tinker SDK / HTTP']:.1f} / "
         f"{s_http:.0f}, gRPC {req['treadle SDK / gRPC']:.1f} / {s_grpc:.0f}\n"
         f"empty call, median of {args.empty_calls}: tinker SDK healthz {empty_http:.2f} ms, "
-        f"gRPC health Check (treadle SDK caller) {empty_grpc:.2f} ms\n"
+        f"gRPC health Check (treadle SDK caller) {empty_grpc:.2f} ms, the same healthz "
+        f"through a bare httpx client {empty_bare:.2f} ms (the tinker SDK's client adds "
+        f"{empty_http - empty_bare:.2f} ms a request)\n"
         f"the protocol's estimate (the same engine and routes, every round trip in sequence "
         f"at the empty call's cost): HTTP adds {extra_ms:.1f} ms a step -> ratio ~ "
         f"{protocol_bound:.3f}"
