@@ -87,6 +87,20 @@ estimate at 85 / (85 + 13) = 0.87: the remaining gap is the tinker SDK's
 protocol (a request id, then retrieve_future, per call; the sampler known only
 after the sync's result) and its client's per-request cost, not treadle's routes.
 
+Four runs on the idle machine after the changes (2026-12-02 14:41-15:03 UTC,
+``--rounds 6 --steps 3``, the empty call also through a bare httpx client):
+
+    load   HTTP ms  gRPC ms  ratio  empty tinker/gRPC/bare ms  estimate  delay p50
+    0.7     135.3    121.2   0.896     2.51 / 1.25 / -           0.898     1.82
+    0.6     175.5    161.8   0.922     3.84 / 2.05 / 1.53        0.886     2.49
+    0.9     164.4    140.0   0.851     1.84 / 1.08 / 0.91        0.936     2.17
+    1.2     154.6    121.1   0.783     2.33 / 1.46 / 1.09        0.910     2.43
+
+The tinker SDK's client adds 0.9-2.3 ms to each request over a bare httpx
+client on the same route. The last two runs fell 15-20 ms a step below their
+estimate: a cost the empty calls do not show; the ready-to-SDK delay (one way)
+is about one whole empty round trip, where it should be about half.
+
     python benchmarks/tinker_api.py               # ~5 min on 2 loaded CPU cores
     python benchmarks/tinker_api.py --rounds 6 --steps 4
     python benchmarks/tinker_api.py --embedded    # the server in this process
