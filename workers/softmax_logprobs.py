@@ -6,11 +6,13 @@ A training call needs, per position, ``log_softmax(logits / T)`` at the target
 a logsumexp, its backward's ``exp``, a one-hot gradient of the gather, their
 sum, and for the entropy a second ``log_softmax``, an ``exp`` and a product:
 about a dozen passes over the ``[N, V]`` logits (a 110M model's 32k vocabulary
-at 1,024 positions is 131 MB a pass). Here: one ``log_softmax``, one ``exp``
-(the softmax ``p``, kept for the backward), the entropy as a dot product per
-position, and a backward of ``-p * g`` plus the target's ``+g``, written into
-one new tensor: what plain torch's ``cross_entropy`` spends, plus the entropy's
-dot product.
+at 1,024 positions is 131 MB a pass). Here: one logsumexp, one subtraction
+(the log-softmax), one ``exp`` (the softmax ``p``, kept for the backward), the
+entropy as a dot product per position, and a backward of ``-p * g`` plus the
+target's ``+g``, written into one new tensor: what plain torch's
+``cross_entropy`` spends, plus the entropy's dot product and the logsumexp
+that makes the target's logprob the same to the bit as the sampler's and
+``forward_logprobs``' (``llama.target_logprobs``).
 
 The numbers are those of ``llama.target_logprobs`` and of the entropy computed
 the plain way, within floating-point rounding
@@ -31,9 +33,13 @@ class _TargetLogprobsEntropy(torch.autograd.Function):
         ctx: Any, logits_N_V: Tensor, targets_N: Tensor, temperature: float, with_entropy: bool
     ) -> tuple[Tensor, Tensor]:
         scaled = logits_N_V / temperature if temperature != 1.0 else logits_N_V
-        logp = torch.log_softmax(scaled, dim=-1)
+        # the target's logprob exactly as ``llama.target_logprobs`` computes it (the
+        # sampler's and forward_logprobs' formula), so the three agree to the bit
+        # and an on-policy ratio is exactly 1
+        lse_N = torch.logsumexp(scaled, dim=-1)
+        lp_N = scaled.gather(-1, targets_N[:, None]).squeeze(-1) - lse_N
+        logp = scaled - lse_N[:, None]
         del scaled
-        lp_N = logp.gather(-1, targets_N[:, None]).squeeze(-1)
         p = logp.exp()
         if with_entropy:  # -sum(p * log p), a dot product per position: no [N, V] product
             ent_N = -torch.bmm(p[:, None, :], logp[:, :, None]).view(-1)

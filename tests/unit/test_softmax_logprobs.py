@@ -94,5 +94,19 @@ def test_no_more_passes_over_the_logits_than_torch_cross_entropy_and_the_entropy
         )
         (-nll * upstream.flatten()).sum().backward()
 
-    # the entropy's own: the softmax (kept for the backward) and a dot product
-    assert len(ours.ops) <= len(plain.ops) + 2, (ours.ops, plain.ops)
+    # the entropy's own: the softmax (kept for the backward) and a dot product; and
+    # the logsumexp that makes the target's logprob the sampler's to the bit
+    assert len(ours.ops) <= len(plain.ops) + 3, (ours.ops, plain.ops)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_training_logprobs_equal_the_samplers_formula_to_the_bit(temperature: float) -> None:
+    # forward_backward's logprobs, forward_logprobs' and the sampler's are one formula
+    # (llama.target_logprobs): an on-policy importance ratio is exactly 1
+    for shape in [(B, T, V), (1, 5, V), (3, 1, V)]:
+        torch.manual_seed(sum(shape))
+        logits = torch.randn(*shape) * 4
+        targets = torch.randint(0, V, shape[:2])
+        x = logits.clone().requires_grad_(True)
+        lp, _ = trainer.logprobs_from_logits(x, targets, temperature, with_entropy=True)
+        assert torch.equal(lp.detach(), target_logprobs(logits, targets, temperature)), shape
