@@ -45,12 +45,10 @@ class SamplingService:
         self._targets: OrderedDict[str, tuple[str, SamplerTarget]] = OrderedDict()
 
     def remember(self, tenant: str, sampler_id: str, target: SamplerTarget) -> None:
-        """Keep the target of a sampler made elsewhere (``sync_weights``'s), so its
-        first sample does not read it back from the database."""
-        self._cache(sampler_id, (tenant, target))
-
-    def _cache(self, sampler_id: str, entry: tuple[str, SamplerTarget]) -> None:
-        self._targets[sampler_id] = entry
+        """Keep (or touch) a sampler's target, the most recently used last; also for
+        a sampler made elsewhere (``sync_weights``'s), so its first sample does not
+        read it back from the database."""
+        self._targets[sampler_id] = (tenant, target)
         self._targets.move_to_end(sampler_id)
         while len(self._targets) > MAX_CACHED_SAMPLERS:
             self._targets.popitem(last=False)
@@ -96,7 +94,7 @@ class SamplingService:
                 session_id=session_id or None,
             )
             sampler_id = row_s.id
-        self._cache(sampler_id, (tenant, target))
+        self.remember(tenant, sampler_id, target)
         return SamplerInfo(
             sampler_id=sampler_id,
             base_model=target.base_model,
@@ -113,10 +111,12 @@ class SamplingService:
                 row = queries.get_sampler(s, tenant, sampler_id)
                 if row is None:
                     raise NotFoundError(f"sampler {sampler_id!r} not found")
-                target = SamplerTarget(row.base_model, row.model_id, row.pinned_version)
-                cached = (row.tenant_id, target)
-        self._cache(sampler_id, cached)
+                cached = (
+                    row.tenant_id,
+                    SamplerTarget(row.base_model, row.model_id, row.pinned_version),
+                )
         owner, target = cached
+        self.remember(owner, sampler_id, target)
         if owner != tenant:
             raise NotFoundError(f"sampler {sampler_id!r} not found")
         return target

@@ -160,7 +160,7 @@ class TrainingService:
             SyncResult, await self.calls.run(tenant, call, build, "sync_weights", admitted=admitted)
         )
         uri = weights_uri(call.model_id, result.version)
-        sampler_id = ""
+        sampler_id, made = "", None
         with self.ctx.session() as s:
             if s.get(db.WeightVersion, (call.model_id, result.version)) is None:
                 queries.add_weight_version(s, call.model_id, result.version, uri)
@@ -176,9 +176,9 @@ class TrainingService:
                     pinned_version=result.version,
                 )
                 sampler_id = sampler.id
-                target = SamplerTarget(row.base_model, call.model_id, result.version)
-        if sampler_id:  # committed: its first sample finds it without a database read
-            self.samplers.remember(tenant, sampler_id, target)
+                made = SamplerTarget(row.base_model, call.model_id, result.version)
+        if made is not None:  # committed: its first sample finds it without a database read
+            self.samplers.remember(tenant, sampler_id, made)
         return SyncOutcome(result.version, uri, sampler_id)
 
     async def save_state(
