@@ -40,10 +40,11 @@ class _TargetLogprobsEntropy(torch.autograd.Function):
         lp_N = scaled.gather(-1, targets_N[:, None]).squeeze(-1) - lse_N
         logp = scaled - lse_N[:, None]
         del scaled
-        p = logp.exp()
         if with_entropy:  # -sum(p * log p), a dot product per position: no [N, V] product
+            p = logp.exp()
             ent_N = -torch.bmm(p[:, None, :], logp[:, :, None]).view(-1)
-        else:
+        else:  # the log-softmax is not needed after the softmax: no second [N, V] tensor
+            p = logp.exp_()
             ent_N = lp_N.new_zeros(0)
         ctx.save_for_backward(p, targets_N)
         ctx.temperature = temperature
