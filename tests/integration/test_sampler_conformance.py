@@ -467,5 +467,7 @@ def test_more_requests_than_rows_queue_and_the_worker_lives(
         assert [len(s.tokens) for s in seqs] == [24] * (SLOTS // 2)
         done += 1
     assert done >= 2
-    after = sampler.sample(tok.encode("x"), 1, treadle.SamplingParams(max_tokens=3))
+    after = sampler.sample(
+        tok.encode("x"), 1, treadle.SamplingParams(max_tokens=3, ignore_eos=True)
+    )
     assert len(after.result(timeout=60).sequences[0].tokens) == 3
