@@ -37,9 +37,12 @@ class VllmAdapter:
 
 
 class AdapterRegistry:
+    """The adapters of one vLLM engine, under ``root`` (a temporary directory made
+    when the first adapter is written, removed by ``close``)."""
+
     def __init__(self, base_name: str, root: Path | None = None) -> None:
         self.base_name = base_name
-        self.root = Path(root or tempfile.mkdtemp(prefix="treadle-vllm-lora-"))
+        self._root = root
         self._next_id = 1
         self._by_object: dict[int, VllmAdapter] = {}  # id(LoraAdapter) -> adapter
         self.loaded = 0  # adapters written (metrics, tests)
@@ -52,7 +55,7 @@ class AdapterRegistry:
             return known
         lora_id = self._next_id
         self._next_id += 1
-        path = self.root / f"{lora_id}"
+        path = self.root() / f"{lora_id}"
         write_peft(lora, path, self.base_name)
         adapter = VllmAdapter(lora_id, f"{model_id}/v/{version}#{lora_id}", path, model_id, version)
         adapter.ref = weakref.ref(lora)
@@ -79,6 +82,13 @@ class AdapterRegistry:
             self.unloaded += 1
         return gone
 
+    def root(self) -> Path:
+        if self._root is None:
+            self._root = Path(tempfile.mkdtemp(prefix="treadle-vllm-lora-"))
+        return self._root
+
     def close(self) -> None:
-        shutil.rmtree(self.root, ignore_errors=True)
+        if self._root is not None:
+            shutil.rmtree(self._root, ignore_errors=True)
+            self._root = None
         self._by_object.clear()
