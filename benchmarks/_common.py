@@ -3,7 +3,9 @@ measured in the same run, a locally built model, and Markdown tables."""
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -33,8 +35,17 @@ if os.environ[_OWNER] == str(os.getpid()):
     torch.set_num_threads(THREADS)
 
 
+def scratch(prefix: str) -> Path:
+    """A new temporary directory, removed when this process exits (a benchmark's
+    models, data directories and logs: the 110m preset alone is ~0.45 GB)."""
+    path = Path(tempfile.mkdtemp(prefix=prefix))
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    return path
+
+
 def model_dir(preset: str, given: str | None) -> Path:
-    """A random-weight Llama of ``preset`` built on the spot (or reused from ``given``)."""
+    """A random-weight Llama of ``preset`` built on the spot, in a directory removed
+    at exit (or reused from ``given``, which stays)."""
     from treadle.workers.model.tiny import build_tiny_model
 
     if given:
@@ -42,7 +53,7 @@ def model_dir(preset: str, given: str | None) -> Path:
         if (path / "config.json").exists():
             return path
     else:
-        path = Path(tempfile.mkdtemp(prefix=f"treadle-bench-{preset}-"))
+        path = scratch(f"treadle-bench-{preset}-")
     return build_tiny_model(path, preset=preset, seed=0)
 
 

@@ -45,10 +45,12 @@ problems, fixed seeds). ``--seeds 0 1 2`` repeats everything per seed.
 from __future__ import annotations
 
 import argparse
+import atexit
 import inspect
 import itertools
 import os
 import random
+import shutil
 import socket
 import subprocess
 import sys
@@ -275,6 +277,7 @@ def main() -> int:
     inflight_ok = "inflight" in inspect.signature(treadle.TrainingClient.sync_weights).parameters
 
     data = Path(tempfile.mkdtemp(prefix="treadle-async-bench-"))
+    atexit.register(shutil.rmtree, data, ignore_errors=True)
     config = ServerConfig(
         data_dir=data / "data",
         models={"demo": build_tiny_model(data / "model", preset="demo", seed=0)},

@@ -60,7 +60,6 @@ import os
 import queue
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
@@ -86,7 +85,7 @@ from treadle.workers.domain import DatumData, ForwardLogprobsOp, ModelSpec  # no
 from treadle.workers.model.tiny import build_tiny_model  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import table  # noqa: E402
+from _common import scratch, table  # noqa: E402
 
 REDIS = os.environ.get("TREADLE_BENCH_REDIS", "redis://127.0.0.1:6379/0")
 AMQP = os.environ.get("TREADLE_BENCH_AMQP", "amqp://guest:guest@127.0.0.1:5672//")
@@ -286,7 +285,7 @@ def main() -> int:
     parser.add_argument("--database-url", default="", help="default: a SQLite file")
     args = parser.parse_args()
 
-    tmp = Path(tempfile.mkdtemp(prefix="treadle-bench-latency-"))
+    tmp = scratch("treadle-bench-latency-")
     model = build_tiny_model(tmp / "tiny", preset="tiny", seed=0)
     rows: list[tuple[object, ...]] = []
     paths = [("embedded", "", "embedded")]

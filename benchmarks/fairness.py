@@ -31,9 +31,11 @@ Exit status 0 when every target is met.
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
 import random
+import shutil
 import statistics
 import sys
 import tempfile
@@ -55,6 +57,13 @@ from treadle.workers.scheduler import Scheduler  # noqa: E402
 
 TENANTS = ("heavy", "light-1", "light-2", "light-3")
 LONG = 3600.0  # no gap timeouts in a benchmark
+
+
+def _scratch(prefix: str) -> Path:
+    """A temporary directory removed when this process exits."""
+    path = Path(tempfile.mkdtemp(prefix=prefix))
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    return path
 
 
 def jain(values: Sequence[float]) -> float:
@@ -330,9 +339,7 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = (
         Path(args.model)
         if args.model
-        else build_tiny_model(
-            Path(tempfile.mkdtemp(prefix="treadle-fairness-")) / args.preset, preset=args.preset
-        )
+        else build_tiny_model(_scratch("treadle-fairness-") / args.preset, preset=args.preset)
     )
     setup = Setup(
         model_dir,

@@ -30,7 +30,6 @@ import os
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import urllib.request
@@ -49,7 +48,7 @@ import treadle  # noqa: E402
 from treadle.workers.model.tiny import build_tiny_model  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import table  # noqa: E402
+from _common import scratch, table  # noqa: E402
 from _procs import stop_all, wait_for  # noqa: E402
 
 REDIS = os.environ.get("TREADLE_BENCH_REDIS", "redis://127.0.0.1:6379/0")
@@ -391,7 +390,7 @@ def main() -> int:
     )
     args = parser.parse_args()
 
-    tmp = Path(tempfile.mkdtemp(prefix="treadle-bench-load-"))
+    tmp = scratch("treadle-bench-load-")
     model = build_tiny_model(tmp / "tiny", preset="tiny", seed=0)
     load = os.getloadavg()
     print(f"{os.cpu_count()} CPUs, load average {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}")

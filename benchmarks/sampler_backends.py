@@ -33,7 +33,6 @@ import argparse
 import os
 import signal
 import statistics
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -128,7 +127,7 @@ def run_treadle(
     from treadle.server.config import ServerConfig
     from treadle.server.embedded import EmbeddedServer
 
-    data = Path(tempfile.mkdtemp(prefix="treadle-bench-backends-"))
+    data = _common.scratch("treadle-bench-backends-")
     options = {"gpu_memory_utilization": 0.2} if sampler == "vllm" else {}
     srv = EmbeddedServer(
         ServerConfig(

@@ -29,8 +29,10 @@ Exit status 0 when the target is met.
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -133,6 +135,7 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(args.threads)
     tmp = Path(tempfile.mkdtemp(prefix="treadle-sdk-overhead-"))
+    atexit.register(shutil.rmtree, tmp, ignore_errors=True)
     model_dir = Path(args.model_dir) if args.model_dir else tmp / args.preset
     if not (model_dir / "config.json").exists():
         build_tiny_model(model_dir, preset=args.preset, seed=0)

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -55,7 +54,7 @@ def side(model_dir: Path, syncs: int, reuse: bool) -> tuple[float, float, int]:
     sole = shm._SOLE
     if not reuse:
         shm._SOLE = None
-    data = Path(tempfile.mkdtemp(prefix="treadle-bench-sync-"))
+    data = _common.scratch("treadle-bench-sync-")
     config = ServerConfig(
         data_dir=data,
         models={"m": model_dir},
@@ -107,7 +106,9 @@ def main() -> None:
     ordered_executor.OrderedExecutor.apply = _timed_apply(ordered_executor.OrderedExecutor.apply)  # type: ignore[method-assign]
     rows = []
     for preset in args.presets:
-        path = build_tiny_model(Path(tempfile.mkdtemp()) / preset, preset=preset, seed=0)
+        path = build_tiny_model(
+            _common.scratch("treadle-bench-sync-model-") / preset, preset=preset, seed=0
+        )
         fresh = side(path, args.syncs, reuse=False)
         pooled = side(path, args.syncs, reuse=True)
         rows.append(

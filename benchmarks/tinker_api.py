@@ -118,7 +118,6 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
@@ -130,7 +129,7 @@ os.environ.setdefault("TINKER_TELEMETRY", "0")
 import httpx  # noqa: E402
 import numpy as np  # noqa: E402
 import tinker  # noqa: E402
-from _common import THREADS, model_dir, table  # noqa: E402
+from _common import THREADS, model_dir, scratch, table  # noqa: E402
 from _procs import stop_all, wait_for  # noqa: E402
 from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
 from tinker import types as T  # noqa: E402
@@ -416,7 +415,7 @@ def main() -> int:
     args = parser.parse_args()
 
     directory = model_dir("5m", args.model_dir)
-    tmp = Path(tempfile.mkdtemp(prefix="treadle-bench-tinker-"))
+    tmp = scratch("treadle-bench-tinker-")
     with served(directory, tmp, args.embedded) as (address, http_url, key):
         sc = tinker.ServiceClient(base_url=http_url, api_key="tml-" + key)
         service = treadle.ServiceClient(address, api_key=key)
