@@ -198,7 +198,7 @@ class CeleryDispatcher:
             worker_id = self.placement.worker_of(model_id)
         except AbortedError:
             if isinstance(op, LoadStateOp):
-                return await self._restore(model_id, seq_id, op)
+                return await self._restore(model_id, seq_id, op, digest)
             worker_id = await self._recover(model_id)
         try:
             result = await self._call(worker_id, Submit(model_id, seq_id, op, digest))
@@ -308,7 +308,11 @@ class CeleryDispatcher:
             await self._recover(target.model_id)
             return self.placement.worker_for_target(target, sampler_id)
 
-    async def _restore(self, model_id: str, seq_id: int, op: LoadStateOp) -> LoadResult:
+    async def _restore(self, model_id: str, seq_id: int, op: LoadStateOp, digest: str) -> OpResult:
+        """A lost model's ``load_state``: the model is made on a live worker from the
+        checkpoint (weights and Adam moments), in the call's place. With
+        ``optimizer=False`` it is made fresh and then applies the call itself, so
+        its moments start at zero as anywhere else."""
         with self.sessions() as s:
             row = s.get(db.Model, model_id)
             if row is None:
@@ -316,6 +320,8 @@ class CeleryDispatcher:
             spec = convert.model_spec(row)
 
         async def create(worker_id: str) -> ModelStatus:
+            if not op.optimizer:
+                return await self._call(worker_id, CreateModel(spec, None, seq_id))
             return await self._call(worker_id, CreateModel(spec, op.directory, seq_id + 1))
 
         worker_id, status = await self.placement.place(
@@ -324,6 +330,11 @@ class CeleryDispatcher:
             create,
         )
         self.placement.settle(model_id, worker_id, status)
+        if not op.optimizer:
+            loaded = await self._call(worker_id, Submit(model_id, seq_id, op, digest))
+            await self._keep(model_id, seq_id, op)
+            log.info("model %s restored on worker %s (weights only)", model_id, worker_id)
+            return loaded
         log.info("model %s restored on worker %s at step %d", model_id, worker_id, status.version)
         result = LoadResult(step=status.version)
         self._restored[(model_id, seq_id)] = result

@@ -185,3 +185,40 @@ def test_a_worker_killed_mid_sample(cluster: Cluster, tmp_path: Path) -> None:
     assert c.worker_of(tc.model_id) not in ("", doomed)
     tc.forward_backward(data, "cross_entropy").result()
     assert tc.optim_step(treadle.AdamParams(learning_rate=1e-2)).result().step == 2
+
+
+def test_a_lost_model_loads_a_checkpoint_weights_only(cluster: Cluster, tmp_path: Path) -> None:
+    """``load_state(weights_only=True)`` as a lost model's next call: the model comes
+    back on a live worker with the checkpoint's weights and fresh Adam moments, and
+    trains on exactly as a twin that was never lost and loaded the same way."""
+    c = cluster
+    alice = c.client("alice")
+    tok = alice.get_tokenizer(BASE)
+    data = [datum(tok.encode("12+3=15")), datum(tok.encode("7+8=15"))]
+    adam = treadle.AdamParams(learning_rate=1e-2)
+    twin = alice.create_lora_training_client(BASE, rank=4, seed=71)  # on a worker that stays
+    doomed = one_more_worker(c, "w7", tmp_path, drain_timeout_s=0.0)
+    tc = placed_on(c, alice, doomed, 71)
+    saved = []
+    for model in (tc, twin):
+        model.forward_backward(data, "cross_entropy").result()
+        model.optim_step(adam).result()
+        saved.append(model.save_state("s1").result().path)  # weights and moments of step 1
+        model.forward_backward(data, "cross_entropy").result()
+        assert model.optim_step(adam).result().step == 2
+
+    c.workers[doomed].send_signal(signal.SIGKILL)
+    c.workers[doomed].wait(10)
+    deadline = time.monotonic() + 30
+    while alice.get_model_info(tc.model_id).status != "lost":
+        assert time.monotonic() < deadline, c.log_tail()
+        time.sleep(0.2)
+
+    for model, path in zip((tc, twin), saved, strict=True):
+        assert model.load_state(path, weights_only=True).result() == 1
+    assert c.worker_of(tc.model_id) not in ("", doomed)
+    assert weights_hash(tc, tmp_path / "loaded") == weights_hash(twin, tmp_path / "twin")
+    for model in (tc, twin):  # fresh moments on both: the same next step
+        model.forward_backward(data, "cross_entropy").result()
+        assert model.optim_step(adam).result().step == 2
+    assert weights_hash(tc, tmp_path / "next") == weights_hash(twin, tmp_path / "twin-next")
