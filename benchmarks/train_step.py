@@ -24,14 +24,25 @@ process(es) doing the work over the timed steps, per step (for sdk: the server's
 and the client's), and "cpu vs torch" torch's over it: on a loaded machine the
 wall-time ratio swings, the CPU-time ratio much less; "6N" is the fraction of ``6 x params x tokens/s`` in this machine's
 matmul rate measured in the same run (LoRA does ~4N of real work: no weight
-gradients of the base). Rows of one configuration run back to back, so compare
-ratios within a run; a shared machine is noisy.
+gradients of the base); "faults/step" the minor page faults of the same
+process(es) per timed step. The torch row is plain torch as a user runs it:
+no allocator or thread tuning beyond ``--threads``, which every row shares.
+
+Rows of one configuration run back to back in separate processes, and a row's
+speed moves by a few percent from one process to the next (the 5m full
+8 x 128 row: engine 0.96x-1.06x of torch in one run of three rounds, on an
+idle machine), so ``--rounds R`` runs each configuration's rows R times, every
+other round in reverse order, and reports per path the medians over the
+rounds and the median of its per-round ratios to torch ("vs torch",
+"cpu vs torch"; the highest peak ratio), with the range of the per-round
+tok/s ratios in the last column: a real gap shows in every round.
 
 Needs PEFT for the LoRA baseline (a benchmark-only dependency, the ``bench`` extra)::
 
     pip install -e '.[bench]'      # or: pip install peft
     python benchmarks/train_step.py                                   # the full table
     python benchmarks/train_step.py --presets 5m --shapes short --steps 3   # quick
+    python benchmarks/train_step.py --presets 5m --steps 6 --rounds 3  # the small rows, steadier
     python benchmarks/train_step.py --presets 110m --modes full --profile
 
 ``--calls K`` splits each step's batch into K ``forward_backward`` calls (of
@@ -354,6 +365,14 @@ def configuration(
                     "peak_mb": res["peak_mb"],
                 }
             )
+            if rounds > 1:
+                got = runs[which][-1]
+                print(
+                    f"  round {r + 1} {which}: {got['ms']:,.0f} ms/step, "
+                    f"{got['cpu_ms']:,.0f} cpu ms/step, {got['faults']:,.0f} faults/step, "
+                    f"peak {got['peak_mb']:,.0f} MB",
+                    flush=True,
+                )
     out = []
     for which, got in runs.items():
         base = runs.get("torch")
