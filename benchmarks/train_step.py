@@ -24,14 +24,25 @@ process(es) doing the work over the timed steps, per step (for sdk: the server's
 and the client's), and "cpu vs torch" torch's over it: on a loaded machine the
 wall-time ratio swings, the CPU-time ratio much less; "6N" is the fraction of ``6 x params x tokens/s`` in this machine's
 matmul rate measured in the same run (LoRA does ~4N of real work: no weight
-gradients of the base). Rows of one configuration run back to back, so compare
-ratios within a run; a shared machine is noisy.
+gradients of the base); "faults/step" the minor page faults of the same
+process(es) per timed step. The torch row is plain torch as a user runs it:
+no allocator or thread tuning beyond ``--threads``, which every row shares.
+
+Rows of one configuration run back to back in separate processes, and a row's
+speed moves by a few percent from one process to the next (the 5m full
+8 x 128 row: engine 0.96x-1.06x of torch in one run of three rounds, on an
+idle machine), so ``--rounds R`` runs each configuration's rows R times, every
+other round in reverse order, and reports per path the medians over the
+rounds and the median of its per-round ratios to torch ("vs torch",
+"cpu vs torch"; the highest peak ratio), with the range of the per-round
+tok/s ratios in the last column: a real gap shows in every round.
 
 Needs PEFT for the LoRA baseline (a benchmark-only dependency, the ``bench`` extra)::
 
     pip install -e '.[bench]'      # or: pip install peft
     python benchmarks/train_step.py                                   # the full table
     python benchmarks/train_step.py --presets 5m --shapes short --steps 3   # quick
+    python benchmarks/train_step.py --presets 5m --steps 6 --rounds 3  # the small rows, steadier
     python benchmarks/train_step.py --presets 110m --modes full --profile
 
 ``--calls K`` splits each step's batch into K ``forward_backward`` calls (of
@@ -91,29 +102,31 @@ def _peak_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def _cpu_s() -> float:
-    """CPU seconds this process has used (user + system, every thread)."""
+def _usage() -> tuple[float, int]:
+    """This process's CPU seconds and minor page faults so far (every thread)."""
     r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_utime + r.ru_stime
+    return r.ru_utime + r.ru_stime, r.ru_minflt
 
 
 def _timed(
     step: Callable[[], None],
     steps: int,
     warmup: int = WARMUP,
-    cpu: Callable[[], float] = _cpu_s,
-) -> tuple[list[float], float]:
+    usage: Callable[[], tuple[float, int]] = _usage,
+) -> tuple[list[float], float, int]:
     """Wall seconds of each step after ``warmup`` steps, and the CPU seconds
-    ``cpu()`` counted over them (a figure a loaded machine disturbs much less)."""
+    and minor page faults ``usage()`` counted over them (CPU time is a figure
+    a loaded machine disturbs much less)."""
     for _ in range(warmup):
         step()
     out = []
-    cpu0 = cpu()
+    cpu0, flt0 = usage()
     for _ in range(steps):
         t0 = time.perf_counter()
         step()
         out.append(time.perf_counter() - t0)
-    return out, cpu() - cpu0
+    cpu1, flt1 = usage()
+    return out, cpu1 - cpu0, flt1 - flt0
 
 
 # ---- the rows (each in its own process) ---------------------------------------------
@@ -217,8 +230,11 @@ def run_row(spec: dict) -> None:
         "engine-ckpt": functools.partial(engine_step, checkpointing=True),
     }[spec["path"]]
     step = make(Path(spec["dir"]), spec["mode"], spec["n"], spec["length"], spec["calls"])
-    times, cpu = _timed(step, spec["steps"], spec["warmup"])
-    print(json.dumps({"times": times, "cpu_s": cpu, "peak_mb": _peak_mb()}), flush=True)
+    times, cpu, faults = _timed(step, spec["steps"], spec["warmup"])
+    print(
+        json.dumps({"times": times, "cpu_s": cpu, "minflt": faults, "peak_mb": _peak_mb()}),
+        flush=True,
+    )
     if spec.get("profile"):
         from train_step_profile import profile_engine
 
@@ -245,7 +261,8 @@ def serve(spec: dict) -> None:
     with EmbeddedServer(cfg) as server:
         print(json.dumps({"address": server.address, "api_key": server.api_key}), flush=True)
         while sys.stdin.readline().strip() == "cpu":
-            print(json.dumps({"cpu_s": _cpu_s()}), flush=True)
+            cpu, faults = _usage()
+            print(json.dumps({"cpu_s": cpu, "minflt": faults}), flush=True)
         print(json.dumps({"peak_mb": _peak_mb()}), flush=True)
 
 
@@ -289,20 +306,22 @@ def sdk_row(spec: dict) -> dict:
                 for fb in fbs:
                     fb.result()
 
-            def cpu() -> float:  # the server's CPU and this client's: the SDK path's work
+            def usage() -> tuple[float, int]:  # the server's and this client's: the SDK's work
                 assert proc.stdin is not None and proc.stdout is not None
                 proc.stdin.write("cpu\n")
                 proc.stdin.flush()
-                return float(json.loads(proc.stdout.readline())["cpu_s"]) + _cpu_s()
+                server = json.loads(proc.stdout.readline())
+                cpu, faults = _usage()
+                return float(server["cpu_s"]) + cpu, int(server["minflt"]) + faults
 
-            times, cpu_s = _timed(step, spec["steps"], spec["warmup"], cpu)
+            times, cpu_s, faults = _timed(step, spec["steps"], spec["warmup"], usage)
         proc.stdin.write("peak\n")
         proc.stdin.flush()
         peak = json.loads(proc.stdout.readline())["peak_mb"]
     finally:
         proc.stdin.close()
         proc.wait(timeout=120)
-    return {"times": times, "cpu_s": cpu_s, "peak_mb": peak}
+    return {"times": times, "cpu_s": cpu_s, "minflt": faults, "peak_mb": peak}
 
 
 def child_row(spec: dict) -> dict:
@@ -320,6 +339,58 @@ def child_row(spec: dict) -> dict:
 # ---- the parent ---------------------------------------------------------------------
 
 
+def _x(v: float) -> str:
+    return f"{v:.2f}x"
+
+
+def configuration(
+    spec: dict, paths: list[str], rounds: int, profile: bool
+) -> list[tuple[str, dict]]:
+    """One configuration's rows, ``rounds`` times (every other round in reverse
+    order, so no path always runs first or last): per path the medians over the
+    rounds of its ms/step, CPU ms/step and faults/step, the median of its
+    per-round ratios to that round's torch row, the highest peak and peak ratio,
+    and the range of its per-round tok/s ratios ("-" for one round)."""
+    runs: dict[str, list[dict]] = {p: [] for p in paths}
+    for r in range(rounds):
+        for which in paths if r % 2 == 0 else paths[::-1]:
+            prof = profile and r == 0 and which == "engine"
+            one = {**spec, "path": which, "profile": prof}
+            res = sdk_row(one) if which == "sdk" else child_row(one)
+            runs[which].append(
+                {
+                    "ms": statistics.median(res["times"]) * 1e3,
+                    "cpu_ms": res["cpu_s"] / spec["steps"] * 1e3,
+                    "faults": res["minflt"] / spec["steps"],
+                    "peak_mb": res["peak_mb"],
+                }
+            )
+            if rounds > 1:
+                got = runs[which][-1]
+                print(
+                    f"  round {r + 1} {which}: {got['ms']:,.0f} ms/step, "
+                    f"{got['cpu_ms']:,.0f} cpu ms/step, {got['faults']:,.0f} faults/step, "
+                    f"peak {got['peak_mb']:,.0f} MB",
+                    flush=True,
+                )
+    out = []
+    for which, got in runs.items():
+        base = runs.get("torch")
+        med = {k: statistics.median(g[k] for g in got) for k in ("ms", "cpu_ms", "faults")}
+        row = {**med, "peak_mb": max(g["peak_mb"] for g in got)}
+        row.update(rel="-", rel_cpu="-", rel_mb="-", spread="-")
+        if base:
+            rel = [b["ms"] / g["ms"] for g, b in zip(got, base, strict=True)]
+            rel_cpu = [b["cpu_ms"] / g["cpu_ms"] for g, b in zip(got, base, strict=True)]
+            rel_mb = [g["peak_mb"] / b["peak_mb"] for g, b in zip(got, base, strict=True)]
+            row.update(rel=_x(statistics.median(rel)), rel_cpu=_x(statistics.median(rel_cpu)))
+            row["rel_mb"] = _x(max(rel_mb))
+            if rounds > 1:
+                row["spread"] = f"{_x(min(rel))}-{_x(max(rel))}"
+        out.append((which, row))
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--presets", default="5m,110m")
@@ -329,6 +400,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument(
         "--calls", type=int, default=1, help="forward_backward calls a step (accumulation)"
+    )
+    ap.add_argument(
+        "--rounds", type=int, default=1, help="each configuration's rows R times, order alternated"
     )
     ap.add_argument("--warmup", type=int, default=WARMUP, help="untimed steps before them")
     ap.add_argument("--threads", type=int, default=THREADS)
@@ -356,54 +430,32 @@ def main(argv: list[str] | None = None) -> int:
         for mode in args.modes.split(","):
             for shape in args.shapes.split(","):
                 n, length = SHAPES[shape]
-                tokens = n * length
-                base: float | None = None
-                base_cpu = base_mb = 0.0
-                for which in args.paths.split(","):
-                    spec = {
-                        "path": which,
-                        "dir": str(path),
-                        "mode": mode,
-                        "n": n,
-                        "length": length,
-                        "steps": args.steps,
-                        "warmup": args.warmup,
-                        "calls": args.calls,
-                        "threads": args.threads,
-                        "profile": args.profile and which == "engine",
-                    }
-                    res = sdk_row(spec) if which == "sdk" else child_row(spec)
-                    ms = statistics.median(res["times"]) * 1e3
-                    cpu_ms = res["cpu_s"] / args.steps * 1e3
-                    tps = tokens / (ms / 1e3)
-                    if which == "torch":
-                        base, base_cpu, base_mb = tps, cpu_ms, res["peak_mb"]
+                spec = {
+                    "dir": str(path),
+                    "mode": mode,
+                    "n": n,
+                    "length": length,
+                    "steps": args.steps,
+                    "warmup": args.warmup,
+                    "calls": args.calls,
+                    "threads": args.threads,
+                }
+                for which, res in configuration(
+                    spec, args.paths.split(","), args.rounds, args.profile
+                ):
+                    tps = n * length / (res["ms"] / 1e3)
                     frac = 6 * n_params * tps / (gflops * 1e9)
-                    rel = f"{tps / base:.2f}x" if base else "-"
-                    rel_cpu = f"{base_cpu / cpu_ms:.2f}x" if base else "-"
-                    rel_mb = f"{res['peak_mb'] / base_mb:.2f}x" if base else "-"
-                    rows.append(
-                        [
-                            preset,
-                            mode,
-                            shape,
-                            which,
-                            ms,
-                            tps,
-                            rel,
-                            cpu_ms,
-                            rel_cpu,
-                            f"{frac:.0%}",
-                            res["peak_mb"],
-                            rel_mb,
-                        ]
-                    )
+                    row = [preset, mode, shape, which, res["ms"], tps, res["rel"], res["cpu_ms"]]
+                    row += [res["rel_cpu"], res["faults"], f"{frac:.0%}", res["peak_mb"]]
+                    row += [res["rel_mb"], res["spread"]]
+                    rows.append(row)
                     records.append(dict(zip(HEADERS, rows[-1], strict=True)))
                     print(table(HEADERS, rows[-1:]).splitlines()[-1], flush=True)
     print(
         f"\ntrain step: started {started}, {args.threads} torch threads, {args.calls} "
         f"forward_backward call(s) a step, {args.steps} steps "
-        f"per row (median, after {args.warmup} warm-up), matmul {gflops:.0f} GFLOP/s\n"
+        f"per row (median, after {args.warmup} warm-up), {args.rounds} round(s) a "
+        f"configuration, matmul {gflops:.0f} GFLOP/s\n"
     )
     print(table(HEADERS, rows))
     if args.json:
@@ -421,9 +473,11 @@ HEADERS = [
     "vs torch",
     "cpu ms/step",
     "cpu vs torch",
+    "faults/step",
     "6N",
     "peak MB",
     "peak vs torch",
+    "vs torch, rounds",
 ]
 
 
