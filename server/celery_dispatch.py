@@ -311,8 +311,9 @@ class CeleryDispatcher:
     async def _restore(self, model_id: str, seq_id: int, op: LoadStateOp, digest: str) -> OpResult:
         """A lost model's ``load_state``: the model is made on a live worker from the
         checkpoint (weights and Adam moments), in the call's place. With
-        ``optimizer=False`` it is made fresh and then applies the call itself, so
-        its moments start at zero as anywhere else."""
+        ``optimizer=False`` it is made from the checkpoint one seq_id earlier and
+        then applies the call itself, so its moments start at zero as anywhere
+        else (and a load that fails leaves it as the checkpoint, never as new)."""
         with self.sessions() as s:
             row = s.get(db.Model, model_id)
             if row is None:
@@ -320,9 +321,9 @@ class CeleryDispatcher:
             spec = convert.model_spec(row)
 
         async def create(worker_id: str) -> ModelStatus:
-            if not op.optimizer:
-                return await self._call(worker_id, CreateModel(spec, None, seq_id))
-            return await self._call(worker_id, CreateModel(spec, op.directory, seq_id + 1))
+            # weights only: the call itself then loads the weights again, with fresh moments
+            next_seq_id = seq_id if not op.optimizer else seq_id + 1
+            return await self._call(worker_id, CreateModel(spec, op.directory, next_seq_id))
 
         worker_id, status = await self.placement.place(
             spec.base_model,
