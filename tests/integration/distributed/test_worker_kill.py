@@ -197,7 +197,7 @@ def test_a_lost_model_loads_a_checkpoint_weights_only(cluster: Cluster, tmp_path
     data = [datum(tok.encode("12+3=15")), datum(tok.encode("7+8=15"))]
     adam = treadle.AdamParams(learning_rate=1e-2)
     twin = alice.create_lora_training_client(BASE, rank=4, seed=71)  # on a worker that stays
-    doomed = one_more_worker(c, "w7", tmp_path, drain_timeout_s=0.0)
+    doomed = one_more_worker(c, "w8", tmp_path, drain_timeout_s=0.0)
     tc = placed_on(c, alice, doomed, 71)
     saved = []
     for model in (tc, twin):
