@@ -29,6 +29,18 @@ from .cluster import (
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
 
 
+def _kill_until_lost(
+    c: Cluster, service: treadle.ServiceClient, worker_id: str, model_id: str
+) -> None:
+    """SIGKILL ``worker_id``, then wait until the server counts ``model_id`` lost."""
+    c.workers[worker_id].send_signal(signal.SIGKILL)
+    c.workers[worker_id].wait(10)
+    deadline = time.monotonic() + 30
+    while service.get_model_info(model_id).status != "lost":
+        assert time.monotonic() < deadline, c.log_tail()
+        time.sleep(0.2)
+
+
 def test_worker_killed_mid_forward_backward(cluster: Cluster) -> None:
     c = cluster
     alice = c.client("alice", max_retries=0)
@@ -123,12 +135,7 @@ def test_a_lost_model_is_replayed_to_its_last_applied_step(
     assert before == weights_hash(twin, tmp_path / "twin")  # deterministic across workers
     logprobs = tc.forward_logprobs(probe).result().loss_fn_outputs[0].logprobs
 
-    c.workers[doomed].send_signal(signal.SIGKILL)
-    c.workers[doomed].wait(10)
-    deadline = time.monotonic() + 30
-    while alice.get_model_info(tc.model_id).status != "lost":
-        assert time.monotonic() < deadline, c.log_tail()
-        time.sleep(0.2)
+    _kill_until_lost(c, alice, doomed, tc.model_id)
     assert alice.get_model_info(tc.model_id).version == 1 + k  # its last applied step
 
     # its next call brings it back there, on a live worker
@@ -207,12 +214,7 @@ def test_a_lost_model_loads_a_checkpoint_weights_only(cluster: Cluster, tmp_path
         model.forward_backward(data, "cross_entropy").result()
         assert model.optim_step(adam).result().step == 2
 
-    c.workers[doomed].send_signal(signal.SIGKILL)
-    c.workers[doomed].wait(10)
-    deadline = time.monotonic() + 30
-    while alice.get_model_info(tc.model_id).status != "lost":
-        assert time.monotonic() < deadline, c.log_tail()
-        time.sleep(0.2)
+    _kill_until_lost(c, alice, doomed, tc.model_id)
 
     for model, path in zip((tc, twin), saved, strict=True):
         assert model.load_state(path, weights_only=True).result() == 1
