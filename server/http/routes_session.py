@@ -25,6 +25,7 @@ async def client_config() -> dict[str, Any]:
         "sample_use_retrieve_futures": False,
         "custom_loss_server_side": False,
         "sample_join_sampling_session": False,
+        "use_pyqwest_transport": False,
     }
 
 
