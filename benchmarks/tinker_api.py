@@ -3,10 +3,9 @@ treadle's SDK over gRPC, one server, one run; and how long a finished result
 takes to reach the tinker SDK.
 
 The server is ``treadle serve`` in its own process (ports picked by the OS,
-found in its log), both SDKs clients in this one, as a user's would be;
+found in its log), both SDKs' clients in this one, as a user's would be;
 ``--embedded`` runs it in this process instead (then the server's event loop and
-engine threads share this process's GIL with both SDKs, Python's switch interval
-being 5 ms), to compare the two.
+engine threads share this process's GIL with both SDKs).
 
 One RL step, both ways, on the same kind of model (the "5m" preset, LoRA rank 8,
 a fresh model per path): publish the weights and get a sampler of them, sample
@@ -22,84 +21,40 @@ its answer arrives. CLOCK_MONOTONIC is one clock for every process of a Linux
 host, so the two compare across processes. p50 target <= 5 ms: retrieve_future
 is answered the moment the result exists, with no poll interval.
 
-HTTP's own cost, measured in the same run: each tinker-path request's httpx
-call is timed in the SDK, and the server's app time comes back in its
-``Server-Timing: app;dur=<ms>`` header; the SDK's wait minus the app's time is
-what the HTTP path adds (serialising, the socket, httpx, the SDK's event loop).
-Its sum per step is printed with the ratio it alone would give,
-``grpc / (grpc + it)``: a bound for what removing every HTTP cost could reach
-(overlapping requests make the sum an overestimate). When the measured ratio is
-far above it, the requests overlap; far below it, the gap is not the transport.
+Where the gap goes, each from the same run:
 
-Measured on a shared 2-core machine (load 2-3), server in its own process, two
-runs: HTTP 0.842x gRPC steps/s (120 vs 101 ms a step; 3 rounds), delay p50
-2.3 ms (p90 7.5 ms); 0.898x (97 vs 87 ms; 4 rounds), p50 1.9 ms (p90 8.3 ms);
-HTTP's own cost 4.1 / 2.7 ms per request (median), ~8.2 requests a step. With
-``--embedded``, run between them: 0.767x (91 vs 70 ms), p50 1.7 ms.
+* HTTP's own cost: each tinker-path request's httpx call is timed in the SDK,
+  and the server's app time comes back in ``Server-Timing: app;dur=<ms>``; the
+  SDK's wait minus the app's is what the HTTP path adds per request (requests
+  overlap, so its sum per step overstates what it costs a step).
+* The protocol: every request of a step is recorded as a span, and the most of
+  them that ran one after another is the step's round trips in sequence (the
+  tinker SDK: 7 of its 8, a submission then a ``retrieve_future`` per call, the
+  sampler of ``save_weights_and_get_sampling_client`` known only from the sync's
+  result; treadle's SDK: 3 of its 4). With an empty call each way (``healthz``
+  through the tinker SDK's own client, gRPC's health Check through treadle SDK's
+  caller, and ``healthz`` through a bare httpx client), the estimate
+  ``grpc / (grpc + 7 * empty_http - 3 * empty_grpc)``.
+* The clients' CPU: this process's CPU time (every thread) over each path's
+  blocks of steps, per step, and the server's over the same blocks. The engine
+  keeps about 1.7 of this machine's 2 cores busy through a step (its two torch
+  threads), so CPU a client spends is not hidden behind the engine: it lengthens
+  the step, on the chain of round trips or by taking a core from the engine.
+  ``grpc / (grpc + tinker_cpu - treadle_cpu)`` is the ratio if the tinker SDK's
+  extra CPU per step were the whole difference. The SDK is run unmodified, so
+  its CPU is not treadle's to cut: where the measured ratio is close to this
+  figure and the figure is under 0.9, the target cannot be met on this machine.
 
-After the HTTP routes stopped hopping to a thread per request (the ``state``
-dependency was a plain function, run in FastAPI's thread pool) and stopped
-validating each answer against a response model inferred from its annotation,
-one pair of runs (``--rounds 4``, the server under py-spy at 100 Hz, load
-3.5-3.8, a saturated machine: steps 5-10x slower than above, so ratios only):
-before 0.626x (987 vs 618 ms), submission routes' app time median 2.95 ms;
-after 0.812x (479 vs 389 ms), 1.55 ms; p50 delay 4.9 / 3.3 ms. A second pair
-right after, no py-spy, load 1.5-1.7: before 0.967x (107 vs 104 ms), 2.45 ms;
-after 1.239x (204 vs 253 ms: a load spike hit both paths), 1.99 ms. Step-time
-ratios on this shared machine swing more than the change moves them; the
-submissions' app time is the figure it moves, most under load. The server's
-event loop was mostly idle in both profiles (the engine threads take ~90% of
-the samples), so the remaining gap is the client side (the tinker SDK's event
-loop thread and httpx: ~53 ms a step over 8.2 requests, the bound 0.88) and
-the engine, not the routes.
-
-The protocol's cost, measured in the same run since: every request of a step
-is recorded as a span (the tinker SDK's httpx requests; treadle SDK's gRPC
-calls), and the most of them that ran one after another is the step's round
-trips in sequence. The tinker SDK makes 8 requests a step, 7 of them in
-sequence (save_weights_for_sampler, its retrieve_future, whose result names the
-sampler, asample, its retrieve_future, forward_backward, optim_step, a last
-retrieve_future); treadle's SDK makes 4 gRPC calls, 3 in sequence (SyncWeights
-then Sample, ForwardBackward and OptimStep together). An empty call each way,
-alternating, from the main thread: ``healthz`` through the tinker SDK's own
-client (its event-loop thread, connection pool and transport) and gRPC's health
-Check through treadle SDK's caller. The estimate is the ratio HTTP would reach
-with the same engine and routes if each of its sequential round trips cost only
-the empty call: ``grpc / (grpc + 7 * empty_http - 3 * empty_grpc)``. It is an
-estimate, not a hard bound: the step medians move by more than 5% between runs
-(the fourth run below measured above it). Four runs (``--rounds 6 --steps 3``,
-18 steps a path, server in its own process; the machine shared with other work,
-steps ~2x the idle ones):
-
-    load        HTTP ms  gRPC ms  ratio  empty HTTP/gRPC ms  estimate  submissions' app ms
-    5.1 -> 4.6   1088     1007    0.926     2.36 / 1.18        0.987         2.38   (before)
-    3.2 -> 3.0    176.8    153.1  0.866     2.73 / 1.48        0.913         2.58
-    1.1 -> 1.7    184.7    170.8  0.924     2.41 / 1.29        0.929         1.78
-    1.8 -> 2.4    172.8    372.8  2.157     3.82 / 1.92        0.947         2.57   (before)
-    2.3 -> 2.7    184.8    180.3  0.976     3.02 / 1.96        0.922         2.62
-
-"(before)": the server before the sampler-cache and futures changes (the
-fourth's gRPC blocks took a load spike: its ratio is noise). The changes'
-effect is smaller than this machine's noise. With gRPC's idle step of ~85 ms
-and these empty calls (measured at load 1-3; on an idle machine they may be
-smaller), 7 HTTP round trips at ~2.4 ms against 3 gRPC ones at ~1.3 ms put the
-estimate at 85 / (85 + 13) = 0.87: the remaining gap is the tinker SDK's
-protocol (a request id, then retrieve_future, per call; the sampler known only
-after the sync's result) and its client's per-request cost, not treadle's routes.
-
-Four runs on the idle machine after the changes (2026-12-02 14:41-15:03 UTC,
-``--rounds 6 --steps 3``, the empty call also through a bare httpx client):
-
-    load   HTTP ms  gRPC ms  ratio  empty tinker/gRPC/bare ms  estimate  delay p50
-    0.7     135.3    121.2   0.896     2.51 / 1.25 / -           0.898     1.82
-    0.6     175.5    161.8   0.922     3.84 / 2.05 / 1.53        0.886     2.49
-    0.9     164.4    140.0   0.851     1.84 / 1.08 / 0.91        0.936     2.17
-    1.2     154.6    121.1   0.783     2.33 / 1.46 / 1.09        0.910     2.43
-
-The tinker SDK's client adds 0.9-2.3 ms to each request over a bare httpx
-client on the same route. The last two runs fell 15-20 ms a step below their
-estimate: a cost the empty calls do not show; the ready-to-SDK delay (one way)
-is about one whole empty round trip, where it should be about half.
+Measured (2-core machine, the server in its own process, 5m preset): the
+server's answers are not the gap. Per step, the server's event-loop thread spent
+12.0 ms over HTTP and 11.0 ms over gRPC, while the tinker SDK's client spent
+15.5-15.9 ms of CPU against treadle SDK's 4.4 ms; HTTP steps were 79 ms against
+gRPC's 69 ms, the difference (10.5 ms) about the clients' (11.1 ms). The tinker
+SDK's time is httpx, httpcore, h11, anyio, pydantic and its event-loop thread's
+hand-offs, spread over its 8 requests (py-spy, 12 s of steps). The server's
+client config turns the SDK's pyqwest transport off: on this loopback httpx's
+own transport took 1.67 ms of transport per request against 3.67 ms, and the
+HTTP steps 79 ms against 83-86 ms.
 
     python benchmarks/tinker_api.py               # ~5 min on 2 loaded CPU cores
     python benchmarks/tinker_api.py --rounds 6 --steps 4
@@ -113,6 +68,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import statistics
@@ -271,9 +227,12 @@ def empty_calls(
 
 
 @contextlib.contextmanager
-def served(directory: Path, tmp: Path, embedded: bool) -> Iterator[tuple[str, str, str]]:
-    """(gRPC address, HTTP base url, API key) of a server on ``directory``: in
-    this process (``embedded``) or ``treadle serve`` as a subprocess."""
+def served(
+    directory: Path, tmp: Path, embedded: bool
+) -> Iterator[tuple[str, str, str, Callable[[], float] | None]]:
+    """(gRPC address, HTTP base url, API key, the server process's CPU seconds so
+    far) of a server on ``directory``: in this process (``embedded``; no CPU of
+    its own) or ``treadle serve`` as a subprocess."""
     if embedded:
         config = ServerConfig(
             data_dir=tmp / "data",
@@ -287,7 +246,7 @@ def served(directory: Path, tmp: Path, embedded: bool) -> Iterator[tuple[str, st
         srv = EmbeddedServer(config).start()
         assert srv.api_key
         try:
-            yield srv.address, srv.http_url, srv.api_key
+            yield srv.address, srv.http_url, srv.api_key, None
         finally:
             srv.stop()
         return
@@ -306,9 +265,20 @@ def served(directory: Path, tmp: Path, embedded: bool) -> Iterator[tuple[str, st
         key_file = wait_for(log, r"API key is in (\S+) ", proc, 180)
         port = wait_for(log, r"serving .* on \S+:(\d+)", proc, 5)
         http = wait_for(log, r"HTTP API on (\S+) ", proc, 5)
-        yield f"127.0.0.1:{port}", http, Path(key_file).read_text().strip()
+        yield (
+            f"127.0.0.1:{port}",
+            http,
+            Path(key_file).read_text().strip(),
+            functools.partial(_cpu_s, proc.pid),
+        )
     finally:
         stop_all([proc])
+
+
+def _cpu_s(pid: int) -> float:
+    """A process's CPU seconds so far (user + system, every thread)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _advantages(lengths: list[int]) -> np.ndarray:
@@ -416,7 +386,7 @@ def main() -> int:
 
     directory = model_dir("5m", args.model_dir)
     tmp = scratch("treadle-bench-tinker-")
-    with served(directory, tmp, args.embedded) as (address, http_url, key):
+    with served(directory, tmp, args.embedded) as (address, http_url, key, server_cpu):
         sc = tinker.ServiceClient(base_url=http_url, api_key="tml-" + key)
         service = treadle.ServiceClient(address, api_key=key)
         try:
@@ -429,11 +399,16 @@ def main() -> int:
             for stamps in (RECEIVED, READY, CLIENT_S, SERVER_S, SUBMIT_S):
                 stamps.clear()
             times: dict[str, list[float]] = {name: [] for name in paths}
+            # CPU seconds over each path's blocks: this process (the clients), the server
+            cpu: dict[str, list[float]] = {name: [0.0, 0.0] for name in paths}
             chains: dict[str, list[tuple[int, int]]] = {name: [] for name in paths}
             order = list(paths)
             for r in range(args.rounds):
                 for name in order if r % 2 == 0 else order[::-1]:
+                    c0, s0 = time.process_time(), server_cpu() if server_cpu else 0.0
                     times[name] += timed(paths[name], args.steps, chains[name])
+                    cpu[name][0] += time.process_time() - c0
+                    cpu[name][1] += (server_cpu() - s0) if server_cpu else float("nan")
             empty_http, empty_grpc, empty_bare = empty_calls(
                 sc, service, args.empty_calls, http_url
             )
@@ -491,6 +466,21 @@ def main() -> int:
         f"the protocol's estimate (the same engine and routes, every round trip in sequence "
         f"at the empty call's cost): HTTP adds {extra_ms:.1f} ms a step -> ratio ~ "
         f"{protocol_bound:.3f}"
+    )
+    # The clients' CPU: with the engine keeping the cores busy, what a client
+    # spends lengthens its step; the tinker SDK's extra, were it the whole gap.
+    per_step = {n: [c / len(times[n]) * 1e3 for c in cpu[n]] for n in paths}
+    (c_http, s_http_cpu), (c_grpc, s_grpc_cpu) = (
+        per_step["tinker SDK / HTTP"],
+        per_step["treadle SDK / gRPC"],
+    )
+    cpu_bound = grpc_ / (grpc_ + (c_http - c_grpc) / 1e3)
+    print(
+        f"CPU a step: this process (the SDK's client) tinker SDK {c_http:.1f} ms, treadle SDK "
+        f"{c_grpc:.1f} ms; the server {s_http_cpu:.1f} / {s_grpc_cpu:.1f} ms "
+        f"({s_grpc_cpu / (grpc_ * 1e3):.2f} cores busy through a gRPC step)\n"
+        f"the ratio if the tinker SDK's extra client CPU were the whole difference: "
+        f"{cpu_bound:.3f} (measured {ratio:.3f})"
     )
     return 0 if ratio >= RATIO_TARGET and p50 <= DELAY_TARGET_MS else 1
 

@@ -85,3 +85,21 @@ def test_retrieve_future_carries_ready_stamp_and_app_time(
     finally:
         sc.close("success").result()
         srv.stop()
+
+
+def test_client_config_keeps_the_sdk_on_httpx_transport(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    """The SDK's pyqwest transport costs more per request on loopback than httpx's
+    own (benchmarks/tinker_api.py): the server's client config turns it off, as
+    the SDK's own config model reads it."""
+    config = ServerConfig(
+        data_dir=tmp_path / "data", models={"tiny": tiny_model_dir}, port=0, http_port=0, threads=1
+    )
+    with EmbeddedServer(config) as srv:
+        assert srv.http_url
+        answer = httpx.post(f"{srv.http_url}/api/v1/client/config", json={}, timeout=30)
+        assert answer.status_code == 200, answer.text
+        parsed = tinker.types.ClientConfigResponse.model_validate(answer.json())
+        assert parsed.use_pyqwest_transport is False
+        assert parsed.sample_use_retrieve_futures is False  # the plain paths stay on
