@@ -250,20 +250,21 @@ def serve(spec: dict) -> None:
     from treadle.server.config import ServerConfig
     from treadle.server.embedded import EmbeddedServer
 
-    tmp = Path(tempfile.mkdtemp(prefix="treadle-train-step-"))
-    cfg = ServerConfig(
-        data_dir=tmp,
-        models={"bench": Path(spec["dir"])},
-        port=0,
-        threads=spec["threads"],
-        training_threads="all",  # the same thread count as the other rows, never "measure"d
-    )
-    with EmbeddedServer(cfg) as server:
-        print(json.dumps({"address": server.address, "api_key": server.api_key}), flush=True)
-        while sys.stdin.readline().strip() == "cpu":
-            cpu, faults = _usage()
-            print(json.dumps({"cpu_s": cpu, "minflt": faults}), flush=True)
-        print(json.dumps({"peak_mb": _peak_mb()}), flush=True)
+    with tempfile.TemporaryDirectory(prefix="treadle-train-step-") as tmp:
+        cfg = ServerConfig(
+            data_dir=Path(tmp),
+            models={"bench": Path(spec["dir"])},
+            port=0,
+            threads=spec["threads"],
+            training_threads="all",  # the same thread count as the other rows, never "measure"d
+        )
+        with EmbeddedServer(cfg) as server:
+            hello = {"address": server.address, "api_key": server.api_key}
+            print(json.dumps(hello), flush=True)
+            while sys.stdin.readline().strip() == "cpu":
+                cpu, faults = _usage()
+                print(json.dumps({"cpu_s": cpu, "minflt": faults}), flush=True)
+            print(json.dumps({"peak_mb": _peak_mb()}), flush=True)
 
 
 def sdk_row(spec: dict) -> dict:
