@@ -37,24 +37,29 @@ Where the gap goes, each from the same run:
   ``grpc / (grpc + 7 * empty_http - 3 * empty_grpc)``.
 * The clients' CPU: this process's CPU time (every thread) over each path's
   blocks of steps, per step, and the server's over the same blocks. The engine
-  keeps about 1.7 of this machine's 2 cores busy through a step (its two torch
-  threads), so CPU a client spends is not hidden behind the engine: it lengthens
-  the step, on the chain of round trips or by taking a core from the engine.
+  keeps most of this machine's 2 cores busy through a step (its two torch
+  threads: 1.7-1.8 cores), so CPU a client spends is not hidden behind the
+  engine: it lengthens the step, on the chain of round trips or by taking a
+  core from the engine.
   ``grpc / (grpc + tinker_cpu - treadle_cpu)`` is the ratio if the tinker SDK's
   extra CPU per step were the whole difference. The SDK is run unmodified, so
   its CPU is not treadle's to cut: where the measured ratio is close to this
   figure and the figure is under 0.9, the target cannot be met on this machine.
 
-Measured (2-core machine, the server in its own process, 5m preset): the
-server's answers are not the gap. Per step, the server's event-loop thread spent
-12.0 ms over HTTP and 11.0 ms over gRPC, while the tinker SDK's client spent
-15.5-15.9 ms of CPU against treadle SDK's 4.4 ms; HTTP steps were 79 ms against
-gRPC's 69 ms, the difference (10.5 ms) about the clients' (11.1 ms). The tinker
-SDK's time is httpx, httpcore, h11, anyio, pydantic and its event-loop thread's
-hand-offs, spread over its 8 requests (py-spy, 12 s of steps). The server's
-client config turns the SDK's pyqwest transport off: on this loopback httpx's
-own transport took 1.67 ms of transport per request against 3.67 ms, and the
-HTTP steps 79 ms against 83-86 ms.
+Measured on a 2-core machine, the server in its own process (2026-12-03):
+the server's answers are not the gap. Each path alone in a client process (30
+steps each, one after the other): the server's event-loop thread spent 12.0 ms
+a step over HTTP and 11.0 ms over gRPC, the tinker SDK's client 15.9 ms of CPU
+a step against treadle SDK's 4.4 ms, and the HTTP step took 79.9 ms against
+gRPC's 68.6 ms: the difference (11.3 ms) is the clients' (11.5 ms). A py-spy
+profile of the tinker SDK's client (12 s of steps) spreads its time over httpx,
+httpcore, h11, anyio, pydantic and its event-loop thread's hand-offs. This
+benchmark, the same day: 0.831 measured, 0.836 from the clients' CPU (tinker SDK
+21.3 ms, treadle SDK 4.9 ms a step), the server 1.84 cores busy through a gRPC
+step. The server's client config turns the SDK's pyqwest transport off: on this
+loopback httpx's own transport took 1.67 ms of transport per request against
+3.67 ms, the HTTP step 79 ms against 83-86 ms (alone in a client process, two
+runs each way).
 
     python benchmarks/tinker_api.py               # ~5 min on 2 loaded CPU cores
     python benchmarks/tinker_api.py --rounds 6 --steps 4
