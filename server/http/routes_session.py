@@ -19,8 +19,8 @@ router = api_router()
 @router.post("/client/config")
 async def client_config() -> dict[str, Any]:
     """Every optional SDK feature off: the plain paths are the ones served here.
-    The SDK's pyqwest transport too: httpx's own costs less per request on a
-    loopback or LAN connection (benchmarks/tinker_api.py)."""
+    The SDK's pyqwest transport too: httpx's own cost less per request over
+    loopback, where it was measured (benchmarks/tinker_api.py)."""
     return {
         "pjwt_auth_enabled": False,
         "proto_compress_fwdbwd": False,
