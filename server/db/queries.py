@@ -11,7 +11,7 @@ import datetime as dt
 from collections.abc import Sequence
 from typing import TypeVar
 
-from sqlalchemy import select
+from sqlalchemy import Connection, bindparam, select, update
 from sqlalchemy.orm import Session
 
 from treadle.common.db.models import (
@@ -169,6 +169,19 @@ def update_model_progress(
         model.last_checkpoint_seq_id = last_checkpoint.seq_id
     s.flush()
     return model
+
+
+# Every optim_step records the model's new version before it answers: one Core
+# UPDATE built once, not a Session's get and flush (~1.4 ms of the event loop a
+# step on SQLite, between the engine's last op and the client's next call).
+_MODEL_VERSION = update(Model).where(Model.id == bindparam("m")).values(version=bindparam("v"))
+
+
+def record_version(conn: Connection, model_id: str, version: int) -> None:
+    """Record the optimizer steps a worker applied (update_model_progress's
+    ``version`` alone, in one statement); not tenant-filtered."""
+    if conn.execute(_MODEL_VERSION, {"m": model_id, "v": version}).rowcount != 1:
+        raise NotFoundError(f"model_id: no model {model_id!r}")
 
 
 def set_model_status(

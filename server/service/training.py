@@ -112,22 +112,25 @@ class TrainingService:
                 tenant, call, lambda: OptimStepOp(unwrap(adam)), "optim_step", admitted=admitted
             ),
         )
+        auto = result.auto_checkpoint
+        if auto is None:  # the hot path: every step
+            with self.ctx.connection() as conn:
+                queries.record_version(conn, call.model_id, result.step)
+            return result
         with self.ctx.session() as s:
             queries.update_model_progress(s, call.model_id, version=result.step)
-            auto = result.auto_checkpoint
-            if auto is not None:
-                row = self.checkpoints.record(
-                    s,
-                    tenant,
-                    call.model_id,
-                    "auto",
-                    auto.directory,
-                    auto.seq_id,
-                    auto.step,
-                    "auto",
-                    auto.size_bytes,
-                )
-                queries.update_model_progress(s, call.model_id, last_checkpoint=row)
+            row = self.checkpoints.record(
+                s,
+                tenant,
+                call.model_id,
+                "auto",
+                auto.directory,
+                auto.seq_id,
+                auto.step,
+                "auto",
+                auto.size_bytes,
+            )
+            queries.update_model_progress(s, call.model_id, last_checkpoint=row)
         return result
 
     async def sync_weights(

@@ -245,3 +245,19 @@ def test_model_status_sessions_and_checkpoint_flags_change_through_queries(
     assert q.get_public_checkpoint(session, ckpt.uri) is ckpt
     q.set_checkpoint_expiry(session, ckpt, None)
     assert q.expired_checkpoints(session, when + dt.timedelta(seconds=1)) == []
+
+
+def test_record_version_writes_the_step_in_one_statement_and_knows_no_missing_model(
+    session: Session,
+) -> None:
+    from treadle.errors import NotFoundError
+
+    model = _model(session, q.ensure_tenant(session, "alice").id)
+    session.commit()
+    q.record_version(session.connection(), model.id, 7)
+    session.commit()
+    session.expire_all()
+    row = session.get(Model, model.id)
+    assert row is not None and row.version == 7
+    with pytest.raises(NotFoundError, match="no model"):
+        q.record_version(session.connection(), "m-missing", 1)
