@@ -224,6 +224,10 @@ def engine_step(
 def run_row(spec: dict) -> None:
     """A child process: build one row's step, time it, print one JSON line."""
     torch.set_num_threads(spec["threads"])
+    if spec["path"] != "torch":  # what the engine's process does (``workers.host_allocator``)
+        from treadle.workers import host_allocator
+
+        host_allocator.configure("reuse")
     make = {
         "torch": torch_step,
         "engine": engine_step,

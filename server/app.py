@@ -42,7 +42,7 @@ from treadle.v1 import (
     training_pb2,
     training_pb2_grpc,
 )
-from treadle.workers import engine_flags
+from treadle.workers import engine_flags, host_allocator
 from treadle.workers.engine import Engine, EngineConfig
 from treadle.workers.metrics import EngineCollector
 
@@ -54,6 +54,14 @@ SERVICE_NAMES = (
     server_pb2.DESCRIPTOR.services_by_name["ServerService"].full_name,
     session_pb2.DESCRIPTOR.services_by_name["SessionService"].full_name,
 )
+
+
+def prepare_process(config: ServerConfig) -> None:
+    """What this process sets before its threads start when it will run the engine
+    on the CPU: the host allocator (``workers.host_allocator``; the engine sets it
+    too, but by then other threads may have malloc arenas of their own)."""
+    if not config.broker and config.device == "cpu":
+        host_allocator.configure(config.host_allocator)
 
 
 def engine_config(config: ServerConfig) -> EngineConfig:

@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from treadle.server.app import create_server
+    from treadle.server.app import create_server, prepare_process
     from treadle.server.config import config_from_args
 
     config = config_from_args(args)
@@ -30,6 +30,7 @@ def _serve(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    prepare_process(config)
 
     async def main() -> None:
         server, port, ctx = await create_server(config)

@@ -14,7 +14,7 @@ from typing import Any
 import grpc
 
 from treadle.errors import InvalidArgumentError
-from treadle.server.app import create_server
+from treadle.server.app import create_server, prepare_process
 from treadle.server.auth import check_key
 from treadle.server.config import ServerConfig
 from treadle.server.context import ServerContext
@@ -35,6 +35,8 @@ class EmbeddedServer:
             with contextlib.suppress(InvalidArgumentError):  # not ours: a random key then
                 config = config.with_(bootstrap_api_key=check_key(env_key))
         self.config = config
+        if dispatcher_factory is None:
+            prepare_process(config)
         self._factory = dispatcher_factory
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(

@@ -36,7 +36,7 @@ from treadle.errors import (
     TreadleError,
     UnavailableError,
 )
-from treadle.workers import checkpoint, device, export, memory_budget
+from treadle.workers import checkpoint, device, export, host_allocator, memory_budget
 from treadle.workers.base_models import BaseModel, BaseModelRegistry, parse_dtype
 from treadle.workers.domain import (
     ModelSpec,
@@ -90,6 +90,8 @@ class Engine:
         #: where every tensor lives (``workers.device``)
         self.device = device.resolve(config.device)
         device.check_dtype(self.device, config.default_dtype)
+        if self.device.type == "cpu":  # tensors in malloc'd memory: before any thread starts
+            host_allocator.configure(config.host_allocator)
         self.bases = BaseModelRegistry(config.base_models, self.device)
         self.scheduler = Scheduler(
             gap_timeout_s=config.gap_timeout_s,

@@ -48,6 +48,9 @@ class EngineConfig:
     #: RESOURCE_EXHAUSTED before it starts (``workers.train_memory``); 0 = the
     #: device's available memory at the call
     train_memory_limit_bytes: int = 0
+    #: "reuse" (malloc keeps what a step frees for the next, no page faults to get
+    #: it back) or "system" (malloc's defaults): ``workers.host_allocator``
+    host_allocator: str = "reuse"
     #: torch threads of a forward_backward / forward_logprobs (or a batched pass):
     #: "measure" (one or all, whichever this machine runs faster for calls of that
     #: kind and size; ``workers.thread_choice``), "all" or "one"

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from treadle.errors import FailedPreconditionError, InvalidArgumentError
 from treadle.workers.engine_options import ENGINE_FIELDS, EngineOptions
+from treadle.workers.host_allocator import ALLOCATORS
 from treadle.workers.sampler_backends import SAMPLERS, check_available
 from treadle.workers.thread_choice import POLICIES
 from treadle.workers.vllm_settings import VllmSettings
@@ -104,6 +105,14 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
         default=int(env("TREADLE_TRAIN_MEMORY_LIMIT_BYTES", "0")),
         help="refuse (RESOURCE_EXHAUSTED) a forward_backward whose activations and new "
         "gradients would need more; 0 = the device's available memory",
+    )
+    parser.add_argument(
+        "--host-allocator",
+        default=env("TREADLE_HOST_ALLOCATOR", "reuse"),
+        choices=ALLOCATORS,
+        help="'reuse' (default): the engine's process keeps the host memory a step frees "
+        "for the next (no page faults to get it back; its resident size stays at its "
+        "largest step's); 'system': malloc's defaults",
     )
     parser.add_argument(
         "--sampler-slots",
@@ -228,6 +237,7 @@ def engine_settings(args: argparse.Namespace) -> dict[str, Any]:
         "max_quantum_tokens": args.max_quantum_tokens,
         "activation_checkpointing": args.activation_checkpointing,
         "train_memory_limit_bytes": args.train_memory_limit_bytes,
+        "host_allocator": args.host_allocator,
     }
 
 
@@ -252,6 +262,10 @@ def check_engine_settings(config: EngineOptions) -> None:
     if config.default_dtype not in DTYPES:
         raise InvalidArgumentError(f"dtype: {config.default_dtype!r}; choose from {DTYPES}")
     _check_device(config)
+    if config.host_allocator not in ALLOCATORS:
+        raise InvalidArgumentError(
+            f"host_allocator: {config.host_allocator!r}; choose from {ALLOCATORS}"
+        )
     if config.training_threads not in TRAINING_THREADS:
         raise InvalidArgumentError(
             f"training_threads: {config.training_threads!r}; choose from {TRAINING_THREADS}"

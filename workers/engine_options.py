@@ -33,6 +33,8 @@ class EngineOptions:
     activation_checkpointing: bool = False
     #: what one ForwardBackward may need (activations + new gradients); 0 = available memory
     train_memory_limit_bytes: int = 0
+    #: "reuse": freed host memory kept for the next step, "system": malloc's defaults
+    host_allocator: str = "reuse"
 
 
 #: the fields both configs carry (the same names as ``EngineConfig``'s)

@@ -21,4 +21,4 @@ def test_server_and_worker_configs_extend_the_one_engine_options_class() -> None
 def test_every_engine_option_is_a_field_of_engine_config() -> None:
     engine = {f.name for f in dataclasses.fields(EngineConfig)}
     assert set(ENGINE_FIELDS) <= engine
-    assert len(ENGINE_FIELDS) == len(set(ENGINE_FIELDS)) == 17
+    assert len(ENGINE_FIELDS) == len(set(ENGINE_FIELDS)) == 18
