@@ -26,7 +26,11 @@ wall-time ratio swings, the CPU-time ratio much less; "6N" is the fraction of ``
 matmul rate measured in the same run (LoRA does ~4N of real work: no weight
 gradients of the base); "faults/step" the minor page faults of the same
 process(es) per timed step. The torch row is plain torch as a user runs it:
-no allocator or thread tuning beyond ``--threads``, which every row shares.
+no allocator or thread tuning beyond ``--threads``, which every row shares. The
+engine and sdk rows run with the engine's default host allocator ("reuse",
+``workers.host_allocator``: freed memory kept for the next step), as an engine's
+process does; plain torch in a process with the same malloc settings gains as
+much on the rows where page faults are a large part of a step (110m, 4 x 1,024).
 
 Rows of one configuration run back to back in separate processes, and a row's
 speed moves by a few percent from one process to the next (the 5m full
