@@ -29,8 +29,9 @@ process(es) per timed step. The torch row is plain torch as a user runs it:
 no allocator or thread tuning beyond ``--threads``, which every row shares. The
 engine and sdk rows run with the engine's default host allocator ("reuse",
 ``workers.host_allocator``: freed memory kept for the next step), as an engine's
-process does; plain torch in a process with the same malloc settings gains as
-much on the rows where page faults are a large part of a step (110m, 4 x 1,024).
+process does; plain torch with the same malloc settings gains as much or more
+where page faults are a large part of a step (110m full 4 x 1,024, both rows
+with them: torch -10%, engine -4%; docs/engine.md).
 
 Rows of one configuration run back to back in separate processes, and a row's
 speed moves by a few percent from one process to the next (the 5m full
