@@ -118,7 +118,6 @@ class TrainingService:
                 queries.record_version(conn, call.model_id, result.step)
             return result
         with self.ctx.session() as s:
-            queries.update_model_progress(s, call.model_id, version=result.step)
             row = self.checkpoints.record(
                 s,
                 tenant,
@@ -130,7 +129,9 @@ class TrainingService:
                 "auto",
                 auto.size_bytes,
             )
-            queries.update_model_progress(s, call.model_id, last_checkpoint=row)
+            queries.update_model_progress(
+                s, call.model_id, version=result.step, last_checkpoint=row
+            )
         return result
 
     async def sync_weights(

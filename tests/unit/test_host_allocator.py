@@ -4,6 +4,7 @@ Each case runs in its own process: the setting is process-wide and once."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import platform
 import subprocess
@@ -73,8 +74,6 @@ def test_an_unknown_allocator_is_refused_with_the_choices() -> None:
 
 
 def test_the_flag_and_its_variable_reach_the_config(monkeypatch: pytest.MonkeyPatch) -> None:
-    import argparse
-
     monkeypatch.setenv("TREADLE_HOST_ALLOCATOR", "system")
     parser = argparse.ArgumentParser()
     engine_flags.add_engine_flags(parser)
