@@ -36,7 +36,6 @@ WHY = {
     "get_billing_usage": "no billing (404)",
     "get_audit_log": "no audit log route (404)",
     "whoami": "client-side: the SDK reads the identity from a JWT; treadle serves with JWT auth off (client/config pjwt_auth_enabled=false), so the SDK itself raises 'whoami requires JWT auth'",
-    "search_sessions": "session search is not served (404); list_sessions and get_session are",
     "assign_session_project": "no projects (404)",
     "export_session_trace": "no session traces (404)",
     "get_telemetry": "client-side only: the server accepts telemetry and drops it",

@@ -12,6 +12,7 @@ import secrets
 from typing import Any
 
 from sqlalchemy import (
+    JSON,
     BigInteger,
     CheckConstraint,
     DateTime,
@@ -129,6 +130,13 @@ class ClientSession(Base):
     created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
     last_heartbeat_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
     ended_at: Mapped[dt.datetime | None]
+    # What the client said about itself at creation (tinker's create_session), for
+    # search; and, when it finished the session itself, why ("success", "errored",
+    # "interrupted") and its detail
+    display_name: Mapped[str | None] = mapped_column(String(255))
+    user_metadata: Mapped[dict[str, str] | None] = mapped_column(JSON)
+    finish_reason: Mapped[str | None] = mapped_column(String(16))
+    finish_detail: Mapped[str | None] = mapped_column(Text)
 
 
 class Model(Base):

@@ -8,7 +8,7 @@ from typing import Any
 
 from fastapi import Depends, Request
 
-from treadle.server.http import wire
+from treadle.server.http import session_search, wire
 from treadle.server.http.auth import tenant
 from treadle.server.http.errors import GoneError
 from treadle.server.http.state import HttpState, api_router, state
@@ -70,7 +70,12 @@ async def create_session(
 ) -> dict[str, Any]:
     body = wire.json_body(await request.body())
     client = f"tinker-sdk {body.get('sdk_version') or ''}".strip()
-    info = st.service.sessions.create(tenant_id, client)
+    info = st.service.sessions.create(
+        tenant_id,
+        client,
+        display_name=wire.field(body, "display_name", str, None),
+        user_metadata=session_search.user_metadata(body),
+    )
     return {"type": "create_session", "session_id": info.session_id}
 
 
@@ -97,6 +102,15 @@ async def list_sessions(
     return {"sessions": ids[offset : offset + limit]}
 
 
+@router.post("/sessions/search")
+async def search_sessions(
+    request: Request, tenant_id: str = Depends(tenant), st: HttpState = Depends(state)
+) -> dict[str, Any]:
+    """The tenant's sessions, newest first, filtered and paged (``session_search``)."""
+    query = session_search.query(wire.json_body(await request.body()))
+    return session_search.page(st.service.sessions.search(tenant_id, query), tenant_id)
+
+
 @router.get("/sessions/{session_id}")
 async def get_session(
     session_id: str, tenant_id: str = Depends(tenant), st: HttpState = Depends(state)
@@ -107,9 +121,19 @@ async def get_session(
 
 @router.post("/sessions/{session_id}/finish")
 async def finish_session(
-    session_id: str, tenant_id: str = Depends(tenant), st: HttpState = Depends(state)
+    session_id: str,
+    request: Request,
+    tenant_id: str = Depends(tenant),
+    st: HttpState = Depends(state),
 ) -> dict[str, Any]:
-    """Idempotent; the session's models stay, only their heartbeats stop."""
-    st.service.sessions.end(tenant_id, session_id)
+    """Idempotent; the session's models stay, only their heartbeats stop. The
+    client's reason (``{"reason": {"type": "success"}, "detail": ...}``, as the SDK
+    sends it, or ``"reason": "success"``) is kept for search."""
+    body = wire.json_body(await request.body())
+    reason = wire.field(body, "reason", (dict, str), None)
+    if isinstance(reason, dict):
+        reason = wire.field(reason, "type", str, None)
+    detail = wire.field(body, "detail", str, None)
+    st.service.sessions.end(tenant_id, session_id, reason, detail)
     st.finished_sessions.add((tenant_id, session_id))
     return {"session_id": session_id, "status": "finished"}

@@ -8,6 +8,7 @@ they are where they already say what is meant.
 
 from __future__ import annotations
 
+import datetime as dt
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar, Union
@@ -138,6 +139,47 @@ class SessionInfo:
     session_id: str
     heartbeat_interval_s: float
     created_at: float  # unix seconds
+
+
+#: how a client may say it finished its session (tinker's ``sessions/{id}/finish``)
+FINISH_REASONS = ("success", "errored", "interrupted")
+
+
+@dataclass(frozen=True)
+class SessionQuery:
+    """A search of a tenant's sessions, newest first: ``session_id`` or every word
+    of ``display_name`` (either, when both), every pair of ``user_metadata``, and
+    a status among ``statuses`` ("active" or one of ``FINISH_REASONS``; None: any,
+    empty: none);
+    a page of ``limit`` starting after ``after`` (the previous page's last
+    (created_at, session id))."""
+
+    session_id: str | None = None
+    display_name: str | None = None
+    user_metadata: tuple[tuple[str, str], ...] = ()
+    statuses: frozenset[str] | None = None
+    limit: int = 50
+    after: tuple[dt.datetime, str] | None = None
+
+
+@dataclass(frozen=True)
+class SessionSummary:
+    session_id: str
+    created_at: dt.datetime
+    display_name: str | None
+    user_metadata: dict[str, str] | None
+    active: bool
+    finish_reason: str | None  # the client's, when it finished the session itself
+    finish_detail: str | None
+    checkpoints: int
+    checkpoint_bytes: int
+
+
+@dataclass(frozen=True)
+class SessionPage:
+    sessions: tuple[SessionSummary, ...]
+    #: where the next page starts; None when this one is the last
+    next_after: tuple[dt.datetime, str] | None
 
 
 @dataclass(frozen=True)

@@ -249,3 +249,72 @@ def test_the_methods_not_exercised_elsewhere(sc: tinker.ServiceClient) -> None:
         assert res.metrics["nll"] == pytest.approx(_forward_loss(tc), rel=1e-5)
 
     asyncio.run(run())
+
+
+def test_search_sessions_filters_pages_and_keeps_to_the_tenant(world: World) -> None:
+    """RestClient.search_sessions: by user_metadata, display name words, id, status
+    (a client's own finish reason), one page at a time; checkpoints counted per
+    session; another tenant's sessions never match; projects and per-user owners
+    are 400s that say why."""
+    import warnings
+
+    from tinker.types import SessionSearchRequest as Q
+
+    warnings.simplefilter("ignore")  # search_sessions is marked experimental in the SDK
+    tag = {"exp": f"search-{time.time_ns()}"}
+
+    def client(key: str, run: str, name: str) -> tinker.ServiceClient:
+        sc = tinker.ServiceClient(
+            base_url=world.url, api_key=key, user_metadata={**tag, "run": run}, display_name=name
+        )
+        sc.holder.get_session_id()  # the session is made here
+        return sc
+
+    a = client(world.key_a, "a", "Nightly Sweep alpha")
+    b = client(world.key_a, "b", "nightly sweep beta")
+    other = client(world.key_b, "c", "Nightly Sweep alpha")
+    ids = {n: c.holder.get_session_id() for n, c in (("a", a), ("b", b), ("other", other))}
+    rest = b.create_rest_client()  # b's: a closes before the end
+
+    def found(**kw: object) -> list[str]:
+        return [s.session_id for s in rest.search_sessions(Q(**kw)).result().sessions]
+
+    tc = b.create_lora_training_client(base_model=BASE, rank=2, seed=61).result()
+    tc.save_state("kept").result()
+    assert found(user_metadata=tag) == [ids["b"], ids["a"]]  # newest first; not "other"
+    assert found(user_metadata={**tag, "run": "a"}) == [ids["a"]]
+    assert found(user_metadata=tag, display_name="sweep ALPHA") == [ids["a"]]
+    assert found(user_metadata=tag, display_name="alpha", session_id=ids["b"]) == [
+        ids["b"],
+        ids["a"],
+    ]
+    assert found(session_id=ids["other"]) == []  # another tenant's: as if missing
+
+    first = rest.search_sessions(Q(user_metadata=tag, limit=1)).result()
+    assert [s.session_id for s in first.sessions] == [ids["b"]] and first.next_cursor
+    second = rest.search_sessions(Q(user_metadata=tag, limit=1, cursor=first.next_cursor))
+    page = second.result()
+    assert [s.session_id for s in page.sessions] == [ids["a"]] and page.next_cursor is None
+    got = first.sessions[0]
+    assert got.display_name == "nightly sweep beta" and got.user_metadata == {**tag, "run": "b"}
+    assert got.checkpoints_count == 1 and (got.checkpoint_storage_bytes or 0) > 0
+    assert got.status is not None and got.status.type == "active"
+
+    a.close("interrupted").result()
+    finished = [{"type": "client_finished", "reasons": ["interrupted"]}]
+    assert found(user_metadata=tag, statuses=finished) == [ids["a"]]
+    assert found(user_metadata=tag, statuses=[{"type": "active"}]) == [ids["b"]]
+    assert found(user_metadata=tag, statuses=[{"type": "failed"}]) == []
+    summary = rest.search_sessions(Q(session_id=ids["a"])).result().sessions[0]
+    assert summary.status is not None and summary.status.type == "client_finished"
+    assert summary.status.reason.type == "interrupted"
+
+    for bad, field in (({"project_ids": ["p"]}, "project_ids"), ({"limit": 0}, "limit")):
+        answer = world.post("sessions/search", world.key_a, json=bad)
+        assert answer.status_code == 400 and field in answer.text, answer.text
+    answer = world.post(
+        "sessions/search", world.key_a, json={"owner": {"type": "user", "owner_urns": ["u"]}}
+    )
+    assert answer.status_code == 400 and "owner.type" in answer.text
+    for sc in (b, other):
+        sc.close("success").result()

@@ -261,3 +261,70 @@ def test_record_version_writes_the_step_in_one_statement_and_knows_no_missing_mo
     assert row is not None and row.version == 7
     with pytest.raises(NotFoundError, match="no model"):
         q.record_version(session.connection(), "m-missing", 1)
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def any_db(request: pytest.FixtureRequest) -> Session:
+    """``session`` (SQLite), and the same schema on the test PostgreSQL."""
+    if request.param == "sqlite":
+        return request.getfixturevalue("session")
+    from treadle.server.db import make_engine, make_session_factory, upgrade_to_head
+
+    engine = make_engine(request.getfixturevalue("postgres_url"))
+    upgrade_to_head(engine)
+    s = make_session_factory(engine)()
+    request.addfinalizer(engine.dispose)
+    request.addfinalizer(s.close)
+    return s
+
+
+def test_session_search_pages_through_batches_ties_and_metadata(
+    any_db: Session, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Pages follow (created_at, id) newest first, ties included, with the metadata
+    filtered after SQL across several read batches: every match once, in order,
+    never another tenant's (on SQLite and PostgreSQL)."""
+    import contextlib
+    import types
+
+    from treadle.server.service import sessions as service
+    from treadle.server.service.types import SessionQuery
+
+    session = any_db
+
+    monkeypatch.setattr(service, "_BATCH", 2)
+    alice, bob = q.ensure_tenant(session, "alice"), q.ensure_tenant(session, "bob")
+    same = dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc)
+    rows = []
+    for i in range(7):
+        row = q.create_session(session, alice.id, user_metadata={"k": "x" if i % 2 else "y"})
+        row.created_at = same if i < 4 else same + dt.timedelta(seconds=i)
+        rows.append(row)
+    q.create_session(session, bob.id, user_metadata={"k": "x"})
+    session.flush()
+    want = sorted(
+        (r for r in rows if r.user_metadata == {"k": "x"}),
+        key=lambda r: (r.created_at, r.id),
+        reverse=True,
+    )
+    ctx = types.SimpleNamespace(session=lambda: contextlib.nullcontext(session))
+    svc = service.SessionService(ctx)  # type: ignore[arg-type]
+    for limit in (1, 2, 3):
+        got, after = [], None
+        for _ in range(5):
+            query = SessionQuery(user_metadata=(("k", "x"),), limit=limit, after=after)
+            page = svc.search(alice.id, query)
+            got += [s.session_id for s in page.sessions]
+            after = page.next_after
+            if after is None:
+                break
+        assert got == [r.id for r in want] and len(got) == 3, limit
+    q.end_session(session, rows[1], "errored", "boom")
+    q.end_session(session, rows[1], "success")  # the first end stays
+    ended = svc.search(alice.id, SessionQuery(statuses=frozenset({"errored"})))
+    assert [(s.session_id, s.finish_reason, s.finish_detail) for s in ended.sessions] == [
+        (rows[1].id, "errored", "boom")
+    ]
+    assert svc.search(alice.id, SessionQuery(statuses=frozenset())).sessions == ()
+    with pytest.raises(Exception, match="limit"):
+        svc.search(alice.id, SessionQuery(limit=201))
