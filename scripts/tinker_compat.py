@@ -37,7 +37,6 @@ WHY = {
     "get_audit_log": "no audit log route (404)",
     "whoami": "client-side: the SDK reads the identity from a JWT; treadle serves with JWT auth off (client/config pjwt_auth_enabled=false), so the SDK itself raises 'whoami requires JWT auth'",
     "assign_session_project": "no projects (404)",
-    "export_session_trace": "no session traces (404)",
     "get_telemetry": "client-side only: the server accepts telemetry and drops it",
     "get_console_url": "client-side only: treadle has no web console",
     "on_queue_state_change": "a callback the SDK calls itself",

@@ -20,6 +20,7 @@ from treadle.common.db.models import (
     Checkpoint,
     ClientSession,
     Model,
+    Op,
     Sampler,
     Tenant,
     TinkerName,
@@ -501,6 +502,31 @@ def session_checkpoints(
         .group_by(Model.session_id)
     )
     return {str(sid): (int(n), int(size or 0)) for sid, n, size in s.execute(stmt)}
+
+
+def session_timeline(
+    s: Session, tenant_id: str, session_id: str
+) -> tuple[Sequence[Model], Sequence[Op], Sequence[Sampler]]:
+    """The models created in the tenant's session (oldest first), their ordered
+    calls from the ops log (by model, then seq_id), and the samplers made in the
+    session or of its models' weights (a sync's own sampler belongs to no session)."""
+    models = s.scalars(
+        select(Model)
+        .where(Model.tenant_id == tenant_id, Model.session_id == session_id)
+        .order_by(Model.created_at, Model.id)
+    ).all()
+    ops = s.scalars(
+        select(Op).where(Op.model_id.in_([m.id for m in models])).order_by(Op.model_id, Op.seq_id)
+    ).all()
+    samplers = s.scalars(
+        select(Sampler)
+        .where(
+            Sampler.tenant_id == tenant_id,
+            or_(Sampler.session_id == session_id, Sampler.model_id.in_([m.id for m in models])),
+        )
+        .order_by(Sampler.created_at, Sampler.id)
+    ).all()
+    return models, ops, samplers
 
 
 def has_latest_sampler(s: Session, tenant_id: str, model_id: str) -> bool:

@@ -8,7 +8,8 @@ from typing import Any
 
 from fastapi import Depends, Request
 
-from treadle.server.http import session_search, wire
+from treadle.errors import NotFoundError
+from treadle.server.http import session_search, session_trace, wire
 from treadle.server.http.auth import tenant
 from treadle.server.http.errors import GoneError
 from treadle.server.http.state import HttpState, api_router, state
@@ -117,6 +118,29 @@ async def get_session(
 ) -> dict[str, Any]:
     models, samplers = st.service.sessions.members(tenant_id, session_id)
     return {"training_run_ids": models, "sampler_ids": samplers}
+
+
+@router.get("/sessions/{session_id}/trace_export")
+async def export_trace(
+    session_id: str,
+    request: Request,
+    tenant_id: str = Depends(tenant),
+    st: HttpState = Depends(state),
+) -> dict[str, Any]:
+    """A download URL of the session's trace, needing no key, valid for an hour on
+    this server (``session_trace``); 404 for another tenant's session."""
+    st.service.sessions.timeline(tenant_id, session_id)  # NOT_FOUND before a link
+    token = st.trace_links.issue(tenant_id, session_id)
+    return {"status": "ready", "url": f"{request.base_url}api/v1/session_traces/{token}"}
+
+
+@router.get("/session_traces/{token}")
+async def download_trace(token: str, st: HttpState = Depends(state)) -> dict[str, Any]:
+    """The trace behind a URL ``trace_export`` gave out (its token is the key)."""
+    link = st.trace_links.resolve(token)
+    if link is None:
+        raise NotFoundError("token: no such trace link here (unknown or expired): export again")
+    return session_trace.trace(st.service.sessions.timeline(*link))
 
 
 @router.post("/sessions/{session_id}/finish")

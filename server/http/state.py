@@ -22,6 +22,7 @@ from starlette.requests import Request
 from treadle.server.context import ServerContext
 from treadle.server.http.futures import Futures
 from treadle.server.http.names import Names
+from treadle.server.http.session_trace import TraceLinks
 
 if TYPE_CHECKING:
     from treadle.server.service import Service
@@ -34,6 +35,8 @@ class HttpState:
     names: Names = field(default_factory=Names)
     #: (tenant, session id) of sessions finished here: their heartbeats answer 410
     finished_sessions: set[tuple[str, str]] = field(default_factory=set)
+    #: the key-less download URLs of session traces given out here
+    trace_links: TraceLinks = field(default_factory=TraceLinks)
 
     @property
     def service(self) -> Service:

@@ -13,6 +13,8 @@ from treadle.server.service.types import (
     SessionPage,
     SessionQuery,
     SessionSummary,
+    SessionTimeline,
+    TimelineCall,
 )
 
 
@@ -72,6 +74,33 @@ class SessionService:
             if row is None:
                 raise NotFoundError(f"session_id: session {session_id!r} not found")
             queries.end_session(s, row, reason, detail)
+
+    def timeline(self, tenant: str, session_id: str) -> SessionTimeline:
+        """NOT_FOUND for another tenant's session, or none."""
+        with self.ctx.session() as s:
+            row = queries.get_session(s, tenant, session_id)
+            if row is None:
+                raise NotFoundError(f"session_id: session {session_id!r} not found")
+            models, ops, samplers = queries.session_timeline(s, tenant, session_id)
+            return SessionTimeline(
+                session_id=row.id,
+                created_at=row.created_at,
+                ended_at=row.ended_at,
+                models=tuple((m.id, m.created_at) for m in models),
+                calls=tuple(
+                    TimelineCall(
+                        o.model_id,
+                        o.seq_id,
+                        o.kind,
+                        o.status,
+                        o.error_code,
+                        o.created_at,
+                        o.finished_at,
+                    )
+                    for o in ops
+                ),
+                samplers=tuple((x.id, x.model_id, x.created_at) for x in samplers),
+            )
 
     def search(self, tenant: str, query: SessionQuery) -> SessionPage:
         """One page of the tenant's sessions matching ``query``, newest first. The

@@ -183,6 +183,33 @@ class SessionPage:
 
 
 @dataclass(frozen=True)
+class TimelineCall:
+    """An ordered call of a training run, from the ops log: admitted at
+    ``admitted``, ended (applied or failed) at ``ended`` (None: not yet)."""
+
+    model_id: str
+    seq_id: int
+    kind: str
+    status: str
+    error_code: str | None
+    admitted: dt.datetime
+    ended: dt.datetime | None
+
+
+@dataclass(frozen=True)
+class SessionTimeline:
+    """What a session did, for its trace: its training runs (id, created), their
+    ordered calls, and its samplers (id, model id or None for a base, created)."""
+
+    session_id: str
+    created_at: dt.datetime
+    ended_at: dt.datetime | None
+    models: tuple[tuple[str, dt.datetime], ...]
+    calls: tuple[TimelineCall, ...]
+    samplers: tuple[tuple[str, str | None, dt.datetime], ...]
+
+
+@dataclass(frozen=True)
 class BaseModelInfo:
     """A base model this server serves."""
 

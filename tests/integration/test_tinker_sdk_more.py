@@ -318,3 +318,47 @@ def test_search_sessions_filters_pages_and_keeps_to_the_tenant(world: World) -> 
     assert answer.status_code == 400 and "owner.type" in answer.text
     for sc in (b, other):
         sc.close("success").result()
+
+
+def test_export_session_trace_is_a_keyless_link_to_the_sessions_calls(
+    world: World, sc: tinker.ServiceClient
+) -> None:
+    """RestClient.export_session_trace(_async): a URL fetched without a key, whose
+    trace-event JSON has a track per training run of the session and a slice per
+    ordered call in seq_id order; another tenant's session is 404 as a missing
+    one, and a made-up token is 404."""
+    rest = sc.create_rest_client()
+    session_id = sc.holder.get_session_id()
+    tc = sc.create_lora_training_client(base_model=BASE, rank=2, seed=71).result()
+    tc.forward_backward(SFT, "cross_entropy").result()
+    tc.optim_step(T.AdamParams(learning_rate=1e-3)).result()
+    sampler = tc.save_weights_and_get_sampling_client().result()
+    time.sleep(0.5)  # a call's end is written just behind its answer
+
+    url = rest.export_session_trace(session_id).result()
+    answer = httpx.get(url, timeout=60)  # no key
+    assert answer.status_code == 200, answer.text
+    events = answer.json()["traceEvents"]
+    tracks = {e["args"]["name"]: e["pid"] for e in events if e["ph"] == "M"}
+    assert tracks[f"session {session_id}"] == 0
+    pid = tracks[f"training run {tc.model_id}"]
+    calls = [e for e in events if e["ph"] == "X" and e["pid"] == pid]
+    kinds = [e["name"] for e in calls]
+    assert "forward_backward" in kinds and "optim_step" in kinds, kinds
+    seqs = [e["args"]["seq_id"] for e in calls]
+    assert seqs == sorted(seqs) and all(e["dur"] >= 0 and e["ts"] >= 0 for e in calls)
+    assert all(e["args"]["status"] == "done" for e in calls), calls
+    made = [e for e in events if e["name"] == f"sampler {sampler._sampling_session_id}"]
+    assert [e["pid"] for e in made] == [pid]
+
+    async def run_async() -> str:
+        return await rest.export_session_trace_async(session_id)
+
+    assert httpx.get(asyncio.run(run_async()), timeout=60).status_code == 200
+    other = tinker.ServiceClient(base_url=world.url, api_key=world.key_b)
+    try:
+        with pytest.raises(tinker.NotFoundError):
+            other.create_rest_client().export_session_trace(session_id).result()
+    finally:
+        other.close("success").result()
+    assert httpx.get(url.rsplit("/", 1)[0] + "/made-up", timeout=60).status_code == 404
