@@ -66,6 +66,8 @@ def _statuses(items: list[Any] | None) -> frozenset[str] | None:
             out.add("active")
         elif kind == "client_finished":
             reasons = item.get("reasons") or list(FINISH_REASONS)
+            if not isinstance(reasons, list):
+                raise InvalidArgumentError(f"statuses[{i}].reasons: expected a list")
             bad = [r for r in reasons if r not in FINISH_REASONS]
             if bad:
                 raise InvalidArgumentError(

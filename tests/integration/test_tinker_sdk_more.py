@@ -309,7 +309,12 @@ def test_search_sessions_filters_pages_and_keeps_to_the_tenant(world: World) -> 
     assert summary.status is not None and summary.status.type == "client_finished"
     assert summary.status.reason.type == "interrupted"
 
-    for bad, field in (({"project_ids": ["p"]}, "project_ids"), ({"limit": 0}, "limit")):
+    for bad, field in (
+        ({"project_ids": ["p"]}, "project_ids"),
+        ({"limit": 0}, "limit"),
+        ({"statuses": [{"type": "client_finished", "reasons": "success"}]}, "reasons"),
+        ({"cursor": {"last_created_at": "yesterday", "last_session_id": "s"}}, "last_created_at"),
+    ):
         answer = world.post("sessions/search", world.key_a, json=bad)
         assert answer.status_code == 400 and field in answer.text, answer.text
     answer = world.post(
