@@ -515,14 +515,13 @@ def session_timeline(
         .where(Model.tenant_id == tenant_id, Model.session_id == session_id)
         .order_by(Model.created_at, Model.id)
     ).all()
-    ops = s.scalars(
-        select(Op).where(Op.model_id.in_([m.id for m in models])).order_by(Op.model_id, Op.seq_id)
-    ).all()
+    ids = [m.id for m in models]
+    ops = s.scalars(select(Op).where(Op.model_id.in_(ids)).order_by(Op.model_id, Op.seq_id)).all()
     samplers = s.scalars(
         select(Sampler)
         .where(
             Sampler.tenant_id == tenant_id,
-            or_(Sampler.session_id == session_id, Sampler.model_id.in_([m.id for m in models])),
+            or_(Sampler.session_id == session_id, Sampler.model_id.in_(ids)),
         )
         .order_by(Sampler.created_at, Sampler.id)
     ).all()

@@ -129,7 +129,7 @@ async def export_trace(
 ) -> dict[str, Any]:
     """A download URL of the session's trace, needing no key, valid for an hour on
     this server (``session_trace``); 404 for another tenant's session."""
-    st.service.sessions.timeline(tenant_id, session_id)  # NOT_FOUND before a link
+    st.service.sessions.check(tenant_id, session_id)  # NOT_FOUND before a link
     token = st.trace_links.issue(tenant_id, session_id)
     return {"status": "ready", "url": f"{request.base_url}api/v1/session_traces/{token}"}
 

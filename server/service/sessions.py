@@ -3,6 +3,8 @@ the models created in it stay loaded while the beats come (``server.lifecycle``)
 
 from __future__ import annotations
 
+from sqlalchemy.orm import Session
+
 from treadle.common.db import models as db
 from treadle.errors import InvalidArgumentError, NotFoundError
 from treadle.server.context import ServerContext
@@ -53,8 +55,7 @@ class SessionService:
     def members(self, tenant: str, session_id: str) -> tuple[list[str], list[str]]:
         """(model ids, sampler ids) created in the session; NOT_FOUND for another tenant's."""
         with self.ctx.session() as s:
-            if queries.get_session(s, tenant, session_id) is None:
-                raise NotFoundError(f"session_id: session {session_id!r} not found")
+            _found(s, tenant, session_id)
             return queries.session_members(s, tenant, session_id)
 
     def list_ids(self, tenant: str) -> list[str]:
@@ -70,17 +71,18 @@ class SessionService:
         if reason is not None and reason not in FINISH_REASONS:
             raise InvalidArgumentError(f"reason: {reason!r}; one of {', '.join(FINISH_REASONS)}")
         with self.ctx.session() as s:
-            row = queries.get_session(s, tenant, session_id)
-            if row is None:
-                raise NotFoundError(f"session_id: session {session_id!r} not found")
+            row = _found(s, tenant, session_id)
             queries.end_session(s, row, reason, detail)
+
+    def check(self, tenant: str, session_id: str) -> None:
+        """NOT_FOUND for another tenant's session, or none (ended ones exist)."""
+        with self.ctx.session() as s:
+            _found(s, tenant, session_id)
 
     def timeline(self, tenant: str, session_id: str) -> SessionTimeline:
         """NOT_FOUND for another tenant's session, or none."""
         with self.ctx.session() as s:
-            row = queries.get_session(s, tenant, session_id)
-            if row is None:
-                raise NotFoundError(f"session_id: session {session_id!r} not found")
+            row = _found(s, tenant, session_id)
             models, ops, samplers = queries.session_timeline(s, tenant, session_id)
             return SessionTimeline(
                 session_id=row.id,
@@ -137,6 +139,13 @@ class SessionService:
 
 #: sessions read from the database at a time while filling a search's page
 _BATCH = 200
+
+
+def _found(s: Session, tenant: str, session_id: str) -> db.ClientSession:
+    row = queries.get_session(s, tenant, session_id)
+    if row is None:
+        raise NotFoundError(f"session_id: session {session_id!r} not found")
+    return row
 
 
 def _holds(metadata: dict[str, str] | None, wanted: dict[str, str]) -> bool:
