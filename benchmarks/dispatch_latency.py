@@ -77,12 +77,12 @@ import torch  # noqa: E402
 
 import treadle  # noqa: E402
 from treadle._rpc import Caller, make_channel  # noqa: E402
+from treadle.common.engine.domain import DatumData, ForwardLogprobsOp, ModelSpec  # noqa: E402
 from treadle.server.config import ServerConfig  # noqa: E402
 from treadle.server.embedded import EmbeddedServer  # noqa: E402
-from treadle.workers import trainer  # noqa: E402
-from treadle.workers.base_models import BaseModelRegistry  # noqa: E402
-from treadle.workers.domain import DatumData, ForwardLogprobsOp, ModelSpec  # noqa: E402
+from treadle.workers.engine.base_models import BaseModelRegistry  # noqa: E402
 from treadle.workers.model.tiny import build_tiny_model  # noqa: E402
+from treadle.workers.trainer import trainer  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _common import scratch, table  # noqa: E402

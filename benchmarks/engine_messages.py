@@ -27,9 +27,9 @@ from typing import Any
 
 import numpy as np
 
-from treadle.workers import codec
-from treadle.workers import engine_messages as m
-from treadle.workers.domain import (
+from treadle.common.engine import codec
+from treadle.common.engine import messages as m
+from treadle.common.engine.domain import (
     DatumData,
     ForwardBackwardOp,
     ForwardLogprobsOp,

@@ -50,10 +50,10 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import numpy as np  # noqa: E402
 
-from treadle.workers.domain import DatumData, ForwardBackwardOp, ModelSpec  # noqa: E402
-from treadle.workers.engine import Engine, EngineConfig  # noqa: E402
+from treadle.common.engine.domain import DatumData, ForwardBackwardOp, ModelSpec  # noqa: E402
+from treadle.workers.engine.loop import Engine, EngineConfig  # noqa: E402
+from treadle.workers.engine.scheduler import Scheduler  # noqa: E402
 from treadle.workers.model.tiny import build_tiny_model  # noqa: E402
-from treadle.workers.scheduler import Scheduler  # noqa: E402
 
 TENANTS = ("heavy", "light-1", "light-2", "light-3")
 LONG = 3600.0  # no gap timeouts in a benchmark

@@ -50,7 +50,7 @@ from typing import Any
 import _common  # sets the thread budget before torch starts its pools
 import numpy as np
 
-from treadle.workers.domain import (
+from treadle.common.engine.domain import (
     AdamConfig,
     DatumData,
     ForwardBackwardOp,
@@ -58,7 +58,7 @@ from treadle.workers.domain import (
     ModelSpec,
     OptimStepOp,
 )
-from treadle.workers.engine import Engine, EngineConfig
+from treadle.workers.engine.loop import Engine, EngineConfig
 
 TENANTS = 4
 WARMUP_ROUNDS = 8  # ThreadChoice's trials (3) on each option, and a margin

@@ -77,8 +77,8 @@ def run_raw_vllm(
     OpenMP threads as the worker's cores)."""
     from vllm import LLM, SamplingParams
 
-    from treadle.workers.vllm_engine import cpu_worker_threads, on_gpu
-    from treadle.workers.vllm_params import LOGPROBS_MODE
+    from treadle.workers.vllm.engine import cpu_worker_threads, on_gpu
+    from treadle.workers.vllm.params import LOGPROBS_MODE
 
     gpu = on_gpu()
     if not gpu:  # as treadle's start_engine sets them (VllmSettings' CPU defaults)

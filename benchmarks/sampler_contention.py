@@ -36,8 +36,7 @@ import _common  # sets the thread budget before torch starts its pools
 import numpy as np
 import torch
 
-from treadle.workers.base_models import BaseModelRegistry
-from treadle.workers.domain import (
+from treadle.common.engine.domain import (
     AdamConfig,
     DatumData,
     ForwardBackwardOp,
@@ -46,9 +45,10 @@ from treadle.workers.domain import (
     SampleResult,
     SamplingConfig,
 )
-from treadle.workers.sampler import TorchSampler
-from treadle.workers.trainer import TrainingModel, forward_backward
-from treadle.workers.versions import WeightSnapshot
+from treadle.workers.engine.base_models import BaseModelRegistry
+from treadle.workers.engine.versions import WeightSnapshot
+from treadle.workers.sampler.torch_sampler import TorchSampler
+from treadle.workers.trainer.trainer import TrainingModel, forward_backward
 
 REQUESTS, SAMPLES, MAX_TOKENS = 9, 8, 64  # rung 3's buffer at groups_per_step 8
 WARM_S = 2.0  # the sampler decodes this long before the trainer starts

@@ -29,11 +29,11 @@ import _common  # sets the thread budget before torch starts its pools
 import numpy as np
 import torch
 
-from treadle.workers.base_models import BaseModelRegistry, parse_dtype
-from treadle.workers.domain import SampleOp, SampleResult, SamplingConfig
+from treadle.common.engine.domain import SampleOp, SampleResult, SamplingConfig
+from treadle.workers.engine.base_models import BaseModelRegistry, parse_dtype
+from treadle.workers.engine.versions import WeightSnapshot
 from treadle.workers.model import prepack
-from treadle.workers.sampler import SamplerLimits, TorchSampler
-from treadle.workers.versions import WeightSnapshot
+from treadle.workers.sampler.torch_sampler import SamplerLimits, TorchSampler
 
 
 def run_treadle(

@@ -11,7 +11,7 @@ with a LoRA adapter of rank 16 (``--full`` for a full fine-tune).
   submits both calls and waits for the optimizer step's result, as a user's loop
   does. The cost over direct is request encoding, gRPC on loopback, auth,
   the database's op log, the scheduler and the result's way back.
-* direct: ``treadle.workers.trainer.forward_backward`` and
+* direct: ``treadle.workers.trainer.trainer.forward_backward`` and
   ``TrainingModel.optim_step`` on the caller's thread (``torch.set_num_threads(N)``),
   the code the engine runs for those calls.
 
@@ -47,12 +47,12 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import treadle  # noqa: E402
+from treadle.common.engine.domain import AdamConfig, DatumData, ForwardBackwardOp, ModelSpec  # noqa: E402
 from treadle.server.config import ServerConfig  # noqa: E402
 from treadle.server.embedded import EmbeddedServer  # noqa: E402
-from treadle.workers.base_models import BaseModelRegistry  # noqa: E402
-from treadle.workers.domain import AdamConfig, DatumData, ForwardBackwardOp, ModelSpec  # noqa: E402
+from treadle.workers.engine.base_models import BaseModelRegistry  # noqa: E402
 from treadle.workers.model.tiny import build_tiny_model  # noqa: E402
-from treadle.workers.trainer import TrainingModel, forward_backward  # noqa: E402
+from treadle.workers.trainer.trainer import TrainingModel, forward_backward  # noqa: E402
 
 TARGET = 1.10
 LR = 1e-4

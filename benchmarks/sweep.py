@@ -47,7 +47,7 @@ from typing import Any
 import _common  # sets the thread budget before torch starts its pools
 import numpy as np
 
-from treadle.workers.domain import (
+from treadle.common.engine.domain import (
     AdamConfig,
     DatumData,
     ForwardBackwardOp,
@@ -60,7 +60,7 @@ from treadle.workers.domain import (
     SamplingConfig,
     SyncWeightsOp,
 )
-from treadle.workers.engine import Engine, EngineConfig
+from treadle.workers.engine.loop import Engine, EngineConfig
 
 TENANT = "researcher"
 BASE = "m"

@@ -9,7 +9,7 @@ For each preset (5m, 110m), mode (LoRA rank 16, full fine-tune) and shape
   seven projections and the unembedding for LoRA, treadle's default targets),
   the same summed weighted token loss, ``loss.backward()``, ``torch.optim.AdamW`` with treadle's default
   hyper-parameters, ``zero_grad(set_to_none=True)``;
-* engine: ``treadle.workers.trainer.forward_backward`` + ``TrainingModel.optim_step``
+* engine: ``treadle.workers.trainer.trainer.forward_backward`` + ``TrainingModel.optim_step``
   on the caller's thread, the code the engine runs for those calls;
 * engine-ckpt (only with ``--paths``): the engine with activation checkpointing;
 * sdk: an embedded server (its own process) driven through ``treadle.ServiceClient``
@@ -148,7 +148,7 @@ def _splits(n: int, calls: int) -> list[slice]:
 def torch_step(path: Path, mode: str, n: int, length: int, calls: int = 1) -> Callable[[], None]:
     import transformers
 
-    from treadle.workers.domain import AdamConfig
+    from treadle.common.engine.domain import AdamConfig
 
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     if mode == "lora":
@@ -189,9 +189,9 @@ def torch_step(path: Path, mode: str, n: int, length: int, calls: int = 1) -> Ca
 
 
 def engine_model(path: Path, mode: str, checkpointing: bool = False):  # type: ignore[no-untyped-def]
-    from treadle.workers.base_models import BaseModelRegistry
-    from treadle.workers.domain import ModelSpec
-    from treadle.workers.trainer import TrainingModel
+    from treadle.common.engine.domain import ModelSpec
+    from treadle.workers.engine.base_models import BaseModelRegistry
+    from treadle.workers.trainer.trainer import TrainingModel
 
     base = BaseModelRegistry({"bench": path}).get("bench", torch.float32)
     rank = RANK if mode == "lora" else 0
@@ -200,7 +200,7 @@ def engine_model(path: Path, mode: str, checkpointing: bool = False):  # type: i
 
 
 def engine_op(model, n: int, length: int, rows: slice = slice(None)):  # type: ignore[no-untyped-def]
-    from treadle.workers.domain import DatumData, ForwardBackwardOp
+    from treadle.common.engine.domain import DatumData, ForwardBackwardOp
 
     data = tuple(
         DatumData(tok.astype(np.int64), {"target_tokens": tgt, "weights": _weights(n, length)})
@@ -212,8 +212,8 @@ def engine_op(model, n: int, length: int, rows: slice = slice(None)):  # type: i
 def engine_step(
     path: Path, mode: str, n: int, length: int, calls: int = 1, checkpointing: bool = False
 ) -> Callable[[], None]:
-    from treadle.workers.domain import AdamConfig
-    from treadle.workers.trainer import forward_backward
+    from treadle.common.engine.domain import AdamConfig
+    from treadle.workers.trainer.trainer import forward_backward
 
     model = engine_model(path, mode, checkpointing)
     ops = [engine_op(model, n, length, rows) for rows in _splits(n, calls)]
@@ -230,7 +230,7 @@ def run_row(spec: dict) -> None:
     """A child process: build one row's step, time it, print one JSON line."""
     torch.set_num_threads(spec["threads"])
     if spec["path"] != "torch":  # what the engine's process does (``workers.host_allocator``)
-        from treadle.workers import host_allocator
+        from treadle.workers.engine import host_allocator
 
         host_allocator.configure("reuse")
     make = {

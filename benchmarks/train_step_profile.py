@@ -18,8 +18,8 @@ def profile_engine(model: Any, op: Any, mode: str) -> None:
     optimizer step), and torch.profiler's top ops."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    from treadle.workers import losses, trainer
-    from treadle.workers.domain import AdamConfig
+    from treadle.common.engine.domain import AdamConfig
+    from treadle.workers.trainer import losses, trainer
 
     n, length = len(op.data), max(d.tokens.size for d in op.data)
     phases: dict[str, list[float]] = {}

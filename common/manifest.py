@@ -1,7 +1,7 @@
 """The manifest of a checkpoint directory (``manifest.json``: format, base model,
 LoRA rank/alpha, dtype, step, seq_id), read and checked.
 
-Engines write checkpoints (``treadle.workers.checkpoint``); the checkpoint
+Engines write checkpoints (``treadle.workers.trainer.checkpoint``); the checkpoint
 stores (``treadle.common.store``, ``treadle.common.s3_store``) read a manifest
 to list and copy them without loading any weights.
 """

@@ -63,7 +63,7 @@ def parse_weights_uri(uri: str, field: str = "weights") -> WeightsRef:
 
 
 class Store(Protocol):
-    """Where checkpoints live. A checkpoint is a directory (``treadle.workers.checkpoint``);
+    """Where checkpoints live. A checkpoint is a directory (``treadle.workers.trainer.checkpoint``);
     its *storage path* (what the DB row records) is a local directory for
     ``LocalStore`` and an ``s3://bucket/key`` prefix for ``S3Store``.
 

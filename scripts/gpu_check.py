@@ -70,9 +70,7 @@ import torch  # noqa: E402
 from gpu_plain_torch import add_lora  # noqa: E402
 
 from tests.gpu import checks  # noqa: E402
-from treadle.workers import trainer  # noqa: E402
-from treadle.workers.batching import BatchCall, run_batch  # noqa: E402
-from treadle.workers.domain import (  # noqa: E402
+from treadle.common.engine.domain import (  # noqa: E402
     AdamConfig,
     DatumData,
     ForwardBackwardOp,
@@ -83,8 +81,10 @@ from treadle.workers.domain import (  # noqa: E402
     SamplerTarget,
     SamplingConfig,
 )
-from treadle.workers.engine import Engine, EngineConfig  # noqa: E402
+from treadle.workers.engine.loop import Engine, EngineConfig  # noqa: E402
 from treadle.workers.model.tiny import build_tiny_model  # noqa: E402
+from treadle.workers.trainer import trainer  # noqa: E402
+from treadle.workers.trainer.batching import BatchCall, run_batch  # noqa: E402
 
 #: a Qwen2-0.5B-shaped config (random weights): 24 layers, 896 wide, GQA 14/2, 152k vocab
 QWEN2_05B = {

@@ -24,8 +24,8 @@ import sweep as bench  # noqa: E402  (its _common pins 2 torch threads: undone b
 
 torch.set_num_threads(_threads)
 
-from treadle.workers.domain import ModelSpec  # noqa: E402
-from treadle.workers.engine import Engine, EngineConfig  # noqa: E402
+from treadle.common.engine.domain import ModelSpec  # noqa: E402
+from treadle.workers.engine.loop import Engine, EngineConfig  # noqa: E402
 from treadle.workers.model.loading import load_config  # noqa: E402
 
 RANKS = (8, 16)

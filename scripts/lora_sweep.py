@@ -20,10 +20,10 @@ import time
 import numpy as np
 import torch
 
-from treadle.workers.base_models import BaseModelRegistry
-from treadle.workers.domain import AdamConfig, DatumData, ForwardBackwardOp, ModelSpec
+from treadle.common.engine.domain import AdamConfig, DatumData, ForwardBackwardOp, ModelSpec
+from treadle.workers.engine.base_models import BaseModelRegistry
 from treadle.workers.model.tiny import build_char_tokenizer, build_tiny_model
-from treadle.workers.trainer import TrainingModel, forward_backward
+from treadle.workers.trainer.trainer import TrainingModel, forward_backward
 
 TARGET_SETS = {
     "full": (False, False, False),  # a full fine-tune (rank ignored), for comparison

@@ -115,7 +115,7 @@ def losses(record: dict[str, dict[str, list[str]]]) -> list[str]:
     """The losses the SDK can send (its ``LossFnType``), from test_every_sdk_loss."""
     from tinker import types
 
-    from treadle.workers.losses import LOSSES, UNSERVED
+    from treadle.workers.trainer.losses import LOSSES, UNSERVED
 
     tests = record.get("__tests__", {"passed": [], "failed": []})
     lines = [

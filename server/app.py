@@ -16,22 +16,23 @@ from grpc_reflection.v1alpha import reflection
 
 from treadle._rpc import channel_options
 from treadle.common.db import models as db
+from treadle.common.metrics import EngineCollector
 from treadle.common.store import make_store
-from treadle.server import convert
+from treadle.server.accounting.quotas import Quotas
+from treadle.server.accounting.usage import UsageMeter
 from treadle.server.auth import Authenticator, AuthInterceptor, bootstrap_default_tenant
 from treadle.server.config import ServerConfig
 from treadle.server.context import ServerContext
 from treadle.server.db import make_engine, make_session_factory, queries, tenancy, upgrade_to_head
 from treadle.server.dispatch import Backend, InProcessDispatcher
-from treadle.server.info_servicer import InfoServicer
-from treadle.server.interceptors import DecodeInterceptor, ErrorInterceptor, ObserveInterceptor
 from treadle.server.metrics import ServerMetrics
-from treadle.server.quotas import Quotas
 from treadle.server.restarts import RestorePoint
-from treadle.server.sampling_servicer import SamplingServicer
-from treadle.server.session_servicer import SessionServicer
-from treadle.server.training_servicer import TrainingServicer
-from treadle.server.usage import UsageMeter
+from treadle.server.rpc import convert
+from treadle.server.rpc.info_servicer import InfoServicer
+from treadle.server.rpc.interceptors import DecodeInterceptor, ErrorInterceptor, ObserveInterceptor
+from treadle.server.rpc.sampling_servicer import SamplingServicer
+from treadle.server.rpc.session_servicer import SessionServicer
+from treadle.server.rpc.training_servicer import TrainingServicer
 from treadle.v1 import (
     sampling_pb2,
     sampling_pb2_grpc,
@@ -42,9 +43,9 @@ from treadle.v1 import (
     training_pb2,
     training_pb2_grpc,
 )
-from treadle.workers import engine_flags, host_allocator
-from treadle.workers.engine import Engine, EngineConfig
-from treadle.workers.metrics import EngineCollector
+from treadle.workers.engine import flags as engine_flags
+from treadle.workers.engine import host_allocator
+from treadle.workers.engine.loop import Engine, EngineConfig
 
 log = logging.getLogger("treadle.server")
 
@@ -141,8 +142,8 @@ async def create_context(config: ServerConfig, dispatcher: Backend | None = None
         staging=config.checkpoint_root,
     )
     if dispatcher is None and config.broker:
-        from treadle.server.celery_dispatch import CeleryDispatcher
-        from treadle.workers.base_models import BaseModelRegistry
+        from treadle.server.celery.dispatch import CeleryDispatcher
+        from treadle.workers.engine.base_models import BaseModelRegistry
 
         dispatcher = CeleryDispatcher(
             config.broker,

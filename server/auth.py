@@ -33,7 +33,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from treadle.errors import InvalidArgumentError, UnauthenticatedError
 from treadle.server.call_record import note_tenant
 from treadle.server.db import queries, tenancy
-from treadle.server.interceptor_base import WrappingInterceptor
+from treadle.server.rpc.interceptor_base import WrappingInterceptor
 
 log = logging.getLogger("treadle.server")
 

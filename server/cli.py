@@ -10,8 +10,8 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from treadle.common.logs import configure_logging
 from treadle.errors import TreadleError
-from treadle.workers.logs import configure_logging
 
 if TYPE_CHECKING:
     import grpc
@@ -102,8 +102,8 @@ async def graceful_stop(server: grpc.aio.Server, ctx: ServerContext) -> None:
 
 
 def _worker(args: argparse.Namespace) -> int:
-    from treadle.workers.celery_worker import run_worker
-    from treadle.workers.worker_config import worker_config_from_args
+    from treadle.workers.worker.celery_worker import run_worker
+    from treadle.workers.worker.config import worker_config_from_args
 
     return run_worker(worker_config_from_args(args))
 
@@ -158,7 +158,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from treadle.server.config import add_server_flags
-    from treadle.workers.worker_config import add_worker_flags
+    from treadle.workers.worker.config import add_worker_flags
 
     parser = argparse.ArgumentParser(
         prog="treadle", description="Self-hosted RL training-as-a-service for LLMs"

@@ -11,9 +11,10 @@ from pathlib import Path
 from typing import Any
 
 from treadle._rpc import MAX_MESSAGE_BYTES
+from treadle.common.logs import add_observe_flags, metrics_port_of
 from treadle.errors import InvalidArgumentError
-from treadle.server.quotas import QuotaLimits
-from treadle.workers.engine_flags import (
+from treadle.server.accounting.quotas import QuotaLimits
+from treadle.workers.engine.flags import (
     add_engine_flags,
     add_model_flag,
     add_store_flags,
@@ -21,8 +22,7 @@ from treadle.workers.engine_flags import (
     engine_settings,
     models_from_args,
 )
-from treadle.workers.engine_options import EngineOptions
-from treadle.workers.logs import add_observe_flags, metrics_port_of
+from treadle.workers.engine.options import EngineOptions
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1", "[::1]")
 
@@ -136,7 +136,7 @@ class ServerConfig(EngineOptions):
 
             parse_database_url(self.database_url)
         if self.broker:
-            from treadle.workers.celery_app import check_broker_url
+            from treadle.common.celery_app import check_broker_url
 
             check_broker_url(self.broker)
         if self.store.startswith("s3:"):

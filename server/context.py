@@ -17,12 +17,12 @@ from sqlalchemy.orm import Session, sessionmaker
 from treadle.common.db import models as db
 from treadle.common.store import Store
 from treadle.errors import NotFoundError
+from treadle.server.accounting.quotas import QuotaLimits, Quotas
+from treadle.server.accounting.usage import UsageMeter
 from treadle.server.auth import Authenticator, DefaultKey, current_tenant
 from treadle.server.config import ServerConfig
 from treadle.server.db import queries
 from treadle.server.dispatch import Catalog, Dispatcher, Draining, EngineMetrics
-from treadle.server.quotas import QuotaLimits, Quotas
-from treadle.server.usage import UsageMeter
 
 if TYPE_CHECKING:
     from treadle.server.http.app import HttpServer

@@ -16,9 +16,8 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
-from treadle.common.store import Store, storage_path_str
-from treadle.errors import UnavailableError
-from treadle.workers.domain import (
+from treadle.common.engine.api import EngineAPI
+from treadle.common.engine.domain import (
     ModelSpec,
     ModelStatus,
     OpResult,
@@ -31,12 +30,13 @@ from treadle.workers.domain import (
     SequenceResult,
     StreamedSequence,
 )
-from treadle.workers.engine import Engine
-from treadle.workers.engine_api import EngineAPI
+from treadle.common.engine.stats import PassStats
+from treadle.common.store import Store, storage_path_str
+from treadle.errors import UnavailableError
+from treadle.workers.engine.loop import Engine
+from treadle.workers.engine.staging import StagedEngine
 from treadle.workers.model.config import ModelConfig
-from treadle.workers.pass_stats import PassStats
-from treadle.workers.sampler import SamplerStats
-from treadle.workers.staging import StagedEngine
+from treadle.workers.sampler.torch_sampler import SamplerStats
 
 T = TypeVar("T")
 

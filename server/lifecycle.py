@@ -46,9 +46,9 @@ from sqlalchemy import select
 from treadle.common.db import models as db
 from treadle.common.store import state_uri
 from treadle.errors import NotFoundError, TreadleError, UnavailableError
-from treadle.server import convert
 from treadle.server.db import queries
 from treadle.server.restarts import RestorePoint
+from treadle.server.rpc import convert
 
 if TYPE_CHECKING:
     from treadle.server.context import ServerContext

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from treadle.workers.metrics import MetricsEndpoint, process_registry, serve_metrics
+from treadle.common.metrics import MetricsEndpoint, process_registry, serve_metrics
 
 #: latency buckets (seconds): sub-millisecond reads to minutes-long training calls
 LATENCY_BUCKETS_S = (

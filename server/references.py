@@ -13,10 +13,10 @@ from __future__ import annotations
 from sqlalchemy.orm import Session
 
 from treadle.common.db import models as db
+from treadle.common.engine.domain import ReferenceWeights
 from treadle.common.store import SCHEME, parse_state_uri, parse_weights_uri, storage_path_str
 from treadle.errors import InvalidArgumentError, NotFoundError
 from treadle.server.db import queries
-from treadle.workers.domain import ReferenceWeights
 
 FIELD = "reference_path"
 

@@ -4,7 +4,7 @@ applied step, not at its checkpoint.
 
 Each ordered call the worker answered as applied (a result, or an error the
 engine answers in the call's turn, which takes its seq_id too) has its payload
-(the engine's op, ``treadle.workers.codec`` bytes) written on its row of the
+(the engine's op, ``treadle.common.engine.codec`` bytes) written on its row of the
 ``ops`` log. To recover, the distributed dispatcher restores the model's last
 checkpoint (or its creation state) on a live worker and submits these calls
 again with their own seq_ids, in order: on CPU, a step computes the same
@@ -31,16 +31,16 @@ from sqlalchemy import and_, func, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from treadle.common.db import models as db
-from treadle.errors import FailedPreconditionError
-from treadle.server.db.ops_log import APPLIED_ERROR_CODES
-from treadle.workers import codec
-from treadle.workers.domain import (
+from treadle.common.engine import codec
+from treadle.common.engine.domain import (
     ForwardLogprobsOp,
     OptimStepOp,
     OrderedOp,
     RejectedOp,
     SaveStateOp,
 )
+from treadle.errors import FailedPreconditionError
+from treadle.server.db.ops_log import APPLIED_ERROR_CODES
 
 log = logging.getLogger("treadle.server")
 

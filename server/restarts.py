@@ -28,8 +28,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from treadle._rpc import FIRST_PENDING_KEY, INSTANCE_KEY
+from treadle.common.engine.domain import ModelStatus
 from treadle.errors import ServerRestartedError
-from treadle.workers.domain import ModelStatus
 
 
 @dataclass(frozen=True)

@@ -93,7 +93,7 @@ def tok(service: treadle.ServiceClient) -> treadle.Tokenizer:
 def vllm_skip_reason() -> str | None:
     """Why the vLLM backend's tests cannot run here (None: they can)."""
     from treadle.errors import TreadleError
-    from treadle.workers.sampler_backends import check_available
+    from treadle.workers.sampler.backends import check_available
 
     try:
         check_available("vllm")

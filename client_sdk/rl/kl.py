@@ -1,6 +1,6 @@
 """KL estimators on per-token log-probs (numpy), for client-side diagnostics.
 
-The server's losses use the same k3 estimator (``treadle.workers.losses``), so
+The server's losses use the same k3 estimator (``treadle.workers.trainer.losses``), so
 a client that has sampler, trainer and reference log-probs can check the
 numbers it will be trained on.
 """

@@ -7,13 +7,13 @@ from typing import Any
 
 from fastapi import Depends, Request
 
+from treadle.common.engine.domain import SampleResult
 from treadle.errors import InvalidArgumentError
 from treadle.server.http import wire
 from treadle.server.http.auth import tenant
 from treadle.server.http.state import HttpState, api_router, state
 from treadle.server.service import CallHandle
 from treadle.server.service.types import SamplerSource, parse
-from treadle.workers.domain import SampleResult
 
 router = api_router()
 

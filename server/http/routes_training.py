@@ -16,6 +16,7 @@ from typing import Any
 
 from fastapi import Depends, Request
 
+from treadle.common.engine.domain import ForwardBackwardOp, ForwardResult
 from treadle.errors import InvalidArgumentError, TreadleError
 from treadle.server.http import wire
 from treadle.server.http.auth import tenant
@@ -23,8 +24,7 @@ from treadle.server.http.futures import Encoder
 from treadle.server.http.state import HttpState, api_router, state
 from treadle.server.service import CallHandle
 from treadle.server.service.types import CreateModel, OrderedCall, parse
-from treadle.workers.domain import ForwardBackwardOp, ForwardResult
-from treadle.workers.losses import LOSSES, unserved_loss
+from treadle.workers.trainer.losses import LOSSES, unserved_loss
 
 router = api_router()
 

@@ -18,9 +18,7 @@ from typing import Any
 import numpy as np
 from google.protobuf.message import DecodeError
 
-from treadle.errors import InvalidArgumentError
-from treadle.server.http import tinker_pb
-from treadle.workers.domain import (
+from treadle.common.engine.domain import (
     AdamConfig,
     DatumData,
     ForwardBackwardOp,
@@ -30,6 +28,8 @@ from treadle.workers.domain import (
     SampleResult,
     SamplingConfig,
 )
+from treadle.errors import InvalidArgumentError
+from treadle.server.http import tinker_pb
 
 PROTOBUF = "application/x-protobuf"
 

@@ -3,7 +3,7 @@
 Both transports (the gRPC servicers, the tinker-compatible HTTP routes) are
 thin translators over it: they authenticate the caller, turn their wire
 requests into the domain types of ``service.types`` (or the engine's, in
-``treadle.workers.domain``), call one method with the caller's tenant, and turn
+``treadle.common.engine.domain``), call one method with the caller's tenant, and turn
 the domain result (or the ``TreadleError`` raised) back into their wire.
 Ordering and dedupe of training calls, tenant walls, quotas, usage, the
 model lifecycle and the database writes that follow an applied call all live
@@ -15,8 +15,8 @@ quota and usage meter is shared by every transport.
 
 from __future__ import annotations
 
+from treadle.server.accounting.metering import CallMeter
 from treadle.server.context import ServerContext
-from treadle.server.metering import CallMeter
 from treadle.server.service.checkpoints import CheckpointService
 from treadle.server.service.info import InfoService
 from treadle.server.service.models import ModelService

@@ -16,15 +16,15 @@ from pathlib import Path
 from sqlalchemy.orm import object_session
 
 from treadle.common.db import models as db
+from treadle.common.engine.domain import ModelSpec
 from treadle.common.store import copy_checkpoint
 from treadle.errors import InvalidArgumentError, NotFoundError, TreadleError
-from treadle.server import convert
 from treadle.server.context import ServerContext
 from treadle.server.db import ops_log, queries, tenancy
+from treadle.server.rpc import convert
 from treadle.server.service.checkpoints import CheckpointService
 from treadle.server.service.types import CreateModel, ModelInfo
-from treadle.workers.domain import ModelSpec
-from treadle.workers.engine_flags import DTYPES
+from treadle.workers.engine.flags import DTYPES
 
 MAX_LORA_RANK = 1024
 #: name of the checkpoint a model created from a state keeps of its starting point

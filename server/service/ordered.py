@@ -20,14 +20,14 @@ import asyncio
 from collections.abc import Awaitable, Callable, Generator
 from typing import Any, Generic, TypeVar
 
+from treadle.common.engine.domain import OpResult, OrderedOp, RejectedOp
 from treadle.errors import InvalidArgumentError, TreadleError
 from treadle.server import restarts
+from treadle.server.accounting.metering import CallMeter
 from treadle.server.context import ServerContext
 from treadle.server.db import ops_log
-from treadle.server.metering import CallMeter
 from treadle.server.service.op_endings import Ending, OpEndings
 from treadle.server.service.types import OrderedCall
-from treadle.workers.domain import OpResult, OrderedOp, RejectedOp
 
 R = TypeVar("R")
 

@@ -15,14 +15,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from treadle.common.store import parse_weights_uri
-from treadle.errors import InvalidArgumentError, NotFoundError
-from treadle.server.context import ServerContext
-from treadle.server.db import queries
-from treadle.server.metering import CallMeter
-from treadle.server.service.ordered import Admission
-from treadle.server.service.types import Parsed, SamplerInfo, SamplerSource, unwrap
-from treadle.workers.domain import (
+from treadle.common.engine.domain import (
     SampleOp,
     SampleResult,
     SamplerTarget,
@@ -30,6 +23,13 @@ from treadle.workers.domain import (
     SequenceResult,
     StreamedSequence,
 )
+from treadle.common.store import parse_weights_uri
+from treadle.errors import InvalidArgumentError, NotFoundError
+from treadle.server.accounting.metering import CallMeter
+from treadle.server.context import ServerContext
+from treadle.server.db import queries
+from treadle.server.service.ordered import Admission
+from treadle.server.service.types import Parsed, SamplerInfo, SamplerSource, unwrap
 
 #: samplers whose target is kept in memory (the most recently used); an older
 #: one is read again from the database. Every ``sync_weights`` makes a sampler,

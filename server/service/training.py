@@ -13,16 +13,7 @@ import dataclasses
 from typing import cast
 
 from treadle.common.db import models as db
-from treadle.common.store import check_name, state_uri, weights_uri
-from treadle.errors import InvalidArgumentError
-from treadle.server import references
-from treadle.server.context import ServerContext
-from treadle.server.db import queries
-from treadle.server.service.checkpoints import CheckpointService
-from treadle.server.service.ordered import Admission, OrderedCalls
-from treadle.server.service.sampling import SamplingService
-from treadle.server.service.types import OrderedCall, Parsed, SavedState, SyncOutcome, unwrap
-from treadle.workers.domain import (
+from treadle.common.engine.domain import (
     AdamConfig,
     ForwardBackwardOp,
     ForwardLogprobsOp,
@@ -38,6 +29,15 @@ from treadle.workers.domain import (
     SyncResult,
     SyncWeightsOp,
 )
+from treadle.common.store import check_name, state_uri, weights_uri
+from treadle.errors import InvalidArgumentError
+from treadle.server import references
+from treadle.server.context import ServerContext
+from treadle.server.db import queries
+from treadle.server.service.checkpoints import CheckpointService
+from treadle.server.service.ordered import Admission, OrderedCalls
+from treadle.server.service.sampling import SamplingService
+from treadle.server.service.types import OrderedCall, Parsed, SavedState, SyncOutcome, unwrap
 
 
 class TrainingService:

@@ -2,7 +2,7 @@
 
 Transports build these from their wire messages and turn the results back into
 wire messages (``server.convert`` for gRPC); the service never sees either
-wire. The engine's op and result types (``treadle.workers.domain``) are used as
+wire. The engine's op and result types (``treadle.common.engine.domain``) are used as
 they are where they already say what is meant.
 """
 

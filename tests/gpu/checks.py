@@ -32,10 +32,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from treadle.errors import ResourceExhaustedError
-from treadle.workers import batching, optimizer, trainer
-from treadle.workers.batching import BatchCall, run_batch
-from treadle.workers.domain import (
+from treadle.common.engine.domain import (
     AdamConfig,
     DatumData,
     ForwardBackwardOp,
@@ -48,7 +45,10 @@ from treadle.workers.domain import (
     SamplingConfig,
     SyncWeightsOp,
 )
-from treadle.workers.engine import Engine, EngineConfig
+from treadle.errors import ResourceExhaustedError
+from treadle.workers.engine.loop import Engine, EngineConfig
+from treadle.workers.trainer import batching, optimizer, trainer
+from treadle.workers.trainer.batching import BatchCall, run_batch
 
 #: the device the checks run on: ``TREADLE_TEST_DEVICE`` (e.g. ``cpu``), else ``cuda``
 ENV = "TREADLE_TEST_DEVICE"

@@ -19,9 +19,9 @@ import numpy as np
 import torch
 from torch.overrides import TorchFunctionMode
 
+from treadle.common.engine.domain import SampleOp, SampleResult, SamplerTarget, SamplingConfig
 from treadle.errors import ResourceExhaustedError
-from treadle.workers import memory_budget
-from treadle.workers.domain import SampleOp, SampleResult, SamplerTarget, SamplingConfig
+from treadle.workers.engine import memory_budget
 
 if TYPE_CHECKING:
     from tests.gpu.checks import Ctx

@@ -18,10 +18,10 @@ import treadle
 from tests.conftest import make_server
 from tests.helpers import next_token_datum
 from treadle import _rpc
+from treadle.common.logs import JsonFormatter
 from treadle.errors import NotFoundError, TreadleError
 from treadle.server.embedded import EmbeddedServer
 from treadle.v1 import server_pb2, server_pb2_grpc
-from treadle.workers.logs import JsonFormatter
 
 BASE = "tiny"
 

@@ -5,7 +5,7 @@ minibatches per rollout batch, the optimizer stepping INSIDE the minibatch loop
 as in the seed's ``minibatch_update_loop``) run through SDK -> gRPC -> engine,
 and the same steps run here, in-process, by a plain-torch reference written from
 the formulas alone: docs/losses.md for the losses, the AdamW docstring of
-``treadle.workers.optimizer`` for the update.
+``treadle.workers.trainer.optimizer`` for the update.
 
 The reference shares no code and no initialisation logic with the engine. It
 starts from the files ``save_state`` exported (``weights.safetensors`` with PEFT
@@ -193,7 +193,7 @@ class Reference:
             total = total + (w * per_token).sum()
         return total
 
-    # ---- AdamW (the docstring of treadle.workers.optimizer) ------------------------------
+    # ---- AdamW (the docstring of treadle.workers.trainer.optimizer) ------------------------------
 
     @torch.no_grad()
     def adamw(self, hp: treadle.AdamParams) -> dict[str, float]:

@@ -13,7 +13,7 @@ import pytest
 from treadle.common.s3_store import PART_BYTES, S3Store
 from treadle.common.store import make_store
 from treadle.errors import InvalidArgumentError, NotFoundError
-from treadle.workers.checkpoint import FORMAT
+from treadle.workers.trainer.checkpoint import FORMAT
 
 from .services import moto_s3
 

@@ -349,7 +349,7 @@ def test_every_sdk_loss(sc: tinker.ServiceClient, loss: str) -> None:
     which the same TrainingClient goes on training (the refused call took its
     seq_id: the next call does not wait on a gap). The compatibility table lists
     both from this test's results."""
-    from treadle.workers.losses import LOSSES, UNSERVED
+    from treadle.workers.trainer.losses import LOSSES, UNSERVED
 
     tc = _loss_client(sc)
     tokens = [1, 5, 9, 13, 17]

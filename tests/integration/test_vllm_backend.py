@@ -191,8 +191,8 @@ def test_engine_level_budget_resume_and_inflight_spans(vllm_server: EmbeddedServ
     engine = vllm_server.ctx.dispatcher.engine  # type: ignore[union-attr]
     backend = engine.sampler
     base = engine.models[tc.model_id].base
-    from treadle.workers.domain import SampleOp, SamplerTarget, SamplingConfig
-    from treadle.workers.sampler_backend import Requester, SampleRequest
+    from treadle.common.engine.domain import SampleOp, SamplerTarget, SamplingConfig
+    from treadle.workers.sampler.backend import Requester, SampleRequest
 
     v0, v1 = (engine.versions.get(tc.model_id, v) for v in (0, 1))
     who = Requester.of(SamplerTarget(BASE, tc.model_id, None, "t"))  # follows latest

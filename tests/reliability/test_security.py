@@ -21,13 +21,13 @@ from tests.conftest import make_server
 from tests.helpers import LOCAL_NAMES, assert_connection_refused, self_signed
 from tests.integration.rpc_walk import all_methods, call_raw
 from tests.reliability.world import MAX_BYTES, Holdings, seed, server_config, tenant_key
+from treadle.common.logs import JsonFormatter
 from treadle.common.store import LocalStore, check_name, parse_state_uri
 from treadle.errors import InvalidArgumentError, TreadleError
 from treadle.server import auth as auth_module
 from treadle.server.auth import hash_key
 from treadle.server.embedded import EmbeddedServer
 from treadle.v1 import training_pb2, training_pb2_grpc
-from treadle.workers.logs import JsonFormatter
 
 BAD_NAMES = [
     "..",

@@ -12,8 +12,8 @@ from sqlalchemy.orm import Session
 from treadle.server.db import make_engine, make_session_factory, upgrade_to_head
 
 if TYPE_CHECKING:
-    from treadle.workers.base_models import BaseModel
-    from treadle.workers.versions import WeightSnapshot
+    from treadle.workers.engine.base_models import BaseModel
+    from treadle.workers.engine.versions import WeightSnapshot
 
 
 @pytest.fixture
@@ -31,7 +31,7 @@ def base(tiny_model_dir: Path) -> BaseModel:
     """The tiny base model in float32, loaded once a module."""
     import torch
 
-    from treadle.workers.base_models import BaseModelRegistry
+    from treadle.workers.engine.base_models import BaseModelRegistry
 
     return BaseModelRegistry({"tiny": tiny_model_dir}).get("tiny", torch.float32)
 
@@ -39,6 +39,6 @@ def base(tiny_model_dir: Path) -> BaseModel:
 @pytest.fixture(scope="module")
 def base_snap(base: BaseModel) -> WeightSnapshot:
     """Version 0 of the base: what a sampler samples the base model from."""
-    from treadle.workers.versions import WeightSnapshot
+    from treadle.workers.engine.versions import WeightSnapshot
 
     return WeightSnapshot(None, 0, base.params, None)

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from treadle.workers.domain import (
+from treadle.common.engine.domain import (
     AdamConfig,
     DatumData,
     ForwardBackwardOp,
@@ -18,7 +18,7 @@ from treadle.workers.domain import (
     OptimStepOp,
     SequenceResult,
 )
-from treadle.workers.engine import Engine, EngineConfig
+from treadle.workers.engine.loop import Engine, EngineConfig
 
 
 def tiny_config(model_dir: Path, **overrides: Any) -> EngineConfig:

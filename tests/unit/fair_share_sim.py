@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from treadle.workers.scheduler import OrderedCall, Scheduler, WorkUnit
+from treadle.workers.engine.scheduler import OrderedCall, Scheduler, WorkUnit
 
 
 def jain(values: list[float]) -> float:

@@ -10,9 +10,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from treadle.workers import trainer
-from treadle.workers.base_models import BaseModelRegistry
-from treadle.workers.domain import (
+from treadle.common.engine.domain import (
     AdamConfig,
     DatumData,
     ForwardBackwardOp,
@@ -21,9 +19,11 @@ from treadle.workers.domain import (
     OptimStepOp,
     SamplerTarget,
 )
+from treadle.workers.engine.base_models import BaseModelRegistry
+from treadle.workers.engine.versions import BaseVersion, VersionStore, WeightSnapshot
 from treadle.workers.model.loading import load_checkpoint
-from treadle.workers.trainer import TrainingModel
-from treadle.workers.versions import BaseVersion, VersionStore, WeightSnapshot
+from treadle.workers.trainer import trainer
+from treadle.workers.trainer.trainer import TrainingModel
 
 torch.set_num_threads(1)
 
@@ -80,8 +80,8 @@ def test_the_engine_keeps_a_full_fine_tunes_base_out_of_memory(tiny_model_dir: P
     """Created (version 0 published), trained and synced through the engine, a full
     fine-tune never loads the base; its version 0 and a reference forward do, and
     read the base's numbers."""
-    from treadle.workers.domain import SyncWeightsOp
-    from treadle.workers.engine import Engine, EngineConfig
+    from treadle.common.engine.domain import SyncWeightsOp
+    from treadle.workers.engine.loop import Engine, EngineConfig
 
     engine = Engine(
         EngineConfig(base_models={"tiny": tiny_model_dir}, threads=1, default_dtype="float64")

@@ -14,12 +14,7 @@ import pytest
 import torch
 
 from tests.unit.engine_ops import random_datum
-from treadle.errors import InternalError, InvalidArgumentError
-from treadle.workers import batching, trainer
-from treadle.workers import ordered_executor as engine_mod
-from treadle.workers.base_models import BaseModel
-from treadle.workers.batching import BatchCall, run_batch
-from treadle.workers.domain import (
+from treadle.common.engine.domain import (
     AdamConfig,
     DatumData,
     ForwardBackwardOp,
@@ -29,9 +24,14 @@ from treadle.workers.domain import (
     OptimStepOp,
     OrderedOp,
 )
-from treadle.workers.engine import Engine, EngineConfig
+from treadle.errors import InternalError, InvalidArgumentError
+from treadle.workers.engine import ordered as engine_mod
+from treadle.workers.engine.base_models import BaseModel
+from treadle.workers.engine.loop import Engine, EngineConfig
 from treadle.workers.model.lora import LoraRows
-from treadle.workers.trainer import TrainingModel
+from treadle.workers.trainer import batching, trainer
+from treadle.workers.trainer.batching import BatchCall, run_batch
+from treadle.workers.trainer.trainer import TrainingModel
 
 torch.set_num_threads(1)
 TOL = 1e-5

@@ -7,8 +7,8 @@ import json
 import logging
 import sys
 
-from treadle.workers.call_stats import WAIT_BUCKETS_S, CallStats
-from treadle.workers.logs import JsonFormatter, request_context
+from treadle.common.logs import JsonFormatter, request_context
+from treadle.workers.engine.call_stats import WAIT_BUCKETS_S, CallStats
 
 
 def test_a_call_counts_as_queued_until_it_starts_or_is_dropped() -> None:

@@ -9,9 +9,8 @@ import msgpack
 import numpy as np
 import pytest
 
-from treadle.errors import AbortedError, InternalError, InvalidArgumentError
-from treadle.workers import codec
-from treadle.workers.domain import (
+from treadle.common.engine import codec
+from treadle.common.engine.domain import (
     AdamConfig,
     DatumData,
     ForwardBackwardOp,
@@ -27,6 +26,7 @@ from treadle.workers.domain import (
     SamplingConfig,
     SequenceResult,
 )
+from treadle.errors import AbortedError, InternalError, InvalidArgumentError
 
 
 def _same(a: object, b: object) -> None:
@@ -94,7 +94,7 @@ def test_errors_keep_their_code_and_message() -> None:
 
 
 def test_every_domain_dataclass_is_allowed() -> None:
-    from treadle.workers import domain
+    from treadle.common.engine import domain
 
     for name in dir(domain):
         obj = getattr(domain, name)

@@ -11,9 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from treadle.errors import InvalidArgumentError, ResourceExhaustedError
-from treadle.workers.base_models import BaseModel
-from treadle.workers.domain import (
+from treadle.common.engine.domain import (
     AdamConfig,
     DatumData,
     ForwardBackwardOp,
@@ -23,10 +21,12 @@ from treadle.workers.domain import (
     SampleResult,
     SamplingConfig,
 )
-from treadle.workers.sampler import SamplerLimits, TorchSampler
-from treadle.workers.sampling import sample_tokens
-from treadle.workers.trainer import TrainingModel, forward_backward, forward_logprobs
-from treadle.workers.versions import WeightSnapshot
+from treadle.errors import InvalidArgumentError, ResourceExhaustedError
+from treadle.workers.engine.base_models import BaseModel
+from treadle.workers.engine.versions import WeightSnapshot
+from treadle.workers.sampler.sampling import sample_tokens
+from treadle.workers.sampler.torch_sampler import SamplerLimits, TorchSampler
+from treadle.workers.trainer.trainer import TrainingModel, forward_backward, forward_logprobs
 
 torch.set_num_threads(1)  # a tiny model on 2 shared cores: one thread is fastest
 EOS = 2

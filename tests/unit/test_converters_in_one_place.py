@@ -17,7 +17,7 @@ from pathlib import Path
 CONVERTERS = {
     "treadle._convert",  # SDK types <-> requests and responses
     "treadle._tensor",  # numpy arrays <-> the wire's Tensor
-    "treadle.server.convert",  # server: wire <-> domain types
+    "treadle.server.rpc.convert",  # server: wire <-> domain types
     "treadle.server.http.tinker_pb",  # the tinker HTTP API's message pool
 }
 
@@ -75,7 +75,7 @@ def test_the_walk_finds_builders_and_ignores_annotations() -> None:
 def test_wire_messages_are_built_in_the_converters_only() -> None:
     sources = _sources()
     assert set(sources) >= CONVERTERS, CONVERTERS - set(sources)
-    assert "treadle.server.training_servicer" in sources and "treadle.service_client" in sources
+    assert "treadle.server.rpc.training_servicer" in sources and "treadle.service_client" in sources
     inline = [
         f"{module}:{line} {callee}(...)"
         for module, path in sources.items()

@@ -19,12 +19,12 @@ import numpy as np
 import torch
 
 from tests.gpu.checks_sync import DeviceReads
-from treadle.workers.base_models import BaseModelRegistry
-from treadle.workers.domain import SampleOp, SampleResult, SamplingConfig
+from treadle.common.engine.domain import SampleOp, SampleResult, SamplingConfig
+from treadle.workers.engine.base_models import BaseModelRegistry
+from treadle.workers.engine.versions import WeightSnapshot
 from treadle.workers.model.lora import LoraAdapter
-from treadle.workers.sampler import TorchSampler
-from treadle.workers.sampler_state import SamplerLimits
-from treadle.workers.versions import WeightSnapshot
+from treadle.workers.sampler.state import SamplerLimits
+from treadle.workers.sampler.torch_sampler import TorchSampler
 
 torch.set_num_threads(1)
 

@@ -12,7 +12,7 @@ import torch
 from treadle.errors import InvalidArgumentError
 from treadle.server.cli import main
 from treadle.server.config import ServerConfig
-from treadle.workers import device
+from treadle.workers.engine import device
 
 
 @pytest.fixture()
@@ -88,7 +88,7 @@ def test_the_commands_exit_2_with_the_message(
 def test_the_flags_resolve_auto(no_cuda: None, tmp_path: Path) -> None:
     import argparse
 
-    from treadle.workers.engine_flags import add_engine_flags, engine_config, engine_settings
+    from treadle.workers.engine.flags import add_engine_flags, engine_config, engine_settings
 
     parser = argparse.ArgumentParser()
     add_engine_flags(parser)
@@ -114,16 +114,16 @@ def test_out_of_memory_in_a_call_is_resource_exhausted(
     weights, version), and the next calls apply."""
     import numpy as np
 
-    from treadle.errors import ResourceExhaustedError
-    from treadle.workers import optimizer, trainer
-    from treadle.workers.domain import (
+    from treadle.common.engine.domain import (
         AdamConfig,
         DatumData,
         ForwardBackwardOp,
         ModelSpec,
         OptimStepOp,
     )
-    from treadle.workers.engine import Engine, EngineConfig
+    from treadle.errors import ResourceExhaustedError
+    from treadle.workers.engine.loop import Engine, EngineConfig
+    from treadle.workers.trainer import optimizer, trainer
 
     def oom(*_args: object, **_kwargs: object) -> None:
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 9.00 GiB")

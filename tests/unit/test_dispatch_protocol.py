@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from treadle.server import dispatch
-from treadle.server.celery_dispatch import CeleryDispatcher
+from treadle.server.celery.dispatch import CeleryDispatcher
 from treadle.server.dispatch import (
     INTERFACES,
     Catalog,

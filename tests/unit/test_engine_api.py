@@ -9,11 +9,11 @@ from pathlib import Path
 import numpy as np
 
 from tests.unit.engine_ops import RecordingAPI
+from treadle.common.engine.api import EngineAPI
+from treadle.common.engine.domain import SampleOp, SamplerTarget, SamplingConfig
 from treadle.common.store import LocalStore
-from treadle.workers.domain import SampleOp, SamplerTarget, SamplingConfig
-from treadle.workers.engine import Engine, EngineConfig
-from treadle.workers.engine_api import EngineAPI
-from treadle.workers.staging import StagedEngine
+from treadle.workers.engine.loop import Engine, EngineConfig
+from treadle.workers.engine.staging import StagedEngine
 
 
 def test_engine_and_staged_engine_are_engine_apis(tiny_model_dir: Path, tmp_path: Path) -> None:

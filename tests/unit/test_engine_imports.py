@@ -38,12 +38,12 @@ BLOCKED = (
 
 ENGINE_MODULES = (
     "treadle.workers.model",
-    "treadle.workers.trainer",
-    "treadle.workers.sampler",
-    "treadle.workers.losses",
-    "treadle.workers.device",
-    "treadle.workers.engine",
-    "treadle.workers.checkpoint",
+    "treadle.workers.trainer.trainer",
+    "treadle.workers.sampler.torch_sampler",
+    "treadle.workers.trainer.losses",
+    "treadle.workers.engine.device",
+    "treadle.workers.engine.loop",
+    "treadle.workers.trainer.checkpoint",
 )
 
 SCRIPT = textwrap.dedent(

@@ -21,13 +21,11 @@ import pytest
 
 from tests.unit.engine_ops import RecordingAPI
 from tests.unit.test_codec import _same
-from treadle.errors import InternalError, InvalidArgumentError, NotFoundError
-from treadle.server.celery_transport import Pending, _outcome
-from treadle.workers import codec
-from treadle.workers import engine_messages as m
-from treadle.workers.celery_app import decode_reply, encode_reply
-from treadle.workers.celery_worker import Worker
-from treadle.workers.domain import (
+from treadle.common.celery_app import decode_reply, encode_reply
+from treadle.common.engine import codec
+from treadle.common.engine import messages as m
+from treadle.common.engine.api import EngineAPI
+from treadle.common.engine.domain import (
     AdamConfig,
     ModelSpec,
     ModelStatus,
@@ -40,7 +38,9 @@ from treadle.workers.domain import (
     SaveResult,
     SequenceResult,
 )
-from treadle.workers.engine_api import EngineAPI
+from treadle.errors import InternalError, InvalidArgumentError, NotFoundError
+from treadle.server.celery.transport import Pending, _outcome
+from treadle.workers.worker.celery_worker import Worker
 
 TARGET = SamplerTarget("tiny", "m-1", 3, tenant_id="t-1")
 PARAMS = SamplingConfig(max_tokens=4, stop_strings=("\n",))
@@ -236,7 +236,7 @@ def test_the_server_fails_a_reply_of_the_wrong_type() -> None:
 
 
 def test_a_reply_of_another_version_fails_its_call_with_the_reason() -> None:
-    from treadle.server.celery_transport import CeleryTransport
+    from treadle.server.celery.transport import CeleryTransport
 
     transport = CeleryTransport.__new__(CeleryTransport)
     transport._lock = threading.Lock()

@@ -6,9 +6,9 @@ from __future__ import annotations
 import dataclasses
 
 from treadle.server.config import ServerConfig
-from treadle.workers.engine import EngineConfig
-from treadle.workers.engine_options import ENGINE_FIELDS, EngineOptions
-from treadle.workers.worker_config import WorkerConfig
+from treadle.workers.engine.loop import EngineConfig
+from treadle.workers.engine.options import ENGINE_FIELDS, EngineOptions
+from treadle.workers.worker.config import WorkerConfig
 
 
 def test_server_and_worker_configs_extend_the_one_engine_options_class() -> None:

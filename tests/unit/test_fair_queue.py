@@ -8,9 +8,9 @@ from typing import Any
 
 import numpy as np
 
-from treadle.workers.domain import SampleOp, SamplingConfig
-from treadle.workers.fair_queue import FairQueue
-from treadle.workers.sampler_state import Request
+from treadle.common.engine.domain import SampleOp, SamplingConfig
+from treadle.workers.sampler.fair_queue import FairQueue
+from treadle.workers.sampler.state import Request
 
 
 def _request(tenant: str, name: str, prompt_len: int = 4, max_tokens: int = 4) -> Request:

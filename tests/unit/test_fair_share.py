@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from tests.unit.fair_share_sim import Sim, jain, tenant_of
-from treadle.workers.scheduler import Scheduler
+from treadle.workers.engine.scheduler import Scheduler
 
 
 def _heavy_and_light() -> Sim:
@@ -181,10 +181,10 @@ def test_sampler_queue_is_fair_across_tenants(tiny_model_dir: Path) -> None:
     import numpy as np
     import torch
 
-    from treadle.workers.base_models import BaseModelRegistry
-    from treadle.workers.domain import SampleOp, SamplingConfig
-    from treadle.workers.sampler import TorchSampler
-    from treadle.workers.versions import WeightSnapshot
+    from treadle.common.engine.domain import SampleOp, SamplingConfig
+    from treadle.workers.engine.base_models import BaseModelRegistry
+    from treadle.workers.engine.versions import WeightSnapshot
+    from treadle.workers.sampler.torch_sampler import TorchSampler
 
     base = BaseModelRegistry({"tiny": tiny_model_dir}).get("tiny", torch.float32)
     snap = WeightSnapshot(None, 0, base.params, None)

@@ -9,7 +9,7 @@ from collections import Counter
 import pytest
 
 from tests.unit.fair_share_sim import Sim, jain, tenant_of
-from treadle.workers.scheduler import OrderedCall, Scheduler, WorkUnit
+from treadle.workers.engine.scheduler import OrderedCall, Scheduler, WorkUnit
 
 
 def test_a_tenants_models_take_turns() -> None:

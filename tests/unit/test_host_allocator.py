@@ -12,8 +12,9 @@ import sys
 
 import pytest
 
-from treadle.workers import engine_flags, host_allocator
-from treadle.workers.engine_options import EngineOptions
+from treadle.workers.engine import flags as engine_flags
+from treadle.workers.engine import host_allocator
+from treadle.workers.engine.options import EngineOptions
 
 glibc = pytest.mark.skipif(
     platform.libc_ver()[0] != "glibc", reason="mallopt's settings are glibc's"
@@ -28,7 +29,7 @@ glibc = pytest.mark.skipif(
 _STEPS = """
 import json, resource, sys, threading
 import torch
-from treadle.workers import host_allocator
+from treadle.workers.engine import host_allocator
 took = host_allocator.configure(sys.argv[1])
 faults = []
 def steps():

@@ -11,8 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from treadle.errors import NotFoundError
-from treadle.workers.domain import (
+from treadle.common.engine.domain import (
     AdamConfig,
     DatumData,
     ForwardBackwardOp,
@@ -29,8 +28,9 @@ from treadle.workers.domain import (
     SequenceResult,
     SyncWeightsOp,
 )
-from treadle.workers.engine import Engine, EngineConfig
-from treadle.workers.sampler import TorchSampler
+from treadle.errors import NotFoundError
+from treadle.workers.engine.loop import Engine, EngineConfig
+from treadle.workers.sampler.torch_sampler import TorchSampler
 
 torch.set_num_threads(1)
 

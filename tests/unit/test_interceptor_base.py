@@ -11,8 +11,8 @@ import pytest
 
 from treadle._rpc import INSTANCE_KEY
 from treadle.errors import NotFoundError
-from treadle.server.interceptor_base import WrappingInterceptor
-from treadle.server.interceptors import ErrorInterceptor
+from treadle.server.rpc.interceptor_base import WrappingInterceptor
+from treadle.server.rpc.interceptors import ErrorInterceptor
 
 
 class _Tagging(WrappingInterceptor):

@@ -11,7 +11,7 @@ import logging
 
 import pytest
 
-from treadle.workers.logs import configure_logging
+from treadle.common.logs import configure_logging
 
 STREAMS: list[io.StringIO] = []
 

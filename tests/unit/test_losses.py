@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from treadle.errors import InvalidArgumentError
-from treadle.workers.losses import (
+from treadle.workers.trainer.losses import (
     LOSSES,
     LossBatch,
     compute_loss,
@@ -482,7 +482,7 @@ def test_unserved_sdk_loss_is_refused_with_why() -> None:
     """A loss the tinker SDK can send but treadle does not serve (its objective is
     not public) is refused before any work, on every path, saying why and what is
     served; an unknown name still gets the plain refusal."""
-    from treadle.workers.losses import UNSERVED
+    from treadle.workers.trainer.losses import UNSERVED
 
     assert set(UNSERVED) == {"stable_reinforce"}
     assert not set(UNSERVED) & set(LOSSES)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from treadle.workers.losses import LOSSES, LossBatch, compute_loss
+from treadle.workers.trainer.losses import LOSSES, LossBatch, compute_loss
 
 F64 = torch.float64
 

@@ -9,14 +9,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from treadle.common.engine.domain import ModelSpec
 from treadle.errors import ResourceExhaustedError
-from treadle.workers import memory_budget
-from treadle.workers.base_models import BaseModel
-from treadle.workers.domain import ModelSpec
-from treadle.workers.engine import Engine, EngineConfig
-from treadle.workers.sampler import TorchSampler
-from treadle.workers.sampler_state import SamplerLimits
-from treadle.workers.trainer import TrainingModel
+from treadle.workers.engine import memory_budget
+from treadle.workers.engine.base_models import BaseModel
+from treadle.workers.engine.loop import Engine, EngineConfig
+from treadle.workers.sampler.state import SamplerLimits
+from treadle.workers.sampler.torch_sampler import TorchSampler
+from treadle.workers.trainer.trainer import TrainingModel
 
 torch.set_num_threads(1)
 MAX_LEN = 64
@@ -122,7 +122,7 @@ def test_the_flags_carry_the_fraction_and_check_its_range(tmp_path: Path) -> Non
 
     from treadle.errors import InvalidArgumentError
     from treadle.server.config import ServerConfig
-    from treadle.workers.engine_flags import (
+    from treadle.workers.engine.flags import (
         add_engine_flags,
         check_engine_settings,
         engine_config,

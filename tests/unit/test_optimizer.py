@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from treadle.workers.domain import AdamConfig
-from treadle.workers.optimizer import AdamW
+from treadle.common.engine.domain import AdamConfig
+from treadle.workers.trainer.optimizer import AdamW
 
 SHAPES = {"a": (3, 4), "b": (5,), "c": (2, 2, 2)}
 
@@ -204,7 +204,7 @@ def test_fused_update_matches_the_formula_step_for_step_across_chunks(
     """Random float64 tensors, several steps with weight decay and active clipping, the
     tensors split over several fused calls: weights, both moments, the pre-clip
     gradient norm and the realised update norm equal the hand formula at every step."""
-    import treadle.workers.optimizer as optimizer
+    import treadle.workers.trainer.optimizer as optimizer
 
     monkeypatch.setattr(optimizer, "_CHUNK_BYTES", 200)  # several chunks of these tensors
     shapes = {"w": (17, 9), "b": (9,), "e": (31, 4), "n": (3, 3, 3)}

@@ -8,10 +8,10 @@ from typing import Any
 import numpy as np
 import pytest
 
+from treadle.common.engine.domain import SampleOp, SampleResult, SamplingConfig, SequenceResult
 from treadle.errors import InvalidArgumentError, NotFoundError
-from treadle.workers.domain import SampleOp, SampleResult, SamplingConfig, SequenceResult
-from treadle.workers.partials import PartialStore, gather, resume_op
-from treadle.workers.sampler_state import (
+from treadle.workers.sampler.partials import PartialStore, gather, resume_op
+from treadle.workers.sampler.state import (
     Partial,
     Request,
     Row,

@@ -6,10 +6,10 @@ from concurrent.futures import Future
 
 import numpy as np
 
-from treadle.workers.domain import SampleOp, SamplingConfig
-from treadle.workers.prefix_cache import MIN_PREFIX_WAIT, PrefixCache
-from treadle.workers.sampler_state import Request
-from treadle.workers.versions import WeightSnapshot
+from treadle.common.engine.domain import SampleOp, SamplingConfig
+from treadle.workers.engine.versions import WeightSnapshot
+from treadle.workers.sampler.prefix_cache import MIN_PREFIX_WAIT, PrefixCache
+from treadle.workers.sampler.state import Request
 
 
 class _Stage:

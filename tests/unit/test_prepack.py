@@ -13,11 +13,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from treadle.workers.base_models import BaseModel, BaseModelRegistry
-from treadle.workers.domain import SampleOp, SampleResult, SamplingConfig
+from treadle.common.engine.domain import SampleOp, SampleResult, SamplingConfig
+from treadle.workers.engine.base_models import BaseModel, BaseModelRegistry
+from treadle.workers.engine.versions import WeightSnapshot
 from treadle.workers.model import prepack
-from treadle.workers.sampler import SamplerLimits, TorchSampler
-from treadle.workers.versions import WeightSnapshot
+from treadle.workers.sampler.torch_sampler import SamplerLimits, TorchSampler
 
 METHODS = prepack.methods()
 pytestmark = pytest.mark.skipif(not METHODS, reason="this torch has neither MKL nor oneDNN")

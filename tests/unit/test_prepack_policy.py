@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from treadle.workers import prepack_policy
-from treadle.workers.prepack_policy import MAX_PACKED, PrepackPolicy
+from treadle.workers.sampler import prepack_policy
+from treadle.workers.sampler.prepack_policy import MAX_PACKED, PrepackPolicy
 
 
 class _Weights:

@@ -23,9 +23,9 @@ import treadle.v1
 from tests.helpers import raw_channel, script_check
 from treadle import _convert as sdk_convert
 from treadle import types as sdk_types
-from treadle.server import convert as server_convert
+from treadle.common.engine import domain
+from treadle.server.rpc import convert as server_convert
 from treadle.v1 import common_pb2
-from treadle.workers import domain
 
 ROOT = Path(__file__).resolve().parents[2]
 

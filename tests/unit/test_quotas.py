@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from treadle.errors import ResourceExhaustedError
-from treadle.server.quotas import IN_FLIGHT_RETRY_S, QuotaLimits, Quotas, TokenBucket
+from treadle.server.accounting.quotas import IN_FLIGHT_RETRY_S, QuotaLimits, Quotas, TokenBucket
 
 
 class Clock:

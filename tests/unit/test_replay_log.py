@@ -11,10 +11,7 @@ import pytest
 from sqlalchemy.orm import Session, sessionmaker
 
 from treadle.common.db.models import Model
-from treadle.server.db import make_engine, make_session_factory, ops_log, upgrade_to_head
-from treadle.server.db import queries as q
-from treadle.server.replay_log import ReplayLog
-from treadle.workers.domain import (
+from treadle.common.engine.domain import (
     AdamConfig,
     DatumData,
     ForwardBackwardOp,
@@ -22,6 +19,9 @@ from treadle.workers.domain import (
     OptimStepOp,
     RejectedOp,
 )
+from treadle.server.db import make_engine, make_session_factory, ops_log, upgrade_to_head
+from treadle.server.db import queries as q
+from treadle.server.replay_log import ReplayLog
 
 from .test_db_queries import _checkpoint, _model
 

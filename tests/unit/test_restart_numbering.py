@@ -7,9 +7,9 @@ import pytest
 
 import treadle
 from treadle._rpc import FIRST_PENDING_KEY, INSTANCE_KEY, error_trailers
+from treadle.common.engine.domain import ModelStatus
 from treadle.errors import error_for_code
 from treadle.server.restarts import RestorePoint, check_numbering
-from treadle.workers.domain import ModelStatus
 
 NOW = "new-instance"
 RESTORED = {"m": RestorePoint(seq_id=3, step=1, checkpoint="treadle://m/state/s1")}

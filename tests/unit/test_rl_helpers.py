@@ -160,7 +160,7 @@ def test_token_mean_is_the_mean_over_all_completion_tokens_of_the_step() -> None
 
 def test_minibatches_through_the_ppo_loss_match_one_call() -> None:
     torch = pytest.importorskip("torch")
-    from treadle.workers.losses import LossBatch, compute_loss
+    from treadle.workers.trainer.losses import LossBatch, compute_loss
 
     rollouts = [Rollout([1, 2], [3] * n, [-0.7] * n) for n in (1, 2, 5)]
     datums = build_datums(rollouts, [1.0, -0.5, 2.0])

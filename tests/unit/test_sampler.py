@@ -10,10 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from treadle.errors import InvalidArgumentError
-from treadle.workers import trainer
-from treadle.workers.base_models import BaseModel
-from treadle.workers.domain import (
+from treadle.common.engine.domain import (
     AdamConfig,
     DatumData,
     ForwardBackwardOp,
@@ -23,10 +20,13 @@ from treadle.workers.domain import (
     SampleResult,
     SamplingConfig,
 )
+from treadle.errors import InvalidArgumentError
+from treadle.workers.engine.base_models import BaseModel
+from treadle.workers.engine.versions import WeightSnapshot
 from treadle.workers.model.llama import forward_hidden, lm_logits
-from treadle.workers.sampler import TorchSampler
-from treadle.workers.trainer import TrainingModel
-from treadle.workers.versions import WeightSnapshot
+from treadle.workers.sampler.torch_sampler import TorchSampler
+from treadle.workers.trainer import trainer
+from treadle.workers.trainer.trainer import TrainingModel
 
 torch.set_num_threads(1)  # a tiny model on 2 shared cores: one thread is fastest
 MAX_LEN = 128

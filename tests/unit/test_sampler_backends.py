@@ -10,8 +10,8 @@ import pytest
 
 from tests.sampler_backends import vllm_imports
 from treadle.errors import FailedPreconditionError, InvalidArgumentError
-from treadle.workers import sampler_backends
-from treadle.workers.engine_flags import add_engine_flags, engine_config, engine_settings
+from treadle.workers.engine.flags import add_engine_flags, engine_config, engine_settings
+from treadle.workers.sampler import backends as sampler_backends
 
 
 def _parse(*argv: str) -> argparse.Namespace:

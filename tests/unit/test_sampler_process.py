@@ -20,18 +20,18 @@ import pytest
 import torch
 
 from tests.unit.engine_ops import create_lora, tiny_engine, train_step
-from treadle.errors import InvalidArgumentError, NotFoundError, UnavailableError
-from treadle.workers import sampler_process
-from treadle.workers.domain import (
+from treadle.common.engine.domain import (
     SampleOp,
     SampleResult,
     SamplerTarget,
     SamplingConfig,
     SyncWeightsOp,
 )
-from treadle.workers.engine import Engine
-from treadle.workers.sampler_process import ProcessTorchBackend
-from treadle.workers.shm import flatten
+from treadle.errors import InvalidArgumentError, NotFoundError, UnavailableError
+from treadle.workers.engine.loop import Engine
+from treadle.workers.sampler.process.proxy import ProcessTorchBackend
+from treadle.workers.sampler.process.shm import flatten
+from treadle.workers.sampler.torch_sampler.process import proxy as sampler_process
 
 torch.set_num_threads(1)
 pytestmark = pytest.mark.timeout(120)

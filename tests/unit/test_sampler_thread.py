@@ -14,15 +14,15 @@ import pytest
 import torch
 
 from tests.unit.engine_ops import create_lora, tiny_engine, train_step
-from treadle.errors import UnavailableError
-from treadle.workers.domain import (
+from treadle.common.engine.domain import (
     SampleOp,
     SampleResult,
     SamplerTarget,
     SamplingConfig,
     SyncWeightsOp,
 )
-from treadle.workers.engine import Engine
+from treadle.errors import UnavailableError
+from treadle.workers.engine.loop import Engine
 
 torch.set_num_threads(1)
 

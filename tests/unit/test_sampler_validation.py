@@ -8,9 +8,9 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
+from treadle.common.engine.domain import SampleOp, SamplingConfig
 from treadle.errors import InvalidArgumentError
-from treadle.workers.domain import SampleOp, SamplingConfig
-from treadle.workers.sampler_validation import validate
+from treadle.workers.sampler.validation import validate
 
 GOOD = SampleOp(np.arange(3, 10), 2, SamplingConfig(max_tokens=8))
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from treadle.workers.scheduler import Admission, OrderedCall, Scheduler, WorkUnit
+from treadle.workers.engine.scheduler import Admission, OrderedCall, Scheduler, WorkUnit
 
 GAP = 10.0
 
@@ -239,7 +239,7 @@ def test_remove_model_returns_its_calls(s: Scheduler) -> None:
 
 
 def test_the_scheduler_is_pure() -> None:
-    import treadle.workers.scheduler as mod
+    import treadle.workers.engine.scheduler as mod
 
     imports = [
         line.split()[1]
@@ -255,4 +255,4 @@ def test_the_scheduler_is_pure() -> None:
             "typing",
             "treadle",
         ), name
-        assert name in ("treadle.workers.domain",) or not name.startswith("treadle"), name
+        assert name in ("treadle.common.engine.domain",) or not name.startswith("treadle"), name

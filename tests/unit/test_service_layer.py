@@ -13,6 +13,13 @@ from typing import Any, TypeVar
 import numpy as np
 import pytest
 
+from treadle.common.engine.domain import (
+    AdamConfig,
+    DatumData,
+    ForwardBackwardOp,
+    SampleOp,
+    SamplingConfig,
+)
 from treadle.errors import (
     FailedPreconditionError,
     InvalidArgumentError,
@@ -25,13 +32,6 @@ from treadle.server.context import ServerContext
 from treadle.server.db import queries, tenancy
 from treadle.server.service import CallHandle, Service
 from treadle.server.service.types import CreateModel, OrderedCall, SamplerSource
-from treadle.workers.domain import (
-    AdamConfig,
-    DatumData,
-    ForwardBackwardOp,
-    SampleOp,
-    SamplingConfig,
-)
 
 T = TypeVar("T")
 BASE = "tiny"

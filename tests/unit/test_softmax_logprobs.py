@@ -11,8 +11,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from treadle.workers import trainer
 from treadle.workers.model.llama import target_logprobs
+from treadle.workers.trainer import trainer
 
 B, T, V = 3, 5, 40
 

@@ -15,10 +15,7 @@ import pytest
 import torch
 
 from tests.unit.engine_ops import random_datum
-from treadle.workers import ordered_executor as engine_mod
-from treadle.workers import sampler_forward as sampler_mod  # where the decode forward runs
-from treadle.workers.base_models import BaseModelRegistry
-from treadle.workers.domain import (
+from treadle.common.engine.domain import (
     AdamConfig,
     ForwardBackwardOp,
     ForwardLogprobsOp,
@@ -30,10 +27,13 @@ from treadle.workers.domain import (
     SampleResult,
     SamplingConfig,
 )
-from treadle.workers.engine import Engine, EngineConfig
+from treadle.workers.engine import ordered as engine_mod
+from treadle.workers.engine.base_models import BaseModelRegistry
+from treadle.workers.engine.loop import Engine, EngineConfig
 from treadle.workers.model.tiny import build_tiny_model
-from treadle.workers.sampler import TorchSampler
-from treadle.workers.trainer import TrainingModel
+from treadle.workers.sampler import forward as sampler_mod
+from treadle.workers.sampler.torch_sampler import TorchSampler
+from treadle.workers.trainer.trainer import TrainingModel
 
 torch.set_num_threads(1)
 TOL = 1e-5

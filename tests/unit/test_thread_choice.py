@@ -9,8 +9,8 @@ import pytest
 
 from treadle.errors import InvalidArgumentError
 from treadle.server.config import ServerConfig
-from treadle.workers.engine_flags import add_engine_flags, engine_config, engine_settings
-from treadle.workers.thread_choice import ThreadChoice
+from treadle.workers.engine.flags import add_engine_flags, engine_config, engine_settings
+from treadle.workers.trainer.thread_choice import ThreadChoice
 
 
 def _drive(

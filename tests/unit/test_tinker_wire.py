@@ -18,9 +18,7 @@ from tinker.proto.response_conv import (  # noqa: E402
     deserialize_sample_response,
 )
 
-from treadle.errors import InvalidArgumentError  # noqa: E402
-from treadle.server.http import wire  # noqa: E402
-from treadle.workers.domain import (  # noqa: E402
+from treadle.common.engine.domain import (  # noqa: E402
     ForwardBackwardOp,
     ForwardLogprobsOp,
     ForwardResult,
@@ -28,6 +26,8 @@ from treadle.workers.domain import (  # noqa: E402
     SampleResult,
     SequenceResult,
 )
+from treadle.errors import InvalidArgumentError  # noqa: E402
+from treadle.server.http import wire  # noqa: E402
 
 
 def _request(**config: float) -> bytes:

@@ -12,13 +12,14 @@ import numpy as np
 import pytest
 import torch
 
+from treadle.common.engine.domain import DatumData, ForwardBackwardOp, ModelSpec
 from treadle.errors import ResourceExhaustedError
-from treadle.workers import train_memory, trainer
-from treadle.workers.base_models import BaseModel, BaseModelRegistry
-from treadle.workers.chunked_logprobs import chunked_target_logprobs
-from treadle.workers.domain import DatumData, ForwardBackwardOp, ModelSpec
+from treadle.workers.engine.base_models import BaseModel, BaseModelRegistry
 from treadle.workers.model.llama import target_logprobs
-from treadle.workers.trainer import TrainingModel
+from treadle.workers.trainer import memory as train_memory
+from treadle.workers.trainer import trainer
+from treadle.workers.trainer.chunked_logprobs import chunked_target_logprobs
+from treadle.workers.trainer.trainer import TrainingModel
 
 torch.set_num_threads(1)
 
@@ -130,8 +131,8 @@ def test_the_flags_reach_the_engine_config(tmp_path: Path) -> None:
 
     from treadle.errors import InvalidArgumentError
     from treadle.server.config import ServerConfig
-    from treadle.workers.engine_flags import add_engine_flags, engine_config, engine_settings
-    from treadle.workers.worker_config import WorkerConfig
+    from treadle.workers.engine.flags import add_engine_flags, engine_config, engine_settings
+    from treadle.workers.worker.config import WorkerConfig
 
     parser = argparse.ArgumentParser()
     add_engine_flags(parser)
@@ -150,7 +151,7 @@ def test_the_flags_reach_the_engine_config(tmp_path: Path) -> None:
 def test_version_zero_of_a_full_fine_tune_shares_the_base_weights(base64: BaseModel) -> None:
     """Publishing the untrained model (the engine does at creation) costs no copy;
     after a step the version is a copy of the trained weights, not the base."""
-    from treadle.workers.domain import AdamConfig
+    from treadle.common.engine.domain import AdamConfig
 
     model = _full(base64)
     v0 = model.snapshot()

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from treadle.workers.model import LoraAdapter, ModelConfig
-from treadle.workers.vllm_adapters import AdapterRegistry
+from treadle.workers.vllm.adapters import AdapterRegistry
 
 CFG = ModelConfig(
     arch="llama",

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from tests.sampler_backends import vllm_imports
-from treadle.workers import vllm_engine
-from treadle.workers.vllm_settings import VllmSettings
+from treadle.workers.vllm import engine as vllm_engine
+from treadle.workers.vllm.settings import VllmSettings
 
 
 class _Base:

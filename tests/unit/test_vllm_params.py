@@ -6,15 +6,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from treadle.common.engine.domain import SampleOp, SamplingConfig
 from treadle.errors import InvalidArgumentError
-from treadle.workers.domain import SampleOp, SamplingConfig
-from treadle.workers.vllm_params import (
+from treadle.workers.vllm.params import (
     check_prompt_scores,
     check_supported,
     sampling_kwargs,
     stop_reason_of,
 )
-from treadle.workers.vllm_settings import VllmSettings
+from treadle.workers.vllm.settings import VllmSettings
 
 V = 100
 

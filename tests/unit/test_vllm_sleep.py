@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from tests.sampler_backends import vllm_imports
-from treadle.workers.sampler_state import SamplerLimits
-from treadle.workers.vllm_backend import VllmBackend
-from treadle.workers.vllm_pool import VllmEngine
-from treadle.workers.vllm_settings import VllmSettings
+from treadle.workers.sampler.state import SamplerLimits
+from treadle.workers.vllm.backend import VllmBackend
+from treadle.workers.vllm.pool import VllmEngine
+from treadle.workers.vllm.settings import VllmSettings
 
 
 class _RecordingLLM:
@@ -72,7 +72,7 @@ def test_idle_engines_sleep_before_training_and_wake_at_their_next_request(
         backend.training()  # asleep already: not put to sleep twice
         assert idle_llm.calls == [("sleep", 1)]
         # the next request for its weights wakes it (on CPU: the "base" engine)
-        monkeypatch.setattr("treadle.workers.vllm_pool.on_gpu", lambda: False)
+        monkeypatch.setattr("treadle.workers.vllm.pool.on_gpu", lambda: False)
         got = backend._pool.engine_for(_Base(), _Weights(), lambda key: None)  # type: ignore[arg-type]
         assert got is idle and idle_llm.calls == [("sleep", 1), "wake_up"] and not idle.asleep
     finally:

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from treadle.errors import InvalidArgumentError
-from treadle.workers.device import upload
+from treadle.workers.engine.device import upload
 from treadle.workers.model.config import ModelConfig
 
 

@@ -28,7 +28,7 @@ import torch.utils.checkpoint
 from torch import Tensor
 
 from treadle.errors import InvalidArgumentError
-from treadle.workers.device import upload
+from treadle.workers.engine.device import upload
 from treadle.workers.model.config import ModelConfig
 from treadle.workers.model.params import LayerParams as LayerParams
 from treadle.workers.model.params import LlamaParams as LlamaParams

@@ -17,7 +17,7 @@ from safetensors.torch import save_file
 from torch import Tensor
 
 from treadle.errors import InvalidArgumentError
-from treadle.workers.device import host_copies
+from treadle.workers.engine.device import host_copies
 from treadle.workers.model.config import ModelConfig
 from treadle.workers.model.llama import LlamaParams, param_shapes
 

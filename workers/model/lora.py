@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from treadle.errors import InvalidArgumentError
-from treadle.workers.device import upload
+from treadle.workers.engine.device import upload
 from treadle.workers.model.config import ModelConfig
 from treadle.workers.model.llama import LlamaParams
 from treadle.workers.model.low_rank import low_rank_add

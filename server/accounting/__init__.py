@@ -1,0 +1,1 @@
+"""What tenants may spend and what they spent: quotas, usage, token metering."""

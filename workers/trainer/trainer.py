@@ -1,0 +1,439 @@
+"""The trainer: one training model's weights, gradients and optimizer, and the
+forward passes of ``ForwardBackward`` / ``ForwardLogprobs``.
+
+Every input check runs before any compute, so a rejected call leaves weights,
+accumulated gradients and optimizer state exactly as they were.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor
+from torch.profiler import record_function
+
+from treadle.common.engine.domain import (
+    AdamConfig,
+    DatumData,
+    ForwardBackwardOp,
+    ForwardLogprobsOp,
+    ForwardResult,
+    ModelSpec,
+    OptimStepResult,
+)
+from treadle.workers.engine.base_models import BaseModel
+from treadle.workers.engine.versions import BaseVersion, ReferenceCache, WeightSnapshot
+from treadle.workers.model.config import ModelConfig
+from treadle.workers.model.llama import LlamaParams, forward_hidden, lm_logits, target_logprobs
+from treadle.workers.model.lora import HEAD, UNEMBED_TARGET, LoraAdapter, targets_for
+from treadle.workers.trainer import losses
+from treadle.workers.trainer import memory as train_memory
+from treadle.workers.trainer.chunked_logprobs import chunked_target_logprobs
+from treadle.workers.trainer.optimizer import AdamW
+from treadle.workers.trainer.softmax_logprobs import target_logprobs_and_entropy
+from treadle.workers.trainer.validation import (
+    check_adam,
+    check_temperature,
+    common_input_keys,
+    validate_data,
+)
+
+#: float32 logits larger than this are computed in chunks of positions (a 110M
+#: model's 32k vocabulary: above 2,048 positions per call)
+LOGITS_CHUNK_BYTES = 256 * 2**20
+
+#: makes detached copies of named tensors, all at once (``TrainingModel.snapshot``)
+TensorsCopy = Callable[[dict[str, Tensor]], dict[str, Tensor]]
+
+
+class TrainingModel:
+    """A tenant's model: a LoRA adapter on the shared frozen base, or a full copy."""
+
+    def __init__(
+        self,
+        spec: ModelSpec,
+        base: BaseModel,
+        *,
+        max_context: int | None = None,
+        checkpoint_activations: bool = False,
+        memory_limit_bytes: int = 0,
+    ) -> None:
+        self.spec = spec
+        #: recompute each layer in the backward instead of keeping its activations
+        #: (long sequences: less memory for about one more forward of time)
+        self.checkpoint_activations = checkpoint_activations
+        #: what a ForwardBackward may need (``train_memory``); 0 = the device's available memory
+        self.memory_limit_bytes = memory_limit_bytes
+        self.base = base
+        self.cfg = base.cfg
+        #: the longest datum a training call takes: the sampler's context on this base
+        #: (``SamplerLimits.context_of``), so training and sampling refuse alike
+        self.max_context = min(
+            max_context or self.cfg.max_position_embeddings, self.cfg.max_position_embeddings
+        )
+        self.adapter: LoraAdapter | None
+        if spec.is_lora:
+            self.params = base.params
+            alpha = spec.lora_alpha or float(spec.lora_rank)
+            self.adapter = LoraAdapter(
+                self.cfg,
+                spec.lora_rank,
+                alpha,
+                seed=spec.seed,
+                targets=targets_for(
+                    train_attn=spec.train_attn,
+                    train_mlp=spec.train_mlp,
+                    train_unembed=spec.train_unembed,
+                ),
+                dtype=base.dtype,
+                device=base.params.device,
+                requires_grad=True,
+            )
+            trainable = dict(self.adapter.named_tensors())
+        else:
+            # its own copy, read from the checkpoint when the base is not in memory:
+            # the base is loaded only if something else needs it (``BaseModel``)
+            self.params = base.weights_copy().requires_grad_(True)
+            self.adapter = None
+            trainable = dict(self.params.named_tensors())
+        self.optimizer = AdamW(trainable)
+        self.version = 0
+        self.last_checkpoint_seq_id = 0
+        #: references ``ForwardLogprobs`` loaded from checkpoints (``workers.reference``)
+        self.references = ReferenceCache()
+
+    @property
+    def trainable(self) -> dict[str, Tensor]:
+        return self.optimizer.params
+
+    def snapshot(self, copy: TensorsCopy | None = None) -> WeightSnapshot:
+        """A detached copy of the current weights, to publish as a version.
+
+        ``copy`` makes a full fine-tune's copies (all tensors at once, by name;
+        default: a clone of each), e.g. into one shared-memory buffer for a
+        sampler process (``SamplerBackend.copy_weights``)."""
+        if self.adapter is not None:
+            return WeightSnapshot(
+                self.spec.model_id, self.version, self.params, self.adapter.clone()
+            )
+        if copy is None and not self.optimizer.weights_moved:
+            # still the base weights (no step, no loaded state): share them, as a base
+            # sampler does, instead of a whole copy of the model
+            return WeightSnapshot(self.spec.model_id, self.version, self.base.params, None)
+        if copy is None:
+            params = self.params.map(lambda t: t.detach().clone())
+        else:
+            params = LlamaParams.from_state_dict(self.cfg, copy(self.params.state_dict()))
+        return WeightSnapshot(self.spec.model_id, self.version, params, None)
+
+    def published(self, copy: TensorsCopy | None = None) -> WeightSnapshot | BaseVersion:
+        """What ``SyncWeights`` publishes: ``snapshot``, except for a full fine-tune
+        whose weights are still the base's (no step, no loaded state): a version
+        that reads the base only when a sampler asks for it, so publishing the
+        untrained model neither copies it nor loads the base."""
+        if self.adapter is None and not self.optimizer.weights_moved:
+            return BaseVersion(self.spec.model_id, self.version, self.base)
+        return self.snapshot(copy)
+
+    def optim_step(self, cfg: AdamConfig) -> OptimStepResult:
+        check_adam(cfg)
+        metrics = self.optimizer.step(cfg)
+        self.version += 1
+        return OptimStepResult(step=self.version, metrics=metrics)
+
+
+# ---- batches -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Batch:
+    tokens_B_T: Tensor
+    targets_B_T: Tensor
+    lengths: list[int]
+    valid_B_T: Tensor  # bool, True on real (unpadded) positions
+
+
+#: A call's padded batch (what ``prepare_forward_logprobs`` returns).
+TrainBatch = _Batch
+
+
+def _make_batch(data: Sequence[DatumData], pad_id: int, device: torch.device) -> _Batch:
+    lengths = [int(d.tokens.size) for d in data]
+    B, T = len(data), max(lengths)
+    tokens = np.full((B, T), pad_id, dtype=np.int64)
+    targets = np.zeros((B, T), dtype=np.int64)
+    for b, d in enumerate(data):
+        tokens[b, : lengths[b]] = d.tokens
+        if "target_tokens" in d.inputs:
+            targets[b, : lengths[b]] = d.inputs["target_tokens"]
+    valid = torch.arange(T)[None, :] < torch.tensor(lengths)[:, None]
+    return _Batch(
+        torch.from_numpy(tokens).to(device),
+        torch.from_numpy(targets).to(device),
+        lengths,
+        valid.to(device),
+    )
+
+
+def _flat_inputs(
+    data: Sequence[DatumData], keys: Sequence[str], dtype: torch.dtype, device: torch.device
+) -> dict[str, Tensor]:
+    return {
+        k: torch.from_numpy(np.concatenate([d.inputs[k] for d in data]).astype(np.float64)).to(
+            dtype=dtype, device=device
+        )
+        for k in keys
+    }
+
+
+def _split(values_B_T: Tensor, lengths: list[int], np_dtype: type) -> tuple[np.ndarray, ...]:
+    rows = values_B_T.detach().cpu()
+    return tuple(rows[b, :n].numpy().astype(np_dtype) for b, n in enumerate(lengths))
+
+
+def _np_dtype(model: TrainingModel) -> type:
+    return np.float64 if model.base.dtype == torch.float64 else np.float32
+
+
+# ---- forward passes ---------------------------------------------------------------
+
+
+def _logprobs(
+    model: TrainingModel,
+    batch: _Batch,
+    temperature: float,
+    *,
+    reference: bool,
+    with_entropy: bool,
+    weights: WeightSnapshot | None = None,
+) -> tuple[Tensor, Tensor | None]:
+    # ``weights``: a reference the tenant chose (a saved state, a kept version).
+    # Otherwise the reference policy is the base model: the adapter off, or the
+    # frozen base weights for a full fine-tune.
+    if weights is not None:
+        params, lora = weights.params, weights.adapter
+    elif reference:
+        params, lora = model.base.params, None
+    else:
+        params, lora = model.params, model.adapter
+    checkpoint = model.checkpoint_activations and torch.is_grad_enabled()
+    hidden = forward_hidden(
+        model.cfg, params, batch.tokens_B_T, lora=lora, checkpoint_layers=checkpoint
+    )
+    return logprobs_of_hidden(
+        model.cfg,
+        params,
+        hidden,
+        batch.targets_B_T,
+        temperature,
+        with_entropy=with_entropy,
+        lora=lora,
+    )
+
+
+def _adapts_head(lora: LoraAdapter | None) -> bool:
+    return lora is not None and UNEMBED_TARGET in lora.a[HEAD]
+
+
+def logprobs_of_hidden(
+    cfg: ModelConfig,
+    params: LlamaParams,
+    hidden_B_T_H: Tensor,
+    targets_B_T: Tensor,
+    temperature: float,
+    *,
+    with_entropy: bool,
+    lora: LoraAdapter | None = None,
+) -> tuple[Tensor, Tensor | None]:
+    """Target logprobs (and entropy) of final hidden states: through whole logits, or
+    in chunks of positions when the logits would exceed ``LOGITS_CHUNK_BYTES``
+    (long sequences x large vocabulary; ``workers.chunked_logprobs``). An adapter
+    on the unembedding takes the whole-logits path (the chunked backward knows
+    only the head's own weight)."""
+    B, T, _ = hidden_B_T_H.shape
+    if not _adapts_head(lora) and B * T * cfg.vocab_size * 4 > LOGITS_CHUNK_BYTES:
+        return chunked_target_logprobs(
+            hidden_B_T_H,
+            params.lm_head_weight,
+            targets_B_T,
+            temperature,
+            with_entropy=with_entropy,
+        )
+    logits = lm_logits(cfg, params, hidden_B_T_H, lora=lora)
+    return logprobs_from_logits(logits, targets_B_T, temperature, with_entropy=with_entropy)
+
+
+def logprobs_from_logits(
+    logits_B_T_V: Tensor, targets_B_T: Tensor, temperature: float, *, with_entropy: bool
+) -> tuple[Tensor, Tensor | None]:
+    """Target logprobs ``[B, T]`` at ``temperature`` and (optionally, no grad) the entropy:
+    one softmax for both and the gradient (``workers.softmax_logprobs``); a
+    forward without either, one logsumexp."""
+    if with_entropy or (torch.is_grad_enabled() and logits_B_T_V.requires_grad):
+        return target_logprobs_and_entropy(
+            logits_B_T_V, targets_B_T, temperature, with_entropy=with_entropy
+        )
+    return target_logprobs(logits_B_T_V, targets_B_T, temperature), None
+
+
+@dataclass(frozen=True)
+class PreparedForwardBackward:
+    """A ``ForwardBackward`` call past every check: nothing left to reject.
+
+    ``needs_reference``: the loss wants ``ref_logprobs`` the client did not
+    send, so a forward with the base weights must fill ``inputs`` first
+    (``set_reference``). The batched path (``workers.batching``) prepares
+    calls with the same function, so both paths validate identically.
+    """
+
+    batch: _Batch
+    inputs: dict[str, Tensor]
+    config: dict[str, float]
+    needs_reference: bool
+
+
+def prepare_forward_logprobs(model: TrainingModel, op: ForwardLogprobsOp) -> _Batch:
+    check_temperature(op.temperature)
+    validate_data(op.data, model.cfg.vocab_size, model.max_context)
+    return _make_batch(op.data, model.cfg.pad_token_id or 0, model.params.device)
+
+
+def prepare_forward_backward(
+    model: TrainingModel, op: ForwardBackwardOp
+) -> PreparedForwardBackward:
+    check_temperature(op.temperature)
+    validate_data(op.data, model.cfg.vocab_size, model.max_context)
+    keys = common_input_keys(op.data)
+    config = losses.validate_loss_request(op.loss_fn, keys, op.loss_config)
+    _check_memory(model, op.data)
+    float_keys = [k for k in keys if k != "target_tokens"]
+    batch = _make_batch(op.data, model.cfg.pad_token_id or 0, model.params.device)
+    inputs = _flat_inputs(op.data, float_keys, _loss_dtype(model), model.params.device)
+    need_ref = losses.needs_reference(op.loss_fn, config) and "ref_logprobs" not in inputs
+    return PreparedForwardBackward(batch, inputs, config, need_ref)
+
+
+def _check_memory(model: TrainingModel, data: Sequence[DatumData]) -> None:
+    """RESOURCE_EXHAUSTED before any compute when the batch would not fit."""
+    rows, length = len(data), max(int(d.tokens.size) for d in data)
+    element = model.params.embed_tokens.element_size()
+    need = train_memory.activation_bytes(
+        model.cfg,
+        rows,
+        length,
+        element,
+        checkpointing=model.checkpoint_activations,
+        chunked_logits=not _adapts_head(model.adapter)
+        and rows * length * model.cfg.vocab_size * 4 > LOGITS_CHUNK_BYTES,
+    )
+    need += sum(p.numel() * p.element_size() for p in model.trainable.values())
+    train_memory.check_fits(
+        need,
+        model.memory_limit_bytes,
+        model.params.device,
+        checkpointing=model.checkpoint_activations,
+    )
+
+
+def set_reference(model: TrainingModel, prep: PreparedForwardBackward, ref_B_T: Tensor) -> None:
+    prep.inputs["ref_logprobs"] = ref_B_T[prep.batch.valid_B_T].to(_loss_dtype(model))
+
+
+def finish_forward_backward(
+    model: TrainingModel,
+    op: ForwardBackwardOp,
+    prep: PreparedForwardBackward,
+    lp_B_T: Tensor,
+    entropy_B_T: Tensor | None,
+) -> tuple[Tensor, ForwardResult]:
+    """The call's summed loss (to backward) and its result, from its logprobs."""
+    valid = prep.batch.valid_B_T
+    entropy_N = entropy_B_T[valid] if entropy_B_T is not None else None
+    rows_B_T = torch.arange(valid.shape[0], device=valid.device)[:, None].expand_as(valid)
+    result = losses.compute_loss(
+        op.loss_fn,
+        losses.LossBatch(lp_B_T[valid], prep.inputs, entropy_N, rows_B_T[valid]),
+        prep.config,
+    )
+    out = ForwardResult(
+        logprobs=_split(lp_B_T, prep.batch.lengths, _np_dtype(model)),
+        metrics=dict(result.metrics),
+    )
+    return result.loss, out
+
+
+def logprobs_result(model: TrainingModel, batch: _Batch, lp_B_T: Tensor) -> ForwardResult:
+    return ForwardResult(logprobs=_split(lp_B_T, batch.lengths, _np_dtype(model)), metrics={})
+
+
+def forward_logprobs(
+    model: TrainingModel, op: ForwardLogprobsOp, weights: WeightSnapshot | None = None
+) -> ForwardResult:
+    """Logprobs under the model's weights, the base (``op.reference``), or ``weights``
+    (``op.reference_weights`` resolved by ``workers.reference``); no gradient."""
+    return logprobs_of_batch(model, op, prepare_forward_logprobs(model, op), weights)
+
+
+def logprobs_of_batch(
+    model: TrainingModel,
+    op: ForwardLogprobsOp,
+    batch: _Batch,
+    weights: WeightSnapshot | None = None,
+) -> ForwardResult:
+    """:func:`forward_logprobs` of a batch :func:`prepare_forward_logprobs` made."""
+    with torch.no_grad():
+        lp_B_T, _ = _logprobs(
+            model,
+            batch,
+            op.temperature,
+            reference=op.reference,
+            with_entropy=False,
+            weights=weights,
+        )
+    return logprobs_result(model, batch, lp_B_T)
+
+
+def forward_backward(model: TrainingModel, op: ForwardBackwardOp) -> ForwardResult:
+    """Add the gradient of the summed loss to the accumulated gradients."""
+    prep = prepare_forward_backward(model, op)
+    if prep.needs_reference:
+        with torch.no_grad():
+            ref_B_T, _ = _logprobs(
+                model, prep.batch, op.temperature, reference=True, with_entropy=False
+            )
+        set_reference(model, prep, ref_B_T)
+    lp_B_T, entropy_B_T = _logprobs(
+        model, prep.batch, op.temperature, reference=False, with_entropy=True
+    )
+    loss, result = finish_forward_backward(model, op, prep, lp_B_T, entropy_B_T)
+    accumulate_gradients(loss, [model])
+    return result
+
+
+def accumulate_gradients(loss: Tensor, models: Sequence[TrainingModel]) -> None:
+    """Add d(loss)/d(weights) to each model's accumulated gradients, all or nothing.
+
+    The gradients are computed first (``torch.autograd.grad``) and added only
+    once all of them exist, so a call that fails on the way (out of memory in
+    the backward, say) leaves the gradients of the calls before it exactly as
+    they were: the model stays at its last applied call.
+    """
+    unique = list({id(m): m for m in models}.values())  # a model may have several calls
+    params = [p for m in unique for p in m.trainable.values() if p.requires_grad]
+    with record_function("treadle.backward"):  # named ranges: benchmarks/train_step.py --profile
+        grads = torch.autograd.grad(loss, params, allow_unused=True)
+    with torch.no_grad(), record_function("treadle.accumulate"):
+        for p, g in zip(params, grads, strict=True):
+            if g is None:
+                continue
+            if p.grad is None:
+                p.grad = g
+            else:
+                p.grad.add_(g)
+
+
+def _loss_dtype(model: TrainingModel) -> torch.dtype:
+    return model.base.dtype if model.base.dtype == torch.float64 else torch.float32
