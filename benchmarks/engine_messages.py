@@ -41,7 +41,7 @@ from treadle.common.engine.domain import (
     SequenceResult,
 )
 
-REQUESTS = tuple(m.REQUESTS.values())
+REQUESTS = tuple(m.CALLS.values())
 
 
 def _datum(t: int, rng: np.random.Generator) -> DatumData:
@@ -75,17 +75,17 @@ def cases() -> list[tuple[str, Any, Any]]:
         (
             "submit forward_logprobs 1 token",
             ("submit", ("m-1", 7, tiny, "d" * 32)),
-            m.Submit("m-1", 7, tiny, "d" * 32),
+            m.SubmitCall("m-1", 7, tiny, "d" * 32),
         ),
         (
             "submit forward_backward 64x512",
             ("submit", ("m-1", 7, big, "d" * 32)),
-            m.Submit("m-1", 7, big, "d" * 32),
+            m.SubmitCall("m-1", 7, big, "d" * 32),
         ),
         (
             "sample 4 x 64 tokens",
             ("sample", (target, sample, ("s", 1, "d"))),
-            m.Sample(target, sample, ("s", 1, "d")),
+            m.SampleCall(target, sample, ("s", 1, "d")),
         ),
         ("reply forward result", old_reply(fwd), m.Reply("c" * 32, value=fwd)),
         ("reply sample result", old_reply(samples), m.Reply("c" * 32, value=samples)),

@@ -42,3 +42,24 @@ def outcome_of(fn: Callable[[], T], what: str, log: logging.Logger) -> T | Tread
     except Exception as err:  # a bug, not a user error: keep the calling thread alive
         log.error("%s failed: %s", what, err, exc_info=True)
         return InternalError(f"{what}: {type(err).__name__}: {err}")
+
+
+def mapped(fut: Future[Any], fn: Callable[[Any], T]) -> Future[T]:
+    """A future resolved with ``fn(result)`` of ``fut`` (or its error, or cancelled);
+    cancelling it cancels ``fut`` (e.g. a sample's rows are freed)."""
+    out: Future[T] = Future()
+    out.add_done_callback(lambda o: fut.cancel() if o.cancelled() else None)
+
+    def done(f: Future[Any]) -> None:
+        if f.cancelled():
+            out.cancel()
+        elif (err := f.exception()) is not None:
+            settle(out, err)
+        else:
+            settle(out, outcome_of(lambda: fn(f.result()), "result", _log))
+
+    fut.add_done_callback(done)
+    return out
+
+
+_log = logging.getLogger("treadle")

@@ -16,8 +16,8 @@ from grpc_reflection.v1alpha import reflection
 
 from treadle._rpc import channel_options
 from treadle.common.db import models as db
-from treadle.common.metrics import EngineCollector
-from treadle.common.store import make_store
+from treadle.common.engine.messages import CreateModelCall
+from treadle.common.store import make_store, storage_path_str
 from treadle.server.accounting.quotas import Quotas
 from treadle.server.accounting.usage import UsageMeter
 from treadle.server.auth import Authenticator, AuthInterceptor, bootstrap_default_tenant
@@ -45,7 +45,9 @@ from treadle.v1 import (
 )
 from treadle.workers.engine import flags as engine_flags
 from treadle.workers.engine import host_allocator
+from treadle.workers.engine.collector import EngineCollector
 from treadle.workers.engine.loop import Engine, EngineConfig
+from treadle.workers.engine.staging import StagedEngine
 
 log = logging.getLogger("treadle.server")
 
@@ -88,7 +90,9 @@ async def restore_models(ctx: ServerContext) -> int:
             )
     for spec, path, seq, uri in plans:
         try:
-            await ctx.dispatcher.create_model(spec, from_state=path, next_seq_id=seq + 1)
+            await ctx.dispatcher.call(
+                CreateModelCall(spec, storage_path_str(path) if path else None, seq + 1)
+            )
         except Exception as err:  # a model we cannot restore is marked lost, not hidden
             log.error("could not restore model %s: %s", spec.model_id, err)
             with ctx.session() as s:
@@ -154,7 +158,11 @@ async def create_context(config: ServerConfig, dispatcher: Backend | None = None
             replay_log_bytes=config.replay_log_bytes,
         )
     if dispatcher is None:
-        dispatcher = InProcessDispatcher(Engine(engine_config(config)).start(), store)
+        engine = Engine(engine_config(config)).start()
+        # with a remote store (S3), checkpoints move through local staging off the
+        # engine thread; with a local one, storage paths are the engine's directories
+        staged = StagedEngine(engine, store) if not store.is_local else None
+        dispatcher = InProcessDispatcher(engine, staged)
     ctx = ServerContext(
         config=config,
         sessions=sessions,

@@ -18,77 +18,68 @@ from typing import Any, Protocol, TypeVar
 
 from treadle.common.engine.api import EngineAPI
 from treadle.common.engine.domain import (
-    ModelSpec,
     ModelStatus,
-    OpResult,
-    OrderedOp,
     SampleOp,
-    SampleResult,
     SamplerTarget,
-    SamplingConfig,
-    SaveResult,
     SequenceResult,
     StreamedSequence,
 )
-from treadle.common.engine.stats import PassStats
-from treadle.common.store import Store, storage_path_str
+from treadle.common.engine.messages import EngineCall, ExportCall, SampleStreamCall
+from treadle.common.engine.model_config import ModelConfig
+from treadle.common.engine.stats import PassStats, SamplerStats
 from treadle.errors import UnavailableError
-from treadle.workers.engine.loop import Engine
-from treadle.workers.engine.staging import StagedEngine
-from treadle.workers.model.config import ModelConfig
-from treadle.workers.sampler.torch_sampler import SamplerStats
 
 T = TypeVar("T")
+R = TypeVar("R")
 
 
 class Dispatcher(Protocol):
-    async def create_model(
-        self, spec: ModelSpec, *, from_state: str | Path | None, next_seq_id: int
-    ) -> ModelStatus:
-        """``from_state``: a checkpoint's storage path (a directory, or s3://...)."""
-        ...
+    """Runs engine calls (``treadle.common.engine.messages``) wherever the engine is.
+
+    ``call`` takes every call as it is: the in-process dispatcher hands it to its
+    engine, the Celery one to the worker that serves the call's ``route``; neither
+    has a method per call."""
 
     #: the engine runs in this process and stops with it, so a graceful stop of
     #: the server must checkpoint its models first (workers of a distributed
     #: server drain their own)
     engine_in_process: bool
 
-    async def delete_model(self, model_id: str) -> None: ...
-    async def unload_model(
-        self, model_id: str, directory: Path, *, force: bool = False
-    ) -> SaveResult:
-        """Checkpoint an idle model into ``directory`` and free it (FAILED_PRECONDITION
-        when it is not idle; ``force``: checkpoint what is applied anyway, see
-        ``Engine.unload_model``)."""
+    async def call(self, call: EngineCall[R]) -> R:
+        """The call's result. Storage paths in it are the store's (a directory,
+        or s3://...); an ``ExportCall``'s ``directory`` is a local directory the
+        files end up in."""
         ...
 
-    async def export_weights(self, model_id: str, directory: Path, *, merged: bool) -> list[str]:
-        """Write the model's current weights as files into ``directory`` (a PEFT
-        adapter, or merged HF checkpoint with tokenizer files); their names."""
-        ...
-
-    async def submit(self, model_id: str, seq_id: int, op: OrderedOp, digest: str) -> OpResult: ...
-    async def sample(
-        self, target: SamplerTarget, op: SampleOp, dedupe_key: tuple[str, int, str] | None
-    ) -> SampleResult: ...
     def sample_stream(self, target: SamplerTarget, op: SampleOp) -> AsyncIterator[StreamedSequence]:
         """Each sample the moment it finishes (every index once, unless an error
         ends the stream); closing the iterator early cancels the rest."""
         ...
 
-    async def resume(
-        self,
-        target: SamplerTarget,
-        sampler_id: str,
-        handles: tuple[str, ...],
-        params: SamplingConfig,
-    ) -> SampleResult:
-        """Continue partial rollouts (``Engine.resume``); ``sampler_id`` routes it."""
-        ...
-
-    async def check_sampler_target(self, target: SamplerTarget) -> int: ...
     def model_status(self, model_id: str) -> ModelStatus: ...
     def close(self) -> None: ...
+
+
+class BaseCatalog(Protocol):
+    """The engine's base models by name (``BaseModelRegistry``)."""
+
+    def config(self, name: str) -> ModelConfig: ...
+    def path(self, name: str) -> Path: ...
+    def names(self) -> list[str]: ...
+
+
+class LocalEngine(EngineAPI, Protocol):
+    """An engine in this process, as the in-process dispatcher drives it."""
+
+    bases: BaseCatalog
+
+    def sampler_metrics(self) -> list[SamplerStats]: ...
+    def pass_metrics(self) -> list[PassStats]: ...
+    def stop(self, timeout: float = 10.0) -> None: ...
+
+
+class Stoppable(EngineAPI, Protocol):
+    def stop(self) -> None: ...
 
 
 class Catalog(Protocol):
@@ -167,41 +158,18 @@ async def _await(fut: Future[T]) -> T:
 class InProcessDispatcher:
     engine_in_process = True
 
-    def __init__(self, engine: Engine, store: Store | None = None) -> None:
+    def __init__(self, engine: LocalEngine, staged: Stoppable | None = None) -> None:
+        """``staged``: the engine behind a remote store (``StagedEngine``: checkpoints
+        move through local staging off the engine thread); without one, storage
+        paths are the engine's directories. Built where the server starts."""
         self.engine = engine
-        #: with a remote store (S3), checkpoints move through local staging off the
-        #: engine thread; with a local one, storage paths are the engine's directories
-        self.staged = (
-            StagedEngine(engine, store) if store is not None and not store.is_local else None
-        )
-        #: every call but export goes through this one typed API (``workers.engine_api``)
-        self.api: EngineAPI = self.staged or engine
+        self.staged = staged
+        self.api: EngineAPI = staged or engine
 
-    async def create_model(
-        self, spec: ModelSpec, *, from_state: str | Path | None, next_seq_id: int
-    ) -> ModelStatus:
-        path = storage_path_str(from_state) if from_state is not None else None
-        return await _await(self.api.create_model(spec, from_state=path, next_seq_id=next_seq_id))
-
-    async def delete_model(self, model_id: str) -> None:
-        await _await(self.api.delete_model(model_id))
-
-    async def unload_model(
-        self, model_id: str, directory: Path, *, force: bool = False
-    ) -> SaveResult:
-        path = storage_path_str(directory)  # with a remote store, uploaded there
-        return await _await(self.api.unload_model(model_id, path, force=force))
-
-    async def export_weights(self, model_id: str, directory: Path, *, merged: bool) -> list[str]:
-        return await _await(self.engine.export_weights(model_id, directory, merged=merged))
-
-    async def submit(self, model_id: str, seq_id: int, op: OrderedOp, digest: str) -> OpResult:
-        return await _await(self.api.submit(model_id, seq_id, op, digest))
-
-    async def sample(
-        self, target: SamplerTarget, op: SampleOp, dedupe_key: tuple[str, int, str] | None
-    ) -> SampleResult:
-        return await _await(self.api.sample(target, op, dedupe_key=dedupe_key))
+    async def call(self, call: EngineCall[R]) -> R:
+        # an export writes straight into the local directory the server reads it from
+        api = self.engine if isinstance(call, ExportCall) else self.api
+        return await _await(api.call(call))
 
     async def sample_stream(
         self, target: SamplerTarget, op: SampleOp
@@ -213,7 +181,7 @@ class InProcessDispatcher:
             item = StreamedSequence(index, seq, compute_s)
             loop.call_soon_threadsafe(items.put_nowait, item)
 
-        fut = self.api.sample(target, op, on_sequence=on_sequence)
+        fut = self.api.stream(SampleStreamCall(target, op), on_sequence)
         # Items and the result reach the loop in the order the engine sent them.
         done: asyncio.Future[Any] = asyncio.wrap_future(fut)
         try:
@@ -223,18 +191,6 @@ class InProcessDispatcher:
         finally:
             if not fut.done():
                 fut.cancel()  # the engine frees the remaining rows at its next step
-
-    async def resume(
-        self,
-        target: SamplerTarget,
-        sampler_id: str,
-        handles: tuple[str, ...],
-        params: SamplingConfig,
-    ) -> SampleResult:
-        return await _await(self.api.resume(target, handles, params))
-
-    async def check_sampler_target(self, target: SamplerTarget) -> int:
-        return await _await(self.api.check_sampler_target(target))
 
     def model_status(self, model_id: str) -> ModelStatus:
         return self.api.model_status(model_id)
@@ -259,5 +215,6 @@ class InProcessDispatcher:
 
     def close(self) -> None:
         if self.staged is not None:
-            self.staged.stop()
-        self.engine.stop()
+            self.staged.stop()  # and its engine
+        else:
+            self.engine.stop()

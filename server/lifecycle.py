@@ -38,13 +38,13 @@ import logging
 import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import select
 
 from treadle.common.db import models as db
-from treadle.common.store import state_uri
+from treadle.common.engine.messages import CreateModelCall, UnloadModelCall
+from treadle.common.store import state_uri, storage_path_str
 from treadle.errors import NotFoundError, TreadleError, UnavailableError
 from treadle.server.db import queries
 from treadle.server.restarts import RestorePoint
@@ -153,7 +153,9 @@ class ModelLifecycle:
                 raise NotFoundError(f"model {model_id!r} not found")
             spec = convert.model_spec(row)
             path, seq_id, uri = ckpt.storage_path, ckpt.seq_id, ckpt.uri
-        status = await ctx.dispatcher.create_model(spec, from_state=path, next_seq_id=seq_id + 1)
+        status = await ctx.dispatcher.call(
+            CreateModelCall(spec, storage_path_str(path) if path else None, seq_id + 1)
+        )
         with ctx.session() as s:
             queries.set_model_status(s, model_id, "active", version=status.version)
         ctx.owners[model_id] = tenant
@@ -217,7 +219,9 @@ class ModelLifecycle:
         # The dispatcher writes the checkpoint into the store (uploading it if remote).
         storage_path = ctx.store.state_path(tenant, model_id, AUTO_NAME)
         try:
-            saved = await ctx.dispatcher.unload_model(model_id, Path(storage_path), force=force)
+            saved = await ctx.dispatcher.call(
+                UnloadModelCall(model_id, storage_path_str(storage_path), force=force)
+            )
         except TreadleError as err:  # not idle after all (or lost, not in the engine): leave it be
             log.info("model %s not unloaded: %s", model_id, err)
             ctx.owners[model_id] = tenant
@@ -373,5 +377,5 @@ async def _reload(
         row = s.get(db.Model, model_id)
         assert row is not None
         spec = convert.model_spec(row)
-    await ctx.dispatcher.create_model(spec, from_state=storage_path, next_seq_id=seq_id + 1)
+    await ctx.dispatcher.call(CreateModelCall(spec, storage_path_str(storage_path), seq_id + 1))
     ctx.owners[model_id] = tenant

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import numpy as np
 
@@ -63,6 +64,9 @@ class ForwardBackwardOp:
     loss_config: Mapping[str, float]
     temperature: float = 1.0
     kind: str = "forward_backward"
+    #: storage paths the op reads / writes, staged by ``StagedEngine`` (``messages``)
+    fetches: ClassVar[tuple[str, ...]] = ()
+    uploads: ClassVar[tuple[str, ...]] = ()
 
 
 @dataclass(frozen=True)
@@ -86,12 +90,17 @@ class ForwardLogprobsOp:
     kind: str = "forward_logprobs"
     #: another reference the tenant owns (``reference`` is then False)
     reference_weights: ReferenceWeights | None = None
+    #: a saved state as the reference is downloaded first (a kept version is not)
+    fetches: ClassVar[tuple[str, ...]] = ("reference_weights.directory",)
+    uploads: ClassVar[tuple[str, ...]] = ()
 
 
 @dataclass(frozen=True)
 class OptimStepOp:
     adam: AdamConfig
     kind: str = "optim_step"
+    fetches: ClassVar[tuple[str, ...]] = ()
+    uploads: ClassVar[tuple[str, ...]] = ()
 
 
 @dataclass(frozen=True)
@@ -100,6 +109,8 @@ class SyncWeightsOp:
     #: switch to the new weights from their next decode step (docs/engine.md)
     inflight: bool = False
     kind: str = "sync_weights"
+    fetches: ClassVar[tuple[str, ...]] = ()
+    uploads: ClassVar[tuple[str, ...]] = ()
 
 
 @dataclass(frozen=True)
@@ -107,6 +118,8 @@ class SaveStateOp:
     name: str
     directory: str  # where the engine writes; resolved by the server's store
     kind: str = "save_state"
+    fetches: ClassVar[tuple[str, ...]] = ()
+    uploads: ClassVar[tuple[str, ...]] = ("directory",)
 
 
 @dataclass(frozen=True)
@@ -115,6 +128,8 @@ class LoadStateOp:
     kind: str = "load_state"
     #: False: the weights only, with fresh Adam moments (tinker's ``load_state``)
     optimizer: bool = True
+    fetches: ClassVar[tuple[str, ...]] = ("directory",)
+    uploads: ClassVar[tuple[str, ...]] = ()
 
 
 @dataclass(frozen=True)
@@ -125,6 +140,8 @@ class RejectedOp:
 
     error: Exception
     kind: str = "rejected"
+    fetches: ClassVar[tuple[str, ...]] = ()
+    uploads: ClassVar[tuple[str, ...]] = ()
 
 
 OrderedOp = (
@@ -136,6 +153,16 @@ OrderedOp = (
     | SaveStateOp
     | LoadStateOp
 )
+
+
+def token_cost(op: OrderedOp) -> int:
+    """The fair-share cost of an ordered call: the tokens in its batch (barriers 0)."""
+    data = getattr(op, "data", None)
+    return sum(int(d.tokens.size) for d in data) if data else 0
+
+
+#: the weight dtypes a model may be created with (``ModelSpec.dtype``)
+DTYPES = ("float32", "float64", "bfloat16")
 
 
 # ---- results -----------------------------------------------------------------

@@ -1,26 +1,34 @@
-"""The wire between a server and its ``treadle worker`` processes: one typed
-message per ``EngineAPI`` call, and the typed reply.
+"""Every call a server makes on an engine, each declared once, here.
 
-A request names the engine call it makes (``call``, on any ``EngineAPI``), so a
-worker dispatches on the message's type, never on a string; ``REQUESTS`` is the
-one table of what may arrive. Each request's ``Response`` is what its reply
-carries: a domain dataclass where the engine already answers one, else one of
-the small response types below. ``treadle.common.engine.codec`` frames every message
-with ``VERSION`` and refuses a message of another version or of a type not
-listed here (``encode_message`` / ``decode_message``).
+A call is one frozen dataclass: its fields are the call's arguments, its type
+parameter and ``response`` its result, and its class variables say what the
+layers around the engine need to know without a branch per call:
 
-Bump ``VERSION`` whenever a message's fields change meaning; a server and its
+- ``ordered``: applied in the model's ``seq_id`` order (``SubmitCall``; the
+  server's ops log records it, the replay log keeps it);
+- ``fetches`` / ``uploads``: the fields that hold storage paths (``treadle://``
+  or ``s3://``) the engine reads or writes; ``StagedEngine`` downloads and
+  uploads them around the call, with a remote store, from this declaration
+  alone (an ordered call's op declares its own, ``domain``);
+- ``status_model``, ``route``: the model whose status the reply carries, and
+  which worker the call goes to (the model's, or the sampler target's).
+
+Every layer runs a call as it is: ``EngineAPI.call(call)`` in-process, the
+same message through Celery (``codec`` frames it with ``VERSION``, and
+``CALLS`` is the one table of what may arrive), and the engine's handler
+registry (``treadle.workers.engine.calls``) binds each to its code. Adding a
+call is a class here and a handler there.
+
+Bump ``VERSION`` whenever a call's fields change meaning; a server and its
 workers must then be upgraded together (the refusal says which side is older).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, ClassVar, Generic, TypeVar, get_args
 
-from treadle.common.engine.api import EngineAPI, OnSequence
 from treadle.common.engine.domain import (
     ModelSpec,
     ModelStatus,
@@ -34,29 +42,13 @@ from treadle.common.engine.domain import (
 )
 from treadle.errors import TreadleError
 
-#: the message format both ends speak; carried in every message
-VERSION = 1
+#: the message format both ends speak; carried in every message (2: calls named ``*Call``)
+VERSION = 2
 
 R = TypeVar("R")
 
 
-def _mapped(fut: Future[Any], fn: Any) -> Future[Any]:
-    """A future resolved with ``fn(result)`` of ``fut`` (or its error)."""
-    out: Future[Any] = Future()
-
-    def done(f: Future[Any]) -> None:
-        if f.cancelled():
-            out.cancel()
-        elif (err := f.exception()) is not None:
-            out.set_exception(err)
-        else:
-            out.set_result(fn(f.result()))
-
-    fut.add_done_callback(done)
-    return out
-
-
-# ---- responses that are not domain dataclasses ------------------------------------
+# ---- results that are not domain dataclasses --------------------------------------
 
 
 @dataclass(frozen=True)
@@ -81,27 +73,45 @@ class StreamEnd:
     count: int
 
 
-# ---- requests -------------------------------------------------------------------------------
+# ---- calls --------------------------------------------------------------------------------
 
 
-class Request(Generic[R]):
-    """A call on an engine. ``status_model``: the model whose status the reply
-    carries (the server keeps it as the model's status), if any."""
+@dataclass(frozen=True)
+class Route:
+    """Where a call runs: on the worker of ``model_id``, or on the worker that
+    serves ``target`` (``sampler_key``: the sampler whose earlier calls went
+    there, e.g. the one holding a partial rollout's handles)."""
+
+    model_id: str | None = None
+    target: SamplerTarget | None = None
+    sampler_key: str | None = None
+
+
+class EngineCall(Generic[R]):
+    """A call on an engine (see the module's docstring)."""
 
     #: the types the reply's value may be (checked where it is received)
     response: ClassVar[tuple[type, ...]]
+    ordered: ClassVar[bool] = False
+    #: fields holding storage paths the engine reads (downloaded first)
+    fetches: ClassVar[tuple[str, ...]] = ()
+    #: fields holding storage paths the engine writes (uploaded after)
+    uploads: ClassVar[tuple[str, ...]] = ()
 
     @property
     def status_model(self) -> str | None:
+        """The model whose status the reply carries (the server keeps it)."""
         return None
 
-    def call(self, api: EngineAPI) -> Future[R]:
+    @property
+    def route(self) -> Route:
         raise NotImplementedError
 
 
 @dataclass(frozen=True)
-class CreateModel(Request[ModelStatus]):
+class CreateModelCall(EngineCall[ModelStatus]):
     response = (ModelStatus,)
+    fetches = ("from_state",)
     spec: ModelSpec
     from_state: str | None = None  # a checkpoint's storage path
     next_seq_id: int = 1
@@ -110,33 +120,42 @@ class CreateModel(Request[ModelStatus]):
     def status_model(self) -> str | None:
         return self.spec.model_id
 
-    def call(self, api: EngineAPI) -> Future[ModelStatus]:
-        return api.create_model(self.spec, from_state=self.from_state, next_seq_id=self.next_seq_id)
+    @property
+    def route(self) -> Route:
+        return Route(model_id=self.spec.model_id)
 
 
 @dataclass(frozen=True)
-class DeleteModel(Request[Deleted]):
+class DeleteModelCall(EngineCall[Deleted]):
     response = (Deleted,)
     model_id: str
 
-    def call(self, api: EngineAPI) -> Future[Deleted]:
-        return _mapped(api.delete_model(self.model_id), lambda _: Deleted(self.model_id))
+    @property
+    def route(self) -> Route:
+        return Route(model_id=self.model_id)
 
 
 @dataclass(frozen=True)
-class UnloadModel(Request[SaveResult]):
+class UnloadModelCall(EngineCall[SaveResult]):
+    """Checkpoint an idle model into ``directory`` and free it (``Engine.unload_model``)."""
+
     response = (SaveResult,)
+    uploads = ("directory",)
     model_id: str
     directory: str  # the storage path the checkpoint goes to
     force: bool = False
 
-    def call(self, api: EngineAPI) -> Future[SaveResult]:
-        return api.unload_model(self.model_id, self.directory, force=self.force)
+    @property
+    def route(self) -> Route:
+        return Route(model_id=self.model_id)
 
 
 @dataclass(frozen=True)
-class Submit(Request[OpResult]):
+class SubmitCall(EngineCall[OpResult]):
+    """An ordered training call; what it stages, its ``op`` says (``OrderedOp``)."""
+
     response = get_args(OpResult)
+    ordered = True
     model_id: str
     seq_id: int
     op: OrderedOp
@@ -146,68 +165,79 @@ class Submit(Request[OpResult]):
     def status_model(self) -> str | None:
         return self.model_id
 
-    def call(self, api: EngineAPI) -> Future[OpResult]:
-        return api.submit(self.model_id, self.seq_id, self.op, self.digest)
+    @property
+    def route(self) -> Route:
+        return Route(model_id=self.model_id)
 
 
 @dataclass(frozen=True)
-class Sample(Request[SampleResult]):
+class SampleCall(EngineCall[SampleResult]):
+    """``dedupe_key`` = (sampler_id, seq_id, payload digest): a repeat shares the
+    first call's result."""
+
     response = (SampleResult,)
     target: SamplerTarget
     op: SampleOp
     dedupe_key: tuple[str, int, str] | None = None
 
-    def call(self, api: EngineAPI) -> Future[SampleResult]:
-        return api.sample(self.target, self.op, dedupe_key=self.dedupe_key)
+    @property
+    def route(self) -> Route:
+        key = self.dedupe_key[0] if self.dedupe_key else None
+        return Route(target=self.target, sampler_key=key)
 
 
 @dataclass(frozen=True)
-class SampleStream(Request[StreamEnd]):
+class SampleStreamCall(EngineCall[StreamEnd]):
     """A sample answered one ``StreamedSequence`` per sample as it finishes (each
-    a reply with ``more``), then ``StreamEnd``."""
+    a reply with ``more``), then ``StreamEnd`` (``EngineAPI.stream``)."""
 
     response = (StreamEnd,)
     target: SamplerTarget
     op: SampleOp
 
-    def stream(self, api: EngineAPI, on_sequence: OnSequence) -> Future[StreamEnd]:
-        fut = api.sample(self.target, self.op, on_sequence=on_sequence)
-        return _mapped(fut, lambda r: StreamEnd(len(r.sequences)))
-
-    def call(self, api: EngineAPI) -> Future[StreamEnd]:
-        return self.stream(api, lambda i, s, t: None)
+    @property
+    def route(self) -> Route:
+        return Route(target=self.target)
 
 
 @dataclass(frozen=True)
-class Resume(Request[SampleResult]):
+class ResumeCall(EngineCall[SampleResult]):
+    """Continue partial rollouts on the worker that sampled them (``sampler_id``)."""
+
     response = (SampleResult,)
     target: SamplerTarget
     handles: tuple[str, ...]
     params: SamplingConfig
+    sampler_id: str = ""
 
-    def call(self, api: EngineAPI) -> Future[SampleResult]:
-        return api.resume(self.target, self.handles, self.params)
+    @property
+    def route(self) -> Route:
+        return Route(target=self.target, sampler_key=self.sampler_id or None)
 
 
 @dataclass(frozen=True)
-class CheckTarget(Request[TargetVersion]):
+class CheckTargetCall(EngineCall[TargetVersion]):
     response = (TargetVersion,)
     target: SamplerTarget
 
-    def call(self, api: EngineAPI) -> Future[TargetVersion]:
-        return _mapped(api.check_sampler_target(self.target), TargetVersion)
+    @property
+    def route(self) -> Route:
+        return Route(target=self.target)
 
 
 @dataclass(frozen=True)
-class Export(Request[Exported]):
+class ExportCall(EngineCall[Exported]):
+    """The model's weights as files (a PEFT adapter, or merged) under ``directory``."""
+
     response = (Exported,)
+    uploads = ("directory",)
     model_id: str
     directory: str  # the storage path the files go to
     merged: bool = False
 
-    def call(self, api: EngineAPI) -> Future[Exported]:
-        fut = api.export_weights(self.model_id, self.directory, merged=self.merged)
-        return _mapped(fut, lambda names: Exported(tuple(names)))
+    @property
+    def route(self) -> Route:
+        return Route(model_id=self.model_id)
 
 
 # ---- the reply --------------------------------------------------------------------------------
@@ -216,7 +246,7 @@ class Export(Request[Exported]):
 @dataclass(frozen=True)
 class Reply:
     """A worker's answer to the call ``cid``: its value or its error; ``status``:
-    the status of the request's ``status_model`` after it; ``more``: one item of a
+    the status of the call's ``status_model`` after it; ``more``: one item of a
     streamed call (a ``StreamedSequence``), whose last reply comes later."""
 
     cid: str
@@ -226,24 +256,24 @@ class Reply:
     more: bool = False
 
 
-#: every request that may arrive at a worker, by the name it travels under
-REQUESTS: Mapping[str, type[Request[Any]]] = {
+#: every call that may arrive at a worker, by the name it travels under
+CALLS: Mapping[str, type[EngineCall[Any]]] = {
     cls.__name__: cls
     for cls in (
-        CreateModel,
-        DeleteModel,
-        UnloadModel,
-        Submit,
-        Sample,
-        SampleStream,
-        Resume,
-        CheckTarget,
-        Export,
+        CreateModelCall,
+        DeleteModelCall,
+        UnloadModelCall,
+        SubmitCall,
+        SampleCall,
+        SampleStreamCall,
+        ResumeCall,
+        CheckTargetCall,
+        ExportCall,
     )
 }
 
-#: every type a message is framed as (requests, replies and their response types)
+#: every type a message is framed as (calls, replies and their result types)
 MESSAGES: Mapping[str, type] = {
-    **REQUESTS,
-    **{cls.__name__: cls for cls in (Reply, Deleted, Exported, TargetVersion, StreamEnd)},
+    **CALLS,
+    **{cls.__name__: cls for cls in (Reply, Route, Deleted, Exported, TargetVersion, StreamEnd)},
 }

@@ -59,3 +59,25 @@ class PassCounter:
     def snapshot(self) -> list[PassStats]:
         with self._lock:
             return list(self._stats.values())
+
+
+@dataclass(frozen=True)
+class SamplerStats:
+    """A sampler's live stats, as the server reports them (``GetServerInfo``, metrics)."""
+
+    running_rows: int
+    queued_requests: int
+    prefilling_requests: int
+    free_slots: int
+    num_slots: int
+    tokens_generated: int
+    prompt_tokens: int
+    prefix_reused_tokens: int
+    decode_steps: int
+    tokens_per_s: float  # generated tokens per second over the recent window
+    occupancy: float  # mean fraction of slots decoding per step, recent window
+    base_model: str = ""
+    dtype: str = ""
+    last_step_at: float = 0.0  # time.monotonic() of the last decode step (0: none yet)
+    kv_cache_usage: float = 0.0  # fraction of the KV cache's blocks in use, last step
+    kv_cache_peak_usage: float = 0.0  # the largest such fraction over the recent window

@@ -18,12 +18,12 @@ from treadle.common.engine.domain import (
     SampleOp,
     SampleResult,
     SamplerTarget,
+    token_cost,
 )
 from treadle.errors import ResourceExhaustedError
 from treadle.server.accounting.quotas import Quotas, Ticket
 from treadle.server.accounting.usage import UsageMeter
 from treadle.server.db.tenancy import UsageDelta
-from treadle.workers.engine.loop import token_cost
 
 #: sample calls remembered as counted (a retry comes within seconds of its call)
 MAX_COUNTED_SAMPLES = 65536

@@ -38,7 +38,9 @@ import socket
 import uuid
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
+from typing import Any, TypeVar, cast
 
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -46,30 +48,27 @@ from treadle.common.db import models as db
 from treadle.common.engine.domain import (
     LoadResult,
     LoadStateOp,
-    ModelSpec,
     ModelStatus,
     OpResult,
     OrderedOp,
     SampleOp,
-    SampleResult,
     SamplerTarget,
-    SamplingConfig,
     SaveResult,
     StreamedSequence,
 )
 from treadle.common.engine.messages import (
-    CheckTarget,
-    CreateModel,
-    DeleteModel,
-    Export,
-    Resume,
-    Sample,
-    SampleStream,
-    Submit,
-    UnloadModel,
+    CreateModelCall,
+    DeleteModelCall,
+    EngineCall,
+    ExportCall,
+    Exported,
+    SampleStreamCall,
+    SubmitCall,
+    UnloadModelCall,
 )
-from treadle.common.engine.stats import PassStats
-from treadle.common.store import Store, storage_path_str
+from treadle.common.engine.model_config import ModelConfig
+from treadle.common.engine.stats import PassStats, SamplerStats
+from treadle.common.store import Store
 from treadle.errors import (
     AbortedError,
     FailedPreconditionError,
@@ -79,14 +78,12 @@ from treadle.errors import (
 from treadle.server.celery.liveness import Liveness
 from treadle.server.celery.placement import Placement
 from treadle.server.celery.transport import CeleryTransport
-from treadle.server.dispatch import stream_items
+from treadle.server.dispatch import BaseCatalog, stream_items
 from treadle.server.replay_log import APPLIED_ERRORS, Logged, ReplayLog
 from treadle.server.rpc import convert
-from treadle.workers.engine.base_models import BaseModelRegistry
-from treadle.workers.model.config import ModelConfig
-from treadle.workers.sampler.torch_sampler import SamplerStats
 
 log = logging.getLogger("treadle.server")
+R = TypeVar("R")
 
 
 class CeleryDispatcher:
@@ -96,7 +93,7 @@ class CeleryDispatcher:
         self,
         broker: str,
         sessions: sessionmaker[Session],
-        bases: BaseModelRegistry,
+        bases: BaseCatalog,
         *,
         worker_timeout_s: float = 10.0,
         check_s: float | None = None,
@@ -129,42 +126,59 @@ class CeleryDispatcher:
 
     # ---- Dispatcher ----------------------------------------------------------------------
 
-    async def create_model(
-        self, spec: ModelSpec, *, from_state: str | Path | None, next_seq_id: int
-    ) -> ModelStatus:
-        path = storage_path_str(from_state) if from_state is not None else None
+    async def call(self, call: EngineCall[R]) -> R:
+        """Calls that change where models live, or that are logged for replay, are
+        routed here; every other call goes to the worker of its ``route``."""
+        if isinstance(call, CreateModelCall):
+            return cast(R, await self._create_model(call))
+        if isinstance(call, SubmitCall):
+            return cast(R, await self._submit(call))
+        if isinstance(call, DeleteModelCall):
+            return cast(R, await self._delete_model(call))
+        if isinstance(call, UnloadModelCall):
+            return cast(R, await self._unload_model(call))
+        if isinstance(call, ExportCall):
+            return cast(R, await self._export(call))
+        route = call.route
+        if route.target is not None:
+            worker_id = await self._route(route.target, route.sampler_key)
+        else:
+            assert route.model_id is not None
+            worker_id = self.placement.worker_of(route.model_id)
+        return cast(R, await self._call(worker_id, call))
+
+    async def _create_model(self, call: CreateModelCall) -> ModelStatus:
+        spec = call.spec
         adopt = self.placement.adoptable(spec.model_id)
         candidates = [adopt] if adopt else self.placement.candidates(spec.base_model)
 
         async def create(worker_id: str) -> ModelStatus:
-            return await self._call(worker_id, CreateModel(spec, path, next_seq_id))
+            return await self._call(worker_id, call)
 
         worker_id, status = await self.placement.place(spec.base_model, candidates, create)
         self.placement.settle(spec.model_id, worker_id, status)
         return status
 
-    async def delete_model(self, model_id: str) -> None:
+    async def _delete_model(self, call: DeleteModelCall) -> Any:
+        model_id = call.model_id
         worker_id = self.placement.forget(model_id)
         self.replay.forget(model_id)
         if worker_id is None or self.transport.is_gone(worker_id):
             raise NotFoundError(f"model {model_id} not found")
-        await self._call(worker_id, DeleteModel(model_id))
+        return await self._call(worker_id, call)
 
-    async def unload_model(
-        self, model_id: str, directory: str | Path, *, force: bool = False
-    ) -> SaveResult:
+    async def _unload_model(self, call: UnloadModelCall) -> SaveResult:
         """Checkpoint the idle model to the storage path ``directory`` and free it
         (``force`` is not offered: a worker that stops drains its own models)."""
-        worker_id = self.placement.worker_of(model_id)
-        path = storage_path_str(directory)
-        result = await self._call(worker_id, UnloadModel(model_id, path))
-        self.placement.forget(model_id)
+        worker_id = self.placement.worker_of(call.model_id)
+        result = await self._call(worker_id, replace(call, force=False))
+        self.placement.forget(call.model_id)
         return result
 
-    async def export_weights(
-        self, model_id: str, directory: str | Path, *, merged: bool
-    ) -> list[str]:
-        """The worker exports into the store; the files come down into ``directory``."""
+    async def _export(self, call: ExportCall) -> Exported:
+        """The worker exports into the store; the files come down into the local
+        ``directory`` the call names."""
+        model_id, directory = call.model_id, call.directory
         store = self.store
         if store is None:
             raise FailedPreconditionError("export: this server has no checkpoint store")
@@ -175,7 +189,8 @@ class CeleryDispatcher:
                 raise NotFoundError(f"model {model_id} not found")
             tenant_id = row.tenant_id
         path = store.state_path(tenant_id, model_id, f"export-{uuid.uuid4().hex[:12]}")
-        names = list((await self._call(worker_id, Export(model_id, path, merged))).names)
+        exported = await self._call(worker_id, replace(call, directory=path))
+        names = list(exported.names)
 
         def download() -> None:
             local = store.fetch(path)
@@ -188,9 +203,10 @@ class CeleryDispatcher:
                 store.delete(path)
 
         await asyncio.get_running_loop().run_in_executor(None, download)
-        return names
+        return exported
 
-    async def submit(self, model_id: str, seq_id: int, op: OrderedOp, digest: str) -> OpResult:
+    async def _submit(self, call: SubmitCall) -> OpResult:
+        model_id, seq_id, op, digest = call.model_id, call.seq_id, call.op, call.digest
         restored = self._restored.get((model_id, seq_id))
         if restored is not None:  # a repeat of the load_state that restored it
             return restored
@@ -201,7 +217,7 @@ class CeleryDispatcher:
                 return await self._restore(model_id, seq_id, op, digest)
             worker_id = await self._recover(model_id)
         try:
-            result = await self._call(worker_id, Submit(model_id, seq_id, op, digest))
+            result = await self._call(worker_id, call)
         except TreadleError as err:
             if err.code in APPLIED_ERRORS:  # refused in its turn: it took its seq_id
                 await self._keep(model_id, seq_id, op)
@@ -223,12 +239,6 @@ class CeleryDispatcher:
 
         self._records.submit(record)
 
-    async def sample(
-        self, target: SamplerTarget, op: SampleOp, dedupe_key: tuple[str, int, str] | None
-    ) -> SampleResult:
-        worker_id = await self._route(target, dedupe_key[0] if dedupe_key else None)
-        return await self._call(worker_id, Sample(target, op, dedupe_key))
-
     async def sample_stream(
         self, target: SamplerTarget, op: SampleOp
     ) -> AsyncIterator[StreamedSequence]:
@@ -239,7 +249,7 @@ class CeleryDispatcher:
         worker_id = await self._route(target, None)
         items: asyncio.Queue[StreamedSequence] = asyncio.Queue()
         call = asyncio.ensure_future(
-            self._call(worker_id, SampleStream(target, op), on_item=items.put_nowait)
+            self._call(worker_id, SampleStreamCall(target, op), on_item=items.put_nowait)
         )
         try:
             async with contextlib.aclosing(stream_items(items, call, op.num_samples)) as stream:
@@ -248,22 +258,6 @@ class CeleryDispatcher:
         finally:
             if not call.done():
                 call.cancel()
-
-    async def resume(
-        self,
-        target: SamplerTarget,
-        sampler_id: str,
-        handles: tuple[str, ...],
-        params: SamplingConfig,
-    ) -> SampleResult:
-        """On the worker that sampled through ``sampler_id`` (it keeps the
-        handles): resume through the sampler that returned them."""
-        worker_id = await self._route(target, sampler_id)
-        return await self._call(worker_id, Resume(target, tuple(handles), params))
-
-    async def check_sampler_target(self, target: SamplerTarget) -> int:
-        worker_id = await self._route(target, None)
-        return (await self._call(worker_id, CheckTarget(target))).version
 
     def model_status(self, model_id: str) -> ModelStatus:
         return self.placement.model_status(model_id)
@@ -323,7 +317,7 @@ class CeleryDispatcher:
         async def create(worker_id: str) -> ModelStatus:
             # weights only: the call itself then loads the weights again, with fresh moments
             next_seq_id = seq_id if not op.optimizer else seq_id + 1
-            return await self._call(worker_id, CreateModel(spec, op.directory, next_seq_id))
+            return await self._call(worker_id, CreateModelCall(spec, op.directory, next_seq_id))
 
         worker_id, status = await self.placement.place(
             spec.base_model,
@@ -332,7 +326,7 @@ class CeleryDispatcher:
         )
         self.placement.settle(model_id, worker_id, status)
         if not op.optimizer:
-            loaded = await self._call(worker_id, Submit(model_id, seq_id, op, digest))
+            loaded = await self._call(worker_id, SubmitCall(model_id, seq_id, op, digest))
             await self._keep(model_id, seq_id, op)
             log.info("model %s restored on worker %s (weights only)", model_id, worker_id)
             return loaded
@@ -369,7 +363,7 @@ class CeleryDispatcher:
                 raise lost
 
             async def create(worker_id: str) -> ModelStatus:
-                return await self._call(worker_id, CreateModel(spec, directory, start + 1))
+                return await self._call(worker_id, CreateModelCall(spec, directory, start + 1))
 
             p = self.placement
             worker_id, status = await p.place(
@@ -413,12 +407,12 @@ class CeleryDispatcher:
         deleted and the model stays lost."""
         for call in calls:
             try:
-                await self._call(worker_id, Submit(model_id, call.seq_id, call.op, call.digest))
+                await self._call(worker_id, SubmitCall(model_id, call.seq_id, call.op, call.digest))
             except TreadleError as err:
                 if err.code in APPLIED_ERRORS:  # refused in its turn, as the first time
                     continue
                 with contextlib.suppress(TreadleError):
-                    await self._call(worker_id, DeleteModel(model_id))
+                    await self._call(worker_id, DeleteModelCall(model_id))
                 with self.placement.lock:
                     self.placement.status.pop(model_id, None)
                 raise AbortedError(

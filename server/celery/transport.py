@@ -37,7 +37,7 @@ from treadle.common.celery_app import (
 )
 from treadle.common.engine import codec
 from treadle.common.engine.domain import ModelStatus, StreamedSequence
-from treadle.common.engine.messages import Reply, Request
+from treadle.common.engine.messages import EngineCall, Reply
 from treadle.common.logs import current_request_id
 from treadle.errors import InternalError, TreadleError, UnavailableError
 
@@ -51,7 +51,7 @@ class Pending:
     loop: asyncio.AbstractEventLoop
     worker_id: str
     model_id: str | None
-    request: Request[Any]
+    request: EngineCall[Any]
     on_item: Callable[[Any], None] | None = None  # a streamed call's items (on the loop)
 
 
@@ -88,7 +88,7 @@ class CeleryTransport:
     async def call(
         self,
         worker_id: str,
-        request: Request[R],
+        request: EngineCall[R],
         *,
         on_item: Callable[[StreamedSequence], None] | None = None,
     ) -> R:

@@ -17,6 +17,7 @@ from typing import Any
 from fastapi import Depends, Request
 
 from treadle.common.engine.domain import ForwardBackwardOp, ForwardResult
+from treadle.common.engine.losses import CONTRACTS, unserved_loss
 from treadle.errors import InvalidArgumentError, TreadleError
 from treadle.server.http import wire
 from treadle.server.http.auth import tenant
@@ -24,7 +25,6 @@ from treadle.server.http.futures import Encoder
 from treadle.server.http.state import HttpState, api_router, state
 from treadle.server.service import CallHandle
 from treadle.server.service.types import CreateModel, OrderedCall, parse
-from treadle.workers.trainer.losses import LOSSES, unserved_loss
 
 router = api_router()
 
@@ -186,7 +186,7 @@ async def forward_backward(
     else:
         method = st.service.training.forward_backward
     answer = await submit(st, tenant_id, method, call, op, encode=encode, model_id=msg.model_id)
-    if not msg.forward_only and loss_fn not in LOSSES:
+    if not msg.forward_only and loss_fn not in CONTRACTS:
         # A loss we do not serve is a 400 on the request itself, naming the loss and
         # why; the call has taken its seq_id first (its recorded answer is the same
         # error), so the model's next call does not wait on a gap and the SDK's

@@ -29,7 +29,7 @@ from treadle.common.engine.domain import (
     SequenceResult,
     StreamedSequence,
 )
-from treadle.common.engine.stats import PassStats
+from treadle.common.engine.stats import PassStats, SamplerStats
 from treadle.errors import InvalidArgumentError
 from treadle.server import restarts
 from treadle.server.service.types import (
@@ -45,7 +45,6 @@ from treadle.server.service.types import (
     SyncOutcome,
 )
 from treadle.v1 import common_pb2, sampling_pb2, server_pb2, session_pb2, training_pb2
-from treadle.workers.sampler.state import SamplerStats
 
 _STOP_REASONS = {
     "stop": common_pb2.STOP,

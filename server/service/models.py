@@ -16,15 +16,15 @@ from pathlib import Path
 from sqlalchemy.orm import object_session
 
 from treadle.common.db import models as db
-from treadle.common.engine.domain import ModelSpec
-from treadle.common.store import copy_checkpoint
+from treadle.common.engine.domain import DTYPES, ModelSpec
+from treadle.common.engine.messages import CreateModelCall, DeleteModelCall, ExportCall
+from treadle.common.store import copy_checkpoint, storage_path_str
 from treadle.errors import InvalidArgumentError, NotFoundError, TreadleError
 from treadle.server.context import ServerContext
 from treadle.server.db import ops_log, queries, tenancy
 from treadle.server.rpc import convert
 from treadle.server.service.checkpoints import CheckpointService
 from treadle.server.service.types import CreateModel, ModelInfo
-from treadle.workers.engine.flags import DTYPES
 
 MAX_LORA_RANK = 1024
 #: name of the checkpoint a model created from a state keeps of its starting point
@@ -109,7 +109,11 @@ class ModelService:
             init = (init_path, size)
             load_from = init_path
         try:
-            status = await ctx.dispatcher.create_model(spec, from_state=load_from, next_seq_id=1)
+            status = await ctx.dispatcher.call(
+                CreateModelCall(
+                    spec, storage_path_str(load_from) if load_from is not None else None, 1
+                )
+            )
         except TreadleError:
             with ctx.session() as s:
                 queries.mark_model_deleted(s, tenant, model_id)
@@ -168,7 +172,7 @@ class ModelService:
         ctx.owners.pop(model_id, None)
         ctx.lifecycle.forget(model_id)
         with contextlib.suppress(NotFoundError):
-            await ctx.dispatcher.delete_model(model_id)
+            await ctx.dispatcher.call(DeleteModelCall(model_id))
 
     @contextlib.asynccontextmanager
     async def export_weights(
@@ -179,7 +183,10 @@ class ModelService:
         directory = self.ctx.config.data_dir / "exports" / db.new_id("x")
         try:
             async with self.ctx.lifecycle.using(tenant, model_id):
-                names = await self.ctx.dispatcher.export_weights(model_id, directory, merged=merged)
+                exported = await self.ctx.dispatcher.call(
+                    ExportCall(model_id, str(directory), merged)
+                )
+                names = exported.names
             yield [directory / name for name in names]
         finally:
             shutil.rmtree(directory, ignore_errors=True)

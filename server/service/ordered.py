@@ -21,6 +21,7 @@ from collections.abc import Awaitable, Callable, Generator
 from typing import Any, Generic, TypeVar
 
 from treadle.common.engine.domain import OpResult, OrderedOp, RejectedOp
+from treadle.common.engine.messages import SubmitCall
 from treadle.errors import InvalidArgumentError, TreadleError
 from treadle.server import restarts
 from treadle.server.accounting.metering import CallMeter
@@ -101,7 +102,9 @@ class OrderedCalls:
         if admitted is not None and not admitted.done():
             admitted.set_result(None)
         try:
-            result = await self.ctx.dispatcher.submit(call.model_id, call.seq_id, op, call.digest)
+            result = await self.ctx.dispatcher.call(
+                SubmitCall(call.model_id, call.seq_id, op, call.digest)
+            )
         except TreadleError as err:
             self._finish(call, "failed", err.code)
             raise

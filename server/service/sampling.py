@@ -23,6 +23,7 @@ from treadle.common.engine.domain import (
     SequenceResult,
     StreamedSequence,
 )
+from treadle.common.engine.messages import CheckTargetCall, ResumeCall, SampleCall
 from treadle.common.store import parse_weights_uri
 from treadle.errors import InvalidArgumentError, NotFoundError
 from treadle.server.accounting.metering import CallMeter
@@ -78,9 +79,9 @@ class SamplingService:
             raise InvalidArgumentError("target: give base_model or weights")
         if target.model_id is not None:  # brings an unloaded model back
             async with ctx.lifecycle.using(tenant, target.model_id):
-                version = await ctx.dispatcher.check_sampler_target(target)
+                version = (await ctx.dispatcher.call(CheckTargetCall(target))).version
         else:
-            version = await ctx.dispatcher.check_sampler_target(target)
+            version = (await ctx.dispatcher.call(CheckTargetCall(target))).version
         with ctx.session() as s:
             if session_id and queries.get_session(s, tenant, session_id) is None:
                 raise NotFoundError(f"session_id: session {session_id!r} not found")
@@ -160,7 +161,9 @@ class SamplingService:
         result: SampleResult | None = None
         try:
             # The engine's sampler queues each tenant's requests fairly against the rest.
-            result = await self.ctx.dispatcher.sample(replace(target, tenant_id=tenant), op, key)
+            result = await self.ctx.dispatcher.call(
+                SampleCall(replace(target, tenant_id=tenant), op, key)
+            )
             return result
         finally:
             self.meter.end_sample(tenant, target, op, ticket, result, key)
@@ -183,7 +186,9 @@ class SamplingService:
             ticket = self.meter.admit_sample(tenant, op)
             result: SampleResult | None = None
             try:
-                result = await self.ctx.dispatcher.resume(target, sampler_id, handles, params)
+                result = await self.ctx.dispatcher.call(
+                    ResumeCall(target, tuple(handles), params, sampler_id)
+                )
             finally:
                 self.meter.end_sample(tenant, target, op, ticket, result)
         return result

@@ -61,9 +61,21 @@ def random_datum(rng: np.random.Generator, n: int) -> DatumData:
 
 
 class RecordingAPI:
-    """An engine (``EngineAPI``) that records each call. With ``answers``, each call's
-    future is answered at once with ``answers[name]`` (and a streamed sample's
-    ``on_sequence`` is sent ``streamed`` first); without, it stays pending."""
+    """An engine that records each call of its methods, and runs call messages
+    (``EngineAPI.call``) through the engine's own handlers onto those methods. With
+    ``answers``, each method's future is answered at once with ``answers[name]`` (and
+    a streamed sample's ``on_sequence`` is sent ``streamed`` first); without, it
+    stays pending."""
+
+    def call(self, call: Any) -> Future[Any]:
+        from treadle.workers.engine import calls
+
+        return calls.HANDLERS[type(call)](self, call)  # type: ignore[arg-type]
+
+    def stream(self, call: Any, on_sequence: Any) -> Future[Any]:
+        from treadle.workers.engine import calls
+
+        return calls.stream(self, call, on_sequence)  # type: ignore[arg-type]
 
     def __init__(
         self, answers: Mapping[str, Any] | None = None, streamed: SequenceResult | None = None

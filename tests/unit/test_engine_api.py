@@ -11,6 +11,7 @@ import numpy as np
 from tests.unit.engine_ops import RecordingAPI
 from treadle.common.engine.api import EngineAPI
 from treadle.common.engine.domain import SampleOp, SamplerTarget, SamplingConfig
+from treadle.common.engine.messages import ResumeCall, SampleStreamCall
 from treadle.common.store import LocalStore
 from treadle.workers.engine.loop import Engine, EngineConfig
 from treadle.workers.engine.staging import StagedEngine
@@ -28,11 +29,11 @@ def test_staged_engine_passes_resume_and_streamed_samples_through(tmp_path: Path
     staged = StagedEngine(inner, LocalStore(tmp_path))  # type: ignore[arg-type]
     target = SamplerTarget("tiny", "m", tenant_id="t")
     params = SamplingConfig(max_tokens=4)
-    staged.resume(target, ("rh-1", "rh-2"), params)
+    staged.call(ResumeCall(target, ("rh-1", "rh-2"), params))
     on_sequence = lambda i, s, t: None  # noqa: E731
     op = SampleOp(np.arange(3), 1, params)
-    staged.sample(target, op, on_sequence=on_sequence)
+    staged.stream(SampleStreamCall(target, op), on_sequence)
     assert inner.calls == [
         ("resume", (target, ("rh-1", "rh-2"), params), {}),
-        ("sample", (target, op), {"dedupe_key": None, "on_sequence": on_sequence}),
+        ("sample", (target, op), {"on_sequence": on_sequence}),
     ]

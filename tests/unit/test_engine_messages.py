@@ -1,17 +1,19 @@
 """The wire between a server and its workers: one typed message per engine call.
 
-Every ``EngineAPI`` call that returns a future has its request, which makes
-exactly that call and round-trips through the codec; a worker dispatches on the
-request's type and refuses a message of another version or type by name; a
-reply of the wrong type fails the call on the server.
+Every call message has its handler in the engine, which makes exactly that
+call and answers the message's result type; each round-trips through the
+codec; a worker dispatches on the message's type and refuses a message of
+another version or type by name; a reply of the wrong type fails the call on
+the server.
 """
 
 from __future__ import annotations
 
 import asyncio
-import inspect
 import threading
 from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -24,7 +26,6 @@ from tests.unit.test_codec import _same
 from treadle.common.celery_app import decode_reply, encode_reply
 from treadle.common.engine import codec
 from treadle.common.engine import messages as m
-from treadle.common.engine.api import EngineAPI
 from treadle.common.engine.domain import (
     AdamConfig,
     ModelSpec,
@@ -40,6 +41,8 @@ from treadle.common.engine.domain import (
 )
 from treadle.errors import InternalError, InvalidArgumentError, NotFoundError
 from treadle.server.celery.transport import Pending, _outcome
+from treadle.workers.engine import calls
+from treadle.workers.engine.loop import Engine, EngineConfig
 from treadle.workers.worker.celery_worker import Worker
 
 TARGET = SamplerTarget("tiny", "m-1", 3, tenant_id="t-1")
@@ -47,16 +50,16 @@ PARAMS = SamplingConfig(max_tokens=4, stop_strings=("\n",))
 SEQ = SequenceResult(np.array([5, 6]), np.array([-0.1, -0.2], np.float32), "stop", ((0, 2, 3),))
 
 #: one request of each type, with what the engine answers to it
-EXAMPLES: list[m.Request[Any]] = [
-    m.CreateModel(ModelSpec("m-1", "t-1", "tiny", 8, 16.0, 3, "float32"), "s3://b/ckpt", 4),
-    m.DeleteModel("m-1"),
-    m.UnloadModel("m-1", "s3://b/unload", force=True),
-    m.Submit("m-1", 7, OptimStepOp(AdamConfig(learning_rate=1e-3)), "digest"),
-    m.Sample(TARGET, SampleOp(np.arange(5), 2, PARAMS), ("sampler-1", 3, "d")),
-    m.SampleStream(TARGET, SampleOp(np.arange(5), 1, PARAMS)),
-    m.Resume(TARGET, ("rh-1", "rh-2"), PARAMS),
-    m.CheckTarget(TARGET),
-    m.Export("m-1", "s3://b/export", merged=True),
+EXAMPLES: list[m.EngineCall[Any]] = [
+    m.CreateModelCall(ModelSpec("m-1", "t-1", "tiny", 8, 16.0, 3, "float32"), "s3://b/ckpt", 4),
+    m.DeleteModelCall("m-1"),
+    m.UnloadModelCall("m-1", "s3://b/unload", force=True),
+    m.SubmitCall("m-1", 7, OptimStepOp(AdamConfig(learning_rate=1e-3)), "digest"),
+    m.SampleCall(TARGET, SampleOp(np.arange(5), 2, PARAMS), ("sampler-1", 3, "d")),
+    m.SampleStreamCall(TARGET, SampleOp(np.arange(5), 1, PARAMS)),
+    m.ResumeCall(TARGET, ("rh-1", "rh-2"), PARAMS, "sampler-1"),
+    m.CheckTargetCall(TARGET),
+    m.ExportCall("m-1", "s3://b/export", merged=True),
 ]
 
 ANSWERS: dict[str, Any] = {
@@ -71,36 +74,34 @@ ANSWERS: dict[str, Any] = {
 }
 
 
-def _future_methods() -> set[str]:
-    """The EngineAPI calls that answer with a future (the rest are local queries)."""
-    return {
-        name
-        for name, fn in vars(EngineAPI).items()
-        if inspect.isfunction(fn)
-        and not name.startswith("_")
-        and "Future" in str(inspect.signature(fn).return_annotation)
-    }
-
-
-def test_every_engine_call_has_its_message_and_answers_its_response_type() -> None:
-    assert {type(msg) for msg in EXAMPLES} == set(m.REQUESTS.values())
-    methods = _future_methods()
-    assert methods == set(ANSWERS)  # model_status / has_model stay local queries
+def test_every_call_has_its_handler_and_answers_its_response_type() -> None:
+    assert {type(msg) for msg in EXAMPLES} == set(m.CALLS.values())
+    assert set(calls.HANDLERS) == set(m.CALLS.values())
     called = set()
     for msg in EXAMPLES:
         api = RecordingAPI(ANSWERS, SEQ)
-        answer = msg.call(api).result(timeout=1)  # type: ignore[arg-type]
+        answer = api.call(msg).result(timeout=1)
         ((name, _, _),) = api.calls
         called.add(name)
         assert isinstance(answer, type(msg).response), (msg, answer)
-    assert called == methods
+    assert called == set(ANSWERS)
 
 
-def test_requests_pass_their_fields_to_the_engine() -> None:
+def test_an_engine_refuses_a_call_it_has_no_handler_for(tiny_model_dir: Path) -> None:
+    @dataclass(frozen=True)
+    class Unknown(m.EngineCall[int]):
+        response = (int,)
+
+    engine = Engine(EngineConfig(base_models={"tiny": tiny_model_dir}))
+    with pytest.raises(InternalError, match="no engine handler for Unknown"):
+        engine.call(Unknown()).result(timeout=1)
+
+
+def test_calls_pass_their_fields_to_the_engine() -> None:
     api = RecordingAPI(ANSWERS, SEQ)
     create, delete, unload, submit, sample, stream, resume, check, export = EXAMPLES
     for msg in EXAMPLES:
-        msg.call(api)  # type: ignore[arg-type]
+        api.call(msg)
     assert [
         (n, a, {k: v for k, v in kw.items() if k != "on_sequence"}) for n, a, kw in api.calls
     ] == [
@@ -114,17 +115,27 @@ def test_requests_pass_their_fields_to_the_engine() -> None:
         ("check_sampler_target", (TARGET,), {}),
         ("export_weights", ("m-1", "s3://b/export"), {"merged": True}),
     ]
-    assert m.Export("m", "p", merged=True).call(api).result() == m.Exported(  # type: ignore[arg-type]
+    assert api.call(m.ExportCall("m", "p", merged=True)).result() == m.Exported(
         ("adapter_model.safetensors", "adapter_config.json")
     )
-    assert check.call(api).result() == m.TargetVersion(3)  # type: ignore[arg-type]
-    assert delete.call(api).result() == m.Deleted("m-1")  # type: ignore[arg-type]
+    assert api.call(check).result() == m.TargetVersion(3)
+    assert api.call(delete).result() == m.Deleted("m-1")
+
+
+def test_calls_route_to_their_model_or_sampler_target() -> None:
+    create, delete, unload, submit, sample, stream, resume, check, export = EXAMPLES
+    for msg in (create, delete, unload, submit, export):
+        assert msg.route == m.Route(model_id="m-1"), msg
+    assert sample.route == m.Route(target=TARGET, sampler_key="sampler-1")
+    assert resume.route == m.Route(target=TARGET, sampler_key="sampler-1")
+    assert stream.route == check.route == m.Route(target=TARGET)
+    assert [msg for msg in EXAMPLES if msg.ordered] == [submit]
 
 
 @pytest.mark.parametrize("msg", EXAMPLES, ids=lambda msg: type(msg).__name__)
-def test_each_request_round_trips_through_the_codec(msg: m.Request[Any]) -> None:
+def test_each_call_round_trips_through_the_codec(msg: m.EngineCall[Any]) -> None:
     data = codec.encode_message(msg)
-    _same(msg, codec.decode_message(data, tuple(m.REQUESTS.values())))
+    _same(msg, codec.decode_message(data, tuple(m.CALLS.values())))
 
 
 def test_replies_round_trip_values_errors_and_status() -> None:
@@ -139,8 +150,8 @@ def test_replies_round_trip_values_errors_and_status() -> None:
 
 
 def test_another_version_or_type_is_refused_by_name() -> None:
-    requests = tuple(m.REQUESTS.values())
-    body = codec.encode(m.DeleteModel("m-1"))  # the message without its version
+    requests = tuple(m.CALLS.values())
+    body = codec.encode(m.DeleteModelCall("m-1"))  # the message without its version
     with pytest.raises(codec.CodecError, match="carries no message version"):
         codec.decode_message(body, requests)
     newer = msgpack.packb(m.VERSION + 1) + body
@@ -175,7 +186,7 @@ class _Replies:
 def _worker(capacity: int = 4) -> Any:
     """A ``Worker`` without its broker, database and engine: the task alone."""
     w = Worker.__new__(Worker)
-    w.staged = RecordingAPI(ANSWERS, SEQ)  # type: ignore[assignment]
+    w.staged = w.api = RecordingAPI(ANSWERS, SEQ)  # type: ignore[assignment]
     w.engine = SimpleNamespace(has_model=lambda _: False)  # type: ignore[assignment]
     w.replies = _Replies()  # type: ignore[assignment]
     w.config = SimpleNamespace(capacity=capacity)  # type: ignore[assignment]
@@ -213,7 +224,7 @@ def test_the_worker_dispatches_on_the_message_type() -> None:
 
 def test_the_worker_refuses_another_version_with_a_clear_error() -> None:
     w = _worker()
-    body = msgpack.packb(m.VERSION + 1) + codec.encode(m.DeleteModel("m-1"))
+    body = msgpack.packb(m.VERSION + 1) + codec.encode(m.DeleteModelCall("m-1"))
     w.handle("c1", "reply-q", body)
     assert w.staged.calls == []
     ((cid, err, _, _),) = w.replies.sent
@@ -225,10 +236,10 @@ def test_the_worker_refuses_another_version_with_a_clear_error() -> None:
 def test_the_server_fails_a_reply_of_the_wrong_type() -> None:
     loop = asyncio.new_event_loop()
     try:
-        pending = Pending(loop.create_future(), loop, "w-1", None, m.CheckTarget(TARGET))
+        pending = Pending(loop.create_future(), loop, "w-1", None, m.CheckTargetCall(TARGET))
         wrong = _outcome(pending, decode_reply(encode_reply("c", SampleResult((SEQ,)))))
         assert isinstance(wrong, InternalError)
-        assert "answered CheckTarget with SampleResult" in wrong.message
+        assert "answered CheckTargetCall with SampleResult" in wrong.message
         right = _outcome(pending, decode_reply(encode_reply("c", m.TargetVersion(4))))
         assert right == m.TargetVersion(4)
     finally:
@@ -244,7 +255,7 @@ def test_a_reply_of_another_version_fails_its_call_with_the_reason() -> None:
     loop = asyncio.new_event_loop()
     try:
         fut = loop.create_future()
-        transport._pending = {"c1": Pending(fut, loop, "w-1", None, m.DeleteModel("m-1"))}
+        transport._pending = {"c1": Pending(fut, loop, "w-1", None, m.DeleteModelCall("m-1"))}
         reply = codec.encode(m.Reply("c1", value=m.Deleted("m-1")))
         newer = SimpleNamespace(body=msgpack.packb(m.VERSION + 1) + reply, headers={"cid": "c1"})
         transport._on_reply(newer)
@@ -256,3 +267,19 @@ def test_a_reply_of_another_version_fails_its_call_with_the_reason() -> None:
         raise AssertionError("the call did not fail")
     finally:
         loop.close()
+
+
+def test_every_ordered_op_has_its_handler_and_declares_what_it_stages() -> None:
+    from typing import get_args
+
+    from treadle.common.engine.domain import OrderedOp
+    from treadle.workers.engine.op_handlers import OP_HANDLERS
+
+    ops = set(get_args(OrderedOp))
+    assert set(OP_HANDLERS) == ops
+    staged = {op.__name__: (op.fetches, op.uploads) for op in ops if op.fetches or op.uploads}
+    assert staged == {
+        "LoadStateOp": (("directory",), ()),
+        "SaveStateOp": ((), ("directory",)),
+        "ForwardLogprobsOp": (("reference_weights.directory",), ()),
+    }

@@ -10,7 +10,13 @@ arrow checked against the layering:
 - workers never import the server;
 - what importing the engine runs (module-level imports, transitively) reaches
   no database, object store, Celery or gRPC server library, so an engine
-  imports with torch, transformers, safetensors and tokenizers alone.
+  imports with torch, transformers, safetensors and tokenizers alone;
+- the server reaches an engine only through the engine contract
+  (``treadle.common.engine``): no server module imports ``treadle.workers``
+  but the start-up modules, where an engine is built (``STARTUP``);
+- the server imports none of the SDK's private modules (``treadle._*``);
+- the engine contract imports neither torch nor any server library, at import
+  time or later.
 
 The first three rules count every import, also those inside functions and
 under ``TYPE_CHECKING``; the engine rule counts what runs at import time.
@@ -39,6 +45,38 @@ FORBIDDEN = {
     ("treadle.common", "treadle.workers"),
     ("treadle.workers", "treadle.server"),
 }
+
+#: the server's start-up modules: the only ones that may import treadle.workers
+STARTUP = (
+    "treadle.server.app",
+    "treadle.server.cli",
+    "treadle.server.config",
+    "treadle.server.demo",
+)
+
+#: the torch-free engine contract, below server and workers
+CONTRACT = "treadle.common.engine"
+
+#: what the engine contract must not import (module names and their submodules)
+CONTRACT_MUST_NOT_IMPORT = (
+    "torch",
+    "transformers",
+    "safetensors",
+    "vllm",
+    "sqlalchemy",
+    "alembic",
+    "psycopg",
+    "boto3",
+    "celery",
+    "kombu",
+    "grpc",
+    "fastapi",
+    "uvicorn",
+    "treadle.server",
+    "treadle.workers",
+    "treadle.common.db",
+    "treadle.common.s3_store",
+)
 
 #: where importing the engine starts
 ENGINE_ROOTS = ("treadle.workers.engine.loop",)
@@ -227,3 +265,69 @@ def test_the_engine_imports_without_server_libraries(
     assert not reached, "the engine's import path reaches:\n  " + "\n  ".join(
         f"{m}: {chain(m)}" for m in reached
     )
+
+
+def _private_sdk(module: str) -> bool:
+    """``treadle._x`` (the SDK's private modules), not ``treadle.server`` and the like."""
+    parts = module.split(".")
+    return len(parts) > 1 and parts[0] == "treadle" and parts[1].startswith("_")
+
+
+def test_the_server_reaches_engines_only_through_the_contract(
+    graph: tuple[dict[str, tuple[Path, bool]], list[Arrow]],
+) -> None:
+    _, arrows = graph
+    wrong = [
+        str(a)
+        for a in arrows
+        if _layer(a.importer) == "treadle.server"
+        and not _within(a.importer, STARTUP)
+        and _layer(a.imported) == "treadle.workers"
+    ]
+    assert not wrong, (
+        "server modules other than the start-up ones import the engine (use "
+        "treadle.common.engine):\n  " + "\n  ".join(sorted(set(wrong)))
+    )
+
+
+def test_the_server_imports_no_private_sdk_module(
+    graph: tuple[dict[str, tuple[Path, bool]], list[Arrow]],
+) -> None:
+    _, arrows = graph
+    wrong = [
+        str(a)
+        for a in arrows
+        if _layer(a.importer) in ("treadle.server", "treadle.workers", "treadle.common")
+        and _private_sdk(a.imported)
+    ]
+    assert not wrong, "imports of the SDK's private modules:\n  " + "\n  ".join(sorted(set(wrong)))
+
+
+def test_the_engine_contract_needs_neither_torch_nor_server_libraries(
+    graph: tuple[dict[str, tuple[Path, bool]], list[Arrow]],
+) -> None:
+    modules, arrows = graph
+    assert any(_within(m, (CONTRACT,)) for m in modules)
+    wrong = [
+        str(a)
+        for a in arrows
+        if _within(a.importer, (CONTRACT,)) and _within(a.imported, CONTRACT_MUST_NOT_IMPORT)
+    ]
+    assert not wrong, "the engine contract imports:\n  " + "\n  ".join(sorted(set(wrong)))
+
+
+def test_importing_the_engine_contract_loads_no_torch() -> None:
+    """The same, for real: a fresh interpreter imports every contract module."""
+    import subprocess
+    import sys
+
+    names = sorted(m for m in _modules() if _within(m, (CONTRACT,)))
+    code = (
+        "import sys\n"
+        + "".join(f"import {m}\n" for m in names)
+        + "bad = sorted(m for m in sys.modules if m.split('.')[0] in "
+        + repr({m.split(".")[0] for m in CONTRACT_MUST_NOT_IMPORT if "." not in m})
+        + ")\nprint(','.join(bad))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "", f"importing {CONTRACT} loaded: {out.stdout.strip()}"

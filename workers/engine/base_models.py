@@ -16,8 +16,8 @@ from pathlib import Path
 
 import torch
 
+from treadle.common.engine.model_config import ModelConfig
 from treadle.errors import InvalidArgumentError, NotFoundError
-from treadle.workers.model.config import ModelConfig
 from treadle.workers.model.llama import LlamaParams
 from treadle.workers.model.loading import load_checkpoint, load_config
 

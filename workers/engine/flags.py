@@ -16,6 +16,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from treadle.common.engine.domain import DTYPES
 from treadle.errors import FailedPreconditionError, InvalidArgumentError
 from treadle.workers.engine.host_allocator import ALLOCATORS
 from treadle.workers.engine.options import ENGINE_FIELDS, EngineOptions
@@ -26,7 +27,6 @@ from treadle.workers.vllm.settings import VllmSettings
 if TYPE_CHECKING:
     from treadle.workers.engine.loop import EngineConfig
 
-DTYPES = ("float32", "float64", "bfloat16")
 TRAINING_THREADS = POLICIES  # how training passes pick their torch threads
 
 

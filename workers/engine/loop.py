@@ -28,6 +28,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from treadle.common.engine.api import OnSequence
 from treadle.common.engine.domain import (
     ModelSpec,
     ModelStatus,
@@ -39,8 +40,10 @@ from treadle.common.engine.domain import (
     SamplingConfig,
     SaveResult,
     SequenceResult,
+    token_cost,
 )
-from treadle.common.engine.stats import PassStats
+from treadle.common.engine.messages import EngineCall, SampleStreamCall, StreamEnd
+from treadle.common.engine.stats import PassStats, SamplerStats
 from treadle.errors import (
     AbortedError,
     FailedPreconditionError,
@@ -49,11 +52,11 @@ from treadle.errors import (
     TreadleError,
     UnavailableError,
 )
-from treadle.workers.engine import device, host_allocator, memory_budget
+from treadle.workers.engine import calls, device, host_allocator, memory_budget
 from treadle.workers.engine.base_models import BaseModel, BaseModelRegistry, parse_dtype
 from treadle.workers.engine.config import EngineConfig
 from treadle.workers.engine.models import ModelRegistry, holds_gradients
-from treadle.workers.engine.ordered import Applied, OrderedExecutor, token_cost
+from treadle.workers.engine.ordered import Applied, OrderedExecutor
 from treadle.workers.engine.scheduler import OrderedCall, Scheduler
 from treadle.workers.engine.versions import VersionStore, WeightSnapshot
 from treadle.workers.sampler.backend import (
@@ -63,14 +66,15 @@ from treadle.workers.sampler.backend import (
     SampleRequest,
 )
 from treadle.workers.sampler.backends import BackendSettings, make_backend
-from treadle.workers.sampler.state import SamplerLimits, SamplerStats
+from treadle.workers.sampler.state import SamplerLimits
 from treadle.workers.trainer import checkpoint, export
 from treadle.workers.trainer.trainer import TrainingModel
 
-__all__ = ["Engine", "EngineConfig", "StepReport", "token_cost"]
+__all__ = ["Engine", "EngineConfig", "StepReport"]
 
 log = logging.getLogger("treadle.engine")
 T = TypeVar("T")
+R = TypeVar("R")
 
 
 @dataclass(frozen=True)
@@ -145,6 +149,19 @@ class Engine:
         self._between_calls.append((has_work, run_once))
 
     # ---- thread-safe API ---------------------------------------------------------------
+
+    def call(self, call: EngineCall[R]) -> Future[R]:
+        """``EngineAPI``: run a call message through its handler (``engine.calls``)."""
+        handler = calls.HANDLERS.get(type(call))
+        if handler is None:
+            fut: Future[R] = Future()
+            fut.set_exception(InternalError(f"no engine handler for {type(call).__name__}"))
+            return fut
+        return handler(self, call)
+
+    def stream(self, call: SampleStreamCall, on_sequence: OnSequence) -> Future[StreamEnd]:
+        """``EngineAPI``: a streamed sample (``on_sequence`` as in ``sample``)."""
+        return calls.stream(self, call, on_sequence)
 
     def create_model(
         self, spec: ModelSpec, *, from_state: str | Path | None = None, next_seq_id: int = 1

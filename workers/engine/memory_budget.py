@@ -25,9 +25,9 @@ from __future__ import annotations
 import torch
 
 from treadle.common.engine.domain import ModelSpec
+from treadle.common.engine.model_config import ModelConfig
 from treadle.errors import InvalidArgumentError, ResourceExhaustedError
 from treadle.workers.engine.base_models import BaseModel, BaseModelRegistry, parse_dtype
-from treadle.workers.model.config import ModelConfig
 from treadle.workers.model.kv_cache import KVCache
 from treadle.workers.model.lora import TARGETS, UNEMBED_TARGET, targets_for
 from treadle.workers.sampler.state import SamplerLimits

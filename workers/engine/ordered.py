@@ -23,15 +23,9 @@ from treadle.common.engine.domain import (
     AutoCheckpoint,
     ForwardBackwardOp,
     ForwardLogprobsOp,
-    LoadStateOp,
     OpResult,
-    OptimStepOp,
     OptimStepResult,
     OrderedOp,
-    RejectedOp,
-    SaveStateOp,
-    SyncResult,
-    SyncWeightsOp,
 )
 from treadle.common.engine.stats import PassCounter
 from treadle.common.futures import settle
@@ -42,14 +36,14 @@ from treadle.errors import (
     NotFoundError,
     TreadleError,
 )
-from treadle.workers.engine import device
+from treadle.workers.engine import device, op_handlers
 from treadle.workers.engine.call_stats import CallStats
 from treadle.workers.engine.config import EngineConfig
 from treadle.workers.engine.models import ModelRegistry
 from treadle.workers.engine.scheduler import Admission, OrderedCall, Scheduler, WorkUnit
 from treadle.workers.engine.versions import VersionStore, WeightSnapshot
 from treadle.workers.sampler.backend import SamplerBackend
-from treadle.workers.trainer import checkpoint, reference, trainer
+from treadle.workers.trainer import checkpoint
 from treadle.workers.trainer.batching import BatchCall, batch_key, batchable, run_batch
 from treadle.workers.trainer.pass_threads import pass_threads
 from treadle.workers.trainer.thread_choice import ThreadChoice
@@ -207,31 +201,13 @@ class OrderedExecutor:
             settle(handle, outcome)
 
     def apply(self, model: TrainingModel, seq_id: int, op: OrderedOp) -> OpResult:
-        if isinstance(op, RejectedOp):
-            raise op.error
-        if isinstance(op, ForwardBackwardOp):
-            _check_size(op.data, self.config.max_tokens_per_call)
-            return trainer.forward_backward(model, op)
-        if isinstance(op, ForwardLogprobsOp):
-            _check_size(op.data, self.config.max_tokens_per_call)
-            if op.reference_weights is None:
-                return trainer.forward_logprobs(model, op)
-            batch = trainer.prepare_forward_logprobs(model, op)  # bad data fails before any read
-            weights = reference.resolve(model, op.reference_weights, self.versions)
-            return trainer.logprobs_of_batch(model, op, batch, weights)
-        if isinstance(op, OptimStepOp):
-            return self._auto_checkpoint(model, seq_id, model.optim_step(op.adam))
-        if isinstance(op, SyncWeightsOp):
-            self.publish(model, inflight=op.inflight)
-            return SyncResult(version=model.version)
-        if isinstance(op, SaveStateOp):
-            result = checkpoint.save_state(model, op.directory, seq_id)
-            model.last_checkpoint_seq_id = seq_id
-            self.call_stats.checkpoint(result.size_bytes)
-            return result
-        if isinstance(op, LoadStateOp):
-            return checkpoint.load_state(model, op.directory, optimizer=op.optimizer)
-        raise InternalError(f"unknown op {type(op).__name__}")
+        handler = op_handlers.OP_HANDLERS.get(type(op))
+        if handler is None:
+            raise InternalError(f"unknown op {type(op).__name__}")
+        return handler(self, model, seq_id, op)
+
+    def check_size(self, data: Any) -> None:
+        _check_size(data, self.config.max_tokens_per_call)
 
     def publish(self, model: TrainingModel, *, inflight: bool) -> None:
         """Publish the model's weights as its current version (copied the way the
@@ -246,7 +222,7 @@ class OrderedExecutor:
         if released:
             self.sampler.release(model.spec.model_id, released)
 
-    def _auto_checkpoint(
+    def auto_checkpoint(
         self, model: TrainingModel, seq_id: int, result: OptimStepResult
     ) -> OptimStepResult:
         """The auto-checkpoint policy: commit the state after every N-th step, so a
@@ -271,12 +247,6 @@ def _with_compute(outcome: Any, seconds: float) -> Any:
     if isinstance(outcome, BaseException) or not hasattr(outcome, "compute_s"):
         return outcome
     return replace(outcome, compute_s=seconds)
-
-
-def token_cost(op: OrderedOp) -> int:
-    """The fair-share cost of an ordered call: the tokens in its batch (barriers 0)."""
-    data = getattr(op, "data", None)
-    return sum(int(d.tokens.size) for d in data) if data else 0
 
 
 def _check_size(data: Any, limit: int) -> None:

@@ -2,11 +2,16 @@
 directories only; this moves checkpoints between a local staging directory and
 the store (S3) on I/O threads, never on the engine thread.
 
-- ``SaveStateOp``: the engine writes into a fresh staging directory; once it has
-  applied the op, the directory is uploaded and only then does the call resolve.
-- ``LoadStateOp`` and ``create_model(from_state=...)``: the checkpoint is
-  downloaded first, then handed to the engine. Later calls of the model may
-  arrive meanwhile: the engine's scheduler holds them until this ``seq_id`` lands.
+What is staged is declared by each call (``messages``: ``fetches``, ``uploads``)
+or, for an ordered call, by its op (``domain``), never by a method here:
+
+- an upload (``SaveStateOp``, ``UnloadModelCall``, ``ExportCall``): the engine
+  writes into a fresh staging directory; once it has applied the call, the
+  directory is uploaded and only then does the call resolve;
+- a fetch (``LoadStateOp``, ``CreateModelCall.from_state``, a saved state as a
+  ``ForwardLogprobs`` reference): the files are downloaded first, then handed to
+  the engine. Later calls of the model may arrive meanwhile: the engine's
+  scheduler holds them until this ``seq_id`` lands.
 - Auto-checkpoints (after an ``OptimStepOp``): moved aside on the engine thread
   the moment the step resolves (so the next one cannot overwrite them mid-upload),
   then uploaded; the result names the storage path.
@@ -19,28 +24,15 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from treadle.common.engine.api import OnSequence
-from treadle.common.engine.domain import (
-    ForwardLogprobsOp,
-    LoadStateOp,
-    ModelSpec,
-    ModelStatus,
-    OpResult,
-    OptimStepResult,
-    OrderedOp,
-    SampleOp,
-    SampleResult,
-    SamplerTarget,
-    SamplingConfig,
-    SaveResult,
-    SaveStateOp,
-)
+from treadle.common.engine.domain import ModelStatus, OpResult, OptimStepResult, SaveResult
+from treadle.common.engine.messages import EngineCall, SampleStreamCall, StreamEnd, SubmitCall
 from treadle.common.futures import outcome_of, settle
 from treadle.errors import InternalError, TreadleError, UnavailableError
 from treadle.workers.engine.loop import Engine
@@ -50,10 +42,13 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("treadle.engine")
 T = TypeVar("T")
+R = TypeVar("R")
 
 
 class StagedEngine:
-    """``EngineAPI`` (``workers.engine_api``) over an ``Engine``, with storage paths in."""
+    """``EngineAPI`` over an ``Engine``, with storage paths in: each call's storage
+    paths, as the call (or its op) declares them (``fetches``, ``uploads``), are
+    staged around it; a call that declares none goes straight through."""
 
     def __init__(self, engine: Engine, store: Store, io_threads: int = 4) -> None:
         self.engine = engine
@@ -68,28 +63,8 @@ class StagedEngine:
         self.engine.stop()
         self._io.shutdown(wait=False, cancel_futures=True)
 
-    # ---- pass-through ----------------------------------------------------------------
-
-    def delete_model(self, model_id: str) -> Future[None]:
-        return self.engine.delete_model(model_id)
-
-    def sample(
-        self,
-        target: SamplerTarget,
-        op: SampleOp,
-        *,
-        dedupe_key: tuple[str, int, str] | None = None,
-        on_sequence: OnSequence | None = None,
-    ) -> Future[SampleResult]:
-        return self.engine.sample(target, op, dedupe_key=dedupe_key, on_sequence=on_sequence)
-
-    def resume(
-        self, target: SamplerTarget, handles: Sequence[str], params: SamplingConfig
-    ) -> Future[SampleResult]:
-        return self.engine.resume(target, handles, params)
-
-    def check_sampler_target(self, target: SamplerTarget) -> Future[int]:
-        return self.engine.check_sampler_target(target)
+    def stream(self, call: SampleStreamCall, on_sequence: OnSequence) -> Future[StreamEnd]:
+        return self.engine.stream(call, on_sequence)
 
     def model_status(self, model_id: str) -> ModelStatus:
         return self.engine.model_status(model_id)
@@ -97,98 +72,39 @@ class StagedEngine:
     def has_model(self, model_id: str) -> bool:
         return self.engine.has_model(model_id)
 
-    # ---- staged ------------------------------------------------------------------------
-
-    def create_model(
-        self, spec: ModelSpec, *, from_state: str | None = None, next_seq_id: int = 1
-    ) -> Future[ModelStatus]:
-        if from_state is None or self.store.is_local:
-            return self.engine.create_model(spec, from_state=from_state, next_seq_id=next_seq_id)
-        out: Future[ModelStatus] = Future()
-
-        def fetched(local: Path) -> None:
-            inner = self.engine.create_model(spec, from_state=local, next_seq_id=next_seq_id)
-            self._chain(inner, out, after=lambda _: self.store.release(local, from_state))
-
-        self._on_io(lambda: self.store.fetch(from_state), out, fetched)
-        return out
-
-    def submit(self, model_id: str, seq_id: int, op: OrderedOp, digest: str) -> Future[OpResult]:
-        if self.store.is_local:
-            return self.engine.submit(model_id, seq_id, op, digest)
-        out: Future[OpResult] = Future()
-        if isinstance(op, LoadStateOp):
-            path = op.directory
+    def call(self, call: EngineCall[R]) -> Future[R]:
+        if self.store.is_local:  # storage paths are the engine's own directories
+            return self.engine.call(call)
+        # an ordered call stages what its op declares, the rest what the call does
+        holder: Any = call.op if isinstance(call, SubmitCall) else call
+        key = (call.model_id, call.seq_id) if isinstance(call, SubmitCall) else None
+        fetch = _declared(holder, holder.fetches)
+        upload = _declared(holder, holder.uploads)
+        out: Future[Any] = Future()
+        if fetch:
+            field, path = fetch[0]
 
             def fetched(local: Path) -> None:
-                inner = self.engine.submit(
-                    model_id, seq_id, replace(op, directory=str(local)), digest
-                )
+                local_call = _with(call, holder, field, str(local))
+                inner = self.engine.call(local_call)
                 self._chain(inner, out, after=lambda _: self.store.release(local, path))
 
             self._on_io(lambda: self.store.fetch(path), out, fetched)
-        elif isinstance(op, ForwardLogprobsOp) and _state_reference(op):
-            ref = op.reference_weights
-            assert ref is not None
-
-            def fetched_ref(local: Path) -> None:
-                local_ref = replace(ref, directory=str(local))
-                inner = self.engine.submit(
-                    model_id, seq_id, replace(op, reference_weights=local_ref), digest
-                )
-                self._chain(inner, out, after=lambda _: self.store.release(local, ref.directory))
-
-            # Each call downloads the state (the engine's cache then skips re-reading
-            # it as weights); a local store hands over the directory itself.
-            self._on_io(lambda: self.store.fetch(ref.directory), out, fetched_ref)
-        elif isinstance(op, SaveStateOp):
+        elif upload:
+            field, path = upload[0]
             with self._unsent_lock:
-                kept = self._unsent.pop((model_id, seq_id), None)
-            staged = kept or self.store.staging_dir(op.directory)
-            inner = self.engine.submit(model_id, seq_id, replace(op, directory=str(staged)), digest)
-            self._chain(
-                inner,
-                out,
-                upload=lambda r: self._upload_save(r, staged, op.directory, (model_id, seq_id)),
-            )
+                kept = self._unsent.pop(key, None) if key is not None else None
+            staged = kept or self.store.staging_dir(path)
+            inner = self.engine.call(_with(call, holder, field, str(staged)))
+            self._chain(inner, out, upload=lambda r: self._upload(r, staged, path, key))
         else:
-            inner = self.engine.submit(model_id, seq_id, op, digest)
+            inner = self.engine.call(call)
             inner.add_done_callback(lambda f: self._after_step(f, out))
-        return out
-
-    def unload_model(self, model_id: str, path: str, *, force: bool = False) -> Future[SaveResult]:
-        """Checkpoint an idle model to the storage path ``path``, then free it
-        (``force``: whatever it holds, ``Engine.unload_model``)."""
-        if self.store.is_local:
-            return self.engine.unload_model(model_id, path, force=force)
-        out: Future[SaveResult] = Future()
-        staged = self.store.staging_dir(path)
-        inner = self.engine.unload_model(model_id, staged, force=force)
-        self._chain(inner, out, upload=lambda r: self._upload_save(r, staged, path))
-        return out
-
-    def export_weights(self, model_id: str, directory: str, *, merged: bool) -> Future[list[str]]:
-        """Export into the storage path ``directory`` (files a server then fetches);
-        the names."""
-        path = directory
-        out: Future[list[str]] = Future()
-        staged = self.store.staging_dir(path)
-        inner = self.engine.export_weights(model_id, staged, merged=merged)
-
-        def upload(names: list[str]) -> list[str]:
-            try:
-                self.store.commit(staged, path)
-            except Exception:
-                self.store.release(staged, path)
-                raise
-            return names
-
-        self._chain(inner, out, upload=upload)
         return out
 
     # ---- plumbing ------------------------------------------------------------------------
 
-    def _upload_save(
+    def _upload(
         self, result: Any, staged: Path, path: str, key: tuple[str, int] | None = None
     ) -> Any:
         if not staged.exists():  # a repeat of an applied save: an earlier call uploaded it
@@ -280,6 +196,26 @@ class StagedEngine:
         self._io.submit(run)
 
 
-def _state_reference(op: ForwardLogprobsOp) -> bool:
-    """Whether ``op`` reads a saved state as its reference (a download first)."""
-    return op.reference_weights is not None and bool(op.reference_weights.directory)
+def _get(obj: Any, field: str) -> Any:
+    for name in field.split("."):
+        obj = getattr(obj, name, None) if obj is not None else None
+    return obj
+
+
+def _declared(holder: Any, fields: tuple[str, ...]) -> list[tuple[str, str]]:
+    """(field, storage path) of each declared field that holds a path in this call
+    (e.g. a ``ForwardLogprobs`` whose reference is a kept version holds none)."""
+    return [(f, v) for f in fields if isinstance(v := _get(holder, f), str) and v]
+
+
+def _set(obj: Any, field: str, value: str) -> Any:
+    head, _, rest = field.partition(".")
+    return replace(obj, **{head: _set(getattr(obj, head), rest, value) if rest else value})
+
+
+def _with(call: EngineCall[Any], holder: Any, field: str, local: str) -> EngineCall[Any]:
+    """``call`` with the storage path in ``field`` (of the call, or of its op) made
+    the local directory ``local``."""
+    if holder is call:
+        return cast("EngineCall[Any]", _set(call, field, local))
+    return replace(cast(SubmitCall, call), op=_set(holder, field, local))

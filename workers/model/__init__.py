@@ -4,7 +4,7 @@ One forward (``llama.forward_hidden``) serves trainer and sampler alike, so
 their logprobs agree; transformers is only the reference it is tested against.
 """
 
-from treadle.workers.model.config import ModelConfig
+from treadle.common.engine.model_config import ModelConfig
 from treadle.workers.model.kv_cache import KVCache
 from treadle.workers.model.llama import (
     LlamaParams,

@@ -18,9 +18,9 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from treadle.common.engine.model_config import ModelConfig
 from treadle.errors import InvalidArgumentError
 from treadle.workers.engine.device import upload
-from treadle.workers.model.config import ModelConfig
 
 
 class KVCache:

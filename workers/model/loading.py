@@ -16,9 +16,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
+from treadle.common.engine.model_config import ModelConfig
 from treadle.errors import InvalidArgumentError
 from treadle.workers.engine.device import host_copies
-from treadle.workers.model.config import ModelConfig
 from treadle.workers.model.llama import LlamaParams, param_shapes
 
 SINGLE_FILE = "model.safetensors"

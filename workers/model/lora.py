@@ -33,9 +33,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from treadle.common.engine.model_config import ModelConfig
 from treadle.errors import InvalidArgumentError
 from treadle.workers.engine.device import upload
-from treadle.workers.model.config import ModelConfig
 from treadle.workers.model.llama import LlamaParams
 from treadle.workers.model.low_rank import low_rank_add
 from treadle.workers.model.params import TensorSet, projection_shapes

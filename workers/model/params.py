@@ -13,8 +13,8 @@ from typing import TypeVar
 import torch
 from torch import Tensor
 
+from treadle.common.engine.model_config import ModelConfig
 from treadle.errors import InvalidArgumentError
-from treadle.workers.model.config import ModelConfig
 
 # LayerParams field -> HF name suffix after "model.layers.{i}.".
 _LAYER_HF_NAMES: dict[str, str] = {

@@ -38,11 +38,11 @@ from treadle.common.engine.domain import (
     SamplingConfig,
     SequenceResult,
 )
+from treadle.common.engine.model_config import ModelConfig
+from treadle.common.engine.stats import SamplerStats
 from treadle.errors import TreadleError
 from treadle.workers.engine.base_models import BaseModel
 from treadle.workers.engine.versions import WeightSnapshot
-from treadle.workers.model.config import ModelConfig
-from treadle.workers.sampler.state import SamplerStats
 
 #: called with (sample index, sequence, engine seconds charged since the previous
 #: call) as each sample of a streamed request finishes; must not block

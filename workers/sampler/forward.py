@@ -18,8 +18,8 @@ import time
 import torch
 from torch import Tensor
 
+from treadle.common.engine.model_config import ModelConfig
 from treadle.workers.model import prepack
-from treadle.workers.model.config import ModelConfig
 from treadle.workers.model.kv_cache import KVCache
 from treadle.workers.model.llama import forward_hidden, lm_logits
 from treadle.workers.sampler.prepack_policy import PrepackPolicy

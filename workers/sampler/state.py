@@ -13,8 +13,8 @@ from typing import Any
 import numpy as np
 
 from treadle.common.engine.domain import SampleOp, SampleResult, SequenceResult, version_spans
+from treadle.common.engine.model_config import ModelConfig
 from treadle.workers.engine.versions import WeightSnapshot
-from treadle.workers.model.config import ModelConfig
 from treadle.workers.model.kv_cache import KVCache
 from treadle.workers.model.llama import LlamaParams
 from treadle.workers.model.lora import LoraAdapter, LoraRows
@@ -134,26 +134,6 @@ class Staged:
         if snap.adapter is None:
             return self.adapter is None
         return self.adapter is not None and self.adapter() is snap.adapter
-
-
-@dataclass(frozen=True)
-class SamplerStats:
-    running_rows: int
-    queued_requests: int
-    prefilling_requests: int
-    free_slots: int
-    num_slots: int
-    tokens_generated: int
-    prompt_tokens: int
-    prefix_reused_tokens: int
-    decode_steps: int
-    tokens_per_s: float  # generated tokens per second over the recent window
-    occupancy: float  # mean fraction of slots decoding per step, recent window
-    base_model: str = ""
-    dtype: str = ""
-    last_step_at: float = 0.0  # time.monotonic() of the last decode step (0: none yet)
-    kv_cache_usage: float = 0.0  # fraction of the KV cache's blocks in use, last step
-    kv_cache_peak_usage: float = 0.0  # the largest such fraction over the recent window
 
 
 def continued(

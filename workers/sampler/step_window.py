@@ -7,7 +7,7 @@ import logging
 import time
 from collections import deque
 
-from treadle.workers.sampler.state import SamplerStats
+from treadle.common.engine.stats import SamplerStats
 
 log = logging.getLogger("treadle.sampler")
 

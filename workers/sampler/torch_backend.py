@@ -26,18 +26,19 @@ from concurrent.futures import Future
 import torch
 
 from treadle.common.engine.domain import SampleResult
+from treadle.common.engine.model_config import ModelConfig
+from treadle.common.engine.stats import SamplerStats
 from treadle.errors import InternalError, TreadleError
 from treadle.workers.engine import device
 from treadle.workers.engine.base_models import BaseModel
 from treadle.workers.engine.versions import WeightSnapshot
-from treadle.workers.model.config import ModelConfig
 from treadle.workers.sampler.backend import (
     EngineThread,
     ResumeRequest,
     SampleRequest,
     TensorsCopy,
 )
-from treadle.workers.sampler.state import SamplerLimits, SamplerStats
+from treadle.workers.sampler.state import SamplerLimits
 from treadle.workers.sampler.thread import SamplerLoop
 from treadle.workers.sampler.torch_sampler import TorchSampler
 

@@ -51,6 +51,7 @@ from tokenizers import Tokenizer
 from torch import Tensor
 
 from treadle.common.engine.domain import SampleOp, SampleResult, SamplingConfig, SequenceResult
+from treadle.common.engine.stats import SamplerStats
 from treadle.errors import ResourceExhaustedError, TreadleError
 from treadle.workers.engine import memory_budget
 from treadle.workers.engine.base_models import BaseModel
@@ -67,7 +68,6 @@ from treadle.workers.sampler.state import (
     Request,
     Row,
     SamplerLimits,
-    SamplerStats,
     compact,
     lora_for,
     prefill_batches,

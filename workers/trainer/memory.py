@@ -25,8 +25,8 @@ from pathlib import Path
 
 import torch
 
+from treadle.common.engine.model_config import ModelConfig
 from treadle.errors import ResourceExhaustedError
-from treadle.workers.model.config import ModelConfig
 from treadle.workers.trainer.chunked_logprobs import CHUNK_BYTES
 
 

@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from treadle.common.engine.domain import PromptLogprobs, SampleOp
-from treadle.workers.model.config import ModelConfig
+from treadle.common.engine.model_config import ModelConfig
 from treadle.workers.model.llama import LlamaParams, lm_logits
 from treadle.workers.model.lora import LoraAdapter, LoraRows
 

@@ -24,9 +24,9 @@ from treadle.common.engine.domain import (
     ModelSpec,
     OptimStepResult,
 )
+from treadle.common.engine.model_config import ModelConfig
 from treadle.workers.engine.base_models import BaseModel
 from treadle.workers.engine.versions import BaseVersion, ReferenceCache, WeightSnapshot
-from treadle.workers.model.config import ModelConfig
 from treadle.workers.model.llama import LlamaParams, forward_hidden, lm_logits, target_logprobs
 from treadle.workers.model.lora import HEAD, UNEMBED_TARGET, LoraAdapter, targets_for
 from treadle.workers.trainer import losses

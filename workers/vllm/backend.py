@@ -38,6 +38,8 @@ from typing import Any
 import numpy as np
 
 from treadle.common.engine.domain import SampleOp, SampleResult
+from treadle.common.engine.model_config import ModelConfig
+from treadle.common.engine.stats import SamplerStats
 from treadle.errors import (
     InvalidArgumentError,
     ResourceExhaustedError,
@@ -46,7 +48,6 @@ from treadle.errors import (
 )
 from treadle.workers.engine.base_models import BaseModel
 from treadle.workers.engine.versions import WeightSnapshot
-from treadle.workers.model.config import ModelConfig
 from treadle.workers.sampler.backend import (
     EngineThread,
     ResumeRequest,
@@ -55,7 +56,7 @@ from treadle.workers.sampler.backend import (
 )
 from treadle.workers.sampler.partials import PartialStore
 from treadle.workers.sampler.sampling import row_keys
-from treadle.workers.sampler.state import Partial, SamplerLimits, SamplerStats
+from treadle.workers.sampler.state import Partial, SamplerLimits
 from treadle.workers.sampler.thread import SamplerLoop
 from treadle.workers.sampler.validation import validate
 from treadle.workers.vllm.engine import VllmSettings, engine_dead

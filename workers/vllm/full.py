@@ -35,9 +35,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from treadle.common.engine.model_config import ModelConfig
 from treadle.workers.engine.base_models import BaseModel
 from treadle.workers.engine.versions import WeightSnapshot
-from treadle.workers.model.config import ModelConfig
 from treadle.workers.model.loading import save_params
 from treadle.workers.vllm.rows import VllmRow
 

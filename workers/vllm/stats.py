@@ -14,7 +14,7 @@ import time
 from collections import deque
 from typing import Any
 
-from treadle.workers.sampler.state import SamplerStats
+from treadle.common.engine.stats import SamplerStats
 
 
 class EngineMeter:

@@ -1,1 +1,1 @@
-"""workers/worker"""
+"""``treadle worker``: the Celery process that hosts one engine, and its config."""

@@ -45,23 +45,24 @@ from treadle.common.celery_app import (
     worker_queue,
 )
 from treadle.common.engine import codec
+from treadle.common.engine.api import EngineAPI
 from treadle.common.engine.domain import SequenceResult, StreamedSequence
 from treadle.common.engine.messages import (
-    REQUESTS,
-    CreateModel,
-    DeleteModel,
-    Request,
-    SampleStream,
-    UnloadModel,
+    CALLS,
+    CreateModelCall,
+    DeleteModelCall,
+    EngineCall,
+    SampleStreamCall,
+    UnloadModelCall,
 )
 from treadle.common.logs import request_context
 from treadle.common.metrics import (
-    EngineCollector,
     MetricsEndpoint,
     process_registry,
     serve_metrics,
 )
 from treadle.errors import FailedPreconditionError, ResourceExhaustedError, UnavailableError
+from treadle.workers.engine.collector import EngineCollector
 from treadle.workers.engine.flags import engine_config
 from treadle.workers.engine.loop import Engine
 from treadle.workers.engine.staging import StagedEngine
@@ -69,7 +70,7 @@ from treadle.workers.worker.config import WorkerConfig
 
 log = logging.getLogger("treadle.worker")
 
-_REQUEST_TYPES = tuple(REQUESTS.values())
+_CALL_TYPES = tuple(CALLS.values())
 
 
 class Replier:
@@ -153,6 +154,7 @@ class Worker:
         )
         self.engine = Engine(engine_config(config, config.models, self.store.local_root))
         self.staged = StagedEngine(self.engine, self.store)
+        self.api: EngineAPI = self.staged
         self.db = make_engine(config.database_url)
         self.sessions = make_session_factory(self.db)
         self.replies = Replier(config.broker, self.engine)
@@ -169,7 +171,7 @@ class Worker:
     # ---- the task ----------------------------------------------------------------------
 
     def handle(self, cid: str, reply_to: str, payload: bytes, request_id: str = "") -> None:
-        """Hand the call (an ``engine_messages`` request) to the engine and return; the
+        """Hand the call (an ``engine.messages`` call) to the engine and return; the
         reply goes out when it resolves. ``request_id``: the SDK's id of the call, on
         this worker's log lines of it."""
         with request_context(request_id):
@@ -179,7 +181,7 @@ class Worker:
         t0 = time.perf_counter()
         kind, model_id = "?", None
         try:
-            msg = codec.decode_message(payload, _REQUEST_TYPES)
+            msg = codec.decode_message(payload, _CALL_TYPES)
             kind, model_id = type(msg).__name__, msg.status_model
             fut = self._start(msg, cid, reply_to)
         except Exception as err:
@@ -208,28 +210,28 @@ class Worker:
         with self._hosted_lock:
             self._calls += delta
 
-    def _start(self, msg: Request[Any], cid: str, reply_to: str) -> Future[Any]:
+    def _start(self, msg: EngineCall[Any], cid: str, reply_to: str) -> Future[Any]:
         """The engine call of ``msg``, with what this worker keeps about its models
         (which it hosts, its capacity) around the ones that change them."""
-        if isinstance(msg, CreateModel):
+        if isinstance(msg, CreateModelCall):
             return self._create(msg)
-        if isinstance(msg, SampleStream):
+        if isinstance(msg, SampleStreamCall):
 
             def item(index: int, seq: SequenceResult, compute_s: float) -> None:
                 out = StreamedSequence(index, seq, compute_s)
                 self.replies.put(reply_to, cid, out, None, more=True)
 
-            return msg.stream(self.staged, item)
-        fut = msg.call(self.staged)
-        if isinstance(msg, DeleteModel):
+            return self.api.stream(msg, item)
+        fut = self.api.call(msg)
+        if isinstance(msg, DeleteModelCall):
             model_id = msg.model_id
             fut.add_done_callback(lambda _: self._forget(model_id))
-        elif isinstance(msg, UnloadModel):
+        elif isinstance(msg, UnloadModelCall):
             model_id = msg.model_id
             fut.add_done_callback(lambda f: None if f.exception() else self._forget(model_id))
         return fut
 
-    def _create(self, msg: CreateModel) -> Future[Any]:
+    def _create(self, msg: CreateModelCall) -> Future[Any]:
         spec = msg.spec
         if self.engine.has_model(spec.model_id):  # a server restarted and adopts its models
             done: Future[Any] = Future()
@@ -242,7 +244,7 @@ class Worker:
                     retry_after_s=1.0,
                 )
             self.hosted.add(spec.model_id)
-        fut = msg.call(self.staged)
+        fut = self.api.call(msg)
         fut.add_done_callback(lambda f: self._forget(spec.model_id) if f.exception() else None)
         return fut
 

@@ -13,10 +13,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from treadle.common.engine.domain import SampleOp, SamplingConfig, SequenceResult
+from treadle.common.engine.stats import SamplerStats
 from treadle.errors import TreadleError
 from treadle.workers.engine.base_models import BaseModel
 from treadle.workers.sampler.backend import Requester
-from treadle.workers.sampler.state import SamplerStats
 
 BaseKey = tuple[str, str]  # (base model name, dtype name)
 

@@ -53,11 +53,12 @@ import torch.multiprocessing as mp
 from torch import Tensor
 
 from treadle.common.engine.domain import SampleResult
+from treadle.common.engine.model_config import ModelConfig
+from treadle.common.engine.stats import SamplerStats
 from treadle.common.logs import current_log_format
 from treadle.errors import InternalError, TreadleError, UnavailableError
 from treadle.workers.engine.base_models import BaseModel
 from treadle.workers.engine.versions import WeightSnapshot
-from treadle.workers.model.config import ModelConfig
 from treadle.workers.sampler.backend import (
     EngineThread,
     OnSequence,
@@ -85,7 +86,7 @@ from treadle.workers.sampler.process.messages import (
     ToChild,
 )
 from treadle.workers.sampler.process.shm import ShmPool, flatten, shared_copy, shipped_buffers
-from treadle.workers.sampler.state import SamplerLimits, SamplerStats
+from treadle.workers.sampler.state import SamplerLimits
 
 log = logging.getLogger("treadle.engine")
 

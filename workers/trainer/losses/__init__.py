@@ -27,6 +27,7 @@ Contracts kept here (DESIGN.md):
 
 from __future__ import annotations
 
+from treadle.common.engine.losses import KNOWN_INPUTS, UNSERVED, unserved_loss
 from treadle.workers.trainer.losses.base import (
     ENGINE_INPUTS,
     LossBatch,
@@ -37,12 +38,9 @@ from treadle.workers.trainer.losses.base import (
 )
 from treadle.workers.trainer.losses.policy import cispo, dro, gspo, importance_sampling, ppo
 from treadle.workers.trainer.losses.registry import (
-    KNOWN_INPUTS,
     LOSSES,
-    UNSERVED,
     compute_loss,
     needs_reference,
-    unserved_loss,
     validate_loss_request,
 )
 

@@ -8,10 +8,12 @@ from types import MappingProxyType
 
 import torch
 
+from treadle.common.engine.losses import CONTRACTS, KNOWN_INPUTS, unserved_loss
 from treadle.errors import InvalidArgumentError
 from treadle.workers.trainer.losses.base import (
     ENGINE_INPUTS,
     LossBatch,
+    LossFn,
     LossResult,
     LossSpec,
     cross_entropy,
@@ -20,80 +22,29 @@ from treadle.workers.trainer.losses.policy import cispo, dro, gspo, importance_s
 
 # --------------------------------------------------------------------------- registry
 
-_POLICY_REQUIRED = frozenset({"target_tokens", "logprobs", "advantages"})
-_POLICY_OPTIONAL = frozenset({"weights", "ref_logprobs"})
-_DECOUPLED = frozenset({"proximal_logprobs"})
+#: loss name -> the function that computes it (the contract: ``common.engine.losses``)
+_FUNCTIONS: Mapping[str, LossFn] = {
+    "cross_entropy": cross_entropy,
+    "importance_sampling": importance_sampling,
+    "ppo": ppo,
+    "cispo": cispo,
+    "dro": dro,
+    "gspo": gspo,
+}
 
 LOSSES: Mapping[str, LossSpec] = MappingProxyType(
     {
-        "cross_entropy": LossSpec(
-            "cross_entropy",
-            cross_entropy,
-            required_inputs=frozenset({"target_tokens", "weights"}),
-            optional_inputs=frozenset(),
-            config_defaults=MappingProxyType({}),
-        ),
-        "importance_sampling": LossSpec(
-            "importance_sampling",
-            importance_sampling,
-            required_inputs=_POLICY_REQUIRED,
-            optional_inputs=_POLICY_OPTIONAL,
-            config_defaults=MappingProxyType({"kl_beta": 0.0, "ratio_cap": 0.0}),
-        ),
-        "ppo": LossSpec(
-            "ppo",
-            ppo,
-            required_inputs=_POLICY_REQUIRED,
-            optional_inputs=_POLICY_OPTIONAL | _DECOUPLED,
-            config_defaults=MappingProxyType(
-                {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2, "kl_beta": 0.0}
-            ),
-        ),
-        "cispo": LossSpec(
-            "cispo",
-            cispo,
-            required_inputs=_POLICY_REQUIRED,
-            optional_inputs=_POLICY_OPTIONAL | _DECOUPLED,
-            config_defaults=MappingProxyType(
-                {"clip_low_threshold": 0.0, "clip_high_threshold": 4.0, "kl_beta": 0.0}
-            ),
-        ),
-        "dro": LossSpec(
-            "dro",
-            dro,
-            required_inputs=_POLICY_REQUIRED,
-            optional_inputs=_POLICY_OPTIONAL,
-            config_defaults=MappingProxyType({"beta": 0.05, "kl_beta": 0.0}),
-        ),
-        "gspo": LossSpec(
-            "gspo",
-            gspo,
-            required_inputs=_POLICY_REQUIRED,
-            optional_inputs=_POLICY_OPTIONAL | frozenset({"sequence_ratio_mask"}),
-            # The GSPO paper's clip range (epsilon 3e-4 / 4e-4): a sequence ratio is a
-            # geometric mean, so it strays from 1 far less than a token ratio does.
-            config_defaults=MappingProxyType(
-                {"clip_low_threshold": 0.9997, "clip_high_threshold": 1.0004, "kl_beta": 0.0}
-            ),
-        ),
+        name: LossSpec(
+            name,
+            _FUNCTIONS[name],
+            required_inputs=c.required_inputs,
+            optional_inputs=c.optional_inputs,
+            config_defaults=c.config_defaults,
+        )
+        for name, c in CONTRACTS.items()
     }
 )
 
-#: Losses the tinker SDK can name that treadle refuses, and why (the refusal says it).
-UNSERVED: Mapping[str, str] = MappingProxyType(
-    {
-        "stable_reinforce": (
-            "its objective is not public: tinker documents it as an alpha loss computed "
-            "from stability information its own sampler records (record_stability_info=True, "
-            "named by sequence_id) and never returns to the client, so no server outside "
-            "tinker can compute the same quantity; use ppo, cispo or gspo for off-policy "
-            "data, or forward_backward_custom for an objective of your own"
-        ),
-    }
-)
-
-#: Every input name some loss reads; anything else is a typo and is rejected.
-KNOWN_INPUTS = frozenset().union(*(spec.known_inputs for spec in LOSSES.values()))
 
 #: Range rules for config values: key -> (predicate, what it must be).
 _CONFIG_RULES: Mapping[str, tuple[Callable[[float], bool], str]] = {
@@ -110,17 +61,6 @@ def _spec(name: str) -> LossSpec:
     if spec is None:
         raise unserved_loss(name)
     return spec
-
-
-def unserved_loss(name: str) -> InvalidArgumentError:
-    """The refusal of a loss name treadle does not serve: why, when it is one the
-    tinker SDK can send, and the served ones either way."""
-    if name in UNSERVED:
-        return InvalidArgumentError(
-            f"loss_fn: {name!r} is not served by treadle: {UNSERVED[name]} "
-            f"(served: {sorted(LOSSES)})"
-        )
-    return InvalidArgumentError(f"loss_fn: unknown loss {name!r}; expected one of {sorted(LOSSES)}")
 
 
 def _resolve_config(spec: LossSpec, config: Mapping[str, float] | None) -> dict[str, float]:
