@@ -230,7 +230,7 @@ def run_row(spec: dict) -> None:
     """A child process: build one row's step, time it, print one JSON line."""
     torch.set_num_threads(spec["threads"])
     if spec["path"] != "torch":  # what the engine's process does (``workers.host_allocator``)
-        from treadle.workers.engine import host_allocator
+        from treadle.workers.device import host_allocator
 
         host_allocator.configure("reuse")
     make = {

@@ -43,8 +43,8 @@ from treadle.v1 import (
     training_pb2,
     training_pb2_grpc,
 )
+from treadle.workers.device import host_allocator
 from treadle.workers.engine import flags as engine_flags
-from treadle.workers.engine import host_allocator
 from treadle.workers.engine.collector import EngineCollector
 from treadle.workers.engine.loop import Engine, EngineConfig
 from treadle.workers.engine.staging import StagedEngine

@@ -21,7 +21,7 @@ from torch.overrides import TorchFunctionMode
 
 from treadle.common.engine.domain import SampleOp, SampleResult, SamplerTarget, SamplingConfig
 from treadle.errors import ResourceExhaustedError
-from treadle.workers.engine import memory_budget
+from treadle.workers.device import memory_budget
 
 if TYPE_CHECKING:
     from tests.gpu.checks import Ctx

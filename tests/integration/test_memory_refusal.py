@@ -11,7 +11,7 @@ import pytest
 
 import treadle
 from tests.conftest import make_server
-from treadle.workers.engine import memory_budget
+from treadle.workers.device import memory_budget
 
 
 def test_a_model_too_big_for_the_memory_is_refused_and_the_others_serve(

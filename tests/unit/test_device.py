@@ -12,7 +12,7 @@ import torch
 from treadle.errors import InvalidArgumentError
 from treadle.server.cli import main
 from treadle.server.config import ServerConfig
-from treadle.workers.engine import device
+from treadle.workers.device import device
 
 
 @pytest.fixture()

@@ -41,7 +41,7 @@ ENGINE_MODULES = (
     "treadle.workers.trainer.trainer",
     "treadle.workers.sampler.torch_sampler",
     "treadle.workers.trainer.losses",
-    "treadle.workers.engine.device",
+    "treadle.workers.device.device",
     "treadle.workers.engine.loop",
     "treadle.workers.trainer.checkpoint",
 )

@@ -12,8 +12,8 @@ import sys
 
 import pytest
 
+from treadle.workers.device import host_allocator
 from treadle.workers.engine import flags as engine_flags
-from treadle.workers.engine import host_allocator
 from treadle.workers.engine.options import EngineOptions
 
 glibc = pytest.mark.skipif(
@@ -29,7 +29,7 @@ glibc = pytest.mark.skipif(
 _STEPS = """
 import json, resource, sys, threading
 import torch
-from treadle.workers.engine import host_allocator
+from treadle.workers.device import host_allocator
 took = host_allocator.configure(sys.argv[1])
 faults = []
 def steps():

@@ -11,7 +11,7 @@ import torch
 
 from treadle.common.engine.domain import ModelSpec
 from treadle.errors import ResourceExhaustedError
-from treadle.workers.engine import memory_budget
+from treadle.workers.device import memory_budget
 from treadle.workers.engine.base_models import BaseModel
 from treadle.workers.engine.loop import Engine, EngineConfig
 from treadle.workers.sampler.state import SamplerLimits

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from treadle.common.engine.domain import DTYPES
 from treadle.errors import FailedPreconditionError, InvalidArgumentError
-from treadle.workers.engine.host_allocator import ALLOCATORS
+from treadle.workers.device.host_allocator import ALLOCATORS
 from treadle.workers.engine.options import ENGINE_FIELDS, EngineOptions
 from treadle.workers.sampler.backends import SAMPLERS, check_available
 from treadle.workers.trainer.thread_choice import POLICIES
@@ -216,7 +216,7 @@ def _sampler_from_old_env() -> str:
 
 def engine_settings(args: argparse.Namespace) -> dict[str, Any]:
     """The config fields of ``add_engine_flags``."""
-    from treadle.workers.engine import device  # torch: only where an engine's flags are read
+    from treadle.workers.device import device  # torch: only where an engine's flags are read
 
     where = device.canonical(args.device)
     dtype = args.dtype if args.dtype != "auto" else device.default_dtype(device.resolve(where))
@@ -300,7 +300,7 @@ def _check_device(config: EngineOptions) -> None:
     Probes CUDA (imports torch) only when a CUDA device is named."""
     if config.device == "cpu":
         return
-    from treadle.workers.engine import device
+    from treadle.workers.device import device
 
     where = device.resolve(config.device)
     device.check_dtype(where, config.default_dtype)

@@ -52,7 +52,8 @@ from treadle.errors import (
     TreadleError,
     UnavailableError,
 )
-from treadle.workers.engine import calls, device, host_allocator, memory_budget
+from treadle.workers.device import device, host_allocator, memory_budget
+from treadle.workers.engine import calls
 from treadle.workers.engine.base_models import BaseModel, BaseModelRegistry, parse_dtype
 from treadle.workers.engine.config import EngineConfig
 from treadle.workers.engine.models import ModelRegistry, holds_gradients

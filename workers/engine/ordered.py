@@ -36,7 +36,8 @@ from treadle.errors import (
     NotFoundError,
     TreadleError,
 )
-from treadle.workers.engine import device, op_handlers
+from treadle.workers.device import device
+from treadle.workers.engine import op_handlers
 from treadle.workers.engine.call_stats import CallStats
 from treadle.workers.engine.config import EngineConfig
 from treadle.workers.engine.models import ModelRegistry

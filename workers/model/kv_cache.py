@@ -20,7 +20,7 @@ from torch import Tensor
 
 from treadle.common.engine.model_config import ModelConfig
 from treadle.errors import InvalidArgumentError
-from treadle.workers.engine.device import upload
+from treadle.workers.device.device import upload
 
 
 class KVCache:

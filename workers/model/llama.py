@@ -29,7 +29,7 @@ from torch import Tensor
 
 from treadle.common.engine.model_config import ModelConfig
 from treadle.errors import InvalidArgumentError
-from treadle.workers.engine.device import upload
+from treadle.workers.device.device import upload
 from treadle.workers.model.params import LayerParams as LayerParams
 from treadle.workers.model.params import LlamaParams as LlamaParams
 from treadle.workers.model.params import param_shapes as param_shapes

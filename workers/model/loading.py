@@ -18,7 +18,7 @@ from torch import Tensor
 
 from treadle.common.engine.model_config import ModelConfig
 from treadle.errors import InvalidArgumentError
-from treadle.workers.engine.device import host_copies
+from treadle.workers.device.device import host_copies
 from treadle.workers.model.llama import LlamaParams, param_shapes
 
 SINGLE_FILE = "model.safetensors"

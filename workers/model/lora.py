@@ -35,7 +35,7 @@ from torch import Tensor
 
 from treadle.common.engine.model_config import ModelConfig
 from treadle.errors import InvalidArgumentError
-from treadle.workers.engine.device import upload
+from treadle.workers.device.device import upload
 from treadle.workers.model.llama import LlamaParams
 from treadle.workers.model.low_rank import low_rank_add
 from treadle.workers.model.params import TensorSet, projection_shapes

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from treadle.workers.engine.device import upload
+from treadle.workers.device.device import upload
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 

@@ -24,7 +24,7 @@ import torch
 from tokenizers import Tokenizer
 from torch import Tensor
 
-from treadle.workers.engine import device
+from treadle.workers.device import device
 from treadle.workers.sampler.partials import PartialStore
 from treadle.workers.sampler.sampling import row_uniforms, sample_tokens
 from treadle.workers.sampler.state import Row, partial_of

@@ -29,7 +29,7 @@ from treadle.common.engine.domain import SampleResult
 from treadle.common.engine.model_config import ModelConfig
 from treadle.common.engine.stats import SamplerStats
 from treadle.errors import InternalError, TreadleError
-from treadle.workers.engine import device
+from treadle.workers.device import device
 from treadle.workers.engine.base_models import BaseModel
 from treadle.workers.engine.versions import WeightSnapshot
 from treadle.workers.sampler.backend import (

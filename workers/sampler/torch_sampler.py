@@ -53,7 +53,7 @@ from torch import Tensor
 from treadle.common.engine.domain import SampleOp, SampleResult, SamplingConfig, SequenceResult
 from treadle.common.engine.stats import SamplerStats
 from treadle.errors import ResourceExhaustedError, TreadleError
-from treadle.workers.engine import memory_budget
+from treadle.workers.device import memory_budget
 from treadle.workers.engine.base_models import BaseModel
 from treadle.workers.engine.versions import WeightSnapshot
 from treadle.workers.model.llama import lm_logits

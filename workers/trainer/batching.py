@@ -33,7 +33,7 @@ from torch import Tensor
 
 from treadle.common.engine.domain import ForwardBackwardOp, ForwardLogprobsOp, ForwardResult
 from treadle.errors import InternalError, TreadleError
-from treadle.workers.engine import device
+from treadle.workers.device import device
 from treadle.workers.model.llama import forward_hidden, lm_logits
 from treadle.workers.model.lora import LoraAdapter, LoraRows
 from treadle.workers.trainer import trainer

@@ -21,7 +21,7 @@ from safetensors.torch import load_file, save_file
 from treadle.common.engine.domain import LoadResult, SaveResult
 from treadle.common.manifest import FORMAT, read_manifest
 from treadle.errors import FailedPreconditionError
-from treadle.workers.engine import device
+from treadle.workers.device import device
 from treadle.workers.trainer.trainer import TrainingModel
 
 

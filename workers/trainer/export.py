@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import save_file
 
 from treadle.errors import InvalidArgumentError
-from treadle.workers.engine import device
+from treadle.workers.device import device
 from treadle.workers.model.llama import LlamaParams
 from treadle.workers.model.loading import save_params
 from treadle.workers.model.lora import LoraAdapter

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import torch
 
-from treadle.workers.engine import device
+from treadle.workers.device import device
 from treadle.workers.trainer.thread_choice import ThreadChoice
 
 
