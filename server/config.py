@@ -10,10 +10,10 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from treadle._rpc import MAX_MESSAGE_BYTES
 from treadle.common.logs import add_observe_flags, metrics_port_of
 from treadle.errors import InvalidArgumentError
 from treadle.server.accounting.quotas import QuotaLimits
+from treadle.wire.channel import MAX_MESSAGE_BYTES
 from treadle.workers.engine.flags import (
     add_engine_flags,
     add_model_flag,

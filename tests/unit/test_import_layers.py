@@ -8,6 +8,9 @@ arrow checked against the layering:
   workers, common;
 - ``treadle.common`` (what server and workers both need) imports neither;
 - workers never import the server;
+- server, workers and common import no private module of the SDK (``treadle._*``):
+  what they share with it is public (``treadle.wire``), so the SDK's insides can
+  change without breaking the server;
 - what importing the engine runs (module-level imports, transitively) reaches
   no database, object store, Celery or gRPC server library, so an engine
   imports with torch, transformers, safetensors and tokenizers alone.
@@ -194,6 +197,20 @@ def test_no_import_runs_against_the_layering(
     _, arrows = graph
     wrong = [str(a) for a in arrows if (_layer(a.importer), _layer(a.imported)) in FORBIDDEN]
     assert not wrong, "imports that run the wrong way:\n  " + "\n  ".join(sorted(set(wrong)))
+
+
+def _sdk_private(module: str) -> bool:
+    return _layer(module) == "sdk" and any(p.startswith("_") for p in module.split(".")[1:])
+
+
+def test_no_layer_below_or_beside_the_sdk_imports_its_private_modules(
+    graph: tuple[dict[str, tuple[Path, bool]], list[Arrow]],
+) -> None:
+    _, arrows = graph
+    private = [str(a) for a in arrows if _layer(a.importer) != "sdk" and _sdk_private(a.imported)]
+    assert not private, "private SDK modules imported outside the SDK:\n  " + "\n  ".join(
+        sorted(set(private))
+    )
 
 
 def test_the_engine_imports_without_server_libraries(
