@@ -10,7 +10,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from treadle._tensor import from_wire, to_wire
 from treadle.errors import InvalidArgumentError, NoGradientWarning
 from treadle.types import (
     AdamParams,
@@ -35,6 +34,7 @@ from treadle.types import (
     VersionSpan,
 )
 from treadle.v1 import common_pb2, sampling_pb2, server_pb2, session_pb2, training_pb2
+from treadle.wire.tensors import from_wire, to_wire
 
 #: wire StopReason -> (``stop_reason``, ``stopped_by``): the SDK keeps tinker's coarse
 #: "stop" for the three ways a sequence stops and says which in ``stopped_by``.

@@ -2,7 +2,7 @@
 pending, and what a server restart does to them.
 
 Every ordered call says which server instance its numbering was made against
-and the lowest seq_id of the model still pending here (``treadle._rpc``). A
+and the lowest seq_id of the model still pending here (``treadle.wire.metadata``). A
 restarted server that brought the model back behind that lowest pending call
 refuses the call at once with ``ServerRestartedError`` (``server.restarts``):
 the calls in between were answered by the old server and died with it, so no
@@ -43,8 +43,9 @@ from concurrent.futures import Future
 from functools import partial
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from treadle._rpc import FIRST_PENDING_KEY, INSTANCE_KEY, Caller, settle_once
+from treadle._rpc import Caller, settle_once
 from treadle.errors import AbortedError, ServerRestartedError, TreadleError, UnavailableError
+from treadle.wire.metadata import FIRST_PENDING_KEY, INSTANCE_KEY
 
 if TYPE_CHECKING:
     import grpc

@@ -2,7 +2,8 @@
 and retries of calls that are safe to repeat (ordered calls carry their seq_id,
 so a repeat is de-duplicated by the engine). Every answer says which server
 instance gave it (``INSTANCE_KEY``); ``treadle._ordering`` uses that to learn
-of a restart at once."""
+of a restart at once. What the server reads and writes too (metadata keys, the
+channel options) is public, in ``treadle.wire``."""
 
 from __future__ import annotations
 
@@ -10,36 +11,18 @@ import logging
 import os
 import random
 import threading
-import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, InvalidStateError
 from typing import Any, Generic, TypeVar
 
 import grpc
 
-from treadle.errors import TreadleError, UnavailableError, error_for_code
+from treadle.errors import TreadleError, UnavailableError
+from treadle.wire.channel import channel_options
+from treadle.wire.metadata import INSTANCE_KEY, REQUEST_ID_KEY, error_from_trailers, new_request_id
 
 log = logging.getLogger("treadle")
 
-#: gRPC's 4 MB default is far too small for batches, tokenizers and checkpoints.
-MAX_MESSAGE_BYTES = 256 * 1024 * 1024
-RETRY_AFTER_KEY = "treadle-retry-after-s"
-#: Server -> client on every answer: the id of the server process that answered
-#: (new at each start). Client -> server on ordered calls: the instance the
-#: client's seq_ids were numbered against, so a restarted server can tell at
-#: once a gap that no call will ever fill (``ServerRestartedError``).
-INSTANCE_KEY = "treadle-server-instance"
-#: client -> server on ordered calls: the lowest seq_id of the model the client
-#: still waits an answer for (the calls below it were answered)
-FIRST_PENDING_KEY = "treadle-first-pending-seq-id"
-#: server -> client on errors whose class shares its status code with another
-ERROR_KIND_KEY = "treadle-error-kind"
-#: prefix of the fields such an error carries (``TreadleError.details``)
-ERROR_DETAIL_PREFIX = "treadle-detail-"
-#: client -> server on every call: an id made by the SDK for the call (the same
-#: for each of its retries), written on the log lines of the server and of the
-#: worker that served it, so one call can be followed end to end
-REQUEST_ID_KEY = "treadle-request-id"
 RETRYABLE = {"UNAVAILABLE", "RESOURCE_EXHAUSTED"}
 #: how long, in all, a call waits out quota refusals (RESOURCE_EXHAUSTED with a delay)
 QUOTA_WAIT_S = 600.0
@@ -47,44 +30,11 @@ QUOTA_WAIT_S = 600.0
 T = TypeVar("T")
 
 
-def channel_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, Any]]:
-    return [
-        ("grpc.max_send_message_length", max_message_bytes),
-        ("grpc.max_receive_message_length", max_message_bytes),
-        ("grpc.keepalive_time_ms", 30_000),
-        ("grpc.keepalive_permit_without_calls", 1),
-        # A restarted server is found within about a second of listening again: by
-        # default gRPC waits up to 120 s between connection attempts, and every call
-        # made meanwhile fails at once, spending the SDK's retries.
-        ("grpc.initial_reconnect_backoff_ms", 250),
-        ("grpc.min_reconnect_backoff_ms", 250),
-        ("grpc.max_reconnect_backoff_ms", 1_000),
-    ]
-
-
 def make_channel(address: str, root_certificates: bytes | None = None) -> grpc.Channel:
     if root_certificates is not None:
         creds = grpc.ssl_channel_credentials(root_certificates=root_certificates)
         return grpc.secure_channel(address, creds, options=channel_options())
     return grpc.insecure_channel(address, options=channel_options())
-
-
-def new_request_id() -> str:
-    return uuid.uuid4().hex[:16]
-
-
-def error_trailers(err: TreadleError, instance: str = "") -> tuple[tuple[str, str], ...]:
-    """The trailing metadata that carries what a status code cannot: the retry
-    delay, the error's kind and details, the answering server's instance."""
-    md: list[tuple[str, str]] = []
-    if err.retry_after_s is not None:
-        md.append((RETRY_AFTER_KEY, f"{err.retry_after_s:.3f}"))
-    if err.kind:
-        md.append((ERROR_KIND_KEY, err.kind))
-        md.extend((ERROR_DETAIL_PREFIX + k.replace("_", "-"), v) for k, v in err.details.items())
-    if instance:
-        md.append((INSTANCE_KEY, instance))
-    return tuple(md)
 
 
 def trailers_of(rpc: Any) -> Sequence[tuple[str, Any]]:
@@ -97,17 +47,7 @@ def trailers_of(rpc: Any) -> Sequence[tuple[str, Any]]:
 def error_from_rpc(err: grpc.RpcError) -> TreadleError:
     code = err.code().name if hasattr(err, "code") and err.code() is not None else "UNKNOWN"
     details = err.details() if hasattr(err, "details") else str(err)
-    retry_after = None
-    kind = ""
-    fields: dict[str, str] = {}
-    for key, value in trailers_of(err):
-        if key == RETRY_AFTER_KEY:
-            retry_after = float(value)
-        elif key == ERROR_KIND_KEY:
-            kind = str(value)
-        elif key.startswith(ERROR_DETAIL_PREFIX):
-            fields[key[len(ERROR_DETAIL_PREFIX) :].replace("-", "_")] = str(value)
-    return error_for_code(code, details or code, retry_after, kind=kind, details=fields)
+    return error_from_trailers(code, details or code, trailers_of(err))
 
 
 def instance_of(rpc: Any) -> str:

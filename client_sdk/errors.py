@@ -5,7 +5,8 @@ status codes, and the SDK maps status codes back to the same classes, so a user
 catches ``treadle.InvalidArgumentError`` whether the check ran locally or on the
 server. The module imports nothing from grpc: the code names below are the
 canonical gRPC status names, and the mapping to ``grpc.StatusCode`` lives in
-``treadle.server.rpc.interceptors`` (server side) and ``treadle._rpc`` (SDK side).
+``treadle.server.rpc.interceptors`` (server side) and ``treadle._rpc`` (SDK side); the
+error's kind, details and retry delay travel as trailers (``treadle.wire.metadata``).
 """
 
 from __future__ import annotations

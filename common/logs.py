@@ -1,7 +1,7 @@
 """Logs every process writes the same way: text or one JSON object a line, each
 line stamped with the request id of the call it is about.
 
-The SDK sends a request id with every call (``treadle._rpc.REQUEST_ID_KEY``,
+The SDK sends a request id with every call (``treadle.wire.metadata.REQUEST_ID_KEY``,
 the same for each retry of the call). The server's interceptor sets it here for
 the handler's coroutine; the Celery dispatcher sends it with the task; the
 worker sets it again while it hands the call to its engine. So ``grep`` of one

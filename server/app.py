@@ -14,7 +14,6 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from treadle._rpc import channel_options
 from treadle.common.db import models as db
 from treadle.common.engine.messages import CreateModelCall
 from treadle.common.store import make_store, storage_path_str
@@ -43,6 +42,7 @@ from treadle.v1 import (
     training_pb2,
     training_pb2_grpc,
 )
+from treadle.wire.channel import channel_options
 from treadle.workers.device import host_allocator
 from treadle.workers.engine import flags as engine_flags
 from treadle.workers.engine.collector import EngineCollector

@@ -10,10 +10,10 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from treadle._rpc import MAX_MESSAGE_BYTES
 from treadle.common.logs import add_observe_flags, metrics_port_of
 from treadle.errors import InvalidArgumentError
 from treadle.server.accounting.quotas import QuotaLimits
+from treadle.wire.channel import MAX_MESSAGE_BYTES
 from treadle.workers.engine.flags import (
     add_engine_flags,
     add_model_flag,
@@ -48,7 +48,10 @@ class ServerConfig(EngineOptions):
     ttl_sweep_s: float = 0.0
     #: a graceful stop (SIGTERM/SIGINT) serves on at most this long while it
     #: checkpoints each model at its first idle moment; then it checkpoints what
-    #: is applied and stops
+    #: is applied and stops. Shorter than the worker's (60 s) on purpose: running
+    #: out costs little here (only the gradients of a step not yet taken, which the
+    #: client is told to redo), so a planned restart is not held up long; a worker
+    #: that runs out loses the models it still holds (``WorkerConfig``)
     drain_timeout_s: float = 30.0
     #: the heartbeat interval the server asks SDK sessions to keep
     heartbeat_interval_s: float = 10.0
@@ -211,10 +214,11 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--drain-timeout",
         type=float,
-        default=float(env("TREADLE_DRAIN_TIMEOUT_S", "30")),
+        default=float(env("TREADLE_DRAIN_TIMEOUT_S", ServerConfig.drain_timeout_s)),
         help="on SIGTERM/SIGINT, serve on at most this many seconds while every model is "
         "checkpointed at its first idle moment, then checkpoint what is applied and stop "
-        "(a second signal stops at once)",
+        "(a second signal stops at once). Default 30, below a worker's 60: running out "
+        "here drops only the gradients of a step not yet taken",
     )
     parser.add_argument(
         "--broker",

@@ -8,7 +8,7 @@ lowest pending call: a gap no call will ever fill. Waiting out the gap timeout
 would tell the client nothing; this module tells it at once.
 
 The SDK sends, with every ordered call, the server instance its numbering was
-made against and its lowest pending seq_id of the model (``treadle._rpc``).
+made against and its lowest pending seq_id of the model (``treadle.wire.metadata``).
 When that instance is not this one, the model was restored from a checkpoint
 by this instance, and the client's lowest pending call lies beyond the model's
 next expected seq_id, the call fails with ``ServerRestartedError`` (ABORTED),
@@ -27,9 +27,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from treadle._rpc import FIRST_PENDING_KEY, INSTANCE_KEY
 from treadle.common.engine.domain import ModelStatus
 from treadle.errors import ServerRestartedError
+from treadle.wire.metadata import FIRST_PENDING_KEY, INSTANCE_KEY
 
 
 @dataclass(frozen=True)

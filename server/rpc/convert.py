@@ -12,7 +12,6 @@ from typing import Any
 
 import numpy as np
 
-from treadle._tensor import from_wire, to_wire
 from treadle.common.db import models as db
 from treadle.common.engine.domain import (
     AdamConfig,
@@ -45,6 +44,7 @@ from treadle.server.service.types import (
     SyncOutcome,
 )
 from treadle.v1 import common_pb2, sampling_pb2, server_pb2, session_pb2, training_pb2
+from treadle.wire.tensors import from_wire, to_wire
 
 _STOP_REASONS = {
     "stop": common_pb2.STOP,

@@ -15,7 +15,6 @@ from typing import Any
 
 import grpc
 
-from treadle._rpc import INSTANCE_KEY, REQUEST_ID_KEY, error_trailers, new_request_id
 from treadle.common.logs import request_context
 from treadle.errors import InvalidArgumentError, TreadleError
 from treadle.server.call_record import (
@@ -26,6 +25,7 @@ from treadle.server.call_record import (
 from treadle.server.db.outage import database_outage
 from treadle.server.metrics import ServerMetrics, rpc_name
 from treadle.server.rpc.interceptor_base import WrappingInterceptor
+from treadle.wire.metadata import INSTANCE_KEY, REQUEST_ID_KEY, error_trailers, new_request_id
 
 log = logging.getLogger("treadle.server")
 #: one line per answered RPC, at INFO

@@ -17,12 +17,12 @@ import pytest
 import treadle
 from tests.helpers import next_token_datum, tenant_key
 from treadle._convert import datums_to_wire
-from treadle._rpc import RETRY_AFTER_KEY
 from treadle.errors import ResourceExhaustedError
 from treadle.server.config import ServerConfig
 from treadle.server.db import tenancy
 from treadle.server.embedded import EmbeddedServer
 from treadle.v1 import common_pb2, training_pb2
+from treadle.wire.metadata import RETRY_AFTER_KEY
 
 BASE = "tiny"
 

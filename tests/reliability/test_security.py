@@ -251,7 +251,7 @@ def test_a_message_over_the_servers_limit_is_resource_exhausted(srv: EmbeddedSer
 
 
 def test_a_too_big_sdk_call_is_refused_not_hung(srv: EmbeddedServer) -> None:
-    """The SDK's channel sets its limits explicitly (``treadle._rpc.channel_options``:
+    """The SDK's channel sets its limits explicitly (``treadle.wire.channel.channel_options``:
     256 MiB each way, gRPC's default receive limit is 4 MiB); a batch over the
     server's limit fails at once RESOURCE_EXHAUSTED, and the connection serves on."""
     with treadle.ServiceClient(srv.address, api_key=srv.api_key, max_retries=0) as client:

@@ -16,7 +16,7 @@ from pathlib import Path
 #: the modules that ARE converters between wire messages and the code's own types
 CONVERTERS = {
     "treadle._convert",  # SDK types <-> requests and responses
-    "treadle._tensor",  # numpy arrays <-> the wire's Tensor
+    "treadle.wire.tensors",  # numpy arrays <-> the wire's Tensor
     "treadle.server.rpc.convert",  # server: wire <-> domain types
     "treadle.server.http.tinker_pb",  # the tinker HTTP API's message pool
 }

@@ -9,10 +9,10 @@ from typing import Any
 import grpc
 import pytest
 
-from treadle._rpc import INSTANCE_KEY
 from treadle.errors import NotFoundError
 from treadle.server.rpc.interceptor_base import WrappingInterceptor
 from treadle.server.rpc.interceptors import ErrorInterceptor
+from treadle.wire.metadata import INSTANCE_KEY
 
 
 class _Tagging(WrappingInterceptor):

@@ -1,15 +1,20 @@
 """When a restarted server refuses a call at once (``server.restarts``), and how
-the SDK reads the refusal back (``treadle._rpc``): pure, no server."""
+the SDK reads the refusal back (``treadle.wire.metadata``): pure, no server."""
 
 from __future__ import annotations
 
 import pytest
 
 import treadle
-from treadle._rpc import FIRST_PENDING_KEY, INSTANCE_KEY, error_trailers
 from treadle.common.engine.domain import ModelStatus
 from treadle.errors import error_for_code
 from treadle.server.restarts import RestorePoint, check_numbering
+from treadle.wire.metadata import (
+    FIRST_PENDING_KEY,
+    INSTANCE_KEY,
+    error_from_trailers,
+    error_trailers,
+)
 
 NOW = "new-instance"
 RESTORED = {"m": RestorePoint(seq_id=3, step=1, checkpoint="treadle://m/state/s1")}
@@ -57,17 +62,8 @@ def test_the_sdk_reads_the_kind_and_fields_back_from_the_trailers() -> None:
         _check("old-instance", first=7, seq_id=7)
     trailers = dict(error_trailers(caught.value, NOW))
     assert trailers[INSTANCE_KEY] == NOW
-    # what error_from_rpc does with them
-    from treadle._rpc import ERROR_DETAIL_PREFIX, ERROR_KIND_KEY
-
-    fields = {
-        k[len(ERROR_DETAIL_PREFIX) :].replace("-", "_"): v
-        for k, v in trailers.items()
-        if k.startswith(ERROR_DETAIL_PREFIX)
-    }
-    back = error_for_code(
-        "ABORTED", caught.value.message, kind=trailers[ERROR_KIND_KEY], details=fields
-    )
+    # what the SDK's error_from_rpc does with them
+    back = error_from_trailers("ABORTED", caught.value.message, trailers.items())
     assert isinstance(back, treadle.ServerRestartedError)
     assert (back.model_id, back.step, back.seq_id, back.checkpoint) == (
         "m",

@@ -13,8 +13,8 @@ import pytest
 
 from treadle import _ordering
 from treadle._ordering import OrderedCalls
-from treadle._rpc import FIRST_PENDING_KEY
 from treadle.errors import AbortedError, UnavailableError
+from treadle.wire.metadata import FIRST_PENDING_KEY
 
 
 class Request:

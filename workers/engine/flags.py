@@ -5,7 +5,9 @@ variables, their ranges, and the ``EngineConfig`` they become.
 ``ServerConfig`` and ``WorkerConfig`` both extend ``EngineOptions`` (the fields
 named in ``ENGINE_FIELDS``); each reads them with ``engine_settings(args)``, checks
 them with ``check_engine_settings`` and builds its engine with
-``engine_config``.
+``engine_config``. A flag's default is its field's (``DEFAULTS``), so a default is
+written once, in ``EngineOptions``; only ``--device`` and ``--dtype`` default to
+"auto", which ``engine_settings`` resolves on the host.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ if TYPE_CHECKING:
     from treadle.workers.engine.loop import EngineConfig
 
 TRAINING_THREADS = POLICIES  # how training passes pick their torch threads
+#: the options' defaults, which the flags take when neither flag nor variable is given
+DEFAULTS = EngineOptions()
 
 
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
@@ -44,10 +48,12 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
         choices=("auto", *DTYPES),
         help="the default dtype of models: auto = bfloat16 on CUDA, float32 on the CPU",
     )
-    parser.add_argument("--threads", type=int, default=int(env("TREADLE_THREADS", "0")))
+    parser.add_argument(
+        "--threads", type=int, default=int(env("TREADLE_THREADS", DEFAULTS.threads))
+    )
     parser.add_argument(
         "--sampler",
-        default=env("TREADLE_SAMPLER", "") or _sampler_from_old_env(),
+        default=env("TREADLE_SAMPLER", "") or _sampler_from_old_env() or DEFAULTS.sampler,
         choices=SAMPLERS,
         help="the sampler backend: 'torch' (default: steps on the engine thread, between "
         "training calls), 'torch-thread' (a thread of its own, with --sampler-threads torch "
@@ -72,12 +78,12 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--sampler-threads",
         type=int,
-        default=int(env("TREADLE_SAMPLER_THREADS", "0")),
+        default=int(env("TREADLE_SAMPLER_THREADS", DEFAULTS.sampler_threads)),
         help="torch threads of the sampler's thread or process (default --threads)",
     )
     parser.add_argument(
         "--training-threads",
-        default=env("TREADLE_TRAINING_THREADS", "measure"),
+        default=env("TREADLE_TRAINING_THREADS", DEFAULTS.training_threads),
         choices=TRAINING_THREADS,
         help="torch threads of forward_backward / forward_logprobs: 'measure' (one or all "
         "--threads, whichever runs faster for calls of that kind and size), 'all' or 'one'",
@@ -85,30 +91,36 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--gap-timeout",
         type=float,
-        default=float(env("TREADLE_GAP_TIMEOUT_S", "60")),
+        default=float(env("TREADLE_GAP_TIMEOUT_S", DEFAULTS.gap_timeout_s)),
         help="seconds a call waits for a missing earlier seq_id before ABORTED",
     )
-    parser.add_argument("--keep-versions", type=int, default=int(env("TREADLE_KEEP_VERSIONS", "4")))
     parser.add_argument(
-        "--auto-checkpoint-steps", type=int, default=int(env("TREADLE_AUTO_CHECKPOINT_STEPS", "0"))
+        "--keep-versions",
+        type=int,
+        default=int(env("TREADLE_KEEP_VERSIONS", DEFAULTS.keep_versions)),
+    )
+    parser.add_argument(
+        "--auto-checkpoint-steps",
+        type=int,
+        default=int(env("TREADLE_AUTO_CHECKPOINT_STEPS", DEFAULTS.auto_checkpoint_steps)),
     )
     parser.add_argument(
         "--activation-checkpointing",
         action="store_true",
-        default=env("TREADLE_ACTIVATION_CHECKPOINTING", "") not in ("", "0"),
+        default=_switch("TREADLE_ACTIVATION_CHECKPOINTING", DEFAULTS.activation_checkpointing),
         help="recompute each layer in the backward instead of keeping its activations: "
         "long sequences in less memory, for about one more forward of time",
     )
     parser.add_argument(
         "--train-memory-limit-bytes",
         type=int,
-        default=int(env("TREADLE_TRAIN_MEMORY_LIMIT_BYTES", "0")),
+        default=int(env("TREADLE_TRAIN_MEMORY_LIMIT_BYTES", DEFAULTS.train_memory_limit_bytes)),
         help="refuse (RESOURCE_EXHAUSTED) a forward_backward whose activations and new "
         "gradients would need more; 0 = the device's available memory",
     )
     parser.add_argument(
         "--host-allocator",
-        default=env("TREADLE_HOST_ALLOCATOR", "reuse"),
+        default=env("TREADLE_HOST_ALLOCATOR", DEFAULTS.host_allocator),
         choices=ALLOCATORS,
         help="'reuse' (default): the engine's process keeps the host memory a step frees "
         "for the next (no page faults to get it back; its resident size stays at its "
@@ -117,7 +129,7 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--sampler-slots",
         type=int,
-        default=int(env("TREADLE_SAMPLER_SLOTS", "0")),
+        default=int(env("TREADLE_SAMPLER_SLOTS", DEFAULTS.sampler_slots)),
         help="rows the torch sampler decodes together (its KV cache slots); 0 (default) = as "
         "many as --kv-cache-memory-fraction of the device's free memory holds, at most 1024 "
         "on a GPU and 64 on the CPU",
@@ -125,20 +137,22 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--kv-cache-memory-fraction",
         type=float,
-        default=float(env("TREADLE_KV_CACHE_MEMORY_FRACTION", "0")),
+        default=float(env("TREADLE_KV_CACHE_MEMORY_FRACTION", DEFAULTS.kv_cache_memory_fraction)),
         help="share of the free device memory (on the CPU: available RAM) the torch sampler's "
         "KV cache takes when --sampler-slots is 0; 0 (default) = 0.4 on a GPU, 0.25 on the CPU",
     )
     parser.add_argument(
         "--max-quantum-tokens",
         type=int,
-        default=int(env("TREADLE_MAX_QUANTUM_TOKENS", "0")),
+        default=int(env("TREADLE_MAX_QUANTUM_TOKENS", DEFAULTS.max_quantum_tokens)),
         help="the most tokens a tenant's calls spend in one scheduling round: 0 (default) "
         "one call of each of its ready models (a sweep's runs share one pass); 1 one call "
         "(the shortest wait for another tenant's call, the least batching)",
     )
     parser.add_argument(
-        "--sampler-max-len", type=int, default=int(env("TREADLE_SAMPLER_MAX_LEN", "1024"))
+        "--sampler-max-len",
+        type=int,
+        default=int(env("TREADLE_SAMPLER_MAX_LEN", DEFAULTS.sampler_max_len)),
     )
     _add_vllm_flags(parser)
 
@@ -204,14 +218,20 @@ def _add_vllm_flags(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _switch(variable: str, default: bool) -> bool:
+    """An on/off variable: unset or empty is ``default``, "0" off, anything else on."""
+    value = os.environ.get(variable, "")
+    return default if value == "" else value != "0"
+
+
 def _sampler_from_old_env() -> str:
     """``TREADLE_SAMPLER_THREAD`` / ``TREADLE_SAMPLER_PROCESS`` (deprecated) as a
-    ``--sampler`` default."""
+    ``--sampler`` default ("": neither is set)."""
     if os.environ.get("TREADLE_SAMPLER_PROCESS", "") not in ("", "0"):
         return "torch-process"
     if os.environ.get("TREADLE_SAMPLER_THREAD", "") not in ("", "0"):
         return "torch-thread"
-    return "torch"
+    return ""
 
 
 def engine_settings(args: argparse.Namespace) -> dict[str, Any]:

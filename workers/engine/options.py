@@ -1,6 +1,11 @@
-"""The engine options that ``ServerConfig`` (embedded engine) and ``WorkerConfig``
-(Celery worker) share: one frozen dataclass both configs extend, so each field,
-its default and its meaning are written once (flags: ``engine_flags``)."""
+"""The engine's settings that an operator chooses: one frozen dataclass, the only
+place each of them, its default and its meaning are written.
+
+``ServerConfig`` (embedded engine), ``WorkerConfig`` (Celery worker) and
+``EngineConfig`` (what an engine is built from) all extend it, so an option added
+here is a flag of both processes (``engine.flags``) and a setting of the engine at
+once. Keyword-only, so a subclass may put its own required fields first
+(``EngineConfig(base_models, ...)``)."""
 
 from __future__ import annotations
 
@@ -9,33 +14,50 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class EngineOptions:
-    #: where the engine's tensors live: "cpu" or "cuda:N" (the flag's "auto" resolved)
+    #: where every tensor of the engine lives: "cpu", "cuda", "cuda:N", or "auto"
+    #: (``engine.device``; the flags resolve "auto" before it gets here)
     device: str = "cpu"
     default_dtype: str = "float32"
     threads: int = 0  # torch threads of the engine; 0 = torch's default
-    #: the sampler backend: torch | torch-thread | torch-process | vllm (``--sampler``)
+    #: the sampler backend (``sampler.backends``, ``--sampler``): "torch" (on the
+    #: engine thread, between ordered calls), "torch-thread" (a thread of its own, so
+    #: sampling overlaps training), "torch-process" (a process of its own: no
+    #: interpreter lock shared with training), "vllm"
     sampler: str = "torch"
     sampler_threads: int = 0  # torch threads of the sampler's thread or process; 0 = threads
-    #: backend-specific settings (``--vllm-*`` for vllm)
+    #: backend-specific settings (``--vllm-*`` for vllm; ``BackendSettings.options``)
     sampler_options: Mapping[str, Any] = field(default_factory=dict)
-    training_threads: str = "measure"  # forward passes: "measure" | "all" | "one"
+    #: torch threads of a forward_backward / forward_logprobs (or a batched pass):
+    #: "measure" (one or all, whichever this machine runs faster for calls of that
+    #: kind and size; ``trainer.thread_choice``), "all" or "one"
+    training_threads: str = "measure"
+    #: seconds an ordered call waits for a missing earlier seq_id before ABORTED
     gap_timeout_s: float = 60.0
-    keep_versions: int = 4
+    keep_versions: int = 4  # published weight versions kept per model
     sampler_slots: int = 0  # rows decoding together; 0 = sized by memory (--sampler-slots)
     kv_cache_memory_fraction: float = 0.0  # of free memory, for sampler_slots 0; 0 = default
     sampler_max_len: int = 1024
     max_tokens_per_call: int = 262_144
-    auto_checkpoint_steps: int = 0  # 0 = off; else checkpoint every N optimizer steps
-    max_quantum_tokens: int = 0  # a tenant's tokens a scheduling round at most; 0 = no cap
-    #: recompute each layer in the backward (long sequences: less memory, ~1 more forward)
+    #: save the state every N optimizer steps (0 = off), under the engine's
+    #: auto_checkpoint_root/<tenant>/<model>/auto
+    auto_checkpoint_steps: int = 0
+    #: the most tokens a tenant spends in one scheduling round, what it borrows
+    #: ahead of its share included (0: one call of each of its ready models, the
+    #: most batching; 1: one call, no borrowing): ``Scheduler.max_quantum_tokens``
+    max_quantum_tokens: int = 0
+    #: training models recompute each layer in the backward instead of keeping its
+    #: activations (long sequences: less memory, about one more forward)
     activation_checkpointing: bool = False
-    #: what one ForwardBackward may need (activations + new gradients); 0 = available memory
+    #: a ForwardBackward whose activations and new gradients would exceed this is
+    #: RESOURCE_EXHAUSTED before it starts (``trainer.memory``); 0 = the device's
+    #: available memory at the call
     train_memory_limit_bytes: int = 0
-    #: "reuse": freed host memory kept for the next step, "system": malloc's defaults
+    #: "reuse" (malloc keeps what a step frees for the next, no page faults to get
+    #: it back) or "system" (malloc's defaults): ``engine.host_allocator``
     host_allocator: str = "reuse"
 
 
-#: the fields both configs carry (the same names as ``EngineConfig``'s)
+#: the operator's options, by name: what a server's or worker's config hands its engine
 ENGINE_FIELDS = tuple(f.name for f in fields(EngineOptions))

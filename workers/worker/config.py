@@ -34,7 +34,12 @@ class WorkerConfig(EngineOptions):
     capacity: int = 64  # training models this worker hosts at most
     heartbeat_s: float = 2.0
     #: on SIGTERM, serve this long at most while servers move the models off (0: stop
-    #: at once, and the models still here are lost)
+    #: at once, and the models still here are lost). Longer than the embedded
+    #: server's (30 s) on purpose: running out here loses the models still on the
+    #: worker, as a crash does (brought back by replay, or from their last
+    #: checkpoint), and each move waits for the model's idle moment and writes its
+    #: checkpoint through the shared store; the server's own stop, run out,
+    #: still checkpoints what is applied (``ServerConfig``)
     drain_timeout_s: float = 60.0
     #: Prometheus metrics on http://metrics_host:metrics_port/metrics (None: off; 0: any port)
     metrics_port: int | None = None
@@ -88,10 +93,11 @@ def add_worker_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--drain-timeout",
         type=float,
-        default=float(env("TREADLE_DRAIN_TIMEOUT_S", "60")),
+        default=float(env("TREADLE_DRAIN_TIMEOUT_S", WorkerConfig.drain_timeout_s)),
         help="on SIGTERM, keep serving up to this many seconds while the servers checkpoint "
         "this worker's models and move them to other workers (0: stop at once; a second "
-        "SIGTERM, or SIGINT, stops at once too)",
+        "SIGTERM, or SIGINT, stops at once too). Default 60, above treadle serve's 30: "
+        "models still here when it runs out are lost, as in a crash",
     )
     add_engine_flags(parser)
     add_observe_flags(parser)

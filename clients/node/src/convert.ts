@@ -1,9 +1,10 @@
 /**
- * Public types <-> wire messages: the one place the client touches generated code
- * (src/gen, from protos/ by ts-proto). Tensors are packed little-endian, as
- * `treadle._tensor` packs them: token ids as int64, per-token values as float32
+ * Public types <-> wire messages: with `src/enums.ts` (the enums' public names), the
+ * one place the client touches generated code (src/gen, from protos/ by ts-proto).
+ * Tensors are packed little-endian, as `treadle.wire.tensors` packs them: token ids as int64, per-token values as float32
  * (float64 when given a Float64Array).
  */
+import { LOSS_FNS, type LossFnName, stopReasonFromWire } from "./enums.js";
 import { InvalidArgumentError } from "./errors.js";
 import * as common from "./gen/treadle/v1/common.js";
 import * as samplingPb from "./gen/treadle/v1/sampling.js";
@@ -14,15 +15,12 @@ import type {
   CheckpointInfo,
   Datum,
   ForwardBackwardOutput,
-  LossFnName,
   ModelInfo,
   OptimStepResponse,
   SampledSequence,
   SampleResponse,
   SamplingParams,
   ServerInfo,
-  StopReason,
-  StoppedBy,
   StreamedSample,
 } from "./types.js";
 import {
@@ -37,25 +35,6 @@ import {
 
 /** loss_fn_inputs keys holding integer tokens; every other key is float. */
 const INT_INPUT_KEYS = new Set(["target_tokens"]);
-
-const LOSS_FNS: Record<LossFnName, common.LossFn> = {
-  cross_entropy: common.LossFn.CROSS_ENTROPY,
-  importance_sampling: common.LossFn.IMPORTANCE_SAMPLING,
-  ppo: common.LossFn.PPO,
-  cispo: common.LossFn.CISPO,
-  dro: common.LossFn.DRO,
-};
-
-/** wire StopReason -> [stopReason, stoppedBy]: the coarse "stop" for the three ways a
- * sequence stops, and which one in stoppedBy (the Python SDK's `_STOP_REASONS`). */
-const STOP_REASONS: Partial<Record<common.StopReason, [StopReason, StoppedBy | undefined]>> = {
-  [common.StopReason.STOP]: ["stop", "eos"],
-  [common.StopReason.STOP_STRING]: ["stop", "stop_string"],
-  [common.StopReason.STOP_TOKEN]: ["stop", "stop_token"],
-  [common.StopReason.LENGTH]: ["length", undefined],
-  [common.StopReason.CANCELLED]: ["cancelled", undefined],
-  [common.StopReason.PARTIAL]: ["partial", undefined],
-};
 
 // ---- tensors ------------------------------------------------------------------------
 
@@ -131,10 +110,10 @@ function floats(t: common.Tensor | undefined, field: string): Float32Array | Flo
 // ---- training -----------------------------------------------------------------------
 
 export function lossFnToWire(name: unknown): common.LossFn {
-  const value = typeof name === "string" ? LOSS_FNS[name as LossFnName] : undefined;
+  const value = typeof name === "string" ? LOSS_FNS.get(name as LossFnName) : undefined;
   if (value === undefined) {
     throw new InvalidArgumentError(
-      `lossFn: unknown loss ${describe(name)}; known: ${Object.keys(LOSS_FNS).join(", ")}`,
+      `lossFn: unknown loss ${describe(name)}; known: ${[...LOSS_FNS.keys()].join(", ")}`,
     );
   }
   return value;
@@ -313,7 +292,7 @@ export function promptToWire(prompt: unknown): common.Tensor {
 export function sequenceFromWire(seq: samplingPb.SampledSequence | undefined, name: string): SampledSequence {
   if (seq === undefined) throw new InvalidArgumentError(`${name}: missing`);
   // a reason newer than this client still reads as a stop
-  const [stopReason, stoppedBy] = STOP_REASONS[seq.stopReason] ?? ["stop", undefined];
+  const [stopReason, stoppedBy] = stopReasonFromWire(seq.stopReason);
   const out: SampledSequence = {
     tokens: Array.from(fromTensor(seq.tokens, `${name}.tokens`)),
     logprobs: Array.from(fromTensor(seq.logprobs, `${name}.logprobs`)),

@@ -6,17 +6,11 @@
  * x[0..T-1]; every per-token array in `lossFnInputs` has length T and refers to the
  * next-token target at that position (`target_tokens[t]` is predicted from x[..t]).
  */
+import type { StopReason, StoppedBy } from "./enums.js";
 import type { NumericArray } from "./validate.js";
 
-/** Loss names (the proto's LossFn, lower-cased). */
-export type LossFnName = "cross_entropy" | "importance_sampling" | "ppo" | "cispo" | "dro";
-
-/** Why a sequence ended: "stop" for EOS, a stop string and a stop token alike (tinker's
- * coarse reason; `SampledSequence.stoppedBy` tells which), as in the Python SDK. */
-export type StopReason = "stop" | "length" | "cancelled" | "partial";
-
-/** Which of the three ways of stopping ended a sequence whose stopReason is "stop". */
-export type StoppedBy = "eos" | "stop_string" | "stop_token";
+/** Loss names and stop reasons come from the generated proto code (`src/enums.ts`). */
+export type { LossFnName, StopReason, StoppedBy } from "./enums.js";
 
 /** One training example. */
 export interface Datum {

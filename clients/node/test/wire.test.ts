@@ -2,12 +2,13 @@
  * The conversions the merged protos changed, checked on the wire bytes (no server):
  * unset SamplingParams knobs stay unset (explicit 0 is sent), `stop` as one string or
  * strings and token ids, the client-side range checks naming the field, StopReason ->
- * stopReason + stoppedBy, NoGradientWarning, and the server-info pass metrics.
+ * stopReason + stoppedBy, every generated loss by its name, NoGradientWarning, and
+ * the server-info pass metrics.
  */
 import assert from "node:assert/strict";
 import { test } from "node:test";
 import * as convert from "../src/convert.js";
-import { StopReason } from "../src/gen/treadle/v1/common.js";
+import { LossFn, StopReason } from "../src/gen/treadle/v1/common.js";
 import { SamplingParams as SamplingParamsPb } from "../src/gen/treadle/v1/sampling.js";
 import { InvalidArgumentError, type SamplingParams, type TreadleError } from "../src/index.js";
 
@@ -75,9 +76,21 @@ test("the three ways of stopping read as stopReason 'stop' with stoppedBy, as in
   assert.deepEqual(read(StopReason.STOP_STRING), ["stop", "stop_string"]);
   assert.deepEqual(read(StopReason.STOP_TOKEN), ["stop", "stop_token"]);
   assert.deepEqual(read(StopReason.LENGTH), ["length", undefined]);
+  assert.deepEqual(read(StopReason.CANCELLED), ["cancelled", undefined]);
   assert.deepEqual(read(StopReason.PARTIAL), ["partial", undefined]);
   assert.ok(!("stoppedBy" in seq(StopReason.LENGTH)));
   assert.deepEqual(read(99 as StopReason), ["stop", undefined]); // a reason newer than the client
+  assert.deepEqual(read(StopReason.STOP_REASON_UNSPECIFIED), ["stop", undefined]);
+});
+
+test("every loss of the generated LossFn is sent by its lower-cased name, gspo included", () => {
+  const generated = Object.entries(LossFn).filter(([, v]) => typeof v === "number" && v > 0);
+  assert.ok(generated.length >= 6);
+  for (const [name, value] of generated) assert.equal(convert.lossFnToWire(name.toLowerCase()), value);
+  assert.equal(convert.lossFnToWire("gspo"), LossFn.GSPO);
+  throwsNaming(() => convert.lossFnToWire("loss_fn_unspecified"), "lossFn");
+  throwsNaming(() => convert.lossFnToWire("GSPO"), "lossFn");
+  assert.throws(() => convert.lossFnToWire("nope"), /known: cross_entropy, .*gspo/);
 });
 
 test("optimStep with no_grad:value = 1 emits a NoGradientWarning", async () => {

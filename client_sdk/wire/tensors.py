@@ -1,7 +1,8 @@
 """numpy <-> wire tensors: packed little-endian bytes with dtype and shape.
 
-Shared by the SDK and the server (the server depends on the SDK), so both ends
-pack tensors one way.
+Shared by the SDK and the server, so both ends pack tensors one way: the SDK's
+converters (``treadle._convert``) and the server's (``treadle.server.rpc.convert``)
+both call these two functions.
 """
 
 from __future__ import annotations
