@@ -322,7 +322,7 @@ def test_importing_the_engine_contract_loads_no_torch() -> None:
     code = (
         "import sys\n"
         + "".join(f"import {m}\n" for m in names)
-        + "bad = sorted(m for m in sys.modules if m.split('.')[0] in "
+        + "bad = sorted({m.split('.')[0] for m in sys.modules} & "
         + repr({m.split(".")[0] for m in CONTRACT_MUST_NOT_IMPORT if "." not in m})
         + ")\nprint(','.join(bad))\n"
     )
