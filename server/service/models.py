@@ -21,7 +21,7 @@ from treadle.common.engine.messages import CreateModelCall, DeleteModelCall, Exp
 from treadle.common.store import copy_checkpoint, storage_path_str
 from treadle.errors import InvalidArgumentError, NotFoundError, TreadleError
 from treadle.server.context import ServerContext
-from treadle.server.db import ops_log, queries, tenancy
+from treadle.server.db import ops_log, queries, session_queries, tenancy
 from treadle.server.rpc import convert
 from treadle.server.service.checkpoints import CheckpointService
 from treadle.server.service.types import CreateModel, ModelInfo
@@ -81,7 +81,7 @@ class ModelService:
             ctx.quotas.check_new_model(tenant, tenancy.count_live_models(s, tenant))
         with ctx.session() as s:
             if req.session_id:
-                session = queries.get_session(s, tenant, req.session_id)
+                session = session_queries.get_session(s, tenant, req.session_id)
                 if session is None or session.ended_at is not None:
                     raise NotFoundError(f"session_id: session {req.session_id!r} not found")
             row = queries.create_model(

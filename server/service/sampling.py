@@ -28,7 +28,7 @@ from treadle.common.store import parse_weights_uri
 from treadle.errors import InvalidArgumentError, NotFoundError
 from treadle.server.accounting.metering import CallMeter
 from treadle.server.context import ServerContext
-from treadle.server.db import queries
+from treadle.server.db import queries, session_queries
 from treadle.server.service.ordered import Admission
 from treadle.server.service.types import Parsed, SamplerInfo, SamplerSource, unwrap
 
@@ -83,7 +83,7 @@ class SamplingService:
         else:
             version = (await ctx.dispatcher.call(CheckTargetCall(target))).version
         with ctx.session() as s:
-            if session_id and queries.get_session(s, tenant, session_id) is None:
+            if session_id and session_queries.get_session(s, tenant, session_id) is None:
                 raise NotFoundError(f"session_id: session {session_id!r} not found")
             row_s = queries.create_sampler(
                 s,

@@ -8,7 +8,7 @@ from sqlalchemy.orm import Session
 from treadle.common.db import models as db
 from treadle.errors import InvalidArgumentError, NotFoundError
 from treadle.server.context import ServerContext
-from treadle.server.db import queries
+from treadle.server.db import session_queries
 from treadle.server.service.types import (
     FINISH_REASONS,
     SessionInfo,
@@ -35,7 +35,7 @@ class SessionService:
         """``client`` says what opened it (an SDK and its version), for operators;
         ``display_name`` and ``user_metadata`` are the client's own, for search."""
         with self.ctx.session() as s:
-            row = queries.create_session(
+            row = session_queries.create_session(
                 s, tenant, client, display_name=display_name, user_metadata=user_metadata
             )
             return SessionInfo(
@@ -47,21 +47,21 @@ class SessionService:
     def heartbeat(self, tenant: str, session_id: str) -> None:
         """NOT_FOUND for an ended session, another tenant's, or none."""
         with self.ctx.session() as s:
-            row = queries.get_session(s, tenant, session_id)
+            row = session_queries.get_session(s, tenant, session_id)
             if row is None or row.ended_at is not None:
                 raise NotFoundError(f"session_id: session {session_id!r} not found")
-            queries.record_heartbeat(s, row)
+            session_queries.record_heartbeat(s, row)
 
     def members(self, tenant: str, session_id: str) -> tuple[list[str], list[str]]:
         """(model ids, sampler ids) created in the session; NOT_FOUND for another tenant's."""
         with self.ctx.session() as s:
             _found(s, tenant, session_id)
-            return queries.session_members(s, tenant, session_id)
+            return session_queries.session_members(s, tenant, session_id)
 
     def list_ids(self, tenant: str) -> list[str]:
         """The tenant's session ids, newest first."""
         with self.ctx.session() as s:
-            return [row.id for row in queries.list_sessions(s, tenant)]
+            return [row.id for row in session_queries.list_sessions(s, tenant)]
 
     def end(
         self, tenant: str, session_id: str, reason: str | None = None, detail: str | None = None
@@ -72,7 +72,7 @@ class SessionService:
             raise InvalidArgumentError(f"reason: {reason!r}; one of {', '.join(FINISH_REASONS)}")
         with self.ctx.session() as s:
             row = _found(s, tenant, session_id)
-            queries.end_session(s, row, reason, detail)
+            session_queries.end_session(s, row, reason, detail)
 
     def check(self, tenant: str, session_id: str) -> None:
         """NOT_FOUND for another tenant's session, or none (ended ones exist)."""
@@ -83,7 +83,7 @@ class SessionService:
         """NOT_FOUND for another tenant's session, or none."""
         with self.ctx.session() as s:
             row = _found(s, tenant, session_id)
-            models, ops, samplers = queries.session_timeline(s, tenant, session_id)
+            models, ops, samplers = session_queries.session_timeline(s, tenant, session_id)
             return SessionTimeline(
                 session_id=row.id,
                 created_at=row.created_at,
@@ -116,7 +116,7 @@ class SessionService:
         after = query.after
         with self.ctx.session() as s:
             while len(found) <= query.limit:
-                batch = queries.search_sessions(
+                batch = session_queries.search_sessions(
                     s,
                     tenant,
                     session_id=query.session_id,
@@ -130,7 +130,7 @@ class SessionService:
                     break
                 after = (batch[-1].created_at, batch[-1].id)
             page = found[: query.limit]
-            stored = queries.session_checkpoints(s, tenant, [r.id for r in page])
+            stored = session_queries.session_checkpoints(s, tenant, [r.id for r in page])
             sessions = tuple(_summary(r, stored.get(r.id, (0, 0))) for r in page)
         more = len(found) > query.limit
         last = page[-1] if page else None
@@ -142,7 +142,7 @@ _BATCH = 200
 
 
 def _found(s: Session, tenant: str, session_id: str) -> db.ClientSession:
-    row = queries.get_session(s, tenant, session_id)
+    row = session_queries.get_session(s, tenant, session_id)
     if row is None:
         raise NotFoundError(f"session_id: session {session_id!r} not found")
     return row

@@ -24,6 +24,7 @@ from treadle.server.db import (
     upgrade_to_head,
 )
 from treadle.server.db import queries as q
+from treadle.server.db import session_queries as sq
 from treadle.server.db.session import alembic_config
 
 TABLES = {
@@ -66,7 +67,7 @@ def _fill_every_table(engine: Engine) -> None:
             seed=0,
             dtype="float32",
         )
-        model.session_id = q.create_session(s, tenant.id, "treadle-sdk/test").id
+        model.session_id = sq.create_session(s, tenant.id, "treadle-sdk/test").id
         ckpt = q.add_checkpoint(
             s,
             tenant_id=tenant.id,

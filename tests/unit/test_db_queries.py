@@ -12,6 +12,7 @@ from treadle.common.db.models import Model
 from treadle.errors import AlreadyExistsError
 from treadle.server.db import ops_log
 from treadle.server.db import queries as q
+from treadle.server.db import session_queries as sq
 
 
 def _model(s: Session, tenant_id: str) -> Model:
@@ -210,7 +211,7 @@ def test_model_status_sessions_and_checkpoint_flags_change_through_queries(
     session: Session,
 ) -> None:
     tenant = q.ensure_tenant(session, "alice")
-    client = q.create_session(session, tenant.id, "sdk")
+    client = sq.create_session(session, tenant.id, "sdk")
     model = q.create_model(
         session,
         tenant_id=tenant.id,
@@ -229,12 +230,12 @@ def test_model_status_sessions_and_checkpoint_flags_change_through_queries(
     assert q.set_model_status(session, "m-missing", "lost") is None
 
     before = client.last_heartbeat_at
-    q.record_heartbeat(session, client)
+    sq.record_heartbeat(session, client)
     assert client.last_heartbeat_at >= before
-    q.end_session(session, client)
+    sq.end_session(session, client)
     ended = client.ended_at
     assert ended is not None
-    q.end_session(session, client)  # ended once: the first end stays
+    sq.end_session(session, client)  # ended once: the first end stays
     assert client.ended_at == ended
 
     ckpt = _checkpoint(session, model, "a")
@@ -297,10 +298,10 @@ def test_session_search_pages_through_batches_ties_and_metadata(
     same = dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc)
     rows = []
     for i in range(7):
-        row = q.create_session(session, alice.id, user_metadata={"k": "x" if i % 2 else "y"})
+        row = sq.create_session(session, alice.id, user_metadata={"k": "x" if i % 2 else "y"})
         row.created_at = same if i < 4 else same + dt.timedelta(seconds=i)
         rows.append(row)
-    q.create_session(session, bob.id, user_metadata={"k": "x"})
+    sq.create_session(session, bob.id, user_metadata={"k": "x"})
     session.flush()
     want = sorted(
         (r for r in rows if r.user_metadata == {"k": "x"}),
@@ -319,8 +320,8 @@ def test_session_search_pages_through_batches_ties_and_metadata(
             if after is None:
                 break
         assert got == [r.id for r in want] and len(got) == 3, limit
-    q.end_session(session, rows[1], "errored", "boom")
-    q.end_session(session, rows[1], "success")  # the first end stays
+    sq.end_session(session, rows[1], "errored", "boom")
+    sq.end_session(session, rows[1], "success")  # the first end stays
     ended = svc.search(alice.id, SessionQuery(statuses=frozenset({"errored"})))
     assert [(s.session_id, s.finish_reason, s.finish_detail) for s in ended.sessions] == [
         (rows[1].id, "errored", "boom")

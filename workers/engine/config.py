@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from treadle.workers.engine.options import EngineOptions
+from treadle.workers.sampler.state import SamplerLimits
 
 
 @dataclass(frozen=True)
@@ -25,3 +26,15 @@ class EngineConfig(EngineOptions):
     batch_across_models: bool = True
     #: where auto-checkpoints go (``EngineOptions.auto_checkpoint_steps``); None: off
     auto_checkpoint_root: str | Path | None = None
+
+    def sampler_limits(self) -> SamplerLimits:
+        """The torch sampler's limits, as these settings give them."""
+        return SamplerLimits(
+            num_slots=self.sampler_slots,
+            max_len=self.sampler_max_len,
+            prefill_slots=self.sampler_prefill_slots,
+            max_prefill_tokens=self.sampler_max_prefill_tokens,
+            max_queued=self.sampler_max_queued,
+            log_every_s=self.metrics_log_every_s,
+            kv_memory_fraction=self.kv_cache_memory_fraction,
+        )

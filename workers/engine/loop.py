@@ -22,7 +22,7 @@ import traceback
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -57,7 +57,7 @@ from treadle.workers.engine import calls
 from treadle.workers.engine.base_models import BaseModel, BaseModelRegistry, parse_dtype
 from treadle.workers.engine.config import EngineConfig
 from treadle.workers.engine.models import ModelRegistry, holds_gradients
-from treadle.workers.engine.ordered import Applied, OrderedExecutor
+from treadle.workers.engine.ordered import OrderedExecutor, StepReport
 from treadle.workers.engine.scheduler import OrderedCall, Scheduler
 from treadle.workers.engine.versions import VersionStore, WeightSnapshot
 from treadle.workers.sampler.backend import (
@@ -67,7 +67,6 @@ from treadle.workers.sampler.backend import (
     SampleRequest,
 )
 from treadle.workers.sampler.backends import BackendSettings, make_backend
-from treadle.workers.sampler.state import SamplerLimits
 from treadle.workers.trainer import checkpoint, export
 from treadle.workers.trainer.trainer import TrainingModel
 
@@ -76,18 +75,6 @@ __all__ = ["Engine", "EngineConfig", "StepReport"]
 log = logging.getLogger("treadle.engine")
 T = TypeVar("T")
 R = TypeVar("R")
-
-
-@dataclass(frozen=True)
-class StepReport:
-    """What one ``Engine.step`` did."""
-
-    #: the ordered calls resolved, in the order they were (ran or answered without running)
-    calls: tuple[Applied, ...]
-    #: how many tasks of the inbox (submissions, lifecycle calls) ran
-    inbox: int
-    #: whether a backend's between-calls task (the inline sampler's step) ran
-    sampled: bool
 
 
 class Engine:
@@ -118,7 +105,7 @@ class Engine:
         #: (has_work, run_once) tasks of backends that share this thread
         self._between_calls: list[tuple[Callable[[], bool], Callable[[], None]]] = []
         settings = BackendSettings(
-            self._sampler_limits(),
+            config.sampler_limits(),
             torch_threads=config.sampler_threads or config.threads,
             options=config.sampler_options,
         )
@@ -472,18 +459,6 @@ class Engine:
         except TreadleError as err:
             fut.set_exception(err)
             return None
-
-    def _sampler_limits(self) -> SamplerLimits:
-        c = self.config
-        return SamplerLimits(
-            num_slots=c.sampler_slots,
-            max_len=c.sampler_max_len,
-            prefill_slots=c.sampler_prefill_slots,
-            max_prefill_tokens=c.sampler_max_prefill_tokens,
-            max_queued=c.sampler_max_queued,
-            log_every_s=c.metrics_log_every_s,
-            kv_memory_fraction=c.kv_cache_memory_fraction,
-        )
 
     def _admit_sample(
         self,

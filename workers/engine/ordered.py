@@ -65,6 +65,18 @@ class Applied:
     error: str = ""
 
 
+@dataclass(frozen=True)
+class StepReport:
+    """What one ``Engine.step`` did."""
+
+    #: the ordered calls resolved, in the order they were (ran or answered without running)
+    calls: tuple[Applied, ...]
+    #: how many tasks of the inbox (submissions, lifecycle calls) ran
+    inbox: int
+    #: whether a backend's between-calls task (the inline sampler's step) ran
+    sampled: bool
+
+
 class OrderedExecutor:
     def __init__(
         self,
