@@ -1,12 +1,12 @@
 """Build docs/tinker-compat.md, the tinker SDK compatibility table, from the tests.
 
-Run: python scripts/tinker_compat.py                  (runs tests/integration/test_tinker_*.py
+Run: python scripts/tinker_compat.py                  (runs tests/integration/tinker/test_tinker_*.py
                                                        with the recorder, then writes the page)
      python scripts/tinker_compat.py --record FILE    (writes the page from a saved record)
 
 Every public method of the pinned SDK's ServiceClient, TrainingClient,
 SamplingClient and RestClient gets a row: ✓ when a passing test calls it
-(tests/integration/tinker_recorder.py credits only the test's own calls), ✗ when
+(tests/integration/tinker/tinker_recorder.py credits only the test's own calls), ✗ when
 a test that calls it fails, and ✗ with the reason below when no test calls it.
 Nothing here says ✓ by hand.
 """
@@ -24,7 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "docs" / "tinker-compat.md"
 TESTS = sorted(
-    str(p.relative_to(ROOT)) for p in (ROOT / "tests" / "integration").glob("test_tinker_*.py")
+    str(p.relative_to(ROOT)) for p in (ROOT / "tests" / "integration" / "tinker").glob("test_tinker_*.py")
 )
 
 
@@ -54,7 +54,7 @@ def record_from_tests() -> dict[str, dict[str, list[str]]]:
             "pytest",
             "-q",
             "-p",
-            "tests.integration.tinker_recorder",
+            "tests.integration.tinker.tinker_recorder",
             *TESTS,
         ]
         run = subprocess.run(cmd, cwd=ROOT, env=env)
@@ -67,7 +67,7 @@ def render(record: dict[str, dict[str, list[str]]]) -> str:
     import tinker
 
     sys.path.insert(0, str(ROOT))
-    from tests.integration.tinker_recorder import CLASSES, public_methods
+    from tests.integration.tinker.tinker_recorder import CLASSES, public_methods
 
     lines = [
         "# tinker SDK compatibility",

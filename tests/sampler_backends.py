@@ -1,5 +1,5 @@
 """Every sampler backend the conformance suite runs against
-(``tests/integration/test_sampler_conformance.py``).
+(``tests/integration/sampling/test_sampler_conformance.py``).
 
 Adding a backend is one line in ``BACKENDS``: its ``--sampler`` name, the
 server settings it runs with in tests, the logprob agreement with the trainer

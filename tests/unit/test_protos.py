@@ -1,7 +1,7 @@
 """The wire contract: committed stubs match protos/, every RPC has a handler, and the
 names on the wire (stop reasons, op kinds) have exactly one definition each side.
 
-(The LossFn enum against the loss registry is tests/unit/test_losses.py.)
+(The LossFn enum against the loss registry is tests/unit/trainer/test_losses.py.)
 """
 
 from __future__ import annotations

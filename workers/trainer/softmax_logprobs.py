@@ -16,7 +16,7 @@ that makes the target's logprob the same to the bit as the sampler's and
 
 The numbers are those of ``llama.target_logprobs`` and of the entropy computed
 the plain way, within floating-point rounding
-(tests/unit/test_softmax_logprobs.py checks float64 values and gradients).
+(tests/unit/trainer/test_softmax_logprobs.py checks float64 values and gradients).
 """
 
 from __future__ import annotations

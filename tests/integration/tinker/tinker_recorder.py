@@ -1,6 +1,6 @@
 """pytest plugin: which public methods of the tinker SDK's clients the tests call,
 and whether the tests that call them pass (``scripts/tinker_compat.py`` runs the
-tinker tests with ``-p tests.integration.tinker_recorder`` and turns the record
+tinker tests with ``-p tests.integration.tinker.tinker_recorder`` and turns the record
 into docs/tinker-compat.md).
 
 Only calls the test itself makes count (the main thread, outermost call): a

@@ -16,9 +16,9 @@ httpx = pytest.importorskip("httpx")
 
 from tinker import types as T  # noqa: E402
 
-from tests.integration.test_tinker_sdk import BASE, SFT, World  # noqa: E402
-from tests.integration.test_tinker_sdk import sc as _sc_fixture  # noqa: E402,F401 (the fixtures)
-from tests.integration.test_tinker_sdk import world as _world_fixture  # noqa: E402,F401
+from tests.integration.tinker.test_tinker_sdk import BASE, SFT, World  # noqa: E402
+from tests.integration.tinker.test_tinker_sdk import sc as _sc_fixture  # noqa: E402,F401 (the fixtures)
+from tests.integration.tinker.test_tinker_sdk import world as _world_fixture  # noqa: E402,F401
 
 
 @pytest.fixture(scope="module")

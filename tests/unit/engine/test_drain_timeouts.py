@@ -17,7 +17,7 @@ import pytest
 from treadle.server.config import ServerConfig, add_server_flags
 from treadle.workers.worker.config import WorkerConfig, add_worker_flags
 
-DOC = Path(__file__).resolve().parents[2] / "docs" / "restarts.md"
+DOC = Path(__file__).resolve().parents[3] / "docs" / "restarts.md"
 
 
 def _default(config: type, name: str) -> object:

@@ -16,7 +16,7 @@ httpx = pytest.importorskip("httpx")
 from tinker import types as T  # noqa: E402
 
 from tests.helpers import tenant_key  # noqa: E402
-from tests.integration.test_tinker_sdk import BASE  # noqa: E402
+from tests.integration.tinker.test_tinker_sdk import BASE  # noqa: E402
 from treadle.server.config import ServerConfig  # noqa: E402
 from treadle.server.embedded import EmbeddedServer  # noqa: E402
 

@@ -2,7 +2,7 @@
 weights in shared memory, cancellation, shutdown, and a child that dies. Driven through the
 engine's thread-safe API, against a real spawned child (nothing mocked). What
 every backend does (in-flight updates, streams, partial rollouts, bad input) is
-checked for this one too by ``tests/integration/test_sampler_conformance.py``, and
+checked for this one too by ``tests/integration/sampling/test_sampler_conformance.py``, and
 that it samples what the engine thread samples by ``test_sampler_hosts.py``."""
 
 from __future__ import annotations

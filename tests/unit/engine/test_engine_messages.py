@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 from tests.unit.engine_ops import RecordingAPI
-from tests.unit.test_codec import _same
+from tests.unit.engine.test_codec import _same
 from treadle.common.celery_app import decode_reply, encode_reply
 from treadle.common.engine import codec
 from treadle.common.engine import messages as m

@@ -289,7 +289,7 @@ def test_readme_tinker_example_runs(world: World, monkeypatch: pytest.MonkeyPatc
     name swapped for this server's)."""
     import re
 
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[3] / "README.md").read_text()
     section = readme.split("## Use it from the tinker SDK", 1)[1].split("\n## ", 1)[0]
     match = re.search(r"```python\n(.*?)```", section, re.S)
     assert match, "the README lost its tinker example"

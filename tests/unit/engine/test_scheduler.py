@@ -179,7 +179,7 @@ def test_calls_behind_a_running_unit_are_not_waiting_on_a_gap(s: Scheduler) -> N
 
 def test_tenants_are_served_in_turn() -> None:
     """Every backlogged tenant gets its turn each round (fair share by tokens is
-    tests/unit/test_fair_share.py); a tenant's models alternate; a tenant coming
+    tests/unit/engine/test_fair_share.py); a tenant's models alternate; a tenant coming
     back to the backlog goes before those that never left it, in a round of its own."""
     s = Scheduler()
     for model, tenant in (("a1", "A"), ("a2", "A"), ("b1", "B"), ("c1", "C")):

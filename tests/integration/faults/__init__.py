@@ -1,0 +1,1 @@
+"""What restarts and failures do: the server, the broker, the database, the store."""

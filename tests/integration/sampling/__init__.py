@@ -1,0 +1,1 @@
+"""Sampling end to end: backends' conformance, parameters, logprob agreement, async sampling."""

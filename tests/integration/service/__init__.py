@@ -1,0 +1,1 @@
+"""The service as a tenant meets it: auth, walls, quotas, bad input, migrations, metrics, TLS."""

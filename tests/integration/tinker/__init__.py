@@ -1,0 +1,1 @@
+"""The tinker-compatible HTTP API through the real tinker SDK."""

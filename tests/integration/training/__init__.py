@@ -1,0 +1,1 @@
+"""Training end to end: ordering, losses, checkpoints, exports, loops that learn."""

@@ -1,0 +1,1 @@
+"""The server's service layer, database queries, interceptors and HTTP helpers, without a running server."""

@@ -1,0 +1,1 @@
+"""The trainer: losses, AdamW, logprob kernels, batched passes and their threads."""

@@ -1,0 +1,1 @@
+"""The vLLM backend's pieces that run without a vLLM engine."""
