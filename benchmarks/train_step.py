@@ -28,7 +28,7 @@ gradients of the base); "faults/step" the minor page faults of the same
 process(es) per timed step. The torch row is plain torch as a user runs it:
 no allocator or thread tuning beyond ``--threads``, which every row shares. The
 engine and sdk rows run with the engine's default host allocator ("reuse",
-``workers.host_allocator``: freed memory kept for the next step), as an engine's
+``workers.device.host_allocator``: freed memory kept for the next step), as an engine's
 process does; plain torch with the same malloc settings gains as much or more
 where page faults are a large part of a step (110m full 4 x 1,024, both rows
 with them: torch -10%, engine -4%; docs/engine.md).
@@ -229,7 +229,7 @@ def engine_step(
 def run_row(spec: dict) -> None:
     """A child process: build one row's step, time it, print one JSON line."""
     torch.set_num_threads(spec["threads"])
-    if spec["path"] != "torch":  # what the engine's process does (``workers.host_allocator``)
+    if spec["path"] != "torch":  # what the engine's process does (``workers.device.host_allocator``)
         from treadle.workers.device import host_allocator
 
         host_allocator.configure("reuse")

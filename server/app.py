@@ -61,7 +61,7 @@ SERVICE_NAMES = (
 
 def prepare_process(config: ServerConfig) -> None:
     """What this process sets before its threads start when it will run the engine
-    on the CPU: the host allocator (``workers.host_allocator``; the engine sets it
+    on the CPU: the host allocator (``workers.device.host_allocator``; the engine sets it
     too, but by then other threads may have malloc arenas of their own)."""
     if not config.broker and config.device == "cpu":
         host_allocator.configure(config.host_allocator)

@@ -1,5 +1,5 @@
 """The server's Prometheus metrics: every RPC by method, status and tenant, and
-its latency; plus, in an embedded server, the engine's (``workers.metrics``).
+its latency; plus, in an embedded server, the engine's (``common.metrics``).
 
 Served on ``--metrics-port`` (off by default: the series name tenants). The
 tenant label is the tenant id the caller's key resolved to, never the key; a

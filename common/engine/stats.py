@@ -2,7 +2,7 @@
 
 A user running many models (a sweep, several tenants) wants to see whether
 their ``ForwardBackward`` / ``ForwardLogprobs`` calls share the base model's
-passes (``workers.batching``) or each run alone; ``GetServerInfo`` reports
+passes (``workers.trainer.batching``) or each run alone; ``GetServerInfo`` reports
 these counters per base model. Only those two kinds count: barriers
 (``OptimStep``, ``SyncWeights``, ...) are no forward pass.
 

@@ -1,9 +1,9 @@
 """``CeleryDispatcher``: the ``Dispatcher`` of a server whose engines run in
 ``treadle worker`` processes, reached through Celery (Redis or RabbitMQ).
 
-Its parts: where each model lives (``server.celery_placement``), the RPC
-transport and its replies (``server.celery_transport``), the liveness watchdog
-that declares silent workers dead and fails their calls (``server.celery_liveness``).
+Its parts: where each model lives (``server.celery.placement``), the RPC
+transport and its replies (``server.celery.transport``), the liveness watchdog
+that declares silent workers dead and fails their calls (``server.celery.liveness``).
 Each worker's engine applies a model's calls in ``seq_id`` order whatever order
 Celery delivers them in, so ordering, barriers and de-duplication stay where
 they are in the embedded server.

@@ -1,5 +1,5 @@
 """treadle's errors -> HTTP status, in one place (the HTTP twin of
-``server.interceptors``): the status of a refused request, and the
+``server.rpc.interceptors``): the status of a refused request, and the
 ``{error, category}`` body of a future that failed."""
 
 from __future__ import annotations

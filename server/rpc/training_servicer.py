@@ -1,7 +1,7 @@
 """TrainingService over gRPC: a translator over the service layer.
 
 Each RPC reads the caller's tenant, turns its request into domain types
-(``server.convert``), calls ``server.service`` and turns the result back into
+(``server.rpc.convert``), calls ``server.service`` and turns the result back into
 its response; ordering, dedupe, tenancy, quotas and usage live in the service.
 """
 

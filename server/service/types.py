@@ -1,7 +1,7 @@
 """The service layer's own request and result types (frozen dataclasses).
 
 Transports build these from their wire messages and turn the results back into
-wire messages (``server.convert`` for gRPC); the service never sees either
+wire messages (``server.rpc.convert`` for gRPC); the service never sees either
 wire. The engine's op and result types (``treadle.common.engine.domain``) are used as
 they are where they already say what is meant.
 """

@@ -17,7 +17,7 @@ up through this module at each use, so a test replaces it with its own.
   ``keep_versions`` published copies), and answers RESOURCE_EXHAUSTED with
   the bytes needed and free when that exceeds the free memory, before
   anything is allocated. Activations are checked per call
-  (``workers.train_memory``).
+  (``workers.trainer.memory``).
 """
 
 from __future__ import annotations

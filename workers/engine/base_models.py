@@ -47,7 +47,7 @@ class BaseModel:
         self.path = path
         self.cfg = cfg
         self.dtype = dtype
-        #: where its weights live (``workers.device``), loaded or not
+        #: where its weights live (``workers.device.device``), loaded or not
         self.device = device
         self._params: LlamaParams | None = None
         self._lock = threading.Lock()  # samplers on other threads may ask first
@@ -101,7 +101,7 @@ class BaseModelRegistry:
         self, model_dirs: Mapping[str, str | Path], device: torch.device | None = None
     ) -> None:
         self.model_dirs = {name: Path(p) for name, p in model_dirs.items()}
-        #: where the weights are loaded (``workers.device``)
+        #: where the weights are loaded (``workers.device.device``)
         self.device = device or torch.device("cpu")
         self._loaded: dict[tuple[str, torch.dtype], BaseModel] = {}
         self._configs: dict[str, ModelConfig] = {}

@@ -1,6 +1,6 @@
 """The worker engine: owns the base models, every training model, the
-scheduler and one sampler backend (``workers.sampler_backend``; which one:
-``EngineConfig.sampler``, ``workers.sampler_backends``), and runs training on
+scheduler and one sampler backend (``workers.sampler.backend``; which one:
+``EngineConfig.sampler``, ``workers.sampler.backends``), and runs training on
 one thread. The backend samples where its host runs it; the engine hands it
 requests, weight versions and in-flight updates, and never asks which it is.
 
@@ -80,7 +80,7 @@ R = TypeVar("R")
 class Engine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        #: where every tensor lives (``workers.device``)
+        #: where every tensor lives (``workers.device.device``)
         self.device = device.resolve(config.device)
         device.check_dtype(self.device, config.default_dtype)
         if self.device.type == "cpu":  # tensors in malloc'd memory: before any thread starts
@@ -179,7 +179,7 @@ class Engine:
     def export_weights(
         self, model_id: str, directory: str | Path, *, merged: bool
     ) -> Future[list[str]]:
-        """Write the model's current weights to ``directory`` (see ``workers.export``);
+        """Write the model's current weights to ``directory`` (see ``workers.trainer.export``);
         the names of the files written."""
         return self._on_engine(lambda: self._export_weights(model_id, Path(directory), merged))
 

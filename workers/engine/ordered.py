@@ -1,8 +1,8 @@
 """The ordered-call executor: admits a training model's calls to the scheduler,
 runs the units it hands out (batched across LoRA models of one base where it
-can: ``workers.batching``), applies each op and settles its future.
+can: ``workers.trainer.batching``), applies each op and settles its future.
 
-Everything here runs on the engine thread (``workers.engine``).
+Everything here runs on the engine thread (``workers.engine.loop``).
 """
 
 from __future__ import annotations
@@ -127,7 +127,7 @@ class OrderedExecutor:
     def _threads_for(
         self, kind: str, tokens: int, model: TrainingModel
     ) -> AbstractContextManager[None]:
-        """The pass's thread count, measured on the CPU (``workers.pass_threads``)."""
+        """The pass's thread count, measured on the CPU (``workers.trainer.pass_threads``)."""
         return pass_threads(self.threads, self.device, kind, float(tokens * model.cfg.num_params()))
 
     def execute(self, call: OrderedCall) -> None:
@@ -155,7 +155,7 @@ class OrderedExecutor:
 
         The leading ``ForwardBackward``/``ForwardLogprobs`` calls of every LoRA
         model on the same base (everything before its next barrier) run as one
-        batched pass (``workers.batching``); the rest of each unit one by one.
+        batched pass (``workers.trainer.batching``); the rest of each unit one by one.
         """
         groups: dict[tuple[int, torch.dtype], list[tuple[OrderedCall, TrainingModel]]] = {}
         rests: list[tuple[OrderedCall, ...]] = []

@@ -1,6 +1,6 @@
 """The torch sampler's bookkeeping: its limits and stats, the requests and rows
 it holds, the partial rollouts it keeps and its staging slots, and the small
-pure helpers over them (``workers.sampler`` steps them)."""
+pure helpers over them (``workers.sampler.torch_sampler`` steps them)."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ class SamplerLimits:
     """Sizes of one sampler (one per base model and dtype).
 
     ``num_slots`` rows decode together at most (the batch; 0: as many as
-    ``kv_memory_fraction`` of the device's free memory holds, ``workers.memory_budget``);
+    ``kv_memory_fraction`` of the device's free memory holds, ``workers.device.memory_budget``);
     ``max_len`` is the context; ``prefill_slots`` prompts prefill at once and stay cached for
     prefix reuse; ``max_prefill_tokens`` caps prompt tokens computed per step
     (so a decode step is never delayed by more than that much prefill);

@@ -2,7 +2,7 @@
 
 A step's forward passes (one per set of base weights) each leave their logits
 on the device; ``choose`` samples every row there (inverse-CDF with the row's
-uniform, ``workers.sampling``) and gathers the chosen tokens' logprobs, so no
+uniform, ``workers.sampler.sampling``) and gathers the chosen tokens' logprobs, so no
 value goes back to the host per row or per token. ``to_host`` then copies every
 pass's tokens and logprobs in one transfer, the only device read of a decode
 step; ``record`` appends them to their rows and checks stops against that host

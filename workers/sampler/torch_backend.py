@@ -8,9 +8,9 @@ published) written once. Where it runs is its host:
 * ``InlineTorchBackend`` (``--sampler torch``): on the engine thread, between
   two rounds of training calls (``EngineThread.run_between_calls``);
 * ``ThreadTorchBackend`` (``--sampler torch-thread``): on a thread of its own
-  (``workers.sampler_loop``), so sampling overlaps training;
+  (``workers.sampler.thread``), so sampling overlaps training;
 * ``ProcessTorchBackend`` (``--sampler torch-process``,
-  ``workers.sampler_process``): in a child process, which runs the same
+  ``workers.sampler.process.proxy``): in a child process, which runs the same
   ``TorchSamplers`` on its own loop.
 """
 
@@ -207,7 +207,7 @@ class InlineTorchBackend(_LocalTorchBackend):
 
 
 class ThreadTorchBackend(_LocalTorchBackend):
-    """The torch samplers on a thread of their own (``workers.sampler_loop``)."""
+    """The torch samplers on a thread of their own (``workers.sampler.thread``)."""
 
     name = "torch-thread"
 

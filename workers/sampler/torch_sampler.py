@@ -151,7 +151,7 @@ class TorchSampler:
         with (sample index, sequence, engine seconds since its previous call) the
         moment each row finishes (not for cancelled rows). ``owner``: who may
         resume its partial rows; ``prefix``: the partial rollout it continues.
-        The queue is fair across tenants (``workers.fair_queue``).
+        The queue is fair across tenants (``workers.sampler.fair_queue``).
         """
         self.validate(op)
         if len(self.queue) >= self.limits.max_queued:

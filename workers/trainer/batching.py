@@ -47,7 +47,7 @@ BatchableOp: TypeAlias = ForwardBackwardOp | ForwardLogprobsOp
 def batchable(model: TrainingModel, op: object) -> bool:
     """Whether ``op`` of ``model`` may join a cross-model batch."""
     if isinstance(op, ForwardLogprobsOp) and op.reference_weights is not None:
-        return False  # its own weights: a pass of its own (``workers.reference``)
+        return False  # its own weights: a pass of its own (``workers.trainer.reference``)
     return model.adapter is not None and isinstance(op, ForwardBackwardOp | ForwardLogprobsOp)
 
 

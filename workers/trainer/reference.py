@@ -54,7 +54,7 @@ def resolve(model: TrainingModel, ref: ReferenceWeights, versions: VersionStore)
             f"{FIELD}: {ref.uri!r} is not a checkpoint this server can read"
         ) from None
     # The uri, not the directory: a store other than local hands the engine a fresh
-    # download each call (``workers.staging``); the state's write time and seq_id
+    # download each call (``workers.engine.staging``); the state's write time and seq_id
     # tell a state saved again under the same name.
     key = (ref.uri, manifest.get("created_at"), manifest.get("seq_id"))
     return model.references.get(key, lambda: _load(model, ref, manifest))

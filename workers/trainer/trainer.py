@@ -102,7 +102,7 @@ class TrainingModel:
         self.optimizer = AdamW(trainable)
         self.version = 0
         self.last_checkpoint_seq_id = 0
-        #: references ``ForwardLogprobs`` loaded from checkpoints (``workers.reference``)
+        #: references ``ForwardLogprobs`` loaded from checkpoints (``workers.trainer.reference``)
         self.references = ReferenceCache()
 
     @property
@@ -250,7 +250,7 @@ def logprobs_of_hidden(
 ) -> tuple[Tensor, Tensor | None]:
     """Target logprobs (and entropy) of final hidden states: through whole logits, or
     in chunks of positions when the logits would exceed ``LOGITS_CHUNK_BYTES``
-    (long sequences x large vocabulary; ``workers.chunked_logprobs``). An adapter
+    (long sequences x large vocabulary; ``workers.trainer.chunked_logprobs``). An adapter
     on the unembedding takes the whole-logits path (the chunked backward knows
     only the head's own weight)."""
     B, T, _ = hidden_B_T_H.shape
@@ -270,7 +270,7 @@ def logprobs_from_logits(
     logits_B_T_V: Tensor, targets_B_T: Tensor, temperature: float, *, with_entropy: bool
 ) -> tuple[Tensor, Tensor | None]:
     """Target logprobs ``[B, T]`` at ``temperature`` and (optionally, no grad) the entropy:
-    one softmax for both and the gradient (``workers.softmax_logprobs``); a
+    one softmax for both and the gradient (``workers.trainer.softmax_logprobs``); a
     forward without either, one logsumexp."""
     if with_entropy or (torch.is_grad_enabled() and logits_B_T_V.requires_grad):
         return target_logprobs_and_entropy(
@@ -285,7 +285,7 @@ class PreparedForwardBackward:
 
     ``needs_reference``: the loss wants ``ref_logprobs`` the client did not
     send, so a forward with the base weights must fill ``inputs`` first
-    (``set_reference``). The batched path (``workers.batching``) prepares
+    (``set_reference``). The batched path (``workers.trainer.batching``) prepares
     calls with the same function, so both paths validate identically.
     """
 
@@ -373,7 +373,7 @@ def forward_logprobs(
     model: TrainingModel, op: ForwardLogprobsOp, weights: WeightSnapshot | None = None
 ) -> ForwardResult:
     """Logprobs under the model's weights, the base (``op.reference``), or ``weights``
-    (``op.reference_weights`` resolved by ``workers.reference``); no gradient."""
+    (``op.reference_weights`` resolved by ``workers.trainer.reference``); no gradient."""
     return logprobs_of_batch(model, op, prepare_forward_logprobs(model, op), weights)
 
 

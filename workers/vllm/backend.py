@@ -6,17 +6,17 @@ how treadle's sampling maps onto vLLM).
   sample's stream key (vLLM fans ``n = G`` out the same way), so each can be
   cancelled, budgeted and moved to new weights alone; prefix caching shares
   the group's prompt KV.
-* Weights (``workers.vllm_pool``): the base model's LoRA engine serves every
-  LoRA version as an adapter (``workers.vllm_adapters``), and the base model
+* Weights (``workers.vllm.pool``): the base model's LoRA engine serves every
+  LoRA version as an adapter (``workers.vllm.adapters``), and the base model
   itself on a GPU; on a CPU host the base model's rows run on a plain engine
   without LoRA; a full fine-tune model gets an engine of its own whose versions
-  take turns in its weights (``workers.vllm_full``).
+  take turns in its weights (``workers.vllm.full``).
 * Every token records the version that produced it. An in-flight update aborts
   the running vLLM requests of the model's ``latest`` samplers and re-submits
   each, prompt and tokens so far, under the new weights (a vLLM request's
   adapter is fixed for its life; the earlier tokens' KV is recomputed).
 * ``token_budget`` caps a vLLM request's ``max_tokens``; a sample stopped by the
-  budget alone becomes a partial rollout (``workers.vllm_rows``) that ``resume``
+  budget alone becomes a partial rollout (``workers.vllm.rows``) that ``resume``
   submits again as prompt + tokens so far. A vLLM engine that dies fails its
   running requests with UNAVAILABLE and starts again at the next request.
 """

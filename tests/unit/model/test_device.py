@@ -23,7 +23,7 @@ def no_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.fixture()
 def one_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A host with one GPU, as far as ``workers.device`` asks."""
+    """A host with one GPU, as far as ``workers.device.device`` asks."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)

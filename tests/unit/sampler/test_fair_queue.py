@@ -1,5 +1,5 @@
 """The torch sampler's queue: tenants take turns by tokens, each tenant's own
-requests keep their order (``workers.fair_queue``)."""
+requests keep their order (``workers.sampler.fair_queue``)."""
 
 from __future__ import annotations
 

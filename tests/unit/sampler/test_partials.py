@@ -1,4 +1,4 @@
-"""Partial rollouts kept under resume handles (``workers.partials``)."""
+"""Partial rollouts kept under resume handles (``workers.sampler.partials``)."""
 
 from __future__ import annotations
 

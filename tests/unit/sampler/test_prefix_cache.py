@@ -1,4 +1,4 @@
-"""The staging slots and prefix reuse (``workers.prefix_cache``), without a model."""
+"""The staging slots and prefix reuse (``workers.sampler.prefix_cache``), without a model."""
 
 from __future__ import annotations
 

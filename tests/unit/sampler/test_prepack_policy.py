@@ -1,4 +1,4 @@
-"""When decode runs on prepacked weights (``workers.prepack_policy``), with the
+"""When decode runs on prepacked weights (``workers.sampler.prepack_policy``), with the
 packing itself stubbed out: which batches pack, how many filler rows, and that
 at most ``MAX_PACKED`` versions stay packed. ``test_prepack.py`` runs the real
 packing."""

@@ -1,5 +1,5 @@
 """Choosing the sampler backend: ``--sampler``, its deprecated aliases, and a
-backend that cannot run here refused at start (``workers.sampler_backends``)."""
+backend that cannot run here refused at start (``workers.sampler.backends``)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """What a sample request must satisfy; each refusal names its field
-(``workers.sampler_validation``)."""
+(``workers.sampler.validation``)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Weights in shared memory for the sampler process (``workers.shm``): one buffer
+"""Weights in shared memory for the sampler process (``workers.sampler.process.shm``): one buffer
 per version, passed without a second copy, and buffers reused once free."""
 
 from __future__ import annotations

@@ -326,7 +326,7 @@ def test_training_threads_are_chosen_per_call_and_restored(
     base: BaseModel, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """With ``training_threads="measure"`` the engine tries a call size on one
-    thread, then on all, and so on (``workers.thread_choice``); ``"one"`` always
+    thread, then on all, and so on (``workers.trainer.thread_choice``); ``"one"`` always
     takes one. The engine's thread count is restored after each call, and only
     calls that succeeded are timed."""
     seen: list[int] = []

@@ -1,6 +1,6 @@
 """The torch sampler's child process (``--sampler torch-process``): the same
 ``TorchSamplers`` as in one process, on a loop that takes the parent's
-messages (``workers.sampler_messages``) between two steps.
+messages (``workers.sampler.process.messages``) between two steps.
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
 """The messages between the torch sampler's parent proxy and its child process
-(``workers.sampler_process``, ``workers.sampler_child``), one type each.
+(``workers.sampler.process.proxy``, ``workers.sampler.process.child``), one type each.
 
 The parent sends them in the order the engine decides (so an in-flight update
 lands before any request sent after it); the child answers with streamed
 sequences, results, released buffers and stats. Tensors inside travel through
-shared memory (``workers.shm``) as they are pickled.
+shared memory (``workers.sampler.process.shm``) as they are pickled.
 """
 
 from __future__ import annotations

@@ -21,8 +21,8 @@ be forked), and the engine talks to them in messages:
   result or error, and the samplers' stats (at most four times a second while
   busy, and on request).
 
-The messages are typed (``workers.sampler_messages``), the child's loop is
-``workers.sampler_child``, the shared-memory buffers ``workers.shm``.
+The messages are typed (``workers.sampler.process.messages``), the child's loop is
+``workers.sampler.process.child``, the shared-memory buffers ``workers.sampler.process.shm``.
 
 The parent sends from one thread (a queue: a future's cancel callback may run
 anywhere, and must never block on the pipe) and receives on another, which

@@ -1,5 +1,5 @@
 """Weights in shared memory, for the torch sampler's child process
-(``workers.sampler_process``).
+(``workers.sampler.process.proxy``).
 
 A version's tensors travel once, by reference: moved into one shared-memory
 buffer (one file descriptor to pass, not one per tensor) that parent and child
