@@ -34,7 +34,7 @@ from treadle.server.config import ServerConfig  # noqa: E402
 from treadle.server.embedded import EmbeddedServer  # noqa: E402
 from treadle.workers.engine import ordered as ordered_executor  # noqa: E402
 from treadle.workers.model.tiny import build_tiny_model  # noqa: E402
-from treadle.workers.sampler.torch_sampler.process import shm
+from treadle.workers.sampler.process import shm
 
 SYNC_TIMES: list[float] = []
 

@@ -31,7 +31,7 @@ from treadle.errors import InvalidArgumentError, NotFoundError, UnavailableError
 from treadle.workers.engine.loop import Engine
 from treadle.workers.sampler.process.proxy import ProcessTorchBackend
 from treadle.workers.sampler.process.shm import flatten
-from treadle.workers.sampler.torch_sampler.process import proxy as sampler_process
+from treadle.workers.sampler.process import proxy as sampler_process
 
 torch.set_num_threads(1)
 pytestmark = pytest.mark.timeout(120)

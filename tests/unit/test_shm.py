@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from treadle.workers.sampler.process.shm import flatten, shared_copy
-from treadle.workers.sampler.torch_sampler.process import shm
+from treadle.workers.sampler.process import shm
 
 
 def test_shared_copy_is_shipped_without_a_second_copy() -> None:
