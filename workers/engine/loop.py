@@ -57,10 +57,9 @@ from treadle.workers.engine.ordered import Applied, OrderedExecutor, token_cost
 from treadle.workers.engine.scheduler import OrderedCall, Scheduler
 from treadle.workers.engine.versions import VersionStore, WeightSnapshot
 from treadle.workers.sampler.backend import (
-    Requester,
-    ResumeRequest,
+    ResumeJob,
+    SampleJob,
     SamplerBackend,
-    SampleRequest,
 )
 from treadle.workers.sampler.backends import BackendSettings, make_backend
 from treadle.workers.sampler.state import SamplerLimits, SamplerStats
@@ -478,8 +477,7 @@ class Engine:
         if resolved is None:
             return
         base, snapshot = resolved
-        request = SampleRequest(base, op, snapshot, Requester.of(target), on_sequence)
-        self.sampler.submit(request, fut)
+        self.sampler.submit(SampleJob(base, op, snapshot, target, on_sequence), fut)
 
     def _admit_resume(
         self,
@@ -492,6 +490,4 @@ class Engine:
         if resolved is None:
             return
         base, snapshot = resolved
-        self.sampler.resume(
-            ResumeRequest(base, handles, params, snapshot, Requester.of(target)), fut
-        )
+        self.sampler.resume(ResumeJob(base, handles, params, snapshot, target), fut)
