@@ -29,9 +29,9 @@ from treadle.common.engine.domain import (
 )
 from treadle.errors import InvalidArgumentError, NotFoundError, UnavailableError
 from treadle.workers.engine.loop import Engine
+from treadle.workers.sampler.process import proxy as sampler_process
 from treadle.workers.sampler.process.proxy import ProcessTorchBackend
 from treadle.workers.sampler.process.shm import flatten
-from treadle.workers.sampler.process import proxy as sampler_process
 
 torch.set_num_threads(1)
 pytestmark = pytest.mark.timeout(120)

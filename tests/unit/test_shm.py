@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from treadle.workers.sampler.process.shm import flatten, shared_copy
 from treadle.workers.sampler.process import shm
+from treadle.workers.sampler.process.shm import flatten, shared_copy
 
 
 def test_shared_copy_is_shipped_without_a_second_copy() -> None:
