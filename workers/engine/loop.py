@@ -54,7 +54,7 @@ from treadle.workers.engine.base_models import BaseModel, BaseModelRegistry, par
 from treadle.workers.engine.config import EngineConfig
 from treadle.workers.engine.models import ModelRegistry, holds_gradients
 from treadle.workers.engine.ordered import Applied, OrderedExecutor, token_cost
-from treadle.workers.engine.scheduler import OrderedCall, Scheduler
+from treadle.workers.engine.scheduler import QueuedCall, Scheduler
 from treadle.workers.engine.versions import VersionStore, WeightSnapshot
 from treadle.workers.sampler.backend import (
     ResumeJob,
@@ -180,7 +180,7 @@ class Engine:
     def submit(self, model_id: str, seq_id: int, op: OrderedOp, digest: str) -> Future[OpResult]:
         """Queue an ordered call; the future resolves once it is applied (in order)."""
         fut: Future[OpResult] = Future()
-        call = OrderedCall(
+        call = QueuedCall(
             model_id, seq_id, op.kind, digest, time.monotonic(), fut, op, cost=token_cost(op)
         )
         self._inbox.put(lambda: self.executor.admit(call))
@@ -319,7 +319,7 @@ class Engine:
                         log.exception("engine: a sampler task failed")
         return StepReport(tuple(self.executor.take_applied()), inbox, sampled)
 
-    def _gap_error(self, call: OrderedCall) -> AbortedError:
+    def _gap_error(self, call: QueuedCall) -> AbortedError:
         return AbortedError(
             f"seq_id {call.seq_id} of model {call.model_id} waited {self.config.gap_timeout_s:.0f}s "
             f"for seq_id {self.scheduler.next_seq_id(call.model_id)}, which never arrived; "
