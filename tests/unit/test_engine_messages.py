@@ -40,7 +40,7 @@ from treadle.common.engine.domain import (
 )
 from treadle.errors import InternalError, InvalidArgumentError, NotFoundError
 from treadle.server.celery.transport import Pending, _outcome
-from treadle.workers.worker.celery_worker import Worker
+from treadle.workers.worker.celery_worker import WorkerProcess
 
 TARGET = SamplerTarget("tiny", "m-1", 3, tenant_id="t-1")
 PARAMS = SamplingConfig(max_tokens=4, stop_strings=("\n",))
@@ -173,8 +173,8 @@ class _Replies:
 
 
 def _worker(capacity: int = 4) -> Any:
-    """A ``Worker`` without its broker, database and engine: the task alone."""
-    w = Worker.__new__(Worker)
+    """A ``WorkerProcess`` without its broker, database and engine: the task alone."""
+    w = WorkerProcess.__new__(WorkerProcess)
     w.staged = RecordingAPI(ANSWERS, SEQ)  # type: ignore[assignment]
     w.engine = SimpleNamespace(has_model=lambda _: False)  # type: ignore[assignment]
     w.replies = _Replies()  # type: ignore[assignment]
