@@ -61,9 +61,14 @@ class SampleJob:
     whose request it is and which weights it follows) and adds only what the
     engine resolved: the ``base`` and the ``weights`` it reads. ``on_sequence``
     set: a streamed request (each sample reported as it finishes, then the
-    whole result). A backend keeps its own progress beside it (the torch
-    sampler's ``TorchRequest``, the vLLM backend's ``VllmRequest``), never a copy
-    of these fields."""
+    whole result). A backend keeps its progress on a job in its own record (the
+    torch sampler's ``TorchRequest``, which reads the job's fields through it;
+    the vLLM backend's ``VllmRequest``), not in another request type.
+
+    ``target`` is the domain's own record of whose request it is, so the engine
+    makes no copy of it: its tenant is the fair-queueing key, its ``latest_of``
+    the model whose in-flight updates the job takes, and ``owner_of(target)``
+    who may resume its partial rollouts."""
 
     base: BaseModel
     op: SampleOp
