@@ -47,6 +47,7 @@ from treadle.common.engine.domain import (
 )
 from treadle.workers.engine.base_models import BaseModelRegistry
 from treadle.workers.engine.versions import WeightSnapshot
+from treadle.workers.sampler.backend import SampleJob
 from treadle.workers.sampler.torch_sampler import TorchSampler
 from treadle.workers.trainer.trainer import TrainingModel, forward_backward
 
@@ -66,7 +67,7 @@ def decode(path: str, stop: Any, tokens: Any) -> None:
     def submit() -> Future[SampleResult]:
         prompt = rng.integers(3, base.cfg.vocab_size, size=12)
         fut: Future[SampleResult] = Future()
-        sampler.submit(SampleOp(prompt, SAMPLES, params), weights, fut)
+        sampler.submit(SampleJob(sampler.base, SampleOp(prompt, SAMPLES, params), weights), fut)
         return fut
 
     running = [submit() for _ in range(REQUESTS)]

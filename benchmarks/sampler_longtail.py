@@ -36,6 +36,7 @@ import torch
 from treadle.common.engine.domain import SampleOp, SampleResult, SamplingConfig
 from treadle.workers.engine.base_models import BaseModelRegistry
 from treadle.workers.engine.versions import WeightSnapshot
+from treadle.workers.sampler.backend import SampleJob
 from treadle.workers.sampler.torch_sampler import SamplerLimits, TorchSampler
 
 CAP = 512
@@ -58,7 +59,7 @@ def run_treadle(
     for i, n in enumerate(lengths):
         fut: Future[SampleResult] = Future()
         params = SamplingConfig(max_tokens=n, seed=i, ignore_eos=True)
-        sampler.submit(SampleOp(prompts[i // G], 1, params), snap, fut)
+        sampler.submit(SampleJob(sampler.base, SampleOp(prompts[i // G], 1, params), snap), fut)
         futures.append(fut)
     while sampler.has_work():
         sampler.step()

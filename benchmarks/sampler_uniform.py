@@ -33,6 +33,7 @@ from treadle.common.engine.domain import SampleOp, SampleResult, SamplingConfig
 from treadle.workers.engine.base_models import BaseModelRegistry, parse_dtype
 from treadle.workers.engine.versions import WeightSnapshot
 from treadle.workers.model import prepack
+from treadle.workers.sampler.backend import SampleJob
 from treadle.workers.sampler.torch_sampler import SamplerLimits, TorchSampler
 
 
@@ -44,7 +45,7 @@ def run_treadle(
     for i, (prompt, n) in enumerate(zip(prompts, lengths, strict=True)):
         fut: Future[SampleResult] = Future()
         params = SamplingConfig(max_tokens=n, seed=i, ignore_eos=True)
-        sampler.submit(SampleOp(prompt, 1, params), snap, fut)
+        sampler.submit(SampleJob(sampler.base, SampleOp(prompt, 1, params), snap), fut)
         futures.append(fut)
     while sampler.has_work():
         sampler.step()

@@ -229,7 +229,9 @@ def engine_step(
 def run_row(spec: dict) -> None:
     """A child process: build one row's step, time it, print one JSON line."""
     torch.set_num_threads(spec["threads"])
-    if spec["path"] != "torch":  # what the engine's process does (``workers.device.host_allocator``)
+    if (
+        spec["path"] != "torch"
+    ):  # what the engine's process does (``workers.device.host_allocator``)
         from treadle.workers.device import host_allocator
 
         host_allocator.configure("reuse")

@@ -18,7 +18,7 @@ from treadle._rpc import Caller, error_from_rpc, make_channel
 from treadle.errors import InvalidArgumentError
 from treadle.futures import APIFuture
 from treadle.sampling_client import SamplingClient
-from treadle.session import ClientSession
+from treadle.session import SessionKeeper
 from treadle.tokenizer import Tokenizer
 from treadle.training_client import TrainingClient
 from treadle.types import ModelInfo, ServerInfo
@@ -81,7 +81,7 @@ class ServiceClient:
         self._sampling = sampling_pb2_grpc.SamplingServiceStub(self._channel)
         self._server = server_pb2_grpc.ServerServiceStub(self._channel)
         self._tokenizers: dict[str, Tokenizer] = {}
-        self._session = ClientSession(self._channel, self._caller, heartbeat_s) if session else None
+        self._session = SessionKeeper(self._channel, self._caller, heartbeat_s) if session else None
         # Garbage-collected without close(): stop the heartbeats and close the
         # channel (no call to the server from a finalizer: the session lapses).
         self._release = weakref.finalize(self, _release, self._session, self._channel)
@@ -288,7 +288,7 @@ class ServiceClient:
         self.close()
 
 
-def _release(session: ClientSession | None, channel: grpc.Channel) -> None:
+def _release(session: SessionKeeper | None, channel: grpc.Channel) -> None:
     """What a client holds, let go: its heartbeats stopped, its channel closed."""
     if session is not None:
         session.stop()

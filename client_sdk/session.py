@@ -38,7 +38,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("treadle")
 
 #: every session whose heartbeat thread may run, to stop them all at exit
-_LIVE: weakref.WeakSet[ClientSession] = weakref.WeakSet()
+_LIVE: weakref.WeakSet[SessionKeeper] = weakref.WeakSet()
 _EXITING = threading.Event()
 #: a heartbeat unanswered this long is worth a warning (it is still waited for)
 SLOW_BEAT_S = 60.0
@@ -58,7 +58,10 @@ def _quiet(stop: threading.Event) -> bool:
     return stop.is_set() or _EXITING.is_set() or sys.is_finalizing()
 
 
-class ClientSession:
+class SessionKeeper:
+    """Opens the client's session on the server and keeps it alive with a
+    heartbeat thread (the server's ``ClientSession`` row is what it keeps)."""
+
     def __init__(
         self, channel: grpc.Channel, caller: Caller, heartbeat_s: float | None = None
     ) -> None:

@@ -24,7 +24,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "docs" / "tinker-compat.md"
 TESTS = sorted(
-    str(p.relative_to(ROOT)) for p in (ROOT / "tests" / "integration" / "tinker").glob("test_tinker_*.py")
+    str(p.relative_to(ROOT))
+    for p in (ROOT / "tests" / "integration" / "tinker").glob("test_tinker_*.py")
 )
 
 

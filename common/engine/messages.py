@@ -77,7 +77,7 @@ class StreamEnd:
 
 
 @dataclass(frozen=True)
-class Route:
+class CallRoute:
     """Where a call runs: on the worker of ``model_id``, or on the worker that
     serves ``target`` (``sampler_key``: the sampler whose earlier calls went
     there, e.g. the one holding a partial rollout's handles)."""
@@ -104,7 +104,7 @@ class EngineCall(Generic[R]):
         return None
 
     @property
-    def route(self) -> Route:
+    def route(self) -> CallRoute:
         raise NotImplementedError
 
 
@@ -121,8 +121,8 @@ class CreateModelCall(EngineCall[ModelStatus]):
         return self.spec.model_id
 
     @property
-    def route(self) -> Route:
-        return Route(model_id=self.spec.model_id)
+    def route(self) -> CallRoute:
+        return CallRoute(model_id=self.spec.model_id)
 
 
 @dataclass(frozen=True)
@@ -131,8 +131,8 @@ class DeleteModelCall(EngineCall[Deleted]):
     model_id: str
 
     @property
-    def route(self) -> Route:
-        return Route(model_id=self.model_id)
+    def route(self) -> CallRoute:
+        return CallRoute(model_id=self.model_id)
 
 
 @dataclass(frozen=True)
@@ -146,8 +146,8 @@ class UnloadModelCall(EngineCall[SaveResult]):
     force: bool = False
 
     @property
-    def route(self) -> Route:
-        return Route(model_id=self.model_id)
+    def route(self) -> CallRoute:
+        return CallRoute(model_id=self.model_id)
 
 
 @dataclass(frozen=True)
@@ -166,8 +166,8 @@ class SubmitCall(EngineCall[OpResult]):
         return self.model_id
 
     @property
-    def route(self) -> Route:
-        return Route(model_id=self.model_id)
+    def route(self) -> CallRoute:
+        return CallRoute(model_id=self.model_id)
 
 
 @dataclass(frozen=True)
@@ -181,9 +181,9 @@ class SampleCall(EngineCall[SampleResult]):
     dedupe_key: tuple[str, int, str] | None = None
 
     @property
-    def route(self) -> Route:
+    def route(self) -> CallRoute:
         key = self.dedupe_key[0] if self.dedupe_key else None
-        return Route(target=self.target, sampler_key=key)
+        return CallRoute(target=self.target, sampler_key=key)
 
 
 @dataclass(frozen=True)
@@ -196,8 +196,8 @@ class SampleStreamCall(EngineCall[StreamEnd]):
     op: SampleOp
 
     @property
-    def route(self) -> Route:
-        return Route(target=self.target)
+    def route(self) -> CallRoute:
+        return CallRoute(target=self.target)
 
 
 @dataclass(frozen=True)
@@ -211,8 +211,8 @@ class ResumeCall(EngineCall[SampleResult]):
     sampler_id: str = ""
 
     @property
-    def route(self) -> Route:
-        return Route(target=self.target, sampler_key=self.sampler_id or None)
+    def route(self) -> CallRoute:
+        return CallRoute(target=self.target, sampler_key=self.sampler_id or None)
 
 
 @dataclass(frozen=True)
@@ -221,8 +221,8 @@ class CheckTargetCall(EngineCall[TargetVersion]):
     target: SamplerTarget
 
     @property
-    def route(self) -> Route:
-        return Route(target=self.target)
+    def route(self) -> CallRoute:
+        return CallRoute(target=self.target)
 
 
 @dataclass(frozen=True)
@@ -236,8 +236,8 @@ class ExportCall(EngineCall[Exported]):
     merged: bool = False
 
     @property
-    def route(self) -> Route:
-        return Route(model_id=self.model_id)
+    def route(self) -> CallRoute:
+        return CallRoute(model_id=self.model_id)
 
 
 # ---- the reply --------------------------------------------------------------------------------
@@ -275,5 +275,7 @@ CALLS: Mapping[str, type[EngineCall[Any]]] = {
 #: every type a message is framed as (calls, replies and their result types)
 MESSAGES: Mapping[str, type] = {
     **CALLS,
-    **{cls.__name__: cls for cls in (Reply, Route, Deleted, Exported, TargetVersion, StreamEnd)},
+    **{
+        cls.__name__: cls for cls in (Reply, CallRoute, Deleted, Exported, TargetVersion, StreamEnd)
+    },
 }

@@ -19,12 +19,12 @@ from treadle.errors import InvalidArgumentError
 from treadle.server.http import wire
 from treadle.server.http.auth import tenant
 from treadle.server.http.state import HttpState, api_router, state
-from treadle.server.service.types import CheckpointInfo
+from treadle.server.service.types import CheckpointRecord
 
 router = api_router()
 
 
-def checkpoint_json(st: HttpState, c: CheckpointInfo, model_id: str = "") -> dict[str, Any]:
+def checkpoint_json(st: HttpState, c: CheckpointRecord, model_id: str = "") -> dict[str, Any]:
     """A treadle checkpoint as the SDK's ``Checkpoint`` (under the id the caller uses)."""
     return {
         "checkpoint_id": f"weights/{c.name}",

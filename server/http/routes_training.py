@@ -24,7 +24,7 @@ from treadle.server.http.auth import tenant
 from treadle.server.http.futures import Encoder
 from treadle.server.http.state import HttpState, api_router, state
 from treadle.server.service import CallHandle
-from treadle.server.service.types import CreateModel, OrderedCall, parse
+from treadle.server.service.types import NewModel, OrderedCall, parse
 
 router = api_router()
 
@@ -76,12 +76,12 @@ async def create_model(
     if lora is not None and not isinstance(lora, dict):
         raise InvalidArgumentError("lora_config: expected an object")
     if lora is None:
-        req = CreateModel(base_model=base_model, lora_rank=0, session_id=session_id)
+        req = NewModel(base_model=base_model, lora_rank=0, session_id=session_id)
     else:
         rank = wire.field(lora, "rank", int)
         if rank < 1:
             raise InvalidArgumentError(f"lora_config.rank: must be >= 1 (got {rank})")
-        req = CreateModel(
+        req = NewModel(
             base_model=base_model,
             lora_rank=rank,
             seed=wire.field(lora, "seed", int, 0),
@@ -317,7 +317,7 @@ async def load_weights(
     async def run() -> str:
         info = await st.service.models.create(
             tenant_id,
-            CreateModel(from_state=uri, session_id=session_id, weights_only=not optimizer),
+            NewModel(from_state=uri, session_id=session_id, weights_only=not optimizer),
         )
         st.names.alias(tenant_id, sdk_id, info.model_id)
         return info.model_id

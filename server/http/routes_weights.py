@@ -12,12 +12,12 @@ from treadle.server.http import wire
 from treadle.server.http.auth import tenant
 from treadle.server.http.routes_checkpoints import CheckpointRef, checkpoint_json, checkpoint_ref
 from treadle.server.http.state import HttpState, api_router, state
-from treadle.server.service.types import ModelInfo
+from treadle.server.service.types import ModelRecord
 
 router = api_router()
 
 
-def _run(info: ModelInfo, tenant_id: str) -> dict[str, Any]:
+def _run(info: ModelRecord, tenant_id: str) -> dict[str, Any]:
     return {
         "training_run_id": info.model_id,
         "base_model": info.base_model,

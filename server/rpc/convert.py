@@ -32,10 +32,10 @@ from treadle.common.engine.stats import PassStats, SamplerStats
 from treadle.errors import InvalidArgumentError
 from treadle.server import restarts
 from treadle.server.service.types import (
-    BaseModelInfo,
-    CheckpointInfo,
-    CreateModel,
-    ModelInfo,
+    BaseModelRecord,
+    CheckpointRecord,
+    ModelRecord,
+    NewModel,
     OrderedCall,
     SamplerInfo,
     SamplerSource,
@@ -73,8 +73,8 @@ def ordered_call(request: Any, metadata: Sequence[tuple[str, Any]] | None) -> Or
     )
 
 
-def create_model(req: training_pb2.CreateModelRequest) -> CreateModel:
-    return CreateModel(
+def create_model(req: training_pb2.CreateModelRequest) -> NewModel:
+    return NewModel(
         base_model=req.base_model,
         lora_rank=req.lora_rank,
         lora_alpha=req.lora_alpha,
@@ -87,7 +87,7 @@ def create_model(req: training_pb2.CreateModelRequest) -> CreateModel:
     )
 
 
-def model_info(info: ModelInfo) -> training_pb2.ModelInfo:
+def model_info(info: ModelRecord) -> training_pb2.ModelInfo:
     return training_pb2.ModelInfo(
         model_id=info.model_id,
         base_model=info.base_model,
@@ -103,7 +103,7 @@ def model_info(info: ModelInfo) -> training_pb2.ModelInfo:
     )
 
 
-def checkpoint(c: CheckpointInfo) -> training_pb2.Checkpoint:
+def checkpoint(c: CheckpointRecord) -> training_pb2.Checkpoint:
     return training_pb2.Checkpoint(
         path=c.path,
         name=c.name,
@@ -290,11 +290,11 @@ def stream_response(item: StreamedSequence) -> sampling_pb2.SampleStreamResponse
 # ---- responses of the lifecycle, checkpoint, session and info calls -------------------
 
 
-def list_models(infos: Sequence[ModelInfo]) -> training_pb2.ListModelsResponse:
+def list_models(infos: Sequence[ModelRecord]) -> training_pb2.ListModelsResponse:
     return training_pb2.ListModelsResponse(models=[model_info(m) for m in infos])
 
 
-def list_checkpoints(rows: Sequence[CheckpointInfo]) -> training_pb2.ListCheckpointsResponse:
+def list_checkpoints(rows: Sequence[CheckpointRecord]) -> training_pb2.ListCheckpointsResponse:
     return training_pb2.ListCheckpointsResponse(checkpoints=[checkpoint(c) for c in rows])
 
 
@@ -356,7 +356,7 @@ def server_info(
     max_tokens_per_request: int,
     features: Sequence[str],
     quota: tuple[int, int],
-    base_models: Sequence[BaseModelInfo],
+    base_models: Sequence[BaseModelRecord],
     sampler_metrics: Sequence[SamplerStats],
     pass_metrics: Sequence[PassStats],
 ) -> server_pb2.ServerInfo:

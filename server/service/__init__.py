@@ -21,7 +21,7 @@ from treadle.server.service.checkpoints import CheckpointService
 from treadle.server.service.info import InfoService
 from treadle.server.service.models import ModelService
 from treadle.server.service.op_endings import OpEndings
-from treadle.server.service.ordered import CallHandle, OrderedCalls
+from treadle.server.service.ordered import CallHandle, OrderedPipeline
 from treadle.server.service.sampling import SamplingService
 from treadle.server.service.sessions import SessionService
 from treadle.server.service.training import TrainingService
@@ -51,7 +51,7 @@ class Service:
         self.op_endings = OpEndings(ctx.connection)
         self.sampling = SamplingService(ctx, self.meter)
         self.training = TrainingService(
-            ctx, OrderedCalls(ctx, self.meter, self.op_endings), self.checkpoints, self.sampling
+            ctx, OrderedPipeline(ctx, self.meter, self.op_endings), self.checkpoints, self.sampling
         )
         self.sessions = SessionService(ctx)
         self.info = InfoService(ctx)

@@ -21,7 +21,7 @@ from treadle.common.store import copy_checkpoint, parse_state_uri, state_uri, st
 from treadle.errors import FailedPreconditionError, InvalidArgumentError, NotFoundError
 from treadle.server.context import ServerContext
 from treadle.server.db import queries, tenancy
-from treadle.server.service.types import CheckpointInfo
+from treadle.server.service.types import CheckpointRecord
 
 log = logging.getLogger("treadle.server")
 
@@ -29,8 +29,8 @@ log = logging.getLogger("treadle.server")
 MIN_TTL_S, MAX_TTL_S = 3600, 10 * 365 * 24 * 3600
 
 
-def _info(c: db.Checkpoint) -> CheckpointInfo:
-    return CheckpointInfo(
+def _info(c: db.Checkpoint) -> CheckpointRecord:
+    return CheckpointRecord(
         path=c.uri,
         name=c.name,
         seq_id=c.seq_id,
@@ -93,18 +93,18 @@ class CheckpointService:
             size_bytes=size,
         )
 
-    def list(self, tenant: str, model_id: str) -> list[CheckpointInfo]:
+    def list(self, tenant: str, model_id: str) -> list[CheckpointRecord]:
         """The model's checkpoints, oldest first."""
         with self.ctx.session() as s:
             self.ctx.model_row(s, tenant, model_id)
             return [_info(c) for c in queries.list_checkpoints(s, tenant, model_id)]
 
-    def list_all(self, tenant: str) -> builtins.list[CheckpointInfo]:
+    def list_all(self, tenant: str) -> builtins.list[CheckpointRecord]:
         """Every checkpoint of the tenant, newest first."""
         with self.ctx.session() as s:
             return [_info(c) for c in queries.list_tenant_checkpoints(s, tenant)]
 
-    def info(self, tenant: str, path: str) -> CheckpointInfo:
+    def info(self, tenant: str, path: str) -> CheckpointRecord:
         """One checkpoint the tenant can read (its own or a published one)."""
         with self.ctx.session() as s:
             return _info(self.readable(s, tenant, path, "path"))

@@ -8,7 +8,7 @@ from pathlib import Path
 from treadle.errors import NotFoundError
 from treadle.server.context import ServerContext
 from treadle.server.db import tenancy
-from treadle.server.service.types import BaseModelInfo
+from treadle.server.service.types import BaseModelRecord
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
@@ -17,7 +17,7 @@ class InfoService:
     def __init__(self, ctx: ServerContext) -> None:
         self.ctx = ctx
 
-    def base_models(self) -> list[BaseModelInfo]:
+    def base_models(self) -> list[BaseModelRecord]:
         """The served base models; ``max_context`` is the model's, or the
         sampler's sequence limit if that is lower."""
         d, config = self.ctx.catalog, self.ctx.config
@@ -25,7 +25,7 @@ class InfoService:
         for name in d.base_model_names():
             cfg = d.base_model_config(name)
             out.append(
-                BaseModelInfo(
+                BaseModelRecord(
                     name=name,
                     arch=cfg.arch,
                     vocab_size=cfg.vocab_size,

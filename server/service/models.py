@@ -24,7 +24,7 @@ from treadle.server.context import ServerContext
 from treadle.server.db import ops_log, queries, session_queries, tenancy
 from treadle.server.rpc import convert
 from treadle.server.service.checkpoints import CheckpointService
-from treadle.server.service.types import CreateModel, ModelInfo
+from treadle.server.service.types import ModelRecord, NewModel
 
 MAX_LORA_RANK = 1024
 #: name of the checkpoint a model created from a state keeps of its starting point
@@ -36,7 +36,7 @@ class ModelService:
         self.ctx = ctx
         self.checkpoints = checkpoints
 
-    async def create(self, tenant: str, req: CreateModel) -> ModelInfo:
+    async def create(self, tenant: str, req: NewModel) -> ModelRecord:
         """A new model under the tenant's model quota, at seq_id 0 (its first
         call is 1). From a checkpoint, the model keeps its own copy of it
         (``init``), so a restart or the source's deletion brings it back there."""
@@ -142,15 +142,15 @@ class ModelService:
                 queries.update_model_progress(s, model_id, last_checkpoint=ckpt)
             return self._info(ctx.model_row(s, tenant, model_id))
 
-    def info(self, tenant: str, model_id: str) -> ModelInfo:
+    def info(self, tenant: str, model_id: str) -> ModelRecord:
         with self.ctx.session() as s:
             return self._info(self.ctx.model_row(s, tenant, model_id))
 
-    def list(self, tenant: str) -> list[ModelInfo]:
+    def list(self, tenant: str) -> list[ModelRecord]:
         with self.ctx.session() as s:
             return [self._info(m) for m in queries.list_models(s, tenant)]
 
-    async def restore(self, tenant: str, model_id: str) -> ModelInfo:
+    async def restore(self, tenant: str, model_id: str) -> ModelRecord:
         """Load an unloaded model back now (any call on it would); its info."""
         async with self.ctx.lifecycle.using(tenant, model_id):
             pass
@@ -191,14 +191,14 @@ class ModelService:
         finally:
             shutil.rmtree(directory, ignore_errors=True)
 
-    def _info(self, row: db.Model) -> ModelInfo:
+    def _info(self, row: db.Model) -> ModelRecord:
         next_seq_id = 0
         if row.status == "unloaded":  # it comes back at its checkpoint, continuing after it
             next_seq_id = row.last_checkpoint_seq_id + 1
         elif row.status == "lost" and (s := object_session(row)) is not None:
             # its next call replays it to its last applied step (or a load_state places it)
             next_seq_id = ops_log.last_applied_seq(s, row.id) + 1
-        info = ModelInfo(
+        info = ModelRecord(
             model_id=row.id,
             base_model=row.base_model,
             is_lora=row.lora_rank > 0,

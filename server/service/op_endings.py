@@ -13,7 +13,7 @@ A crash loses at most the last ``flush_s`` of ends (their rows stay ``pending``,
 their usage uncounted), never a call's result; a stop writes them all
 (``close``). A flush that fails keeps its ends for the next one.
 
-A distributed server writes each end before answering (``OrderedCalls``): its
+A distributed server writes each end before answering (``OrderedPipeline``): its
 workers outlive it, and the replay log recovers a lost model from the ended rows.
 """
 

@@ -36,7 +36,7 @@ R = TypeVar("R")
 Admission = asyncio.Future[None]
 
 
-class OrderedCalls:
+class OrderedPipeline:
     """Runs ordered calls through the pipeline; the one place they are metered."""
 
     def __init__(self, ctx: ServerContext, meter: CallMeter, endings: OpEndings) -> None:

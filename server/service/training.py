@@ -1,7 +1,7 @@
 """The ordered training calls of a tenant's model, for any transport.
 
 Each method takes the caller's tenant, the call's identity (``OrderedCall``)
-and its parsed input, runs it through the one pipeline (``OrderedCalls``), and
+and its parsed input, runs it through the one pipeline (``OrderedPipeline``), and
 does what must follow once the engine has applied it (weight versions,
 checkpoint rows, the model's progress). Every method also takes ``admitted``
 so ``CallHandle.start`` can run it in a task and learn when it is queued.
@@ -35,7 +35,7 @@ from treadle.server import references
 from treadle.server.context import ServerContext
 from treadle.server.db import queries
 from treadle.server.service.checkpoints import CheckpointService
-from treadle.server.service.ordered import Admission, OrderedCalls
+from treadle.server.service.ordered import Admission, OrderedPipeline
 from treadle.server.service.sampling import SamplingService
 from treadle.server.service.types import OrderedCall, Parsed, SavedState, SyncOutcome, unwrap
 
@@ -44,7 +44,7 @@ class TrainingService:
     def __init__(
         self,
         ctx: ServerContext,
-        calls: OrderedCalls,
+        calls: OrderedPipeline,
         checkpoints: CheckpointService,
         samplers: SamplingService,
     ) -> None:

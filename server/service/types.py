@@ -4,6 +4,12 @@ Transports build these from their wire messages and turn the results back into
 wire messages (``server.rpc.convert`` for gRPC); the service never sees either
 wire. The engine's op and result types (``treadle.common.engine.domain``) are used as
 they are where they already say what is meant.
+
+Their names say their layer: what the service answers about a model, a
+checkpoint or a base model is a ``...Record`` (the SDK's public ``ModelInfo``,
+``CheckpointInfo`` and ``BaseModelInfo`` are the client's view of the same facts,
+and the proto's messages the wire's); a request for a new model is a
+``NewModel`` (``CreateModel`` is the engine's message and the RPC's name).
 """
 
 from __future__ import annotations
@@ -56,7 +62,7 @@ class OrderedCall:
 
 
 @dataclass(frozen=True)
-class CreateModel:
+class NewModel:
     """A new training model: LoRA (``lora_rank`` > 0) or a full fine-tune (0), or,
     with ``from_state``, a copy of a checkpoint's model (its settings then
     override every other field)."""
@@ -74,7 +80,7 @@ class CreateModel:
 
 
 @dataclass(frozen=True)
-class ModelInfo:
+class ModelRecord:
     model_id: str
     base_model: str
     is_lora: bool
@@ -89,7 +95,7 @@ class ModelInfo:
 
 
 @dataclass(frozen=True)
-class CheckpointInfo:
+class CheckpointRecord:
     path: str  # treadle://<model_id>/state/<name>
     name: str
     seq_id: int
@@ -210,7 +216,7 @@ class SessionTimeline:
 
 
 @dataclass(frozen=True)
-class BaseModelInfo:
+class BaseModelRecord:
     """A base model this server serves."""
 
     name: str

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from treadle.workers.engine.scheduler import OrderedCall, Scheduler, WorkUnit
+from treadle.workers.engine.scheduler import QueuedCall, Scheduler, WorkUnit
 
 
 def jain(values: list[float]) -> float:
@@ -16,7 +16,7 @@ class Sim:
         self.s = Scheduler(**kwargs)  # type: ignore[arg-type]
         self.next_seq: dict[str, int] = {}
         self.clock = 0.0
-        self.served: list[OrderedCall] = []
+        self.served: list[QueuedCall] = []
 
     def model(self, model_id: str, tenant: str) -> None:
         self.s.add_model(model_id, tenant)
@@ -26,7 +26,7 @@ class Sim:
         seq = self.next_seq[model_id]
         self.next_seq[model_id] = seq + 1
         self.clock += 1e-6
-        call = OrderedCall(model_id, seq, kind, f"d{seq}", self.clock, cost=cost)
+        call = QueuedCall(model_id, seq, kind, f"d{seq}", self.clock, cost=cost)
         assert self.s.submit(call).admission.value == "queued"
 
     def sweep(self, calls_each: int, models: int = 8) -> None:
@@ -49,5 +49,5 @@ class Sim:
         return units
 
 
-def tenant_of(call: OrderedCall) -> str:
+def tenant_of(call: QueuedCall) -> str:
     return call.model_id.split("/")[0]

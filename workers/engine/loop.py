@@ -58,13 +58,12 @@ from treadle.workers.engine.base_models import BaseModel, BaseModelRegistry, par
 from treadle.workers.engine.config import EngineConfig
 from treadle.workers.engine.models import ModelRegistry, holds_gradients
 from treadle.workers.engine.ordered import OrderedExecutor, StepReport
-from treadle.workers.engine.scheduler import OrderedCall, Scheduler
+from treadle.workers.engine.scheduler import QueuedCall, Scheduler
 from treadle.workers.engine.versions import VersionStore, WeightSnapshot
 from treadle.workers.sampler.backend import (
-    Requester,
-    ResumeRequest,
+    ResumeJob,
+    SampleJob,
     SamplerBackend,
-    SampleRequest,
 )
 from treadle.workers.sampler.backends import BackendSettings, make_backend
 from treadle.workers.trainer import checkpoint, export
@@ -186,7 +185,7 @@ class Engine:
     def submit(self, model_id: str, seq_id: int, op: OrderedOp, digest: str) -> Future[OpResult]:
         """Queue an ordered call; the future resolves once it is applied (in order)."""
         fut: Future[OpResult] = Future()
-        call = OrderedCall(
+        call = QueuedCall(
             model_id, seq_id, op.kind, digest, time.monotonic(), fut, op, cost=token_cost(op)
         )
         self._inbox.put(lambda: self.executor.admit(call))
@@ -325,7 +324,7 @@ class Engine:
                         log.exception("engine: a sampler task failed")
         return StepReport(tuple(self.executor.take_applied()), inbox, sampled)
 
-    def _gap_error(self, call: OrderedCall) -> AbortedError:
+    def _gap_error(self, call: QueuedCall) -> AbortedError:
         return AbortedError(
             f"seq_id {call.seq_id} of model {call.model_id} waited {self.config.gap_timeout_s:.0f}s "
             f"for seq_id {self.scheduler.next_seq_id(call.model_id)}, which never arrived; "
@@ -471,8 +470,7 @@ class Engine:
         if resolved is None:
             return
         base, snapshot = resolved
-        request = SampleRequest(base, op, snapshot, Requester.of(target), on_sequence)
-        self.sampler.submit(request, fut)
+        self.sampler.submit(SampleJob(base, op, snapshot, target, on_sequence), fut)
 
     def _admit_resume(
         self,
@@ -485,6 +483,4 @@ class Engine:
         if resolved is None:
             return
         base, snapshot = resolved
-        self.sampler.resume(
-            ResumeRequest(base, handles, params, snapshot, Requester.of(target)), fut
-        )
+        self.sampler.resume(ResumeJob(base, handles, params, snapshot, target), fut)

@@ -41,7 +41,7 @@ from treadle.workers.engine import op_handlers
 from treadle.workers.engine.call_stats import CallStats
 from treadle.workers.engine.config import EngineConfig
 from treadle.workers.engine.models import ModelRegistry
-from treadle.workers.engine.scheduler import Admission, OrderedCall, Scheduler, WorkUnit
+from treadle.workers.engine.scheduler import Admission, QueuedCall, Scheduler, WorkUnit
 from treadle.workers.engine.versions import VersionStore, WeightSnapshot
 from treadle.workers.sampler.backend import SamplerBackend
 from treadle.workers.trainer import checkpoint
@@ -105,7 +105,7 @@ class OrderedExecutor:
 
     # ---- admission -----------------------------------------------------------------------
 
-    def admit(self, call: OrderedCall) -> None:
+    def admit(self, call: QueuedCall) -> None:
         outcome = self.scheduler.submit(call)
         fut: Future[Any] = call.handle
         if outcome.admission is Admission.QUEUED:
@@ -130,7 +130,7 @@ class OrderedExecutor:
         """The pass's thread count, measured on the CPU (``workers.trainer.pass_threads``)."""
         return pass_threads(self.threads, self.device, kind, float(tokens * model.cfg.num_params()))
 
-    def execute(self, call: OrderedCall) -> None:
+    def execute(self, call: QueuedCall) -> None:
         model = self.registry.models[call.model_id]
         self.call_stats.started(call.model_id, call.seq_id)
         t0 = time.perf_counter()
@@ -157,8 +157,8 @@ class OrderedExecutor:
         model on the same base (everything before its next barrier) run as one
         batched pass (``workers.trainer.batching``); the rest of each unit one by one.
         """
-        groups: dict[tuple[int, torch.dtype], list[tuple[OrderedCall, TrainingModel]]] = {}
-        rests: list[tuple[OrderedCall, ...]] = []
+        groups: dict[tuple[int, torch.dtype], list[tuple[QueuedCall, TrainingModel]]] = {}
+        rests: list[tuple[QueuedCall, ...]] = []
         for unit in units:
             model = self.registry.models.get(unit.model_id)
             n = 0
@@ -196,7 +196,7 @@ class OrderedExecutor:
     def _count_pass(self, model: TrainingModel, calls: int, tokens: int) -> None:
         self.passes.record(model.spec.base_model, model.spec.dtype, calls, tokens)
 
-    def resolve(self, call: OrderedCall, outcome: Any, *, record: bool) -> None:
+    def resolve(self, call: QueuedCall, outcome: Any, *, record: bool) -> None:
         """Settle a call's future (and its repeats'); ``record``: it ran, so the
         scheduler records its outcome for later repeats and the status moves on."""
         if not record:  # answered without running

@@ -60,7 +60,11 @@ from treadle.common.engine.domain import BARRIER_KINDS
 
 
 @dataclass
-class OrderedCall:
+class QueuedCall:
+    """An ordered call as the scheduler holds it: waiting for its predecessors,
+    running, or a repeat following one (the service's ``OrderedCall`` is the
+    call's identity as the server checks it; this is its place in the queue)."""
+
     model_id: str
     seq_id: int
     kind: str
@@ -95,24 +99,24 @@ class SubmitOutcome:
 @dataclass(frozen=True)
 class WorkUnit:
     model_id: str
-    calls: tuple[OrderedCall, ...]
+    calls: tuple[QueuedCall, ...]
 
 
 @dataclass(frozen=True)
 class SchedulerOutput:
     units: tuple[WorkUnit, ...]
-    timed_out: tuple[OrderedCall, ...]
+    timed_out: tuple[QueuedCall, ...]
 
 
 @dataclass
 class _ModelQueue:
     tenant_id: str
     next_seq_id: int
-    waiting: dict[int, OrderedCall] = field(default_factory=dict)
-    running: dict[int, OrderedCall] = field(default_factory=dict)
+    waiting: dict[int, QueuedCall] = field(default_factory=dict)
+    running: dict[int, QueuedCall] = field(default_factory=dict)
     recorded: OrderedDict[int, tuple[str, Any]] = field(default_factory=OrderedDict)
 
-    def head(self) -> OrderedCall | None:
+    def head(self) -> QueuedCall | None:
         """The call that may run next, if it has arrived and nothing of the model runs."""
         return None if self.running else self.waiting.get(self.next_seq_id)
 
@@ -179,7 +183,7 @@ class Scheduler:
         if model_id not in tenant.models:
             tenant.models.append(model_id)
 
-    def remove_model(self, model_id: str) -> list[OrderedCall]:
+    def remove_model(self, model_id: str) -> list[QueuedCall]:
         """Forget a model; returns its waiting calls so the engine can fail them."""
         queue = self._models.pop(model_id, None)
         if queue is None:
@@ -201,7 +205,7 @@ class Scheduler:
 
     # ---- calls ----------------------------------------------------------------
 
-    def submit(self, call: OrderedCall) -> SubmitOutcome:
+    def submit(self, call: QueuedCall) -> SubmitOutcome:
         queue = self._models.get(call.model_id)
         if queue is None:
             return SubmitOutcome(
@@ -275,7 +279,7 @@ class Scheduler:
         heads = self._heads()
         return any(t in heads for t in self._served_last)
 
-    def complete(self, call: OrderedCall, outcome: Any) -> None:
+    def complete(self, call: QueuedCall, outcome: Any) -> None:
         """Record the outcome of an applied call (a result or an error) and advance."""
         queue = self._models.get(call.model_id)
         if queue is None:
@@ -294,7 +298,7 @@ class Scheduler:
         arrivals = [c.arrived_at for q in self._models.values() for c in q.waiting.values()]
         return min(arrivals) + self.gap_timeout_s if arrivals else None
 
-    def waiting_calls(self) -> Iterable[OrderedCall]:
+    def waiting_calls(self) -> Iterable[QueuedCall]:
         for queue in self._models.values():
             yield from queue.waiting.values()
 
@@ -395,7 +399,7 @@ class Scheduler:
         batched pass) and none of them takes it all. Once it has paid for a call,
         ``borrow`` lets it also take the first call of each of its other ready
         models on credit (up to ``max_quantum_tokens`` spent in the round)."""
-        runs: dict[str, list[OrderedCall]] = {}
+        runs: dict[str, list[QueuedCall]] = {}
         open_ = [m for m in tenant.models if not self._models[m].running]
         cap = self.max_quantum_tokens
         spent = 0
@@ -440,8 +444,8 @@ class Scheduler:
         queue.running[call.seq_id] = call
         return [WorkUnit(call.model_id, (call,))]
 
-    def _expire(self, now: float) -> list[OrderedCall]:
-        expired: list[OrderedCall] = []
+    def _expire(self, now: float) -> list[QueuedCall]:
+        expired: list[QueuedCall] = []
         for queue in self._models.values():
             if queue.running or queue.next_seq_id in queue.waiting:
                 continue  # runnable now or behind a running unit: not waiting on a gap

@@ -52,52 +52,68 @@ TensorsCopy = Callable[[dict[str, Tensor]], dict[str, Tensor]]
 
 
 @dataclass(frozen=True)
-class Requester:
-    """Who sends a request, as a backend needs to know it.
+class SampleJob:
+    """``op.num_samples`` samples of ``op.prompt`` (token ids) under ``weights``: the
+    one engine-internal shape of a sample request, what every backend is handed.
 
-    ``tenant``: the fair-queueing key (tenants take turns, never first come
-    first served between them). ``latest_of``: the model whose in-flight updates
-    the request takes (None: pinned). ``owner``: who may resume its partial
-    rollouts (the tenant, on the same model or base); another owner's handle is
-    NOT_FOUND."""
+    It carries the domain types as they came (``op``: the sampling parameters,
+    the per-request seed, the ``token_budget`` of partial rollouts; ``target``:
+    whose request it is and which weights it follows) and adds only what the
+    engine resolved: the ``base`` and the ``weights`` it reads. ``on_sequence``
+    set: a streamed request (each sample reported as it finishes, then the
+    whole result). A backend keeps its progress on a job in its own record (the
+    torch sampler's ``TorchRequest``, which reads the job's fields through it;
+    the vLLM backend's ``VllmRequest``), not in another request type.
 
-    tenant: str = ""
-    latest_of: str | None = None
-    owner: tuple[str, str] = ("", "")
-
-    @staticmethod
-    def of(target: SamplerTarget) -> Requester:
-        owner = (target.tenant_id, target.model_id or f"base:{target.base_model}")
-        return Requester(target.tenant_id, target.latest_of, owner)
-
-
-@dataclass(frozen=True)
-class SampleRequest:
-    """``op.num_samples`` samples of ``op.prompt`` (token ids) under ``weights``.
-
-    ``op.params`` carries the sampling parameters, the per-request seed and the
-    ``token_budget`` of partial rollouts. ``on_sequence`` set: a streamed
-    request (each sample reported as it finishes, then the whole result)."""
+    ``target`` is the domain's own record of whose request it is, so the engine
+    makes no copy of it: its tenant is the fair-queueing key, its ``latest_of``
+    the model whose in-flight updates the job takes, and ``owner_of(target)``
+    who may resume its partial rollouts."""
 
     base: BaseModel
     op: SampleOp
     weights: WeightSnapshot
-    requester: Requester = Requester()
+    target: SamplerTarget = SamplerTarget("")
     on_sequence: OnSequence | None = None
+
+    @property
+    def tenant(self) -> str:
+        """The fair-queueing key: tenants take turns, never first come first served."""
+        return self.target.tenant_id
+
+    @property
+    def latest_of(self) -> str | None:
+        """The model whose in-flight updates it takes (None: pinned)."""
+        return self.target.latest_of
+
+    @property
+    def owner(self) -> tuple[str, str]:
+        return owner_of(self.target)
 
 
 @dataclass(frozen=True)
-class ResumeRequest:
+class ResumeJob:
     """Continue the partial rollouts of ``handles`` (consumed, all or none) under
     ``weights``: each re-prefilled from its prompt and tokens so far, then sampled
     on with ``params`` (``max_tokens`` counts the whole sequence). The result
-    holds the sequences whole, earlier parts first."""
+    holds the sequences whole, earlier parts first. ``target`` as in
+    ``SampleJob``: only its owner may resume them."""
 
     base: BaseModel
     handles: tuple[str, ...]
     params: SamplingConfig
     weights: WeightSnapshot
-    requester: Requester = Requester()
+    target: SamplerTarget = SamplerTarget("")
+
+    @property
+    def owner(self) -> tuple[str, str]:
+        return owner_of(self.target)
+
+
+def owner_of(target: SamplerTarget) -> tuple[str, str]:
+    """Who may resume a request's partial rollouts: the tenant, on the same model
+    (or base). Another owner's handle is NOT_FOUND."""
+    return (target.tenant_id, target.model_id or f"base:{target.base_model}")
 
 
 class EngineThread(Protocol):
@@ -145,11 +161,11 @@ class SamplerBackend(Protocol):
         (e.g. into shared memory a sampler process maps); None: a plain clone."""
         ...
 
-    def submit(self, request: SampleRequest, future: Future[SampleResult]) -> None:
+    def submit(self, job: SampleJob, future: Future[SampleResult]) -> None:
         """Queue a request; its result (or error) goes to ``future``."""
         ...
 
-    def resume(self, request: ResumeRequest, future: Future[SampleResult]) -> None:
+    def resume(self, job: ResumeJob, future: Future[SampleResult]) -> None:
         """Queue the continuation of partial rollouts; the result goes to ``future``."""
         ...
 

@@ -14,7 +14,7 @@ import bisect
 from collections import deque
 from collections.abc import Iterator
 
-from treadle.workers.sampler.state import Request, start_tag
+from treadle.workers.sampler.state import TorchRequest, start_tag
 
 #: tenants remembered with a finish tag; beyond it those with nothing queued ahead go
 MAX_TENANTS = 1024
@@ -22,11 +22,11 @@ MAX_TENANTS = 1024
 
 class FairQueue:
     def __init__(self) -> None:
-        self._queue: deque[Request] = deque()  # in start-tag order
+        self._queue: deque[TorchRequest] = deque()  # in start-tag order
         self._vtime = 0.0  # start tag of the request admitted last
         self._finish_tags: dict[str, float] = {}  # tenant -> finish tag of its last request
 
-    def push(self, request: Request) -> None:
+    def push(self, request: TorchRequest) -> None:
         cost = request.prompt.size + request.op.num_samples * request.op.params.max_tokens
         start = max(self._vtime, self._finish_tags.get(request.tenant, 0.0))
         self._finish_tags[request.tenant] = start + cost
@@ -35,11 +35,11 @@ class FairQueue:
         request.tag = start
         self._queue.insert(bisect.bisect_right(self._queue, start, key=start_tag), request)
 
-    def peek(self) -> Request:
+    def peek(self) -> TorchRequest:
         """The request admitted next."""
         return self._queue[0]
 
-    def pop(self) -> Request:
+    def pop(self) -> TorchRequest:
         """Admit the first request: virtual time moves to its start tag."""
         request = self._queue.popleft()
         self._vtime = max(self._vtime, request.tag)
@@ -55,5 +55,5 @@ class FairQueue:
     def __len__(self) -> int:
         return len(self._queue)
 
-    def __iter__(self) -> Iterator[Request]:
+    def __iter__(self) -> Iterator[TorchRequest]:
         return iter(self._queue)

@@ -23,14 +23,14 @@ from treadle.workers.model import prepack
 from treadle.workers.model.kv_cache import KVCache
 from treadle.workers.model.llama import forward_hidden, lm_logits
 from treadle.workers.sampler.prepack_policy import PrepackPolicy
-from treadle.workers.sampler.state import Request, Row, charge, lora_for
+from treadle.workers.sampler.state import Row, TorchRequest, charge, lora_for
 from treadle.workers.sampler.token_choice import choose, step_inputs
 
 
 def prefill(
     cfg: ModelConfig,
     stage: KVCache,
-    batch: list[tuple[Request, int]],
+    batch: list[tuple[TorchRequest, int]],
     max_len: int,
     device: torch.device,
 ) -> Tensor:

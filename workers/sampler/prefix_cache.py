@@ -12,7 +12,7 @@ from __future__ import annotations
 import weakref
 
 from treadle.workers.model.kv_cache import KVCache
-from treadle.workers.sampler.state import Request, Staged, common_prefix
+from treadle.workers.sampler.state import Staged, TorchRequest, common_prefix
 
 #: A queued request waits for one being prefilled when it could then reuse this
 #: many more prompt tokens (the wait is at most that request's prefill).
@@ -24,7 +24,7 @@ class PrefixCache:
         self.stage = stage
         self.staged = [Staged() for _ in range(stage.num_slots)]
 
-    def slot_for(self, request: Request, clock: int) -> int:
+    def slot_for(self, request: TorchRequest, clock: int) -> int:
         """A free staging slot for ``request``, seeded with the longest cached prefix
         (its KV moved there; ``request.prefilled``/``reused`` set to its length);
         -1 when none is free, or when a request being prefilled now will soon
@@ -62,7 +62,7 @@ class PrefixCache:
         # The last prompt token is always computed: its logits choose the first token.
         return self._take(request, slot, min(best_len, prompt.size - 1), clock)
 
-    def _take(self, request: Request, slot: int, reuse: int, clock: int) -> int:
+    def _take(self, request: TorchRequest, slot: int, reuse: int, clock: int) -> int:
         """``request`` prefills into ``slot``, whose first ``reuse`` tokens are its prompt's."""
         prompt = request.prompt
         snap = request.snapshot
@@ -76,19 +76,19 @@ class PrefixCache:
         request.stage_slot, request.prefilled, request.reused = slot, reuse, reuse
         return slot
 
-    def advanced(self, request: Request, clock: int) -> None:
+    def advanced(self, request: TorchRequest, clock: int) -> None:
         """A prefill chunk of ``request`` is in its slot."""
         staged = self.staged[request.stage_slot]
         staged.tokens = request.prompt[: request.prefilled].copy()
         staged.last_used = clock
 
-    def release(self, request: Request) -> None:
+    def release(self, request: TorchRequest) -> None:
         """``request`` is done prefilling (or cancelled): its slot is free, and keeps
         what was computed for later prompts."""
         staged = self.staged[request.stage_slot]
         staged.owner = None
         staged.tokens = request.prompt[: request.prefilled].copy()
 
-    def forget(self, request: Request) -> None:
+    def forget(self, request: TorchRequest) -> None:
         """Free ``request``'s slot and what it holds (the request failed mid-prefill)."""
         self.staged[request.stage_slot] = Staged()

@@ -5,10 +5,10 @@ pure helpers over them (``workers.sampler.torch_sampler`` steps them)."""
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -18,6 +18,9 @@ from treadle.workers.engine.versions import WeightSnapshot
 from treadle.workers.model.kv_cache import KVCache
 from treadle.workers.model.llama import LlamaParams
 from treadle.workers.model.lora import LoraAdapter, LoraRows
+
+if TYPE_CHECKING:  # the backend interface imports this module (SamplerStats)
+    from treadle.workers.sampler.backend import OnSequence, SampleJob
 
 
 @dataclass(frozen=True)
@@ -55,36 +58,62 @@ class SamplerLimits:
 
 
 @dataclass
-class Request:
-    op: SampleOp
-    snapshot: WeightSnapshot
+class TorchRequest:
+    """The torch sampler's progress on one ``SampleJob``: where it is (queued,
+    prefilling into ``stage_slot``, its ``rows`` decoding) and what it was
+    charged. The request itself is ``job``, read through, never copied.
+
+    ``snapshot`` starts as ``job.weights``; an in-flight update moves a queued
+    request of a model's latest weights onto the new version (``swap_weights``)."""
+
+    job: SampleJob
     future: Future[SampleResult]
     stop_ids: frozenset[int]
     seed: int
     prompt: np.ndarray  # int64 [P]
+    snapshot: WeightSnapshot = field(init=False)
     rows: list[Row] = field(default_factory=list)
     stage_slot: int = -1
     prefilled: int = 0  # prompt tokens whose K/V are in the staging slot
     reused: int = 0  # of which copied from the prefix cache
     compute_s: float = 0.0  # its share of the forward passes it was in (usage accounting)
-    tenant: str = ""
     tag: float = 0.0  # fair-queueing start tag: the queue is kept in tag order
-    #: the model whose latest weights this request follows (in-flight updates reach it)
-    latest_of: str | None = None
     #: weights published in flight while the prompt was prefilling: the rows take
     #: them after their first token (drawn from the prompt's logits, old weights)
     swap_to: WeightSnapshot | None = None
-    #: called (on the engine thread) as each row finishes with (index, sequence,
-    #: engine seconds charged to the request since the previous call)
-    on_sequence: Callable[[int, SequenceResult, float], None] | None = None
     reported_s: float = 0.0  # compute_s already handed to on_sequence
-    #: who may resume its partial rows: (tenant, model id or "base:<name>")
-    owner: tuple[str, str] = ("", "")
     #: a resumed partial rollout (one row): what its earlier calls sampled
     prefix: Partial | None = None
     #: collects the prompt's scores when the request asked for them
     #: (``workers.prompt_logprobs.PromptScorer``; such a request reuses no prefix)
     scorer: Any = None
+
+    def __post_init__(self) -> None:
+        self.snapshot = self.job.weights
+
+    @property
+    def op(self) -> SampleOp:
+        return self.job.op
+
+    @property
+    def tenant(self) -> str:
+        return self.job.tenant
+
+    @property
+    def latest_of(self) -> str | None:
+        """The model whose latest weights this request follows (in-flight updates reach it)."""
+        return self.job.latest_of
+
+    @property
+    def owner(self) -> tuple[str, str]:
+        """Who may resume its partial rows: (tenant, model id or "base:<name>")."""
+        return self.job.owner
+
+    @property
+    def on_sequence(self) -> OnSequence | None:
+        """Called (on the engine thread) as each row finishes with (index, sequence,
+        engine seconds charged to the request since the previous call)."""
+        return self.job.on_sequence
 
     @property
     def cancelled(self) -> bool:
@@ -93,7 +122,7 @@ class Request:
 
 @dataclass
 class Row:
-    request: Request
+    request: TorchRequest
     index: int
     slot: int
     key: int  # the row's random stream: hash of (seed, index)
@@ -125,7 +154,7 @@ class Staged:
     tokens: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     params: weakref.ref[LlamaParams] | None = None
     adapter: weakref.ref[LoraAdapter] | None = None
-    owner: Request | None = None  # the request prefilling into it now
+    owner: TorchRequest | None = None  # the request prefilling into it now
     last_used: int = 0
 
     def computed_by(self, snap: WeightSnapshot) -> bool:
@@ -182,27 +211,27 @@ def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
     return int(diff[0]) if diff.size else a.size
 
 
-def start_tag(request: Request) -> float:
+def start_tag(request: TorchRequest) -> float:
     return request.tag
 
 
-def charge(items: Sequence[tuple[Request, int]], seconds: float) -> None:
+def charge(items: Sequence[tuple[TorchRequest, int]], seconds: float) -> None:
     """Split a forward pass's time among its requests by the tokens each had in it."""
     total = sum(n for _, n in items) or 1
     for request, n in items:
         request.compute_s += seconds * n / total
 
 
-def prefill_batches(chunks: list[tuple[Request, int]]) -> list[list[tuple[Request, int]]]:
+def prefill_batches(chunks: list[tuple[TorchRequest, int]]) -> list[list[tuple[TorchRequest, int]]]:
     """Group prefill chunks into forwards: same base weights, and lengths close
     enough that padding to the longest wastes under a third of the batch."""
-    by_params: dict[int, list[tuple[Request, int]]] = {}
+    by_params: dict[int, list[tuple[TorchRequest, int]]] = {}
     for req, n in chunks:
         by_params.setdefault(id(req.snapshot.params), []).append((req, n))
-    batches: list[list[tuple[Request, int]]] = []
+    batches: list[list[tuple[TorchRequest, int]]] = []
     for group in by_params.values():
         group.sort(key=lambda c: -c[1])
-        current: list[tuple[Request, int]] = []
+        current: list[tuple[TorchRequest, int]] = []
         real = 0
         for req, n in group:
             if current and (len(current) + 1) * current[0][1] > 1.5 * (real + n):
@@ -236,8 +265,8 @@ def lora_for(adapters: Sequence[LoraAdapter | None]) -> LoraAdapter | LoraRows |
 
 def swap_weights(
     running: Sequence[Row],
-    prefilling: Sequence[Request],
-    queue: Iterable[Request],
+    prefilling: Sequence[TorchRequest],
+    queue: Iterable[TorchRequest],
     snapshot: WeightSnapshot,
 ) -> int:
     """An in-flight weight update (PipelineRL): every request following the

@@ -34,8 +34,8 @@ from treadle.workers.engine.base_models import BaseModel
 from treadle.workers.engine.versions import WeightSnapshot
 from treadle.workers.sampler.backend import (
     EngineThread,
-    ResumeRequest,
-    SampleRequest,
+    ResumeJob,
+    SampleJob,
     TensorsCopy,
 )
 from treadle.workers.sampler.state import SamplerLimits
@@ -68,37 +68,16 @@ class TorchSamplers:
             self.samplers[key] = TorchSampler(base, limits=self.limits)
         return self.samplers[key]
 
-    def submit(self, request: SampleRequest, future: Future[SampleResult]) -> None:
-        who = request.requester
+    def submit(self, job: SampleJob, future: Future[SampleResult]) -> None:
+        # the sampler is made inside: a KV cache that does not fit fails the future
+        _reporting(
+            lambda: self.sampler_for(job.base).submit(job, future), future, "sample admission"
+        )
 
-        def admit() -> None:
-            self.sampler_for(request.base).submit(
-                request.op,
-                request.weights,
-                future,
-                who.tenant,
-                latest_of=who.latest_of,
-                on_sequence=request.on_sequence,
-                owner=who.owner,
-            )
-
-        _reporting(admit, future, "sample admission")
-
-    def resume(self, request: ResumeRequest, future: Future[SampleResult]) -> None:
-        who = request.requester
-
-        def admit() -> None:
-            self.sampler_for(request.base).resume(
-                request.handles,
-                request.params,
-                request.weights,
-                future,
-                tenant=who.tenant,
-                latest_of=who.latest_of,
-                owner=who.owner,
-            )
-
-        _reporting(admit, future, "resume admission")
+    def resume(self, job: ResumeJob, future: Future[SampleResult]) -> None:
+        _reporting(
+            lambda: self.sampler_for(job.base).resume(job, future), future, "resume admission"
+        )
 
     def swap_weights(self, weights: WeightSnapshot) -> None:
         """An in-flight update: every sampler's requests following ``weights.model_id``."""
@@ -167,11 +146,11 @@ class _LocalTorchBackend:
     def copy_weights(self) -> TensorsCopy | None:
         return None
 
-    def submit(self, request: SampleRequest, future: Future[SampleResult]) -> None:
-        self._post(lambda: self.core.submit(request, future))
+    def submit(self, job: SampleJob, future: Future[SampleResult]) -> None:
+        self._post(lambda: self.core.submit(job, future))
 
-    def resume(self, request: ResumeRequest, future: Future[SampleResult]) -> None:
-        self._post(lambda: self.core.resume(request, future))
+    def resume(self, job: ResumeJob, future: Future[SampleResult]) -> None:
+        self._post(lambda: self.core.resume(job, future))
 
     def publish(self, base: BaseModel, weights: WeightSnapshot, *, inflight: bool) -> None:
         if inflight:  # PipelineRL: running latest rows continue under it

@@ -42,7 +42,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future
 
 import numpy as np
@@ -50,7 +50,7 @@ import torch
 from tokenizers import Tokenizer
 from torch import Tensor
 
-from treadle.common.engine.domain import SampleOp, SampleResult, SamplingConfig, SequenceResult
+from treadle.common.engine.domain import SampleOp, SampleResult
 from treadle.common.engine.stats import SamplerStats
 from treadle.errors import ResourceExhaustedError, TreadleError
 from treadle.workers.device import memory_budget
@@ -58,6 +58,7 @@ from treadle.workers.engine.base_models import BaseModel
 from treadle.workers.engine.versions import WeightSnapshot
 from treadle.workers.model.llama import lm_logits
 from treadle.workers.sampler import forward
+from treadle.workers.sampler.backend import ResumeJob, SampleJob
 from treadle.workers.sampler.fair_queue import FairQueue
 from treadle.workers.sampler.partials import PartialStore, gather, resume_op
 from treadle.workers.sampler.prefix_cache import PrefixCache
@@ -65,9 +66,9 @@ from treadle.workers.sampler.prepack_policy import PrepackPolicy
 from treadle.workers.sampler.sampling import row_keys
 from treadle.workers.sampler.state import (
     Partial,
-    Request,
     Row,
     SamplerLimits,
+    TorchRequest,
     compact,
     lora_for,
     prefill_batches,
@@ -103,7 +104,7 @@ class TorchSampler:
         self.cache, stage = memory_budget.sampler_caches(base, lim, self.max_len)
         self.prefix = PrefixCache(stage)
         self.queue = FairQueue()
-        self.prefilling: list[Request] = []
+        self.prefilling: list[TorchRequest] = []
         self.running: list[Row] = []  # running[i].slot == i
         self.reserved = 0  # main slots promised to prefilling requests
         self.partials = PartialStore()
@@ -133,26 +134,18 @@ class TorchSampler:
         )
 
     def submit(
-        self,
-        op: SampleOp,
-        snapshot: WeightSnapshot,
-        future: Future[SampleResult],
-        tenant: str = "",
-        *,
-        latest_of: str | None = None,
-        on_sequence: Callable[[int, SequenceResult, float], None] | None = None,
-        owner: tuple[str, str] = ("", ""),
-        prefix: Partial | None = None,
+        self, job: SampleJob, future: Future[SampleResult], *, prefix: Partial | None = None
     ) -> None:
-        """Queue a request (validated first); RESOURCE_EXHAUSTED when the queue is full.
+        """Queue ``job`` (validated first); RESOURCE_EXHAUSTED when the queue is full.
 
-        ``latest_of``: the model whose latest weights the request follows (an
-        in-flight update, ``swap_weights``, reaches it). ``on_sequence``: called
+        ``job.latest_of``: the model whose latest weights the request follows (an
+        in-flight update, ``swap_weights``, reaches it). ``job.on_sequence``: called
         with (sample index, sequence, engine seconds since its previous call) the
-        moment each row finishes (not for cancelled rows). ``owner``: who may
+        moment each row finishes (not for cancelled rows). ``job.owner``: who may
         resume its partial rows; ``prefix``: the partial rollout it continues.
         The queue is fair across tenants (``workers.sampler.fair_queue``).
         """
+        op = job.op
         self.validate(op)
         if len(self.queue) >= self.limits.max_queued:
             raise ResourceExhaustedError(
@@ -166,23 +159,18 @@ class TorchSampler:
         if seed is None:
             seed = int.from_bytes(os.urandom(8), "little") >> 1
         prompt = np.ascontiguousarray(op.prompt, dtype=np.int64)
-        request = Request(
-            op,
-            snapshot,
+        request = TorchRequest(
+            job,
             future,
             stop_ids,
             seed,
             prompt,
-            tenant=tenant,
-            latest_of=latest_of,
-            on_sequence=on_sequence,
-            owner=owner,
             prefix=prefix,
             scorer=PromptScorer(op) if op.scores_prompt else None,
         )
         if op.params.max_tokens == 0:
             request.rows = [
-                Row(request, i, -1, 0, snapshot, stop_reason="length")
+                Row(request, i, -1, 0, job.weights, stop_reason="length")
                 for i in range(op.num_samples)
             ]
             self._report(request.rows)
@@ -190,28 +178,19 @@ class TorchSampler:
             return
         self.queue.push(request)
 
-    def resume(
-        self,
-        handles: Sequence[str],
-        params: SamplingConfig,
-        snapshot: WeightSnapshot,
-        future: Future[SampleResult],
-        *,
-        tenant: str = "",
-        latest_of: str | None = None,
-        owner: tuple[str, str] = ("", ""),
-    ) -> None:
-        """Continue partial rollouts (``handles``, consumed) under ``snapshot``: each
-        is re-prefilled from its prompt and tokens so far, then sampled on with
-        ``params`` (``max_tokens`` counts the whole sequence). ``future`` gets the
+    def resume(self, job: ResumeJob, future: Future[SampleResult]) -> None:
+        """Continue partial rollouts (``job.handles``, consumed) under ``job.weights``:
+        each is re-prefilled from its prompt and tokens so far, then sampled on with
+        ``job.params`` (``max_tokens`` counts the whole sequence). ``future`` gets the
         sequences whole, earlier parts first. Refused as a whole (nothing
         consumed) when a handle is unknown or another owner's (NOT_FOUND), a
         ``max_tokens`` leaves no room, or the queue is full."""
-        kept = self.partials.take(owner, handles)
+        handles = job.handles
+        kept = self.partials.take(job.owner, handles)
         ops: list[SampleOp] = []
         try:
             for handle, part in zip(handles, kept, strict=True):
-                op = resume_op(handle, part, params)
+                op = resume_op(handle, part, job.params)
                 self.validate(op)
                 ops.append(op)
             if len(self.queue) + len(ops) > self.limits.max_queued:
@@ -225,7 +204,7 @@ class TorchSampler:
         parts: list[Future[SampleResult]] = [Future() for _ in ops]
         gather(parts, future, resumed=sum(len(p.tokens) for p in kept))
         for op, part, sub in zip(ops, kept, parts, strict=True):
-            self.submit(op, snapshot, sub, tenant, latest_of=latest_of, owner=owner, prefix=part)
+            self.submit(SampleJob(job.base, op, job.weights, job.target), sub, prefix=part)
 
     def swap_weights(self, snapshot: WeightSnapshot) -> int:
         """An in-flight weight update (PipelineRL): ``sampler_state.swap_weights``;
@@ -318,7 +297,7 @@ class TorchSampler:
 
     def _prefill(self, budget: int) -> int:
         """One chunk of prompt tokens for the prefilling requests; the tokens used."""
-        chunks: list[tuple[Request, int]] = []
+        chunks: list[tuple[TorchRequest, int]] = []
         for req in self.prefilling:
             if budget <= 0:
                 break
@@ -332,12 +311,12 @@ class TorchSampler:
             self.prefilling.remove(req)
         return sum(n for _, n in chunks)
 
-    def _prefill_forward(self, batch: list[tuple[Request, int]]) -> None:
+    def _prefill_forward(self, batch: list[tuple[TorchRequest, int]]) -> None:
         hidden_B_T_H = forward.prefill(
             self.cfg, self.prefix.stage, batch, self.max_len, self.device
         )
         params = batch[0][0].snapshot.params
-        finished: list[tuple[Request, Tensor]] = []
+        finished: list[tuple[TorchRequest, Tensor]] = []
         for b, (req, n) in enumerate(batch):
             req.prefilled += n
             self.prompt_tokens += n
@@ -351,7 +330,7 @@ class TorchSampler:
             for (req, _), logits_V in zip(finished, logits_F_V, strict=True):
                 self._start_rows(req, logits_V)
 
-    def _start_rows(self, request: Request, logits_V: Tensor) -> None:
+    def _start_rows(self, request: TorchRequest, logits_V: Tensor) -> None:
         """The prompt is in: copy its KV to G consecutive main slots and draw first tokens."""
         G, P = request.op.num_samples, request.prompt.size
         first = len(self.running)
@@ -423,7 +402,7 @@ class TorchSampler:
             except Exception:  # a consumer's bug must not stop the sampler
                 log.exception("sampler: on_sequence callback failed")
 
-    def _finish_request(self, request: Request) -> None:
+    def _finish_request(self, request: TorchRequest) -> None:
         if request.future.done():
             return
         sequences = tuple(sequence_of(r) for r in request.rows)

@@ -8,7 +8,7 @@ accumulated gradients and optimizer state exactly as they were.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -149,18 +149,29 @@ class TrainingModel:
 
 
 @dataclass(frozen=True)
-class _Batch:
+class TrainBatch:
+    """A call's datums as the trainer runs them: the one engine-internal shape of a
+    ``DatumData`` (the domain's), made once per call, after every check.
+
+    ``tokens_B_T`` and ``targets_B_T`` are padded to the longest datum
+    (``valid_B_T`` marks the real positions, ``lengths`` each datum's);
+    ``inputs`` holds a ``ForwardBackward``'s float ``loss_fn_inputs`` flattened to
+    the valid positions, as the loss reads them (empty for ``ForwardLogprobs``;
+    ``set_reference`` may add ``ref_logprobs``)."""
+
     tokens_B_T: Tensor
     targets_B_T: Tensor
     lengths: list[int]
     valid_B_T: Tensor  # bool, True on real (unpadded) positions
+    inputs: dict[str, Tensor] = field(default_factory=dict)
 
 
-#: A call's padded batch (what ``prepare_forward_logprobs`` returns).
-TrainBatch = _Batch
-
-
-def _make_batch(data: Sequence[DatumData], pad_id: int, device: torch.device) -> _Batch:
+def _make_batch(
+    data: Sequence[DatumData],
+    pad_id: int,
+    device: torch.device,
+    inputs: dict[str, Tensor] | None = None,
+) -> TrainBatch:
     lengths = [int(d.tokens.size) for d in data]
     B, T = len(data), max(lengths)
     tokens = np.full((B, T), pad_id, dtype=np.int64)
@@ -170,11 +181,12 @@ def _make_batch(data: Sequence[DatumData], pad_id: int, device: torch.device) ->
         if "target_tokens" in d.inputs:
             targets[b, : lengths[b]] = d.inputs["target_tokens"]
     valid = torch.arange(T)[None, :] < torch.tensor(lengths)[:, None]
-    return _Batch(
+    return TrainBatch(
         torch.from_numpy(tokens).to(device),
         torch.from_numpy(targets).to(device),
         lengths,
         valid.to(device),
+        inputs or {},
     )
 
 
@@ -203,7 +215,7 @@ def _np_dtype(model: TrainingModel) -> type:
 
 def _logprobs(
     model: TrainingModel,
-    batch: _Batch,
+    batch: TrainBatch,
     temperature: float,
     *,
     reference: bool,
@@ -283,19 +295,20 @@ def logprobs_from_logits(
 class PreparedForwardBackward:
     """A ``ForwardBackward`` call past every check: nothing left to reject.
 
-    ``needs_reference``: the loss wants ``ref_logprobs`` the client did not
-    send, so a forward with the base weights must fill ``inputs`` first
-    (``set_reference``). The batched path (``workers.trainer.batching``) prepares
-    calls with the same function, so both paths validate identically.
+    ``batch`` holds its datums and loss inputs; ``config`` the loss's settings,
+    defaults filled in. ``needs_reference``: the loss wants ``ref_logprobs`` the
+    client did not send, so a forward with the base weights must fill
+    ``batch.inputs`` first (``set_reference``). The batched path
+    (``workers.trainer.batching``) prepares calls with the same function, so both
+    paths validate identically.
     """
 
-    batch: _Batch
-    inputs: dict[str, Tensor]
+    batch: TrainBatch
     config: dict[str, float]
     needs_reference: bool
 
 
-def prepare_forward_logprobs(model: TrainingModel, op: ForwardLogprobsOp) -> _Batch:
+def prepare_forward_logprobs(model: TrainingModel, op: ForwardLogprobsOp) -> TrainBatch:
     check_temperature(op.temperature)
     validate_data(op.data, model.cfg.vocab_size, model.max_context)
     return _make_batch(op.data, model.cfg.pad_token_id or 0, model.params.device)
@@ -310,10 +323,10 @@ def prepare_forward_backward(
     config = losses.validate_loss_request(op.loss_fn, keys, op.loss_config)
     _check_memory(model, op.data)
     float_keys = [k for k in keys if k != "target_tokens"]
-    batch = _make_batch(op.data, model.cfg.pad_token_id or 0, model.params.device)
     inputs = _flat_inputs(op.data, float_keys, _loss_dtype(model), model.params.device)
+    batch = _make_batch(op.data, model.cfg.pad_token_id or 0, model.params.device, inputs)
     need_ref = losses.needs_reference(op.loss_fn, config) and "ref_logprobs" not in inputs
-    return PreparedForwardBackward(batch, inputs, config, need_ref)
+    return PreparedForwardBackward(batch, config, need_ref)
 
 
 def _check_memory(model: TrainingModel, data: Sequence[DatumData]) -> None:
@@ -339,7 +352,7 @@ def _check_memory(model: TrainingModel, data: Sequence[DatumData]) -> None:
 
 
 def set_reference(model: TrainingModel, prep: PreparedForwardBackward, ref_B_T: Tensor) -> None:
-    prep.inputs["ref_logprobs"] = ref_B_T[prep.batch.valid_B_T].to(_loss_dtype(model))
+    prep.batch.inputs["ref_logprobs"] = ref_B_T[prep.batch.valid_B_T].to(_loss_dtype(model))
 
 
 def finish_forward_backward(
@@ -355,7 +368,7 @@ def finish_forward_backward(
     rows_B_T = torch.arange(valid.shape[0], device=valid.device)[:, None].expand_as(valid)
     result = losses.compute_loss(
         op.loss_fn,
-        losses.LossBatch(lp_B_T[valid], prep.inputs, entropy_N, rows_B_T[valid]),
+        losses.LossBatch(lp_B_T[valid], prep.batch.inputs, entropy_N, rows_B_T[valid]),
         prep.config,
     )
     out = ForwardResult(
@@ -365,7 +378,7 @@ def finish_forward_backward(
     return result.loss, out
 
 
-def logprobs_result(model: TrainingModel, batch: _Batch, lp_B_T: Tensor) -> ForwardResult:
+def logprobs_result(model: TrainingModel, batch: TrainBatch, lp_B_T: Tensor) -> ForwardResult:
     return ForwardResult(logprobs=_split(lp_B_T, batch.lengths, _np_dtype(model)), metrics={})
 
 
@@ -380,7 +393,7 @@ def forward_logprobs(
 def logprobs_of_batch(
     model: TrainingModel,
     op: ForwardLogprobsOp,
-    batch: _Batch,
+    batch: TrainBatch,
     weights: WeightSnapshot | None = None,
 ) -> ForwardResult:
     """:func:`forward_logprobs` of a batch :func:`prepare_forward_logprobs` made."""

@@ -50,8 +50,8 @@ from treadle.workers.engine.base_models import BaseModel
 from treadle.workers.engine.versions import WeightSnapshot
 from treadle.workers.sampler.backend import (
     EngineThread,
-    ResumeRequest,
-    SampleRequest,
+    ResumeJob,
+    SampleJob,
     TensorsCopy,
 )
 from treadle.workers.sampler.partials import PartialStore
@@ -112,61 +112,61 @@ class VllmBackend:
     def copy_weights(self) -> TensorsCopy | None:
         return None
 
-    def submit(self, request: SampleRequest, future: Future[SampleResult]) -> None:
+    def submit(self, job: SampleJob, future: Future[SampleResult]) -> None:
         try:
-            self._validate(request.base, request.op)  # first: the torch backend's answers
-            self._check(request.weights, request.op.params, request.base.cfg)
-            check_prompt_scores(request.op)
+            self._validate(job.base, job.op)  # first: the torch backend's answers
+            self._check(job.weights, job.op.params, job.base.cfg)
+            check_prompt_scores(job.op)
             self._reserve(1)
         except TreadleError as err:
             future.set_exception(err)
             return
-        op = request.op
+        op = job.op
         seed = op.params.seed
         if seed is None:
             seed = secrets.randbits(63)
-        req = VllmRequest(future, frozenset(), op.params, request.requester, request.on_sequence)
+        req = VllmRequest(future, frozenset(), op.params, job.target, job.on_sequence)
         prompt = np.ascontiguousarray(op.prompt, dtype=np.int64)
         keys = row_keys(seed, op.num_samples)
         for i in range(op.num_samples):
             req.rows.append(
-                VllmRow(req, i, prompt, op.params.max_tokens, keys[i], request.weights, None)
+                VllmRow(req, i, prompt, op.params.max_tokens, keys[i], job.weights, None)
             )
-        self._loop.post(lambda: self._admit(request.base, req))
+        self._loop.post(lambda: self._admit(job.base, req))
 
-    def resume(self, request: ResumeRequest, future: Future[SampleResult]) -> None:
+    def resume(self, job: ResumeJob, future: Future[SampleResult]) -> None:
         kept: list[Partial] = []
         try:
-            kept = self._partials.take(request.requester.owner, request.handles)
+            kept = self._partials.take(job.owner, job.handles)
             rows_args = []
-            for handle, part in zip(request.handles, kept, strict=True):
+            for handle, part in zip(job.handles, kept, strict=True):
                 done = len(part.tokens)
-                if request.params.max_tokens <= done:
+                if job.params.max_tokens <= done:
                     raise InvalidArgumentError(
                         f"max_tokens: counts the whole sequence, and resume handle "
                         f"{handle[:48]!r} has {done} tokens already; give more than "
-                        f"{done} (got {request.params.max_tokens})"
+                        f"{done} (got {job.params.max_tokens})"
                     )
                 prompt = np.concatenate([part.prompt, np.asarray(part.tokens, np.int64)])
-                rows_args.append((prompt, request.params.max_tokens - done, part))
-                self._validate(request.base, SampleOp(prompt, 1, request.params))
-            self._check(request.weights, request.params, request.base.cfg)
+                rows_args.append((prompt, job.params.max_tokens - done, part))
+                self._validate(job.base, SampleOp(prompt, 1, job.params))
+            self._check(job.weights, job.params, job.base.cfg)
             self._reserve(1)
         except TreadleError as err:
             if kept:
-                self._partials.give_back(request.handles, kept)
+                self._partials.give_back(job.handles, kept)
             future.set_exception(err)
             return
-        seed = request.params.seed
+        seed = job.params.seed
         if seed is None:
             seed = secrets.randbits(63)
-        req = VllmRequest(future, frozenset(), request.params, request.requester, None)
+        req = VllmRequest(future, frozenset(), job.params, job.target, None)
         keys = row_keys(seed, len(rows_args))
         for i, (prompt, max_tokens, part) in enumerate(rows_args):
             req.rows.append(
-                VllmRow(req, i, prompt, max_tokens, keys[i], request.weights, None, prefix=part)
+                VllmRow(req, i, prompt, max_tokens, keys[i], job.weights, None, prefix=part)
             )
-        self._loop.post(lambda: self._admit(request.base, req))
+        self._loop.post(lambda: self._admit(job.base, req))
 
     def publish(self, base: BaseModel, weights: WeightSnapshot, *, inflight: bool) -> None:
         moves = weights.adapter is not None or is_full(weights, base)
@@ -408,9 +408,9 @@ class VllmBackend:
         moving: list[VllmRow] = []
         for eng in self._pool.all():
             for row in eng.waiting():
-                if row.request.requester.latest_of == follows:
+                if row.request.target.latest_of == follows:
                     row.weights = weights  # its engine is ``weights``'s too
-            rows = [r for r in eng.rows.values() if r.request.requester.latest_of == follows]
+            rows = [r for r in eng.rows.values() if r.request.target.latest_of == follows]
             if rows:
                 eng.llm.abort_request([r.vid for r in rows])
             for row in rows:

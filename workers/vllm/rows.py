@@ -15,19 +15,22 @@ from typing import Any
 
 import numpy as np
 
-from treadle.common.engine.domain import SampleResult, SequenceResult
+from treadle.common.engine.domain import SampleResult, SamplerTarget, SequenceResult
 from treadle.workers.engine.versions import WeightSnapshot
-from treadle.workers.sampler.backend import OnSequence, Requester
+from treadle.workers.sampler.backend import OnSequence, owner_of
 from treadle.workers.sampler.state import Partial, continued, sequence_result
 from treadle.workers.vllm.adapters import VllmAdapter
 
 
 @dataclass
 class VllmRequest:
+    """The vLLM backend's progress on one ``SampleJob`` or ``ResumeJob`` (a resume has
+    no ``SampleOp``, so the parameters and target are kept, not the job)."""
+
     future: Future[SampleResult]
     stop_ids: frozenset[int]
     params: Any  # SamplingConfig of this call
-    requester: Requester
+    target: SamplerTarget  # whose request (its owner resumes it) and what it follows
     on_sequence: OnSequence | None
     rows: list[VllmRow] = field(default_factory=list)
     compute_s: float = 0.0
@@ -59,7 +62,7 @@ class VllmRow:
 
 def partial_of(row: VllmRow) -> Partial:
     """The row's rollout so far, earlier parts of a resumed one included."""
-    owner = row.request.requester.owner
+    owner = owner_of(row.request.target)
     return continued(row.prefix, owner, row.prompt, row.tokens, row.logprobs, row.versions)
 
 

@@ -139,7 +139,10 @@ class Replier:
             return encode_reply(cid, err, status)
 
 
-class Worker:
+class WorkerProcess:
+    """One Celery worker process: its engine, its broker consumer, its heartbeat
+    (the database's ``Worker`` is the row it keeps; this is the process itself)."""
+
     def __init__(self, config: WorkerConfig) -> None:
         from treadle.common.db.engine import make_engine, make_session_factory
         from treadle.common.store import make_store
@@ -447,10 +450,10 @@ class Worker:
 def _status_query(worker_id: str) -> Any:
     from sqlalchemy import select
 
-    from treadle.common.db.models import Worker as WorkerRow
+    from treadle.common.db.models import Worker
 
-    return select(WorkerRow.status).where(WorkerRow.id == worker_id)
+    return select(Worker.status).where(Worker.id == worker_id)
 
 
 def run_worker(config: WorkerConfig) -> int:
-    return Worker(config).run()
+    return WorkerProcess(config).run()

@@ -192,14 +192,14 @@ def test_engine_level_budget_resume_and_inflight_spans(vllm_server: EmbeddedServ
     backend = engine.sampler
     base = engine.models[tc.model_id].base
     from treadle.common.engine.domain import SampleOp, SamplerTarget, SamplingConfig
-    from treadle.workers.sampler.backend import Requester, SampleRequest
+    from treadle.workers.sampler.backend import SampleJob
 
     v0, v1 = (engine.versions.get(tc.model_id, v) for v in (0, 1))
-    who = Requester.of(SamplerTarget(BASE, tc.model_id, None, "t"))  # follows latest
+    who = SamplerTarget(BASE, tc.model_id, None, "t")  # follows latest
     fut: Future[Any] = Future()
     op = SampleOp(np.asarray(prompt), 1, SamplingConfig(max_tokens=60, ignore_eos=True, seed=1))
     before = sum(s.tokens_generated for s in backend.stats())
-    backend.submit(SampleRequest(base, op, v0, who), fut)
+    backend.submit(SampleJob(base, op, v0, who), fut)
     deadline = time.monotonic() + 300
     while sum(s.tokens_generated for s in backend.stats()) < before + 3:
         assert time.monotonic() < deadline and not fut.done()
@@ -210,8 +210,8 @@ def test_engine_level_budget_resume_and_inflight_spans(vllm_server: EmbeddedServ
     assert len(seq.tokens) == 60
     # a pinned request is not moved
     pinned: Future[Any] = Future()
-    pinned_who = Requester.of(SamplerTarget(BASE, tc.model_id, 0, "t"))
-    backend.submit(SampleRequest(base, op, v0, pinned_who), pinned)
+    pinned_who = SamplerTarget(BASE, tc.model_id, 0, "t")
+    backend.submit(SampleJob(base, op, v0, pinned_who), pinned)
     backend.publish(base, v1, inflight=True)
     assert [v for _, _, v in pinned.result(timeout=300).sequences[0].versions] == [0]
 

@@ -21,8 +21,8 @@ import msgpack
 import numpy as np
 import pytest
 
-from tests.unit.engine_ops import RecordingAPI
 from tests.unit.engine.test_codec import _same
+from tests.unit.engine_ops import RecordingAPI
 from treadle.common.celery_app import decode_reply, encode_reply
 from treadle.common.engine import codec
 from treadle.common.engine import messages as m
@@ -43,7 +43,7 @@ from treadle.errors import InternalError, InvalidArgumentError, NotFoundError
 from treadle.server.celery.transport import Pending, _outcome
 from treadle.workers.engine import calls
 from treadle.workers.engine.loop import Engine, EngineConfig
-from treadle.workers.worker.celery_worker import Worker
+from treadle.workers.worker.celery_worker import WorkerProcess
 
 TARGET = SamplerTarget("tiny", "m-1", 3, tenant_id="t-1")
 PARAMS = SamplingConfig(max_tokens=4, stop_strings=("\n",))
@@ -125,10 +125,10 @@ def test_calls_pass_their_fields_to_the_engine() -> None:
 def test_calls_route_to_their_model_or_sampler_target() -> None:
     create, delete, unload, submit, sample, stream, resume, check, export = EXAMPLES
     for msg in (create, delete, unload, submit, export):
-        assert msg.route == m.Route(model_id="m-1"), msg
-    assert sample.route == m.Route(target=TARGET, sampler_key="sampler-1")
-    assert resume.route == m.Route(target=TARGET, sampler_key="sampler-1")
-    assert stream.route == check.route == m.Route(target=TARGET)
+        assert msg.route == m.CallRoute(model_id="m-1"), msg
+    assert sample.route == m.CallRoute(target=TARGET, sampler_key="sampler-1")
+    assert resume.route == m.CallRoute(target=TARGET, sampler_key="sampler-1")
+    assert stream.route == check.route == m.CallRoute(target=TARGET)
     assert [msg for msg in EXAMPLES if msg.ordered] == [submit]
 
 
@@ -184,8 +184,8 @@ class _Replies:
 
 
 def _worker(capacity: int = 4) -> Any:
-    """A ``Worker`` without its broker, database and engine: the task alone."""
-    w = Worker.__new__(Worker)
+    """A ``WorkerProcess`` without its broker, database and engine: the task alone."""
+    w = WorkerProcess.__new__(WorkerProcess)
     w.staged = w.api = RecordingAPI(ANSWERS, SEQ)  # type: ignore[assignment]
     w.engine = SimpleNamespace(has_model=lambda _: False)  # type: ignore[assignment]
     w.replies = _Replies()  # type: ignore[assignment]

@@ -181,9 +181,10 @@ def test_sampler_queue_is_fair_across_tenants(tiny_model_dir: Path) -> None:
     import numpy as np
     import torch
 
-    from treadle.common.engine.domain import SampleOp, SamplingConfig
+    from treadle.common.engine.domain import SampleOp, SamplerTarget, SamplingConfig
     from treadle.workers.engine.base_models import BaseModelRegistry
     from treadle.workers.engine.versions import WeightSnapshot
+    from treadle.workers.sampler.backend import SampleJob
     from treadle.workers.sampler.torch_sampler import TorchSampler
 
     base = BaseModelRegistry({"tiny": tiny_model_dir}).get("tiny", torch.float32)
@@ -199,7 +200,9 @@ def test_sampler_queue_is_fair_across_tenants(tiny_model_dir: Path) -> None:
     def send(name: str, tenant: str) -> None:
         fut: Future[Any] = Future()
         fut.add_done_callback(lambda _: finished.append(name))
-        sampler.submit(op, snap, fut, tenant=tenant)
+        sampler.submit(
+            SampleJob(sampler.base, op, snap, SamplerTarget("tiny", tenant_id=tenant)), fut
+        )
 
     for i in range(6):
         send(f"heavy{i}", "heavy")

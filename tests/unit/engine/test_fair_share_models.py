@@ -9,7 +9,7 @@ from collections import Counter
 import pytest
 
 from tests.unit.fair_share_sim import Sim, jain, tenant_of
-from treadle.workers.engine.scheduler import OrderedCall, Scheduler, WorkUnit
+from treadle.workers.engine.scheduler import QueuedCall, Scheduler, WorkUnit
 
 
 def test_a_tenants_models_take_turns() -> None:
@@ -202,7 +202,7 @@ def test_a_round_waits_a_moment_for_a_light_tenants_next_call() -> None:
     for i in range(8):
         s.add_model(f"sweep/m{i}", "sweep")
         for seq in range(1, 21):
-            s.submit(OrderedCall(f"sweep/m{i}", seq, "forward_backward", f"d{seq}", 0.0, cost=100))
+            s.submit(QueuedCall(f"sweep/m{i}", seq, "forward_backward", f"d{seq}", 0.0, cost=100))
     s.add_model("light/m", "light")
     clock = 0.0
 
@@ -215,14 +215,14 @@ def test_a_round_waits_a_moment_for_a_light_tenants_next_call() -> None:
 
     run(s.schedule(clock).units, 1.0)  # the sweep alone: a pass of its 8 models
     for seq in range(1, 4):
-        s.submit(OrderedCall("light/m", seq, "forward_backward", f"l{seq}", clock, cost=100))
+        s.submit(QueuedCall("light/m", seq, "forward_backward", f"l{seq}", clock, cost=100))
         units = s.schedule(clock).units
         assert "light/m" in [u.model_id for u in units]
         run(units, 1.0)
         assert s.schedule(clock).units == ()  # held: the light's next call is on its way
         assert s.held_until() == pytest.approx(clock + 0.25)
         clock += 0.1  # it comes within the hold
-    s.submit(OrderedCall("light/m", 4, "forward_backward", "l4", clock, cost=100))
+    s.submit(QueuedCall("light/m", 4, "forward_backward", "l4", clock, cost=100))
     units = s.schedule(clock).units
     assert "light/m" in [u.model_id for u in units]
     run(units, 1.0)
@@ -240,10 +240,10 @@ def test_no_wait_when_nobody_could_borrow() -> None:
     s = Scheduler()
     s.add_model("heavy/m", "heavy")
     for seq in range(1, 21):
-        s.submit(OrderedCall("heavy/m", seq, "forward_backward", f"d{seq}", 0.0, cost=100))
+        s.submit(QueuedCall("heavy/m", seq, "forward_backward", f"d{seq}", 0.0, cost=100))
     s.add_model("light/m", "light")
     clock = 0.0
-    s.submit(OrderedCall("light/m", 1, "forward_backward", "l1", clock, cost=100))
+    s.submit(QueuedCall("light/m", 1, "forward_backward", "l1", clock, cost=100))
     for _ in range(3):
         units = s.schedule(clock).units
         assert units  # never held back
@@ -264,7 +264,7 @@ def test_wait_for_a_call_that_shares_the_pass() -> None:
     s = Scheduler(anticipate_batched=True)
     s.add_model("heavy/m", "heavy")
     for seq in range(1, 21):
-        s.submit(OrderedCall("heavy/m", seq, "forward_backward", f"d{seq}", 0.0, cost=100))
+        s.submit(QueuedCall("heavy/m", seq, "forward_backward", f"d{seq}", 0.0, cost=100))
     s.add_model("light/m", "light")
     clock = 0.0
 
@@ -278,12 +278,12 @@ def test_wait_for_a_call_that_shares_the_pass() -> None:
 
     assert run(s.schedule(clock).units) == ["heavy/m"]
     for seq in range(1, 4):
-        s.submit(OrderedCall("light/m", seq, "forward_backward", f"l{seq}", clock, cost=100))
+        s.submit(QueuedCall("light/m", seq, "forward_backward", f"l{seq}", clock, cost=100))
         assert "light/m" in run(s.schedule(clock).units)
         assert s.schedule(clock).units == ()  # held: the light's next call is on its way
         assert s.held_until() == pytest.approx(clock + 0.25)
         clock += 0.1  # it comes within the hold, and shares the heavy tenant's round
-    s.submit(OrderedCall("light/m", 4, "forward_backward", "l4", clock, cost=100))
+    s.submit(QueuedCall("light/m", 4, "forward_backward", "l4", clock, cost=100))
     assert run(s.schedule(clock).units) == ["heavy/m", "light/m"]
     assert s.schedule(clock).units == ()  # nothing comes this time
     clock += 0.3

@@ -6,15 +6,15 @@ from pathlib import Path
 
 import pytest
 
-from treadle.workers.engine.scheduler import Admission, OrderedCall, Scheduler, WorkUnit
+from treadle.workers.engine.scheduler import Admission, QueuedCall, Scheduler, WorkUnit
 
 GAP = 10.0
 
 
 def call(
     model: str, seq: int, kind: str = "forward_backward", *, at: float = 0.0, digest: str = ""
-) -> OrderedCall:
-    return OrderedCall(model, seq, kind, digest or f"{kind}-{seq}", at, handle=f"h{model}{seq}")
+) -> QueuedCall:
+    return QueuedCall(model, seq, kind, digest or f"{kind}-{seq}", at, handle=f"h{model}{seq}")
 
 
 def seqs(unit: WorkUnit) -> list[int]:
@@ -107,7 +107,7 @@ def test_repeat_of_an_applied_call_returns_the_recorded_outcome(s: Scheduler) ->
 
 def test_repeat_of_a_waiting_or_running_call_follows_it(s: Scheduler) -> None:
     s.submit(call("a", 2))
-    repeat = OrderedCall("a", 2, "forward_backward", "forward_backward-2", 0.0, handle="again")
+    repeat = QueuedCall("a", 2, "forward_backward", "forward_backward-2", 0.0, handle="again")
     assert s.submit(repeat).admission is Admission.DUPLICATE_PENDING
     assert s.submit(call("a", 2, digest="other")).admission is Admission.CONFLICT
     s.submit(call("a", 1))
@@ -115,7 +115,7 @@ def test_repeat_of_a_waiting_or_running_call_follows_it(s: Scheduler) -> None:
     assert seqs(unit) == [1, 2]
     assert unit.calls[1].followers == ["again"]
     # a repeat while it runs joins it too
-    running_repeat = OrderedCall("a", 1, "forward_backward", "forward_backward-1", 0.0, handle="r")
+    running_repeat = QueuedCall("a", 1, "forward_backward", "forward_backward-1", 0.0, handle="r")
     assert s.submit(running_repeat).admission is Admission.DUPLICATE_PENDING
     assert unit.calls[0].followers == ["r"]
     assert s.submit(call("a", 1, digest="other")).admission is Admission.CONFLICT

@@ -17,6 +17,7 @@ from treadle.common.engine.domain import SampleOp, SampleResult, SamplingConfig
 from treadle.workers.engine.base_models import BaseModel, BaseModelRegistry
 from treadle.workers.engine.versions import WeightSnapshot
 from treadle.workers.model import prepack
+from treadle.workers.sampler.backend import SampleJob
 from treadle.workers.sampler.torch_sampler import SamplerLimits, TorchSampler
 
 METHODS = prepack.methods()
@@ -89,7 +90,7 @@ def _sample(
         fut: Future[SampleResult] = Future()
         params = SamplingConfig(max_tokens=int(rng.integers(3, 20)), seed=i, temperature=0.9)
         prompt = rng.integers(3, 90, size=int(rng.integers(2, 12)))
-        sampler.submit(SampleOp(prompt, 2, params), snap, fut)
+        sampler.submit(SampleJob(sampler.base, SampleOp(prompt, 2, params), snap), fut)
         futures.append(fut)
     while sampler.has_work():
         sampler.step()
@@ -173,7 +174,7 @@ def test_weights_are_packed_once_they_have_lasted_pack_after_steps(
     sampler = TorchSampler(base, limits=SamplerLimits(num_slots=2, max_len=64))
     op = SampleOp(np.arange(3, 9), 2, SamplingConfig(max_tokens=12, seed=1, ignore_eos=True))
     fut: Future[SampleResult] = Future()
-    sampler.submit(op, snap, fut)
+    sampler.submit(SampleJob(sampler.base, op, snap), fut)
     packed_at = []
     while sampler.has_work():
         sampler.step()

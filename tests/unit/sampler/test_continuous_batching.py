@@ -24,6 +24,7 @@ from treadle.common.engine.domain import (
 from treadle.errors import InvalidArgumentError, ResourceExhaustedError
 from treadle.workers.engine.base_models import BaseModel
 from treadle.workers.engine.versions import WeightSnapshot
+from treadle.workers.sampler.backend import SampleJob
 from treadle.workers.sampler.sampling import sample_tokens
 from treadle.workers.sampler.torch_sampler import SamplerLimits, TorchSampler
 from treadle.workers.trainer.trainer import TrainingModel, forward_backward, forward_logprobs
@@ -65,7 +66,7 @@ def _run(sampler: TorchSampler, work: list[tuple[SampleOp, WeightSnapshot]]) -> 
     futures: list[Future[SampleResult]] = []
     for op, snapshot in work:
         fut: Future[SampleResult] = Future()
-        sampler.submit(op, snapshot, fut)
+        sampler.submit(SampleJob(sampler.base, op, snapshot), fut)
         futures.append(fut)
     while sampler.has_work():
         sampler.step()
@@ -159,7 +160,7 @@ def test_rows_that_stop_early_free_their_slot_at_once(
     futures = []
     for o in (short, long, waiting):
         fut: Future[SampleResult] = Future()
-        sampler.submit(o, base_snap, fut)
+        sampler.submit(SampleJob(sampler.base, o, base_snap), fut)
         futures.append(fut)
     sampler.step()  # short (2 rows) and long (1 row) fill the 3 slots; waiting queues
     assert len(sampler.running) == 3 and len(sampler.queue) == 1
@@ -238,9 +239,9 @@ def test_a_long_prompt_prefills_in_chunks_while_rows_decode(
     long = SampleOp(np.arange(3, 83), 1, SamplingConfig(max_tokens=4, seed=2))
     fut_a: Future[SampleResult] = Future()
     fut_b: Future[SampleResult] = Future()
-    sampler.submit(running, base_snap, fut_a)
+    sampler.submit(SampleJob(sampler.base, running, base_snap), fut_a)
     sampler.step()
-    sampler.submit(long, base_snap, fut_b)
+    sampler.submit(SampleJob(sampler.base, long, base_snap), fut_b)
     before = sampler.tokens_generated
     steps = 0
     while sampler.prefilling or sampler.queue:
@@ -262,10 +263,10 @@ def test_a_full_queue_answers_resource_exhausted(
     futures = []
     for _ in range(3):
         fut: Future[SampleResult] = Future()
-        sampler.submit(op, base_snap, fut)
+        sampler.submit(SampleJob(sampler.base, op, base_snap), fut)
         futures.append(fut)
     with pytest.raises(ResourceExhaustedError, match="queued"):
-        sampler.submit(op, base_snap, Future())
+        sampler.submit(SampleJob(sampler.base, op, base_snap), Future())
     while sampler.has_work():  # the queued ones still complete, one group at a time
         sampler.step()
     assert all(len(f.result().sequences) == 2 for f in futures)
@@ -340,5 +341,5 @@ def test_bad_input_is_invalid_argument_naming_the_field(
     sampler = TorchSampler(base, limits=SamplerLimits(num_slots=2, max_len=64))
     op = SampleOp(np.arange(3, 3 + prompt_len), 1, SamplingConfig(**params))
     with pytest.raises(InvalidArgumentError, match=rf"^INVALID_ARGUMENT: {field}\b"):
-        sampler.submit(op, base_snap, Future())
+        sampler.submit(SampleJob(sampler.base, op, base_snap), Future())
     assert not sampler.has_work()

@@ -23,6 +23,7 @@ from treadle.common.engine.domain import SampleOp, SampleResult, SamplingConfig
 from treadle.workers.engine.base_models import BaseModelRegistry
 from treadle.workers.engine.versions import WeightSnapshot
 from treadle.workers.model.lora import LoraAdapter
+from treadle.workers.sampler.backend import SampleJob
 from treadle.workers.sampler.state import SamplerLimits
 from treadle.workers.sampler.torch_sampler import TorchSampler
 
@@ -53,7 +54,7 @@ def test_a_decode_step_reads_the_device_once(tiny_model_dir: Path) -> None:
         for _ in range(2):
             fut: Future[SampleResult] = Future()
             prompt = rng.integers(3, base.cfg.vocab_size, 6)
-            sampler.submit(SampleOp(prompt, 2, p), snap, fut)
+            sampler.submit(SampleJob(sampler.base, SampleOp(prompt, 2, p), snap), fut)
             futures.append(fut)
     while sampler.queue or sampler.prefilling:
         sampler.step()

@@ -8,14 +8,16 @@ from typing import Any
 
 import numpy as np
 
-from treadle.common.engine.domain import SampleOp, SamplingConfig
+from treadle.common.engine.domain import SampleOp, SamplerTarget, SamplingConfig
+from treadle.workers.sampler.backend import SampleJob
 from treadle.workers.sampler.fair_queue import FairQueue
-from treadle.workers.sampler.state import Request
+from treadle.workers.sampler.state import TorchRequest
 
 
-def _request(tenant: str, name: str, prompt_len: int = 4, max_tokens: int = 4) -> Request:
+def _request(tenant: str, name: str, prompt_len: int = 4, max_tokens: int = 4) -> TorchRequest:
     op = SampleOp(np.arange(prompt_len), 1, SamplingConfig(max_tokens=max_tokens))
-    req = Request(op, Any, Future(), frozenset(), 0, op.prompt, tenant=tenant)  # type: ignore[arg-type]
+    job = SampleJob(Any, op, Any, SamplerTarget("base", tenant_id=tenant))  # type: ignore[arg-type]
+    req = TorchRequest(job, Future(), frozenset(), 0, op.prompt)
     req.tenant_name = name  # type: ignore[attr-defined]
     return req
 

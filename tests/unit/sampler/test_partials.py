@@ -8,24 +8,34 @@ from typing import Any
 import numpy as np
 import pytest
 
-from treadle.common.engine.domain import SampleOp, SampleResult, SamplingConfig, SequenceResult
+from treadle.common.engine.domain import (
+    SampleOp,
+    SampleResult,
+    SamplerTarget,
+    SamplingConfig,
+    SequenceResult,
+)
 from treadle.errors import InvalidArgumentError, NotFoundError
+from treadle.workers.sampler.backend import SampleJob
 from treadle.workers.sampler.partials import PartialStore, gather, resume_op
 from treadle.workers.sampler.state import (
     Partial,
-    Request,
     Row,
+    TorchRequest,
     continued,
     partial_of,
     sequence_result,
 )
 
 OWNER = ("t1", "m")
+#: tenant t1's sampler on model m: its partial rollouts are OWNER's
+TARGET = SamplerTarget("base", "m", None, "t1")
 
 
-def _row(tokens: list[int], owner: tuple[str, str] = OWNER, prefix: Partial | None = None) -> Row:
+def _row(tokens: list[int], prefix: Partial | None = None) -> Row:
     op = SampleOp(np.arange(3, 7), 1, SamplingConfig(max_tokens=8))
-    req = Request(op, Any, Future(), frozenset(), 0, op.prompt, owner=owner, prefix=prefix)  # type: ignore[arg-type]
+    job = SampleJob(Any, op, Any, TARGET)  # type: ignore[arg-type]
+    req = TorchRequest(job, Future(), frozenset(), 0, op.prompt, prefix=prefix)
     row = Row(req, 0, 0, 0, Any)  # type: ignore[arg-type]
     row.tokens, row.logprobs, row.versions = tokens, [-0.5] * len(tokens), [2] * len(tokens)
     return row

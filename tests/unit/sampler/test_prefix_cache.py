@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 from concurrent.futures import Future
+from typing import Any
 
 import numpy as np
 
 from treadle.common.engine.domain import SampleOp, SamplingConfig
 from treadle.workers.engine.versions import WeightSnapshot
+from treadle.workers.sampler.backend import SampleJob
 from treadle.workers.sampler.prefix_cache import MIN_PREFIX_WAIT, PrefixCache
-from treadle.workers.sampler.state import Request
+from treadle.workers.sampler.state import TorchRequest
 
 
 class _Stage:
@@ -31,12 +33,12 @@ WEIGHTS = WeightSnapshot(None, 0, _Params(), None)  # type: ignore[arg-type]
 OTHER = WeightSnapshot("m", 1, _Params(), None)  # type: ignore[arg-type]
 
 
-def _request(prompt: np.ndarray, snap: WeightSnapshot = WEIGHTS) -> Request:
+def _request(prompt: np.ndarray, snap: WeightSnapshot = WEIGHTS) -> TorchRequest:
     op = SampleOp(prompt, 1, SamplingConfig())
-    return Request(op, snap, Future(), frozenset(), 0, prompt)
+    return TorchRequest(SampleJob(Any, op, snap), Future(), frozenset(), 0, prompt)  # type: ignore[arg-type]
 
 
-def _prefill(cache: PrefixCache, req: Request, clock: int) -> None:
+def _prefill(cache: PrefixCache, req: TorchRequest, clock: int) -> None:
     """What the sampler does with a slot: the whole prompt prefilled, then released."""
     req.prefilled = req.prompt.size
     cache.advanced(req, clock)

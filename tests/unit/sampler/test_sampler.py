@@ -24,6 +24,7 @@ from treadle.errors import InvalidArgumentError
 from treadle.workers.engine.base_models import BaseModel
 from treadle.workers.engine.versions import WeightSnapshot
 from treadle.workers.model.llama import forward_hidden, lm_logits
+from treadle.workers.sampler.backend import SampleJob
 from treadle.workers.sampler.torch_sampler import TorchSampler
 from treadle.workers.trainer import trainer
 from treadle.workers.trainer.trainer import TrainingModel
@@ -95,7 +96,7 @@ def drain(s: TorchSampler, max_steps: int = 10_000) -> int:
 def run_alone(base: BaseModel, o: SampleOp, snap: WeightSnapshot) -> SampleResult:
     s = sampler(base)
     fut: Future[SampleResult] = Future()
-    s.submit(o, snap, fut)
+    s.submit(SampleJob(s.base, o, snap), fut)
     drain(s)
     return fut.result(0)
 
@@ -127,7 +128,7 @@ def test_batched_requests_equal_each_request_alone(
     futures = []
     for o, snap in requests:
         fut: Future[SampleResult] = Future()
-        s.submit(o, snap, fut)
+        s.submit(SampleJob(s.base, o, snap), fut)
         futures.append(fut)
     drain(s)
     for (o, snap), fut in zip(requests, futures, strict=True):
@@ -159,7 +160,7 @@ def test_a_finished_row_frees_its_slots_for_a_queued_request(
     short, waiting = op("12+3=", 2, max_tokens=2, seed=0), op("abc", 2, max_tokens=3, seed=1)
     futs: list[Future[SampleResult]] = [Future(), Future(), Future()]
     for o, f in zip((short, long_op, waiting), futs, strict=True):
-        s.submit(o, base_snap, f)
+        s.submit(SampleJob(s.base, o, base_snap), f)
     s.step()
     assert s.stats().queued_requests == 1  # 2 + 2 rows fill the 4 slots
     steps = 0
@@ -182,8 +183,10 @@ def test_cancelled_requests_free_their_slots(
     s = sampler(base, slots=4)
     running: Future[SampleResult] = Future()
     queued: Future[SampleResult] = Future()
-    s.submit(op(long_prompt, 4, max_tokens=100, temperature=0), base_snap, running)
-    s.submit(op("abc", 2, max_tokens=100, temperature=0), base_snap, queued)
+    s.submit(
+        SampleJob(s.base, op(long_prompt, 4, max_tokens=100, temperature=0), base_snap), running
+    )
+    s.submit(SampleJob(s.base, op("abc", 2, max_tokens=100, temperature=0), base_snap), queued)
     for _ in range(3):
         s.step()
     assert s.stats().running_rows == 4 and s.stats().queued_requests == 1
@@ -194,7 +197,7 @@ def test_cancelled_requests_free_their_slots(
     assert not s.has_work()
     after = run_alone(base, op("abc", 2, max_tokens=5, seed=3), base_snap)
     fut: Future[SampleResult] = Future()
-    s.submit(op("abc", 2, max_tokens=5, seed=3), base_snap, fut)
+    s.submit(SampleJob(s.base, op("abc", 2, max_tokens=5, seed=3), base_snap), fut)
     drain(s)
     assert_same(fut.result(0), after)
 
@@ -347,10 +350,10 @@ def test_validation_names_the_field(base: BaseModel, base_snap: WeightSnapshot, 
     s = sampler(base)
     fut: Future[SampleResult] = Future()
     with pytest.raises(InvalidArgumentError) as err:
-        s.submit(bad, base_snap, fut)
+        s.submit(SampleJob(s.base, bad, base_snap), fut)
     assert err.value.message.startswith(field), err.value.message
     assert not s.has_work() and not fut.done()
     good = op("ab", 1, max_tokens=2, seed=0)
-    s.submit(good, base_snap, fut)
+    s.submit(SampleJob(s.base, good, base_snap), fut)
     drain(s)
     assert len(fut.result(0).sequences) == 1

@@ -31,7 +31,7 @@ from treadle.server.config import ServerConfig
 from treadle.server.context import ServerContext
 from treadle.server.db import queries, tenancy
 from treadle.server.service import CallHandle, Service
-from treadle.server.service.types import CreateModel, OrderedCall, SamplerSource
+from treadle.server.service.types import NewModel, OrderedCall, SamplerSource
 
 T = TypeVar("T")
 BASE = "tiny"
@@ -85,7 +85,7 @@ def _call(model_id: str, seq_id: int, digest: str = "d") -> OrderedCall:
 
 
 def _model(w: World, tenant: str) -> str:
-    info = w.run(w.service.models.create(tenant, CreateModel(base_model=BASE, lora_rank=2)))
+    info = w.run(w.service.models.create(tenant, NewModel(base_model=BASE, lora_rank=2)))
     return info.model_id
 
 
@@ -148,7 +148,7 @@ def test_another_tenants_ids_are_not_found(world: World) -> None:
         }
         assert messages == {f"NOT_FOUND: model {model_id!r} not found"}
     assert "not found" in not_found(sync(svc.checkpoints.delete, w.b, saved.path))
-    assert "not found" in not_found(svc.models.create(w.b, CreateModel(from_state=saved.path)))
+    assert "not found" in not_found(svc.models.create(w.b, NewModel(from_state=saved.path)))
     assert "not found" in not_found(
         svc.sampling.create_sampler(w.b, SamplerSource(weights=f"treadle://{model}/latest"))
     )

@@ -24,6 +24,7 @@ from treadle.errors import InvalidArgumentError
 from treadle.workers.engine.base_models import BaseModel
 from treadle.workers.engine.versions import WeightSnapshot
 from treadle.workers.model.llama import forward_hidden, lm_logits
+from treadle.workers.sampler.backend import SampleJob
 from treadle.workers.sampler.torch_sampler import SamplerLimits, TorchSampler
 from treadle.workers.trainer import trainer
 from treadle.workers.trainer.trainer import TrainingModel
@@ -60,7 +61,7 @@ def run(s: TorchSampler, ops: list[SampleOp], snap: WeightSnapshot) -> list[Samp
     futs: list[Future[SampleResult]] = []
     for o in ops:
         futs.append(Future())
-        s.submit(o, snap, futs[-1])
+        s.submit(SampleJob(s.base, o, snap), futs[-1])
     while s.has_work():
         s.step()
     return [f.result(0) for f in futs]

@@ -25,6 +25,7 @@ from treadle.common.engine.domain import (
     OrderedOp,
     SampleOp,
     SampleResult,
+    SamplerTarget,
     SamplingConfig,
 )
 from treadle.workers.engine import ordered as engine_mod
@@ -32,6 +33,7 @@ from treadle.workers.engine.base_models import BaseModelRegistry
 from treadle.workers.engine.loop import Engine, EngineConfig
 from treadle.workers.model.tiny import build_tiny_model
 from treadle.workers.sampler import forward as sampler_mod
+from treadle.workers.sampler.backend import SampleJob
 from treadle.workers.sampler.torch_sampler import TorchSampler
 from treadle.workers.trainer.trainer import TrainingModel
 
@@ -164,7 +166,8 @@ def test_one_tenants_adapters_decode_in_one_batch(
         futures: list[Future[SampleResult]] = []
         for snap in snaps:
             fut: Future[SampleResult] = Future()
-            sampler.submit(op, snap, fut, tenant=TENANT, owner=(TENANT, snap.model_id))
+            pinned = SamplerTarget(base.name, snap.model_id, snap.version, TENANT)
+            sampler.submit(SampleJob(sampler.base, op, snap, pinned), fut)
             futures.append(fut)
         while sampler.has_work():
             sampler.step()

@@ -20,7 +20,7 @@ from treadle.workers.engine.base_models import BaseModel
 from treadle.workers.engine.versions import WeightSnapshot
 from treadle.workers.model.llama import LlamaParams
 from treadle.workers.model.lora import LoraAdapter
-from treadle.workers.sampler.backend import ResumeRequest, SampleRequest
+from treadle.workers.sampler.backend import ResumeJob, SampleJob
 from treadle.workers.sampler.process.messages import (
     AddBase,
     AddSnapshot,
@@ -30,12 +30,12 @@ from treadle.workers.sampler.process.messages import (
     FailAll,
     Ready,
     Released,
-    Resume,
+    ResumeJobMsg,
+    SampleJobMsg,
     Stats,
     StatsPlease,
     Stop,
     Streamed,
-    Submit,
     Swap,
     ToChild,
 )
@@ -97,7 +97,7 @@ class Child:
             self.bases[msg.bkey] = msg.base
         elif isinstance(msg, AddSnapshot):
             self._add_snapshot(msg)
-        elif isinstance(msg, Submit):
+        elif isinstance(msg, SampleJobMsg):
             rid = msg.rid
             on_seq = (
                 (lambda i, seq, s: self.outbox.send(Streamed(rid, i, seq, s)))
@@ -105,12 +105,12 @@ class Child:
                 else None
             )
             weights = self.snapshots[msg.skey]
-            request = SampleRequest(self.bases[msg.bkey], msg.op, weights, msg.requester, on_seq)
-            self.core.submit(request, self._future(rid))
-        elif isinstance(msg, Resume):
+            job = SampleJob(self.bases[msg.bkey], msg.op, weights, msg.target, on_seq)
+            self.core.submit(job, self._future(rid))
+        elif isinstance(msg, ResumeJobMsg):
             weights = self.snapshots[msg.skey]
             base = self.bases[msg.bkey]
-            resume = ResumeRequest(base, msg.handles, msg.params, weights, msg.requester)
+            resume = ResumeJob(base, msg.handles, msg.params, weights, msg.target)
             self.core.resume(resume, self._future(msg.rid))
         elif isinstance(msg, Swap):
             self.core.swap_weights(self.snapshots[msg.skey])

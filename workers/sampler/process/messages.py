@@ -12,11 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from treadle.common.engine.domain import SampleOp, SamplingConfig, SequenceResult
+from treadle.common.engine.domain import SampleOp, SamplerTarget, SamplingConfig, SequenceResult
 from treadle.common.engine.stats import SamplerStats
 from treadle.errors import TreadleError
 from treadle.workers.engine.base_models import BaseModel
-from treadle.workers.sampler.backend import Requester
 
 BaseKey = tuple[str, str]  # (base model name, dtype name)
 
@@ -46,23 +45,27 @@ class AddSnapshot:
 
 
 @dataclass(frozen=True)
-class Submit:
+class SampleJobMsg:
+    """A ``SampleJob`` as it crosses: its base and weights by key (shipped once)."""
+
     rid: int
     bkey: BaseKey
     op: SampleOp
     skey: int
-    requester: Requester
+    target: SamplerTarget
     stream: bool  # report each sequence as it finishes
 
 
 @dataclass(frozen=True)
-class Resume:
+class ResumeJobMsg:
+    """A ``ResumeJob`` as it crosses: its base and weights by key."""
+
     rid: int
     bkey: BaseKey
     handles: tuple[str, ...]
     params: SamplingConfig
     skey: int
-    requester: Requester
+    target: SamplerTarget
 
 
 @dataclass(frozen=True)
@@ -92,7 +95,17 @@ class Stop:
     pass
 
 
-ToChild = AddBase | AddSnapshot | Submit | Resume | Swap | Cancel | StatsPlease | FailAll | Stop
+ToChild = (
+    AddBase
+    | AddSnapshot
+    | SampleJobMsg
+    | ResumeJobMsg
+    | Swap
+    | Cancel
+    | StatsPlease
+    | FailAll
+    | Stop
+)
 
 # ---- child -> parent --------------------------------------------------------------
 

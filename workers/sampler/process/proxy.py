@@ -62,8 +62,8 @@ from treadle.workers.engine.versions import WeightSnapshot
 from treadle.workers.sampler.backend import (
     EngineThread,
     OnSequence,
-    ResumeRequest,
-    SampleRequest,
+    ResumeJob,
+    SampleJob,
     TensorsCopy,
 )
 from treadle.workers.sampler.process.child import child_main
@@ -76,12 +76,12 @@ from treadle.workers.sampler.process.messages import (
     FailAll,
     Ready,
     Released,
-    Resume,
+    ResumeJobMsg,
+    SampleJobMsg,
     Stats,
     StatsPlease,
     Stop,
     Streamed,
-    Submit,
     Swap,
     ToChild,
 )
@@ -215,22 +215,22 @@ class ProcessTorchBackend:
     def copy_weights(self) -> TensorsCopy | None:
         return self.shared_copy
 
-    def submit(self, request: SampleRequest, future: Future[SampleResult]) -> None:
-        rid = self._track(future, request.on_sequence)
+    def submit(self, job: SampleJob, future: Future[SampleResult]) -> None:
+        rid = self._track(future, job.on_sequence)
         if rid is None:
             return
-        skey = self._ship(request.base, request.weights)
-        stream = request.on_sequence is not None
-        bkey = _base_key(request.base)
-        self._outbox.put(Submit(rid, bkey, request.op, skey, request.requester, stream))
+        skey = self._ship(job.base, job.weights)
+        stream = job.on_sequence is not None
+        bkey = _base_key(job.base)
+        self._outbox.put(SampleJobMsg(rid, bkey, job.op, skey, job.target, stream))
 
-    def resume(self, request: ResumeRequest, future: Future[SampleResult]) -> None:
+    def resume(self, job: ResumeJob, future: Future[SampleResult]) -> None:
         rid = self._track(future, None)
         if rid is None:
             return
-        skey = self._ship(request.base, request.weights)
-        bkey = _base_key(request.base)
-        msg = Resume(rid, bkey, request.handles, request.params, skey, request.requester)
+        skey = self._ship(job.base, job.weights)
+        bkey = _base_key(job.base)
+        msg = ResumeJobMsg(rid, bkey, job.handles, job.params, skey, job.target)
         self._outbox.put(msg)
 
     def publish(self, base: BaseModel, weights: WeightSnapshot, *, inflight: bool) -> None:
@@ -366,7 +366,7 @@ class ProcessTorchBackend:
                 return
             except Exception as err:  # e.g. something that does not pickle: a bug
                 log.error("sampler process: cannot send %s: %s", type(msg).__name__, err)
-                if isinstance(msg, Submit | Resume):
+                if isinstance(msg, SampleJobMsg | ResumeJobMsg):
                     self._settle(msg.rid, InternalError(f"sampler process: {err}"))
 
     def _recv_loop(self) -> None:
