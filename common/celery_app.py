@@ -3,7 +3,7 @@ the one task, the exchanges, and how a reply is framed.
 
 One task, ``treadle.call(cid, reply_to, payload)``, carries every call:
 ``payload`` is one ``treadle.common.engine.messages`` request, framed with its
-version by ``treadle.common.engine.codec``; the reply is an ``engine_messages.Reply``.
+version by ``treadle.common.engine.codec``; the reply is a ``messages.Reply``.
 Tasks go to the worker's own queue, ``treadle.worker.<id>``, and replies to the
 sending server's own queue, ``treadle.reply.<id>`` (``reply_to``), both through
 the default (nameless) exchange: on Redis that saves a binding lookup, one round

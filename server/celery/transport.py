@@ -4,7 +4,7 @@ A call is one Celery task on the worker's own queue; a task never waits for its
 result: the worker publishes the resolved call to this server's reply queue
 (``treadle.common.celery_app``), a thread here consumes it and resolves the
 awaiting coroutine. A call is one typed request of ``treadle.common.engine.messages``
-and its answer an ``engine_messages.Reply`` (``treadle.common.engine.codec`` msgpack,
+and its answer a ``messages.Reply`` (``treadle.common.engine.codec`` msgpack,
 framed with the message version); a reply whose value is not of the request's
 response type fails the call.
 
