@@ -17,13 +17,12 @@ import pytest
 from sqlalchemy import create_engine, text
 
 import treadle
+from tests.integration.distributed.cluster import create_tenant as _create_tenant
+from tests.integration.distributed.cluster import datum as _datum
+from tests.integration.distributed.cluster import server_config, start_worker, stop_worker
+from tests.integration.services import free_port, fresh_postgres, start_listening, wait_for_workers
 from treadle.errors import UnavailableError
 from treadle.server.embedded import EmbeddedServer
-
-from .distributed.cluster import create_tenant as _create_tenant
-from .distributed.cluster import datum as _datum
-from .distributed.cluster import server_config, start_worker, stop_worker
-from .services import free_port, fresh_postgres, start_listening, wait_for_workers
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
 

@@ -23,12 +23,11 @@ import pytest
 from sqlalchemy import create_engine, text
 
 import treadle
+from tests.integration.distributed.cluster import create_tenant, datum
+from tests.integration.private_postgres import PrivatePostgres
 from treadle.errors import UnavailableError
 from treadle.server.config import ServerConfig
 from treadle.server.embedded import EmbeddedServer
-
-from .distributed.cluster import create_tenant, datum
-from .private_postgres import PrivatePostgres
 
 pytestmark = [pytest.mark.postgres, pytest.mark.timeout(300)]
 

@@ -24,9 +24,14 @@ import pytest
 from sqlalchemy import create_engine, text
 
 import treadle
-
-from .distributed.cluster import datum
-from .services import REDIS_URL, free_port, fresh_postgres, port_open, wait_for_workers
+from tests.integration.distributed.cluster import datum
+from tests.integration.services import (
+    REDIS_URL,
+    free_port,
+    fresh_postgres,
+    port_open,
+    wait_for_workers,
+)
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(420)]
 

@@ -18,10 +18,9 @@ import pytest
 
 import treadle
 from tests.conftest import make_server
+from tests.integration.distributed.cluster import datum as _datum
+from tests.integration.services import S3_ENV, _moto_server, free_port, start_listening
 from treadle.errors import TreadleError
-
-from .distributed.cluster import datum as _datum
-from .services import S3_ENV, _moto_server, free_port, start_listening
 
 BUCKET = "faults"
 

@@ -18,11 +18,11 @@ import pytest
 
 import treadle
 from tests.helpers import next_token_datum
+from tests.integration.distributed.cluster import server_config, start_worker, stop_worker
+from tests.integration.services import REDIS_URL, fresh_postgres, port_open, wait_for_workers
 from treadle import _rpc
 from treadle.server.embedded import EmbeddedServer
 
-from .distributed.cluster import server_config, start_worker, stop_worker
-from .services import REDIS_URL, fresh_postgres, port_open, wait_for_workers
 from .test_observability import scrape, value
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]

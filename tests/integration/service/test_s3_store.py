@@ -10,12 +10,11 @@ from pathlib import Path
 
 import pytest
 
+from tests.integration.services import moto_s3
 from treadle.common.s3_store import PART_BYTES, S3Store
 from treadle.common.store import make_store
 from treadle.errors import InvalidArgumentError, NotFoundError
 from treadle.workers.trainer.checkpoint import FORMAT
-
-from .services import moto_s3
 
 
 @pytest.fixture(scope="module")
