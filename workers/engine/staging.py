@@ -97,9 +97,11 @@ class StagedEngine:
             staged = kept or self.store.staging_dir(path)
             inner = self.engine.call(_with(call, holder, field, str(staged)))
             self._chain(inner, out, upload=lambda r: self._upload(r, staged, path, key))
-        else:
+        elif isinstance(call, SubmitCall):  # an auto-checkpoint may follow an optim step
             inner = self.engine.call(call)
             inner.add_done_callback(lambda f: self._after_step(f, out))
+        else:  # nothing to stage: the engine's own future (a cancel reaches the engine)
+            return self.engine.call(call)
         return out
 
     # ---- plumbing ------------------------------------------------------------------------
