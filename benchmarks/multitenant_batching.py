@@ -125,7 +125,7 @@ def run(
 
         per_round = TENANTS if one_adapter else 1  # seq_ids a model uses per round
         # Warm-up rounds (untimed): a measuring engine times each call size on one
-        # thread and on all first (``workers.trainer.thread_choice``). Then one optimizer
+        # thread and on all first (``workers.device.thread_choice``). Then one optimizer
         # step, so every adapter's B is non-zero (a fresh adapter computes exactly
         # the base model).
         step = OptimStepOp(AdamConfig(learning_rate=1e-2))

@@ -37,4 +37,5 @@ class EngineConfig(EngineOptions):
             max_queued=self.sampler_max_queued,
             log_every_s=self.metrics_log_every_s,
             kv_memory_fraction=self.kv_cache_memory_fraction,
+            thread_policy=self.sampler_thread_policy,
         )

@@ -21,9 +21,9 @@ from typing import TYPE_CHECKING, Any
 from treadle.common.engine.domain import DTYPES
 from treadle.errors import FailedPreconditionError, InvalidArgumentError
 from treadle.workers.device.host_allocator import ALLOCATORS
+from treadle.workers.device.thread_choice import POLICIES
 from treadle.workers.engine.options import ENGINE_FIELDS, EngineOptions
 from treadle.workers.sampler.backends import SAMPLERS, check_available
-from treadle.workers.trainer.thread_choice import POLICIES
 from treadle.workers.vllm.settings import VllmSettings
 
 if TYPE_CHECKING:
@@ -87,6 +87,14 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
         choices=TRAINING_THREADS,
         help="torch threads of forward_backward / forward_logprobs: 'measure' (one or all "
         "--threads, whichever runs faster for calls of that kind and size), 'all' or 'one'",
+    )
+    parser.add_argument(
+        "--sampler-thread-policy",
+        default=env("TREADLE_SAMPLER_THREAD_POLICY", DEFAULTS.sampler_thread_policy),
+        choices=TRAINING_THREADS,
+        help="torch threads of each torch-sampler step: 'measure' (one or all of the "
+        "sampler's threads, whichever runs faster for steps of that kind and size; one "
+        "when the host is busy), 'all' or 'one'",
     )
     parser.add_argument(
         "--gap-timeout",
@@ -248,6 +256,7 @@ def engine_settings(args: argparse.Namespace) -> dict[str, Any]:
         "sampler_threads": args.sampler_threads,
         "sampler_options": _sampler_options(args),
         "training_threads": args.training_threads,
+        "sampler_thread_policy": args.sampler_thread_policy,
         "gap_timeout_s": args.gap_timeout,
         "keep_versions": args.keep_versions,
         "auto_checkpoint_steps": args.auto_checkpoint_steps,
@@ -286,10 +295,11 @@ def check_engine_settings(config: EngineOptions) -> None:
         raise InvalidArgumentError(
             f"host_allocator: {config.host_allocator!r}; choose from {ALLOCATORS}"
         )
-    if config.training_threads not in TRAINING_THREADS:
-        raise InvalidArgumentError(
-            f"training_threads: {config.training_threads!r}; choose from {TRAINING_THREADS}"
-        )
+    for name in ("training_threads", "sampler_thread_policy"):
+        if getattr(config, name) not in TRAINING_THREADS:
+            raise InvalidArgumentError(
+                f"{name}: {getattr(config, name)!r}; choose from {TRAINING_THREADS}"
+            )
     check_available(config.sampler)
     if config.sampler == "vllm":
         vllm = VllmSettings.from_options(dict(config.sampler_options))

@@ -31,8 +31,12 @@ class EngineOptions:
     sampler_options: Mapping[str, Any] = field(default_factory=dict)
     #: torch threads of a forward_backward / forward_logprobs (or a batched pass):
     #: "measure" (one or all, whichever this machine runs faster for calls of that
-    #: kind and size; ``trainer.thread_choice``), "all" or "one"
+    #: kind and size; ``device.thread_choice``), "all" or "one"
     training_threads: str = "measure"
+    #: torch threads of each step of the torch sampler, on the CPU: the same choices
+    #: ("measure": a busy host's sampler steps run on one thread, where two took
+    #: 3-10x as long)
+    sampler_thread_policy: str = "measure"
     #: seconds an ordered call waits for a missing earlier seq_id before ABORTED
     gap_timeout_s: float = 60.0
     keep_versions: int = 4  # published weight versions kept per model

@@ -37,6 +37,8 @@ from treadle.errors import (
     TreadleError,
 )
 from treadle.workers.device import device
+from treadle.workers.device.pass_threads import pass_threads
+from treadle.workers.device.thread_choice import ThreadChoice
 from treadle.workers.engine import op_handlers
 from treadle.workers.engine.call_stats import CallStats
 from treadle.workers.engine.config import EngineConfig
@@ -46,8 +48,6 @@ from treadle.workers.engine.versions import VersionStore, WeightSnapshot
 from treadle.workers.sampler.backend import SamplerBackend
 from treadle.workers.trainer import checkpoint
 from treadle.workers.trainer.batching import BatchCall, batch_key, batchable, run_batch
-from treadle.workers.trainer.pass_threads import pass_threads
-from treadle.workers.trainer.thread_choice import ThreadChoice
 from treadle.workers.trainer.trainer import TrainingModel
 
 log = logging.getLogger("treadle.engine")
@@ -127,7 +127,7 @@ class OrderedExecutor:
     def _threads_for(
         self, kind: str, tokens: int, model: TrainingModel
     ) -> AbstractContextManager[None]:
-        """The pass's thread count, measured on the CPU (``workers.trainer.pass_threads``)."""
+        """The pass's thread count, measured on the CPU (``workers.device.pass_threads``)."""
         return pass_threads(self.threads, self.device, kind, float(tokens * model.cfg.num_params()))
 
     def execute(self, call: QueuedCall) -> None:

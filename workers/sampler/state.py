@@ -48,6 +48,10 @@ class SamplerLimits:
     #: CPU multiplies it natively; a second copy of the weights of each of the last
     #: ``prepack_policy.MAX_PACKED`` versions decoded)
     prepack: bool = True
+    #: each step's torch threads on the CPU: "measure" (one or all of the host's,
+    #: whichever runs this kind and size of step faster here and now), "all", "one"
+    #: (``workers.device.thread_choice``; ``--sampler-thread-policy``)
+    thread_policy: str = "measure"
 
     def context_of(self, cfg: ModelConfig) -> int:
         """The context a request may fill on base ``cfg``: the KV cache's length, at

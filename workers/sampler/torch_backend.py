@@ -30,6 +30,8 @@ from treadle.common.engine.model_config import ModelConfig
 from treadle.common.engine.stats import SamplerStats
 from treadle.errors import InternalError, TreadleError
 from treadle.workers.device import device
+from treadle.workers.device.pass_threads import pass_threads
+from treadle.workers.device.thread_choice import ThreadChoice
 from treadle.workers.engine.base_models import BaseModel
 from treadle.workers.engine.versions import WeightSnapshot
 from treadle.workers.sampler.backend import (
@@ -57,6 +59,8 @@ class TorchSamplers:
 
     def __init__(self, limits: SamplerLimits) -> None:
         self.limits = limits
+        #: each step's torch threads: one or all of its host's, measured per kind and size
+        self.threads = ThreadChoice(limits.thread_policy, label="sampler")
         self.samplers: dict[SamplerKey, TorchSampler] = {}
         self._stats: dict[SamplerKey, SamplerStats] = {}
         self._stats_lock = threading.Lock()
@@ -95,7 +99,10 @@ class TorchSamplers:
             if not sampler.has_work():
                 continue
             try:
-                sampler.step()
+                kind, tokens = sampler.step_work()
+                work = float(tokens * sampler.cfg.num_params())
+                with pass_threads(self.threads, sampler.base.device, kind, work):
+                    sampler.step()
             except torch.OutOfMemoryError as err:  # its requests fail, its slots are freed
                 log.warning("sampler step ran out of device memory: %s", err)
                 sampler.fail_all(device.out_of_memory("sample", err, sampler.base.device))

@@ -214,6 +214,18 @@ class TorchSampler:
     def has_work(self) -> bool:
         return bool(self.queue or self.prefilling or self.running)
 
+    def step_work(self) -> tuple[str, int]:
+        """What the next ``step`` is about to compute, for its thread count
+        (``workers.device.thread_choice``): ``("prefill", tokens)`` when it prefills
+        (the rows decoding count too), else ``("decode", rows)``. An estimate: the
+        queue's prompts count as one step's budget."""
+        pending = sum(r.prompt.size - r.prefilled for r in self.prefilling)
+        if self.queue:
+            pending += self.limits.max_prefill_tokens
+        budget = self.limits.max_prefill_tokens * (1 if self.running else 4)
+        prefill = min(pending, budget)
+        return ("prefill" if prefill else "decode"), len(self.running) + prefill
+
     def stats(self) -> SamplerStats:
         window = self._window
         return SamplerStats(

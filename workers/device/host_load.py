@@ -1,0 +1,94 @@
+"""How many CPU cores other processes keep busy: what a second torch thread would
+have to share.
+
+A torch op on two threads finishes when both threads have done their half; on a
+host whose other core is busy with another process, the second half waits for
+the scheduler to give that core back, and every op of a step pays it. Measured
+on a 2-core host with two other busy processes: a forward_backward on two
+threads took 31x as long per token as on one, a sampler prefill 750x. Trying
+two threads there to find out costs seconds per try, so the engine looks first
+(``pass_threads``): where fewer cores are spare than its threads, it runs on as
+many threads as there are spare cores, without trying more.
+
+Read from ``/proc`` (Linux): the busy time of all cores since the last look,
+less this process's own (every thread of it, which the engine's choices already
+account for). Elsewhere, or before two looks, nothing is known (``None``).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+#: the shortest window a reading averages over (a shorter one is noise)
+MIN_WINDOW_S = 0.25
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def _host_busy_s() -> float | None:
+    """Seconds every core of the host has spent busy since boot."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+    except OSError:
+        return None
+    if not fields or fields[0] != "cpu":
+        return None
+    # user nice system idle iowait irq softirq steal ...: busy = all but idle and iowait
+    ticks = [int(x) for x in fields[1:9]]
+    return (sum(ticks) - ticks[3] - ticks[4]) / _CLOCK_TICKS
+
+
+def _own_busy_s() -> float:
+    """Seconds this process (all its threads) has spent on a CPU."""
+    t = os.times()
+    return t.user + t.system
+
+
+class HostLoad:
+    """The cores other processes kept busy, averaged since the previous reading
+    (at least ``MIN_WINDOW_S`` ago); thread-safe."""
+
+    def __init__(self) -> None:
+        self.cores = _cores()
+        self._lock = threading.Lock()
+        self._last: tuple[float, float, float] | None = None
+        self._others: float | None = None
+        self._sample()
+
+    def _sample(self) -> None:
+        host = _host_busy_s()
+        if host is None:
+            return
+        now, own = time.monotonic(), _own_busy_s()
+        if self._last is not None:
+            t0, host0, own0 = self._last
+            elapsed = now - t0
+            if elapsed < MIN_WINDOW_S:
+                return
+            others = (host - host0) - (own - own0)
+            self._others = max(0.0, others / elapsed)
+        self._last = (now, host, own)
+
+    def others_busy(self) -> float | None:
+        """Cores other processes kept busy lately (None: not known here)."""
+        with self._lock:
+            self._sample()
+            return self._others
+
+    def spare_cores(self) -> float | None:
+        """Cores no other process used lately (None: not known here)."""
+        others = self.others_busy()
+        return None if others is None else max(0.0, self.cores - others)
+
+
+#: the process's one reader (the engine's passes and the sampler's steps share it)
+HOST = HostLoad()
