@@ -3,9 +3,14 @@ No side effects on import (no thread settings), so any benchmark may use it."""
 
 from __future__ import annotations
 
+import os
 import re
+import socket
 import subprocess
+import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 
@@ -36,3 +41,72 @@ def stop_all(procs: list[subprocess.Popen[bytes]], timeout_s: float = 60.0) -> N
             proc.wait(timeout_s)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+def die_with_parent() -> None:
+    """In a child process (``preexec_fn``): end when the benchmark ends, however it
+    ends (a benchmark killed with a signal would otherwise leave its server running)."""
+    if sys.platform == "linux":
+        import ctypes
+        import signal
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+@contextmanager
+def treadle_serve(
+    flags: list[str], data_dir: Path, timeout_s: float = 120.0, verbose: bool = False
+) -> Iterator[tuple[str, str, subprocess.Popen[bytes]]]:
+    """A ``treadle serve`` process of its own with ``flags`` (``--port``, ``--http-port``
+    and ``--data-dir`` are set here): (address, API key, the process) once it answers
+    ``GetServerInfo``; stopped on exit. Its log is ``data_dir`` + ``.log`` (INFO
+    with ``verbose``)."""
+    import treadle
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    cmd = [sys.executable, "-m", "treadle.server.cli", *(["-v"] if verbose else [])]
+    cmd += ["serve", "--port", str(port), "--http-port", "-1", "--data-dir", str(data_dir)]
+    cmd += flags
+    log = Path(data_dir).with_suffix(".log")
+    Path(data_dir).parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            cmd,
+            env=dict(os.environ, TREADLE_API_KEY=""),  # the server's own default key
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            preexec_fn=die_with_parent,
+        )
+    key_file = Path(data_dir) / "api_key"
+    try:
+        deadline = time.monotonic() + timeout_s
+        while not key_file.exists():
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"treadle serve did not start:\n{log.read_text()[-2000:]}")
+            time.sleep(0.2)
+        address, key = f"127.0.0.1:{port}", key_file.read_text().strip()
+        with treadle.ServiceClient(address, api_key=key) as client:
+            while True:  # the key is written before the port listens
+                try:
+                    client.get_server_info()
+                    break
+                except treadle.TreadleError:
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.2)
+        yield address, key, proc
+    finally:
+        stop_all([proc], 30)
+
+
+def peak_rss_mb(pid: int) -> float:
+    """A live process's peak resident memory (``VmHWM``), in MiB; 0 where unknown."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return 0.0

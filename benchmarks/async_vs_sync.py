@@ -51,8 +51,6 @@ import itertools
 import os
 import random
 import shutil
-import socket
-import subprocess
 import sys
 import tempfile
 import threading
@@ -68,7 +66,7 @@ os.environ.setdefault("OMP_NUM_THREADS", str(THREADS))
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import numpy as np  # noqa: E402
-from _procs import stop_all  # noqa: E402
+from _procs import treadle_serve  # noqa: E402
 
 import treadle  # noqa: E402
 from treadle import rl  # noqa: E402
@@ -81,16 +79,6 @@ L = 4  # short answers: two digits, EOS, one spare
 LONG = 16 * L
 
 
-def _die_with_parent() -> None:
-    """In the server's child process: end when this benchmark ends, however it ends
-    (a benchmark killed with a signal would otherwise leave the server running)."""
-    if sys.platform == "linux":
-        import ctypes
-        import signal
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
 @contextmanager
 def serve(config: ServerConfig, own_process: bool) -> Iterator[tuple[str, str]]:
     """(address, API key) of the benchmark's server: embedded in this process, or,
@@ -100,44 +88,12 @@ def serve(config: ServerConfig, own_process: bool) -> Iterator[tuple[str, str]]:
         with EmbeddedServer(config) as server:
             yield server.address, str(server.api_key)
         return
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    cmd = [sys.executable, "-m", "treadle.server.cli", "serve", "--port", str(port)]
-    cmd += ["--http-port", "-1"]  # the tinker HTTP API is not measured here
-    cmd += ["--data-dir", str(config.data_dir), "--threads", str(config.threads)]
-    cmd += ["--sampler-slots", str(config.sampler_slots)]
-    cmd += ["--sampler-max-len", str(config.sampler_max_len)]
-    cmd += [f"--model={name}={path}" for name, path in config.models.items()]
-    cmd += ["--sampler", config.sampler, "--sampler-threads", str(config.sampler_threads)]
-    env = dict(os.environ, TREADLE_API_KEY="")  # the server's own default key
-    proc = subprocess.Popen(
-        cmd,
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        preexec_fn=_die_with_parent,
-    )
-    key_file = Path(config.data_dir) / "api_key"
-    try:
-        deadline = time.monotonic() + 120
-        while not key_file.exists():
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"treadle serve did not start: {proc.stderr.read()!r}")  # type: ignore[union-attr]
-            time.sleep(0.2)
-        address = f"127.0.0.1:{port}"
-        with treadle.ServiceClient(address, api_key=key_file.read_text().strip()) as probe_client:
-            while True:  # the key is written before the port listens
-                try:
-                    probe_client.get_server_info()
-                    break
-                except treadle.TreadleError:
-                    if time.monotonic() > deadline:
-                        raise
-                    time.sleep(0.2)
-        yield address, key_file.read_text().strip()
-    finally:
-        stop_all([proc], 30)
+    flags = ["--threads", str(config.threads), "--sampler-slots", str(config.sampler_slots)]
+    flags += ["--sampler-max-len", str(config.sampler_max_len)]
+    flags += [f"--model={name}={path}" for name, path in config.models.items()]
+    flags += ["--sampler", config.sampler, "--sampler-threads", str(config.sampler_threads)]
+    with treadle_serve(flags, Path(config.data_dir)) as (address, key, _):
+        yield address, key
 
 
 class Task:
