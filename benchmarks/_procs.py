@@ -55,18 +55,23 @@ def die_with_parent() -> None:
 
 @contextmanager
 def treadle_serve(
-    flags: list[str], data_dir: Path, timeout_s: float = 120.0, verbose: bool = False
+    flags: list[str],
+    data_dir: Path,
+    timeout_s: float = 120.0,
+    verbose: bool = False,
+    python: str | None = None,
 ) -> Iterator[tuple[str, str, subprocess.Popen[bytes]]]:
     """A ``treadle serve`` process of its own with ``flags`` (``--port``, ``--http-port``
     and ``--data-dir`` are set here): (address, API key, the process) once it answers
     ``GetServerInfo``; stopped on exit. Its log is ``data_dir`` + ``.log`` (INFO
-    with ``verbose``)."""
+    with ``verbose``). ``python``: another installation's interpreter (an older
+    checkout's virtualenv, for a before/after pair in one run)."""
     import treadle
 
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    cmd = [sys.executable, "-m", "treadle.server.cli", *(["-v"] if verbose else [])]
+    cmd = [python or sys.executable, "-m", "treadle.server.cli", *(["-v"] if verbose else [])]
     cmd += ["serve", "--port", str(port), "--http-port", "-1", "--data-dir", str(data_dir)]
     cmd += flags
     log = Path(data_dir).with_suffix(".log")
@@ -110,3 +115,26 @@ def peak_rss_mb(pid: int) -> float:
     except OSError:
         pass
     return 0.0
+
+
+def _busy_loop() -> None:
+    while True:
+        pass
+
+
+@contextmanager
+def busy_processes(n: int) -> Iterator[None]:
+    """``n`` processes that keep a core busy each (a contended host: tokenizers,
+    reward code, other workers beside the engine), stopped on exit."""
+    import multiprocessing
+
+    procs = [multiprocessing.Process(target=_busy_loop, daemon=True) for _ in range(n)]
+    for p in procs:
+        p.start()
+    try:
+        yield
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            p.join(10)

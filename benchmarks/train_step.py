@@ -13,7 +13,11 @@ For each preset (5m, 110m), mode (LoRA rank 16, full fine-tune) and shape
   on the caller's thread, the code the engine runs for those calls;
 * engine-ckpt (only with ``--paths``): the engine with activation checkpointing;
 * sdk: an embedded server (its own process) driven through ``treadle.ServiceClient``
-  from this process; a step submits both calls and waits for the step's result.
+  from this process, with the server's default settings (the thread count of
+  each pass measured, ``--training-threads measure``, as a user's ``treadle serve``
+  runs); a step submits both calls and waits for the step's result;
+* sdk-all (with ``--paths``): the same with ``--training-threads all`` (every
+  pass on ``--threads``, as the torch row), a tuned row beside the headline.
 
 Each row runs in a fresh process (``--threads`` torch threads), so its peak
 memory is that process's peak RSS (``ru_maxrss``; for sdk, the server's
@@ -267,7 +271,8 @@ def serve(spec: dict) -> None:
             models={"bench": Path(spec["dir"])},
             port=0,
             threads=spec["threads"],
-            training_threads="all",  # the same thread count as the other rows, never "measure"d
+            # the headline row runs the server's default ("measure"); sdk-all fixes "all"
+            training_threads="all" if spec["path"] == "sdk-all" else "measure",
         )
         with EmbeddedServer(cfg) as server:
             hello = {"address": server.address, "api_key": server.api_key}
@@ -368,7 +373,7 @@ def configuration(
         for which in paths if r % 2 == 0 else paths[::-1]:
             prof = profile and r == 0 and which == "engine"
             one = {**spec, "path": which, "profile": prof}
-            res = sdk_row(one) if which == "sdk" else child_row(one)
+            res = sdk_row(one) if which.startswith("sdk") else child_row(one)
             runs[which].append(
                 {
                     "ms": statistics.median(res["times"]) * 1e3,

@@ -65,17 +65,17 @@ class HostLoad:
         self._sample()
 
     def _sample(self) -> None:
+        now = time.monotonic()
+        if self._last is not None and now - self._last[0] < MIN_WINDOW_S:
+            return  # too short a window: the last reading stands (and /proc is not read)
         host = _host_busy_s()
         if host is None:
             return
-        now, own = time.monotonic(), _own_busy_s()
+        own = _own_busy_s()
         if self._last is not None:
             t0, host0, own0 = self._last
-            elapsed = now - t0
-            if elapsed < MIN_WINDOW_S:
-                return
             others = (host - host0) - (own - own0)
-            self._others = max(0.0, others / elapsed)
+            self._others = max(0.0, others / (now - t0))
         self._last = (now, host, own)
 
     def others_busy(self) -> float | None:
