@@ -31,6 +31,7 @@ from treadle.common.engine.domain import (
 from treadle.common.engine.stats import PassStats, SamplerStats
 from treadle.errors import InvalidArgumentError
 from treadle.server import restarts
+from treadle.server.service import run_metadata
 from treadle.server.service.types import (
     BaseModelRecord,
     CheckpointRecord,
@@ -84,6 +85,7 @@ def create_model(req: training_pb2.CreateModelRequest) -> NewModel:
         from_state=req.from_state,
         weights_only=req.weights_only,
         session_id=req.session_id,
+        user_metadata=run_metadata.check(dict(req.user_metadata)),
     )
 
 
@@ -100,6 +102,7 @@ def model_info(info: ModelRecord) -> training_pb2.ModelInfo:
         status=info.status,
         created_at=info.created_at,
         session_id=info.session_id,
+        user_metadata=info.user_metadata,
     )
 
 

@@ -94,6 +94,7 @@ class ModelService:
                 dtype=dtype,
                 modules=modules,
                 session_id=req.session_id or None,
+                user_metadata=dict(req.user_metadata),
             )
             model_id = row.id
         spec = ModelSpec(model_id, tenant, base_model, rank, alpha, seed, dtype, *modules)
@@ -210,6 +211,9 @@ class ModelService:
             status=row.status,
             created_at=row.created_at.timestamp(),
             session_id=row.session_id or "",
+            user_metadata=dict(row.user_metadata or {}),
+            last_request_at=self.ctx.lifecycle.last_used.get(row.id)
+            or max(row.created_at, row.updated_at).timestamp(),
         )
         try:
             status = self.ctx.dispatcher.model_status(row.id)
