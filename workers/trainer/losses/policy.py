@@ -49,7 +49,8 @@ def _policy_loss(
         kl_ref = _k3(_masked_diff(ref, logp, mask))
         if kl_beta > 0:
             per_token = per_token + kl_beta * kl_ref
-        metrics.update(_masked_stats(kl_ref, counted, "kl_ref"))
+        # a term of the loss itself: over the tokens the loss sums (as ntokens:sum)
+        metrics.update(_masked_stats(kl_ref, mask, "kl_ref"))
     elif kl_beta > 0:
         raise InvalidArgumentError(
             "loss_fn_inputs.ref_logprobs: required when loss_fn_config.kl_beta > 0 "
