@@ -52,7 +52,9 @@ def _python(directory: Path) -> Path:
 def _works(python: Path) -> bool:
     if not python.exists():
         return False
-    probe = "import tinker, tinker_cookbook, torch, transformers; assert tinker.__version__ == '0.38.0'"
+    probe = (
+        "import tinker, tinker_cookbook, torch, transformers; assert tinker.__version__ == '0.38.0'"
+    )
     return subprocess.run([str(python), "-c", probe], capture_output=True).returncode == 0
 
 
@@ -61,9 +63,7 @@ def _build(directory: Path) -> None:
     pip = [str(_python(directory)), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
     # torch first, on its own: the CPU wheel on local disk, never a CUDA build.
     for args in ([TORCH], [TINKER, COOKBOOK]):
-        done = subprocess.run(
-            pip + args, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S
-        )
+        done = subprocess.run(pip + args, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
         if done.returncode != 0:
             raise RuntimeError(f"pip install {' '.join(args)} failed:\n{done.stderr[-2000:]}")
 

@@ -28,6 +28,7 @@ from treadle.common.engine.domain import (
     SequenceResult,
     StreamedSequence,
 )
+from treadle.common.engine.sampling_limits import check_stop
 from treadle.common.engine.stats import PassStats, SamplerStats
 from treadle.errors import InvalidArgumentError
 from treadle.server import restarts
@@ -248,6 +249,7 @@ def sampling_config(p: sampling_pb2.SamplingParams) -> SamplingConfig:
     """Unset fields take their defaults (T = 1, no top-p, no top-k); an explicit
     value is passed on as it is, so ``top_p = 0`` is refused by the sampler's
     checks rather than read as "off"."""
+    check_stop(p.stop, p.stop_token_ids, "params.stop")
     return SamplingConfig(
         max_tokens=p.max_tokens,
         temperature=p.temperature if p.HasField("temperature") else 1.0,

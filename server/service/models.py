@@ -54,7 +54,7 @@ class ModelService:
             )
             modules = convert.manifest_modules(manifest)
         else:
-            base_model, rank, seed = req.base_model, req.lora_rank, req.seed
+            base_model, rank, seed = ctx.base_model_name(req.base_model), req.lora_rank, req.seed
             alpha = req.lora_alpha or float(rank)
             dtype = req.dtype or ctx.config.default_dtype
             modules = req.modules

@@ -8,6 +8,7 @@ both transports carry it. One embedded server for the module (tiny model).
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -48,7 +49,9 @@ def test_a_runs_user_metadata_is_kept_listed_and_seen_by_both_sdks(
     tc = sc.create_lora_training_client(base_model=BASE, rank=2, user_metadata=meta).result()
     rest = sc.create_rest_client()
     assert rest.get_training_run(tc.model_id).result().user_metadata == meta
-    listed = {r.training_run_id: r for r in rest.list_training_runs(limit=100).result().training_runs}
+    listed = {
+        r.training_run_id: r for r in rest.list_training_runs(limit=100).result().training_runs
+    }
     assert listed[tc.model_id].user_metadata == meta
     # a run made from a checkpoint (load_weights' new-model branch) keeps its own
     path = tc.save_state("meta").result().path
@@ -126,7 +129,9 @@ def test_a_runs_last_checkpoints_and_last_request_time(sc: tinker.ServiceClient)
     later = rest.get_training_run(tc.model_id).result()
     assert later.last_checkpoint is not None and later.last_checkpoint.tinker_path == again
     assert later.last_request_time > run.last_request_time
-    listed = {r.training_run_id: r for r in rest.list_training_runs(limit=100).result().training_runs}
+    listed = {
+        r.training_run_id: r for r in rest.list_training_runs(limit=100).result().training_runs
+    }
     assert listed[tc.model_id].last_checkpoint is not None
     assert listed[tc.model_id].last_checkpoint.tinker_path == again
 
@@ -215,3 +220,64 @@ def test_importance_sampling_metrics_describe_the_completion_on_both_transports(
         )
     assert grpc.metrics["ratio:mean"] == pytest.approx(http["ratio:mean"], abs=1e-6)
     assert grpc.metrics["approx_kl:mean"] == pytest.approx(http["approx_kl:mean"], abs=1e-6)
+
+
+# ---- 5. a model given as a directory, by its absolute path --------------------------------
+
+
+def test_a_served_directory_answers_to_its_absolute_path(
+    sc: tinker.ServiceClient, tiny_model_dir: Path
+) -> None:
+    """So a client that loads its tokenizer by the base model's name (tinker-cookbook's
+    get_tokenizer(model_name)) can name the directory and stay offline."""
+    path = str(tiny_model_dir.resolve())
+    tc = sc.create_lora_training_client(base_model=path, rank=2).result()
+    info = tc.get_info()
+    assert info.model_data.model_name == BASE  # served under its name; the path is an alias
+    assert info.model_data.tokenizer_id == path
+    out = tc.forward_backward(SFT, "cross_entropy").result()
+    assert out.metrics["loss:sum"] > 0
+    sampler = sc.create_sampling_client(base_model=path)
+    got = sampler.sample(T.ModelInput.from_ints([1, 5]), 1, T.SamplingParams(max_tokens=2))
+    assert len(got.result().sequences) == 1
+    with pytest.raises(tinker.TinkerError, match="not served"):
+        sc.create_lora_training_client(base_model="/nowhere/model", rank=2).result()
+
+
+# ---- 7. the sampling request's limits ------------------------------------------------------
+
+
+def test_sampling_request_limits_on_both_transports(world: World, sc: tinker.ServiceClient) -> None:
+    many = [f"s{i}" for i in range(100_000)]  # about 1 MB of stop strings
+    prompt = [1, 5, 9]
+    sampler = sc.create_sampling_client(base_model=BASE)
+    with pytest.raises(
+        tinker.BadRequestError, match=r"sampling_params.stop: 100000 stop strings; at most 32"
+    ):
+        sampler.sample(
+            T.ModelInput.from_ints(prompt), 1, T.SamplingParams(max_tokens=2, stop=many)
+        ).result()
+    with pytest.raises(
+        tinker.BadRequestError, match=r"sampling_params.stop\[0\]: a stop string has 1..256"
+    ):
+        sampler.sample(
+            T.ModelInput.from_ints(prompt), 1, T.SamplingParams(max_tokens=2, stop=["x" * 300])
+        ).result()
+    ok = sampler.sample(
+        T.ModelInput.from_ints(prompt), 1, T.SamplingParams(max_tokens=2, stop=["x"] * 32)
+    ).result()
+    assert len(ok.sequences) == 1
+    with _grpc(world) as client:
+        grpc_sampler = client.create_sampling_client(BASE)
+        with pytest.raises(
+            InvalidArgumentError, match=r"params.stop: 100000 stop strings; at most 32"
+        ):
+            grpc_sampler.sample(prompt, 1, treadle.SamplingParams(max_tokens=2, stop=many)).result(
+                60
+            )
+        with pytest.raises(
+            InvalidArgumentError, match=r"params.stop: 300 stop token ids; at most 256"
+        ):
+            grpc_sampler.sample(
+                prompt, 1, treadle.SamplingParams(max_tokens=2, stop=list(range(300)))
+            ).result(60)

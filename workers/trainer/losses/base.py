@@ -131,7 +131,9 @@ def _base_metrics(
     the entropy's mean over the ``counted`` tokens (default: ``mask``)."""
     metrics = {"loss:sum": float(loss.detach()), "ntokens:sum": float(mask.sum())}
     if batch.entropy_N is not None:
-        metrics.update(_masked_stats(batch.entropy_N, mask if counted is None else counted, "entropy"))
+        metrics.update(
+            _masked_stats(batch.entropy_N, mask if counted is None else counted, "entropy")
+        )
     return metrics
 
 
