@@ -10,9 +10,11 @@ the same machine reuse it; a file lock makes concurrent test processes build it
 once. When it cannot be built (no package index, no wheel), the calling test is
 skipped with the reason.
 
-Cost (measured on this project's 2-core CI machine): the first build downloads and
-installs about 60 packages (~1.3 GB with torch from the local wheel) in about two
-minutes; a reuse costs a ``python -c`` check.
+Cost, measured on this project's 2-core machine: the first build installs 84
+packages (torch from the local wheel, the rest from PyPI, no pip cache) into 1.6 GB
+of disk in 55 s; a later run reuses it for the price of one ``python -c`` import
+check (about 5 s). The three tests that use it (``tests/integration/cookbook``)
+take about 2.5 minutes together, a server start included.
 """
 
 from __future__ import annotations

@@ -35,7 +35,8 @@ def free_port_pair() -> int:
 
 
 class ServeProcess:
-    def __init__(self, tmp: Path, model: Path, *args: str, name: str = "serve") -> None:
+    def __init__(self, tmp: Path, model: str | Path, *args: str, name: str = "serve") -> None:
+        """``model``: the ``--model`` value (``DIR`` or ``NAME=DIR``)."""
         self.log = tmp / f"{name}.log"
         self.cmd = [
             *CLI,
