@@ -27,8 +27,8 @@ def check_stop(strings: Sequence[str], token_ids: Sequence[int], field: str = "s
     for i, s in enumerate(strings):
         if not s or len(s) > MAX_STOP_STRING_CHARS:
             raise InvalidArgumentError(
-                f"{field}[{i}]: a stop string has 1..{MAX_STOP_STRING_CHARS} characters "
-                f"(got {len(s)})"
+                f"{field}: stop string {i} has {len(s)} characters; "
+                f"1..{MAX_STOP_STRING_CHARS} are allowed"
             )
     if len(token_ids) > MAX_STOP_TOKEN_IDS:
         raise InvalidArgumentError(

@@ -42,7 +42,7 @@ def _grpc(world: World) -> treadle.ServiceClient:
 # ---- 1. user_metadata ----------------------------------------------------------------
 
 
-def test_a_runs_user_metadata_is_kept_listed_and_seen_by_both_sdks(
+def test_run_user_metadata_is_kept_listed_and_seen_by_both_sdks(
     world: World, sc: tinker.ServiceClient
 ) -> None:
     meta = {"renderer_name": "llama3", "note": "issue 40"}
@@ -103,7 +103,7 @@ def test_bad_user_metadata_is_a_400_naming_the_field(
 # ---- 2. a run's other fields -----------------------------------------------------------
 
 
-def test_a_runs_last_checkpoints_and_last_request_time(sc: tinker.ServiceClient) -> None:
+def test_run_last_checkpoints_and_last_request_time(sc: tinker.ServiceClient) -> None:
     tc = sc.create_lora_training_client(base_model=BASE, rank=2).result()
     rest = sc.create_rest_client()
     run = rest.get_training_run(tc.model_id).result()
@@ -225,7 +225,7 @@ def test_importance_sampling_metrics_describe_the_completion_on_both_transports(
 # ---- 5. a model given as a directory, by its absolute path --------------------------------
 
 
-def test_a_served_directory_answers_to_its_absolute_path(
+def test_served_directory_answers_to_its_absolute_path(
     sc: tinker.ServiceClient, tiny_model_dir: Path
 ) -> None:
     """So a client that loads its tokenizer by the base model's name (tinker-cookbook's
@@ -237,9 +237,12 @@ def test_a_served_directory_answers_to_its_absolute_path(
     assert info.model_data.tokenizer_id == path
     out = tc.forward_backward(SFT, "cross_entropy").result()
     assert out.metrics["loss:sum"] > 0
-    sampler = sc.create_sampling_client(base_model=path)
+    sampler = sc.create_sampling_client(base_model=path).result()
     got = sampler.sample(T.ModelInput.from_ints([1, 5]), 1, T.SamplingParams(max_tokens=2))
     assert len(got.result().sequences) == 1
+    # the SDK loads a sampler's tokenizer by its base model's name: here, the directory
+    tok = sampler.get_tokenizer()
+    assert tok.decode(tok.encode("7+5=12", add_special_tokens=False)) == "7+5=12"
     with pytest.raises(tinker.TinkerError, match="not served"):
         sc.create_lora_training_client(base_model="/nowhere/model", rank=2).result()
 
@@ -250,7 +253,7 @@ def test_a_served_directory_answers_to_its_absolute_path(
 def test_sampling_request_limits_on_both_transports(world: World, sc: tinker.ServiceClient) -> None:
     many = [f"s{i}" for i in range(100_000)]  # about 1 MB of stop strings
     prompt = [1, 5, 9]
-    sampler = sc.create_sampling_client(base_model=BASE)
+    sampler = sc.create_sampling_client(base_model=BASE).result()
     with pytest.raises(
         tinker.BadRequestError, match=r"sampling_params.stop: 100000 stop strings; at most 32"
     ):
@@ -258,7 +261,8 @@ def test_sampling_request_limits_on_both_transports(world: World, sc: tinker.Ser
             T.ModelInput.from_ints(prompt), 1, T.SamplingParams(max_tokens=2, stop=many)
         ).result()
     with pytest.raises(
-        tinker.BadRequestError, match=r"sampling_params.stop\[0\]: a stop string has 1..256"
+        tinker.BadRequestError,
+        match=r"sampling_params.stop: stop string 0 has 300 characters; 1..256 are allowed",
     ):
         sampler.sample(
             T.ModelInput.from_ints(prompt), 1, T.SamplingParams(max_tokens=2, stop=["x" * 300])
