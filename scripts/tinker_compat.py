@@ -82,6 +82,13 @@ def render(record: dict[str, dict[str, list[str]]]) -> str:
         + ", ".join(f"`{t}`" for t in TESTS)
         + "; do not edit by hand.",
         "",
+        "Base model names: `--model NAME=DIR` serves the model as `NAME`, `--model DIR` as "
+        "the directory's last component; either is also reachable by the directory's "
+        "absolute path, the name to give where the client loads a tokenizer by the base "
+        "model's name (`SamplingClient.get_tokenizer`, tinker-cookbook's "
+        "`get_tokenizer(model_name)`), so it reads the directory, offline. `get_info`'s "
+        "`tokenizer_id` is that path too (`TrainingClient.get_tokenizer`).",
+        "",
     ]
     total = ok = 0
     for cls_name in CLASSES:
