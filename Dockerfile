@@ -3,7 +3,7 @@
 #
 # Server (CPU), the default target:
 #   docker build -t treadle .
-#   docker run -p 50051:50051 -p 8080:8080 -v $PWD/models:/models -v treadle-data:/data \
+#   docker run -p 50051:50051 -p 50052:50052 -v $PWD/models:/models -v treadle-data:/data \
 #     treadle serve --model /models/my-model --host 0.0.0.0 --data-dir /data
 #
 # GPU worker (CUDA, torch engine on the GPU, the vLLM sampler available):
@@ -54,7 +54,7 @@ RUN pip install ".[server]"
 RUN useradd --create-home treadle && mkdir -p /data && chown treadle /data
 USER treadle
 VOLUME ["/data"]
-EXPOSE 50051 8080
+EXPOSE 50051 50052
 ENTRYPOINT ["treadle"]
 CMD ["serve", "--host", "0.0.0.0", "--data-dir", "/data"]
 

@@ -208,6 +208,7 @@ def model_info_from_wire(msg: training_pb2.ModelInfo) -> ModelInfo:
         status=msg.status,
         created_at=msg.created_at,
         session_id=msg.session_id,
+        user_metadata=dict(msg.user_metadata),
     )
 
 

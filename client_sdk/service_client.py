@@ -109,6 +109,7 @@ class ServiceClient:
         *,
         alpha: float | None = None,
         dtype: str | None = None,
+        user_metadata: dict[str, str] | None = None,
     ) -> TrainingClient:
         """A LoRA model on ``base_model``: an adapter of ``rank`` (scale ``alpha / rank``,
         alpha defaults to rank) on the modules the flags name, as in the tinker SDK:
@@ -117,6 +118,9 @@ class ServiceClient:
         The head matters most on a base whose head is not pretrained (the random-weight
         presets): without it the logits cannot sharpen and supervised loss stalls
         (docs/lora.md has measured ranks and learning rates).
+
+        ``user_metadata``: your own string notes on the run, kept with it and
+        returned by ``get_model_info`` (as the tinker SDK's ``user_metadata``).
         """
         if rank < 1:
             raise InvalidArgumentError(
@@ -136,20 +140,38 @@ class ServiceClient:
             train_attn=train_attn,
             train_mlp=train_mlp,
             train_unembed=train_unembed,
+            user_metadata=user_metadata or {},
         )
 
     def create_training_client(
-        self, base_model: str, seed: int = 0, *, dtype: str | None = None
+        self,
+        base_model: str,
+        seed: int = 0,
+        *,
+        dtype: str | None = None,
+        user_metadata: dict[str, str] | None = None,
     ) -> TrainingClient:
         """A full fine-tune: every weight trains (and every published version is a copy)."""
-        return self._create(base_model=base_model, lora_rank=0, seed=seed, dtype=dtype or "")
+        return self._create(
+            base_model=base_model,
+            lora_rank=0,
+            seed=seed,
+            dtype=dtype or "",
+            user_metadata=user_metadata or {},
+        )
 
     def create_training_client_from_state(
-        self, path: str, *, weights_only: bool = False
+        self,
+        path: str,
+        *,
+        weights_only: bool = False,
+        user_metadata: dict[str, str] | None = None,
     ) -> TrainingClient:
         """A new model initialised from a ``treadle://`` checkpoint (weights,
         optimizer state and step; with ``weights_only``, fresh Adam moments)."""
-        return self._create(from_state=path, weights_only=weights_only)
+        return self._create(
+            from_state=path, weights_only=weights_only, user_metadata=user_metadata or {}
+        )
 
     def _create(self, **fields: Any) -> TrainingClient:
         if self._session is not None:

@@ -242,6 +242,8 @@ class ModelInfo:
     status: str  # "active", "unloaded" (idle past the server's TTL; comes back on use), ...
     created_at: float
     session_id: str = ""  # the client session it was created in
+    #: the caller's notes on the run, as given at creation (tinker's user_metadata)
+    user_metadata: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

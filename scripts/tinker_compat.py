@@ -41,7 +41,7 @@ WHY = {
     "get_telemetry": "client-side only: the server accepts telemetry and drops it",
     "get_console_url": "client-side only: treadle has no web console",
     "on_queue_state_change": "a callback the SDK calls itself",
-    "get_tokenizer": "SamplingClient loads the tokenizer by base-model name: offline only when the model is served under its directory path (--model DIR); TrainingClient.get_tokenizer uses the served directory",
+    "get_tokenizer": "SamplingClient loads the tokenizer by its base model's name: offline when that name is a directory (a model given as --model [NAME=]DIR is also served under DIR's absolute path: create the run or sampler with base_model=<that path>); TrainingClient.get_tokenizer uses the served directory",
 }
 
 
@@ -82,6 +82,13 @@ def render(record: dict[str, dict[str, list[str]]]) -> str:
         + ", ".join(f"`{t}`" for t in TESTS)
         + "; do not edit by hand.",
         "",
+        "Base model names: `--model NAME=DIR` serves the model as `NAME`, `--model DIR` as "
+        "the directory's last component; either is also reachable by the directory's "
+        "absolute path, the name to give where the client loads a tokenizer by the base "
+        "model's name (`SamplingClient.get_tokenizer`, tinker-cookbook's "
+        "`get_tokenizer(model_name)`), so it reads the directory, offline. `get_info`'s "
+        "`tokenizer_id` is that path too (`TrainingClient.get_tokenizer`).",
+        "",
     ]
     total = ok = 0
     for cls_name in CLASSES:
@@ -106,10 +113,45 @@ def render(record: dict[str, dict[str, list[str]]]) -> str:
                 why = WHY.get(name) or WHY.get(base) or "not exercised by the tests yet"
             lines.append(f"| `{name}` | {mark} | {why} |")
         lines.append("")
+    lines += sampler_kinds(record)
     lines += losses(record)
     lines.insert(4, f"**{ok} of {total}** methods are exercised by passing tests.")
     lines.insert(5, "")
     return "\n".join(lines)
+
+
+#: tinker's ``SamplingClientKind`` -> (the test that shows it, what it is here)
+SAMPLER_KINDS = {
+    "snapshot": (
+        "test_inflight_clients_share_the_models_one_target",
+        "a sampler pinned to the weights saved (treadle's `treadle://<model_id>/v/<n>`)",
+    ),
+    "inflight": (
+        "test_inflight_clients_share_the_models_one_target",
+        "the model's `latest` sampler: every inflight client of the model reads one target, "
+        "each later inflight save moves it for all (sequences being sampled take it in "
+        "flight; every token's version says which weights wrote it)",
+    ),
+}
+
+
+def sampler_kinds(record: dict[str, dict[str, list[str]]]) -> list[str]:
+    """``save_weights_and_get_sampling_client(kind=...)``, from the test that uses both."""
+    tests = record.get("__tests__", {"passed": [], "failed": []})
+    lines = [
+        "## Sampler kinds",
+        "",
+        "| kind | works | what it is here |",
+        "|---|---|---|",
+    ]
+    for kind, (test, what) in SAMPLER_KINDS.items():
+        node = f"test_tinker_runs.py::{test}"
+        passed = any(t.endswith(node) for t in tests["passed"])
+        failed = any(t.endswith(node) for t in tests["failed"])
+        mark = "✓" if passed and not failed else "✗"
+        why = f"{what}; `{test}`" if passed and not failed else "its test fails or did not run"
+        lines.append(f"| `{kind}` | {mark} | {why} |")
+    return [*lines, ""]
 
 
 def losses(record: dict[str, dict[str, list[str]]]) -> list[str]:

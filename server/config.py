@@ -34,7 +34,7 @@ class ServerConfig(EngineOptions):
     host: str = "127.0.0.1"
     port: int = 50051  # 0 = any free port (tests)
     #: the tinker-compatible HTTP API (/api/v1) on this port; 0 = any free port,
-    #: None = off (`treadle serve` turns it on at 8080: --http-port)
+    #: None = off (`treadle serve` turns it on at the gRPC port + 1: --http-port)
     http_port: int | None = None
     database_url: str = ""  # "" = SQLite file in data_dir
     max_message_bytes: int = MAX_MESSAGE_BYTES
@@ -182,12 +182,14 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data-dir", default=env("TREADLE_DATA_DIR", "treadle-data"))
     parser.add_argument("--host", default=env("TREADLE_HOST", "127.0.0.1"))
     parser.add_argument("--port", type=int, default=int(env("TREADLE_PORT", "50051")))
+    http_port = env("TREADLE_HTTP_PORT")
     parser.add_argument(
         "--http-port",
         type=int,
-        default=int(env("TREADLE_HTTP_PORT", "8080")),
+        default=int(http_port) if http_port else None,
         help="port of the tinker-compatible HTTP API (/api/v1, for the official tinker "
-        "SDK); -1 = off; env TREADLE_HTTP_PORT",
+        "SDK); default: the gRPC --port + 1 (50052; any free port with --port 0), so "
+        "servers on different --ports never collide; -1 = off; env TREADLE_HTTP_PORT",
     )
     parser.add_argument(
         "--database-url",
@@ -298,6 +300,21 @@ def tenancy_config(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def http_port_of(port: int, http_port: int | None) -> int | None:
+    """The HTTP API's port: as given (negative: none), else the gRPC port's next
+    one (any free port when the gRPC port is 0)."""
+    if http_port is not None:
+        return None if http_port < 0 else http_port
+    if port == 0:
+        return 0
+    if port >= 65535:
+        raise InvalidArgumentError(
+            f"--http-port: the default is --port + 1, and {port} + 1 is not a TCP port; "
+            "pass --http-port"
+        )
+    return port + 1
+
+
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
     return ServerConfig(
         **tenancy_config(args),
@@ -305,7 +322,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         models=models_from_args(args),
         host=args.host,
         port=args.port,
-        http_port=None if args.http_port < 0 else args.http_port,
+        http_port=http_port_of(args.port, args.http_port),
         database_url=args.database_url,
         **engine_settings(args),
         tls_cert=Path(args.tls_cert) if args.tls_cert else None,

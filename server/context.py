@@ -8,6 +8,7 @@ import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import grpc
@@ -95,6 +96,23 @@ class ServerContext:
         owner = self.owners.get(model_id)
         if owner is None or owner != tenant_id:
             raise NotFoundError(f"model {model_id!r} not found")
+
+    def base_model_name(self, name: str) -> str:
+        """The served base model ``name`` names: a served name, or the absolute path
+        of a served model's directory (so a client that loads its tokenizer by the
+        base model's name, as tinker-cookbook does, works offline); ``name``
+        unchanged when it is neither (the caller's check then says so)."""
+        served = self.catalog.base_model_names()
+        if name in served or not name.startswith("/"):
+            return name
+        wanted = Path(name).resolve()
+        for candidate in served:
+            try:
+                if self.catalog.base_model_path(candidate).resolve() == wanted:
+                    return candidate
+            except (KeyError, NotFoundError, OSError):
+                continue
+        return name
 
     def model_row(self, s: Session, tenant_id: str, model_id: str) -> db.Model:
         row = queries.get_model(s, tenant_id, model_id)

@@ -9,7 +9,14 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class CreateModelRequest(_message.Message):
-    __slots__ = ("base_model", "lora_rank", "lora_alpha", "seed", "dtype", "from_state", "session_id", "train_attn", "train_mlp", "train_unembed", "weights_only")
+    __slots__ = ("base_model", "lora_rank", "lora_alpha", "seed", "dtype", "from_state", "session_id", "train_attn", "train_mlp", "train_unembed", "weights_only", "user_metadata")
+    class UserMetadataEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     BASE_MODEL_FIELD_NUMBER: _ClassVar[int]
     LORA_RANK_FIELD_NUMBER: _ClassVar[int]
     LORA_ALPHA_FIELD_NUMBER: _ClassVar[int]
@@ -21,6 +28,7 @@ class CreateModelRequest(_message.Message):
     TRAIN_MLP_FIELD_NUMBER: _ClassVar[int]
     TRAIN_UNEMBED_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_ONLY_FIELD_NUMBER: _ClassVar[int]
+    USER_METADATA_FIELD_NUMBER: _ClassVar[int]
     base_model: str
     lora_rank: int
     lora_alpha: float
@@ -32,7 +40,8 @@ class CreateModelRequest(_message.Message):
     train_mlp: bool
     train_unembed: bool
     weights_only: bool
-    def __init__(self, base_model: _Optional[str] = ..., lora_rank: _Optional[int] = ..., lora_alpha: _Optional[float] = ..., seed: _Optional[int] = ..., dtype: _Optional[str] = ..., from_state: _Optional[str] = ..., session_id: _Optional[str] = ..., train_attn: _Optional[bool] = ..., train_mlp: _Optional[bool] = ..., train_unembed: _Optional[bool] = ..., weights_only: _Optional[bool] = ...) -> None: ...
+    user_metadata: _containers.ScalarMap[str, str]
+    def __init__(self, base_model: _Optional[str] = ..., lora_rank: _Optional[int] = ..., lora_alpha: _Optional[float] = ..., seed: _Optional[int] = ..., dtype: _Optional[str] = ..., from_state: _Optional[str] = ..., session_id: _Optional[str] = ..., train_attn: _Optional[bool] = ..., train_mlp: _Optional[bool] = ..., train_unembed: _Optional[bool] = ..., weights_only: _Optional[bool] = ..., user_metadata: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class GetModelInfoRequest(_message.Message):
     __slots__ = ("model_id",)
@@ -61,7 +70,14 @@ class DeleteModelResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model_id", "base_model", "is_lora", "lora_rank", "dtype", "version", "next_seq_id", "last_checkpoint_seq_id", "status", "created_at", "session_id")
+    __slots__ = ("model_id", "base_model", "is_lora", "lora_rank", "dtype", "version", "next_seq_id", "last_checkpoint_seq_id", "status", "created_at", "session_id", "user_metadata")
+    class UserMetadataEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     BASE_MODEL_FIELD_NUMBER: _ClassVar[int]
     IS_LORA_FIELD_NUMBER: _ClassVar[int]
@@ -73,6 +89,7 @@ class ModelInfo(_message.Message):
     STATUS_FIELD_NUMBER: _ClassVar[int]
     CREATED_AT_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    USER_METADATA_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     base_model: str
     is_lora: bool
@@ -84,7 +101,8 @@ class ModelInfo(_message.Message):
     status: str
     created_at: float
     session_id: str
-    def __init__(self, model_id: _Optional[str] = ..., base_model: _Optional[str] = ..., is_lora: _Optional[bool] = ..., lora_rank: _Optional[int] = ..., dtype: _Optional[str] = ..., version: _Optional[int] = ..., next_seq_id: _Optional[int] = ..., last_checkpoint_seq_id: _Optional[int] = ..., status: _Optional[str] = ..., created_at: _Optional[float] = ..., session_id: _Optional[str] = ...) -> None: ...
+    user_metadata: _containers.ScalarMap[str, str]
+    def __init__(self, model_id: _Optional[str] = ..., base_model: _Optional[str] = ..., is_lora: _Optional[bool] = ..., lora_rank: _Optional[int] = ..., dtype: _Optional[str] = ..., version: _Optional[int] = ..., next_seq_id: _Optional[int] = ..., last_checkpoint_seq_id: _Optional[int] = ..., status: _Optional[str] = ..., created_at: _Optional[float] = ..., session_id: _Optional[str] = ..., user_metadata: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class ForwardBackwardRequest(_message.Message):
     __slots__ = ("model_id", "seq_id", "data", "loss_fn", "loss_fn_config", "temperature")

@@ -169,6 +169,8 @@ class Model(Base):
     updated_at: Mapped[dt.datetime] = mapped_column(default=utcnow, onupdate=utcnow)
     # The client session the model was created in: its heartbeats keep the model loaded.
     session_id: Mapped[str | None] = mapped_column(ForeignKey("sessions.id"), index=True)
+    #: the caller's notes on the run (tinker's user_metadata), string to string
+    user_metadata: Mapped[dict[str, str] | None] = mapped_column(JSON)
 
     last_checkpoint: Mapped[Checkpoint | None] = relationship(
         foreign_keys=[last_checkpoint_id], post_update=True

@@ -77,9 +77,11 @@ def create_model(
     model_id: str | None = None,
     modules: tuple[bool, bool, bool] = (True, True, True),
     session_id: str | None = None,
+    user_metadata: dict[str, str] | None = None,
 ) -> Model:
     """``modules``: (train_attn, train_mlp, train_unembed) of a LoRA model;
-    ``session_id``: the client session it lives in (None: none)."""
+    ``session_id``: the client session it lives in (None: none); ``user_metadata``:
+    the caller's notes on the run (None or {}: none)."""
     row = Model(
         id=model_id or new_id("m"),
         tenant_id=tenant_id,
@@ -93,6 +95,7 @@ def create_model(
         train_mlp=modules[1],
         train_unembed=modules[2],
         session_id=session_id,
+        user_metadata=user_metadata or None,
     )
     return _add(s, row)
 
@@ -320,12 +323,27 @@ def put_tinker_name(
             TinkerName(tenant_id=tenant_id, kind=kind, key=key, model_id=model_id, version=version)
         )
     else:
-        row.model_id, row.version = model_id, version
+        row.model_id, row.version, row.created_at = model_id, version, utcnow()
     s.flush()
 
 
 def get_tinker_name(s: Session, tenant_id: str, kind: str, key: str) -> TinkerName | None:
     return s.get(TinkerName, (tenant_id, kind, key))
+
+
+def last_tinker_name(s: Session, tenant_id: str, kind: str, model_id: str) -> TinkerName | None:
+    """The name of ``kind`` given out last (or given again last) for the model."""
+    stmt = (
+        select(TinkerName)
+        .where(
+            TinkerName.tenant_id == tenant_id,
+            TinkerName.kind == kind,
+            TinkerName.model_id == model_id,
+        )
+        .order_by(TinkerName.created_at.desc())
+        .limit(1)
+    )
+    return s.scalars(stmt).first()
 
 
 def add_weight_version(s: Session, model_id: str, version: int, uri: str) -> WeightVersion:

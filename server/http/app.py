@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import socket
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -38,9 +39,6 @@ from treadle.server.http.names import Names
 from treadle.server.http.state import HttpState
 
 log = logging.getLogger("treadle.server")
-
-#: the default port of the HTTP API (the gRPC port is 50051)
-DEFAULT_HTTP_PORT = 8080
 
 
 def create_app(ctx: ServerContext) -> FastAPI:
@@ -159,7 +157,24 @@ class HttpServer:
             await self.task
 
 
+def _check_free(host: str, port: int) -> None:
+    """A taken port is one line naming the flag, not uvicorn's traceback."""
+    if port == 0:
+        return
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind(address)
+    except OSError as err:
+        raise InvalidArgumentError(
+            f"--http-port: the HTTP API cannot listen on {host}:{port} ({err.strerror or err}); "
+            "pass --http-port with a free port (0: any), or -1 for no HTTP API"
+        ) from None
+
+
 async def start_http(ctx: ServerContext, host: str, port: int) -> HttpServer:
+    _check_free(host, port)
     app = create_app(ctx)
     config = uvicorn.Config(
         app,

@@ -13,6 +13,7 @@ server restart still resolves the names it gave out.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 
@@ -35,6 +36,8 @@ class Names:
         self._session = session
         self._aliases: dict[tuple[str, str], str] = {}  # (tenant, sdk id) -> model id
         self._sampler_weights: dict[tuple[str, str, str], int] = {}
+        #: (tenant, model id) -> (name, unix time) of its last named sampler save
+        self._last_sampler: dict[tuple[str, str], tuple[str, float]] = {}
 
     def _put(self, tenant: str, kind: str, key: str, model_id: str, version: int | None) -> None:
         if self._session is not None:
@@ -70,7 +73,17 @@ class Names:
     def sampler_path(self, tenant: str, model_id: str, name: str, version: int) -> str:
         self._put(tenant, SAMPLER_WEIGHTS, f"{model_id}/{name}", model_id, version)
         self._sampler_weights[(tenant, model_id, name)] = version
+        self._last_sampler[(tenant, model_id)] = (name, time.time())
         return f"{SCHEME}{model_id}/sampler_weights/{name}"
+
+    def last_sampler_weights(self, tenant: str, model_id: str) -> tuple[str, float] | None:
+        """(name, unix time) of the model's last named ``save_weights_for_sampler``."""
+        if self._session is not None:
+            with self._session() as s:
+                row = queries.last_tinker_name(s, tenant, SAMPLER_WEIGHTS, model_id)
+                if row is not None:
+                    return row.key.split("/", 1)[1], row.created_at.timestamp()
+        return self._last_sampler.get((tenant, model_id))
 
     def split(self, tenant: str, path: object, field: str = "path") -> tuple[str, str, str]:
         """``tinker://<model_id>/<kind>/<name>`` -> (model id, kind, name)."""

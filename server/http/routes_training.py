@@ -23,7 +23,7 @@ from treadle.server.http import wire
 from treadle.server.http.auth import tenant
 from treadle.server.http.futures import Encoder
 from treadle.server.http.state import HttpState, api_router, state
-from treadle.server.service import CallHandle
+from treadle.server.service import CallHandle, run_metadata
 from treadle.server.service.types import NewModel, OrderedCall, parse
 
 router = api_router()
@@ -72,11 +72,14 @@ async def create_model(
     session_id = wire.field(body, "session_id", str, "")
     model_seq_id = wire.field(body, "model_seq_id", int, 0)
     _check_optimizer(body.get("optimizer_config"))
+    metadata = run_metadata.check(body.get("user_metadata"))
     lora = body.get("lora_config")
     if lora is not None and not isinstance(lora, dict):
         raise InvalidArgumentError("lora_config: expected an object")
     if lora is None:
-        req = NewModel(base_model=base_model, lora_rank=0, session_id=session_id)
+        req = NewModel(
+            base_model=base_model, lora_rank=0, session_id=session_id, user_metadata=metadata
+        )
     else:
         rank = wire.field(lora, "rank", int)
         if rank < 1:
@@ -91,6 +94,7 @@ async def create_model(
                 wire.field(lora, "train_unembed", bool, True),
             ),
             session_id=session_id,
+            user_metadata=metadata,
         )
     sdk_id = f"{session_id}:train:{model_seq_id}" if session_id else ""
 
@@ -255,16 +259,42 @@ async def save_weights(
     )
 
 
+#: tinker's ``SamplingClientKind`` -> the sampler a save makes (``sync_weights``)
+SAMPLER_KINDS = {"snapshot": "version", "inflight": "latest"}
+
+
+def _sampler_kind(body: dict[str, Any], ephemeral: bool) -> str:
+    """The sampler the save makes: "version" (a snapshot), "latest" (the model's
+    one inflight target) or "" (a named save makes none)."""
+    kind = body.get("kind", "snapshot")
+    if kind is None:
+        kind = "snapshot"
+    if kind not in SAMPLER_KINDS:
+        raise InvalidArgumentError(f"kind: {kind!r}; choose from {sorted(SAMPLER_KINDS)}")
+    if not ephemeral:
+        if kind == "inflight":
+            raise InvalidArgumentError(
+                "kind: 'inflight' makes a sampling client (sampling_session_seq_id); "
+                "a named save (path) is a snapshot"
+            )
+        return ""
+    return SAMPLER_KINDS[kind]
+
+
 @router.post("/save_weights_for_sampler")
 async def save_weights_for_sampler(
     request: Request, tenant_id: str = Depends(tenant), st: HttpState = Depends(state)
 ) -> dict[str, Any]:
     """Publishes the weights as a new version (treadle's sync_weights): named, or
-    with ``sampling_session_seq_id`` a sampler pinned to it at once."""
+    with ``sampling_session_seq_id`` a sampler on them at once: pinned to the new
+    version (``kind="snapshot"``), or following the model's latest weights
+    (``kind="inflight"``: every inflight client of the model reads that one target,
+    which each later inflight save moves, in flight for sequences being sampled)."""
     body = wire.json_body(await request.body())
     call = _call(st, tenant_id, body, body)
     sdk_model = body["model_id"]
     ephemeral = body.get("sampling_session_seq_id") is not None
+    sampler = parse(lambda: _sampler_kind(body, ephemeral))
     name = None if ephemeral else _name(body, call.seq_id, "sampler")
 
     def encode(outcome: Any) -> dict[str, Any]:
@@ -277,16 +307,21 @@ async def save_weights_for_sampler(
             "path": path.replace(call.model_id, sdk_model, 1),
         }
 
-    return await submit(
+    answer = await submit(
         st,
         tenant_id,
         st.service.training.sync_weights,
         call,
-        False,
-        ephemeral,
+        sampler == "latest",
+        sampler,
         encode=encode,
         model_id=sdk_model,
     )
+    if isinstance(sampler, TreadleError):
+        # A 400 on the request itself; the call took its seq_id first (its recorded
+        # answer is the same error), so the model's next call does not wait on a gap.
+        raise sampler
+    return answer
 
 
 @router.post("/load_weights")
@@ -312,12 +347,18 @@ async def load_weights(
         )
     session_id = wire.field(body, "session_id", str)
     model_seq_id = wire.field(body, "model_seq_id", int)
+    metadata = run_metadata.check(body.get("user_metadata"))
     sdk_id = f"{session_id}:train:{model_seq_id}"
 
     async def run() -> str:
         info = await st.service.models.create(
             tenant_id,
-            NewModel(from_state=uri, session_id=session_id, weights_only=not optimizer),
+            NewModel(
+                from_state=uri,
+                session_id=session_id,
+                weights_only=not optimizer,
+                user_metadata=metadata,
+            ),
         )
         st.names.alias(tenant_id, sdk_id, info.model_id)
         return info.model_id

@@ -17,15 +17,33 @@ from treadle.server.service.types import ModelRecord
 router = api_router()
 
 
-def _run(info: ModelRecord, tenant_id: str) -> dict[str, Any]:
+def _run(st: HttpState, info: ModelRecord, tenant_id: str, run_id: str = "") -> dict[str, Any]:
+    """A model as the SDK's ``TrainingRun``, under the id the caller uses (``run_id``)."""
+    run_id = run_id or info.model_id
+    checkpoints = st.service.checkpoints.list(tenant_id, info.model_id)
+    last = max(checkpoints, key=lambda c: c.created_at, default=None)
+    sampler = st.names.last_sampler_weights(tenant_id, info.model_id)
     return {
-        "training_run_id": info.model_id,
+        "training_run_id": run_id,
         "base_model": info.base_model,
         "model_owner": tenant_id,
         "is_lora": info.is_lora,
         "corrupted": info.status == "lost",
         "lora_rank": info.lora_rank if info.is_lora else None,
-        "last_request_time": wire.iso_time(info.created_at),
+        "last_request_time": wire.iso_time(info.last_request_at or info.created_at),
+        "last_checkpoint": checkpoint_json(st, last, run_id) if last is not None else None,
+        "last_sampler_checkpoint": (
+            {
+                "checkpoint_id": f"sampler_weights/{sampler[0]}",
+                "checkpoint_type": "sampler",
+                "time": wire.iso_time(sampler[1]),
+                "tinker_path": f"tinker://{run_id}/sampler_weights/{sampler[0]}",
+                "public": False,
+            }
+            if sampler is not None
+            else None
+        ),
+        "user_metadata": dict(info.user_metadata) or None,
     }
 
 
@@ -37,7 +55,7 @@ async def list_training_runs(
     runs = st.service.models.list(tenant_id)
     page = runs[offset : offset + limit]
     return {
-        "training_runs": [_run(m, tenant_id) for m in page],
+        "training_runs": [_run(st, m, tenant_id) for m in page],
         "cursor": {"offset": offset, "limit": limit, "total_count": len(runs)},
     }
 
@@ -47,7 +65,7 @@ async def get_training_run(
     model_id: str, tenant_id: str = Depends(tenant), st: HttpState = Depends(state)
 ) -> dict[str, Any]:
     info = st.service.models.info(tenant_id, st.names.model_id(tenant_id, model_id))
-    return dict(_run(info, tenant_id), training_run_id=model_id)
+    return _run(st, info, tenant_id, model_id)
 
 
 @router.get("/training_runs/{model_id}/checkpoints")

@@ -28,6 +28,7 @@ from treadle.common.engine.domain import (
     SampleResult,
     SamplingConfig,
 )
+from treadle.common.engine.sampling_limits import check_stop
 from treadle.errors import InvalidArgumentError
 from treadle.server.http import tinker_pb
 
@@ -302,6 +303,7 @@ def sampling_config(params: Any) -> SamplingConfig:
             raise InvalidArgumentError("sampling_params.stop: strings or token ids, not both")
     elif stop is not None:
         raise InvalidArgumentError("sampling_params.stop: a string or a list")
+    check_stop(strings, token_ids, "sampling_params.stop")
     max_tokens = params.get("max_tokens")
     if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
         raise InvalidArgumentError(f"sampling_params.max_tokens: must be >= 1 (got {max_tokens!r})")

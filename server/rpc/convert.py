@@ -28,9 +28,11 @@ from treadle.common.engine.domain import (
     SequenceResult,
     StreamedSequence,
 )
+from treadle.common.engine.sampling_limits import check_stop
 from treadle.common.engine.stats import PassStats, SamplerStats
 from treadle.errors import InvalidArgumentError
 from treadle.server import restarts
+from treadle.server.service import run_metadata
 from treadle.server.service.types import (
     BaseModelRecord,
     CheckpointRecord,
@@ -84,6 +86,7 @@ def create_model(req: training_pb2.CreateModelRequest) -> NewModel:
         from_state=req.from_state,
         weights_only=req.weights_only,
         session_id=req.session_id,
+        user_metadata=run_metadata.check(dict(req.user_metadata)),
     )
 
 
@@ -100,6 +103,7 @@ def model_info(info: ModelRecord) -> training_pb2.ModelInfo:
         status=info.status,
         created_at=info.created_at,
         session_id=info.session_id,
+        user_metadata=info.user_metadata,
     )
 
 
@@ -245,6 +249,7 @@ def sampling_config(p: sampling_pb2.SamplingParams) -> SamplingConfig:
     """Unset fields take their defaults (T = 1, no top-p, no top-k); an explicit
     value is passed on as it is, so ``top_p = 0`` is refused by the sampler's
     checks rather than read as "off"."""
+    check_stop(p.stop, p.stop_token_ids, "params.stop")
     return SamplingConfig(
         max_tokens=p.max_tokens,
         temperature=p.temperature if p.HasField("temperature") else 1.0,

@@ -123,7 +123,7 @@ class TrainingServicer(training_pb2_grpc.TrainingServiceServicer):
             tenant,
             _call(request, context),
             inflight=request.inflight,
-            create_sampler=request.create_sampler,
+            sampler="version" if request.create_sampler else "",
         )
         return convert.sync_weights(out)
 

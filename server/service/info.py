@@ -51,6 +51,7 @@ class InfoService:
 
     def tokenizer_files(self, base_model: str) -> list[Path]:
         """The tokenizer files of a served base model, for tokenizing on the client."""
+        base_model = self.ctx.base_model_name(base_model)
         if base_model not in self.ctx.catalog.base_model_names():
             raise NotFoundError(f"base_model {base_model!r} is not served here")
         directory = self.ctx.catalog.base_model_path(base_model)

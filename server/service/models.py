@@ -54,7 +54,7 @@ class ModelService:
             )
             modules = convert.manifest_modules(manifest)
         else:
-            base_model, rank, seed = req.base_model, req.lora_rank, req.seed
+            base_model, rank, seed = ctx.base_model_name(req.base_model), req.lora_rank, req.seed
             alpha = req.lora_alpha or float(rank)
             dtype = req.dtype or ctx.config.default_dtype
             modules = req.modules
@@ -94,6 +94,7 @@ class ModelService:
                 dtype=dtype,
                 modules=modules,
                 session_id=req.session_id or None,
+                user_metadata=dict(req.user_metadata),
             )
             model_id = row.id
         spec = ModelSpec(model_id, tenant, base_model, rank, alpha, seed, dtype, *modules)
@@ -210,6 +211,9 @@ class ModelService:
             status=row.status,
             created_at=row.created_at.timestamp(),
             session_id=row.session_id or "",
+            user_metadata=dict(row.user_metadata or {}),
+            last_request_at=self.ctx.lifecycle.last_used.get(row.id)
+            or max(row.created_at, row.updated_at).timestamp(),
         )
         try:
             status = self.ctx.dispatcher.model_status(row.id)

@@ -61,9 +61,10 @@ class SamplingService:
         is the tenant's client session it belongs to."""
         ctx = self.ctx
         if source.base_model is not None:
-            if source.base_model not in ctx.catalog.base_model_names():
+            base_model = ctx.base_model_name(source.base_model)
+            if base_model not in ctx.catalog.base_model_names():
                 raise NotFoundError(f"base_model {source.base_model!r} is not served here")
-            target = SamplerTarget(base_model=source.base_model)
+            target = SamplerTarget(base_model=base_model)
             mode = "base"
         elif source.weights is not None:
             ref = parse_weights_uri(source.weights)

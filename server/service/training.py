@@ -139,48 +139,57 @@ class TrainingService:
         tenant: str,
         call: OrderedCall,
         inflight: bool = False,
-        create_sampler: bool = False,
+        sampler: Parsed[str] = "",
         *,
         admitted: Admission | None = None,
     ) -> SyncOutcome:
         """Publish the current weights as a new version (a barrier); the oldest
         versions past the configured count are released. ``inflight``: samplers
         following the model's latest weights take them mid-sequence.
-        ``create_sampler``: also a sampler pinned to the new version."""
+        ``sampler``: also make a sampler on them: "version" pinned to the new
+        version, "latest" following the model's latest weights (tinker's
+        ``kind="inflight"``: every such sampler of the model reads the one target
+        that each later sync moves; sequences in flight take this sync's weights
+        when the model has such samplers already); "" none."""
 
         def build() -> SyncWeightsOp:
+            mode = unwrap(sampler)
             if inflight:
                 with self.ctx.session() as s:
-                    if not queries.has_latest_sampler(s, tenant, call.model_id):
-                        raise InvalidArgumentError(
-                            f"inflight: model {call.model_id} has no sampler following "
-                            "its latest weights, so no sequence could take the update in "
-                            f"flight; create one from treadle://{call.model_id}/latest "
-                            "first, or sync without inflight"
-                        )
-            return SyncWeightsOp(inflight=inflight)
+                    following = queries.has_latest_sampler(s, tenant, call.model_id)
+                if not following and mode != "latest":
+                    raise InvalidArgumentError(
+                        f"inflight: model {call.model_id} has no sampler following "
+                        "its latest weights, so no sequence could take the update in "
+                        f"flight; create one from treadle://{call.model_id}/latest "
+                        "first, or sync without inflight"
+                    )
+                return SyncWeightsOp(inflight=following)
+            return SyncWeightsOp(inflight=False)
 
         result = cast(
             SyncResult, await self.calls.run(tenant, call, build, "sync_weights", admitted=admitted)
         )
         uri = weights_uri(call.model_id, result.version)
+        mode = unwrap(sampler)
         sampler_id, made = "", None
         with self.ctx.session() as s:
             if s.get(db.WeightVersion, (call.model_id, result.version)) is None:
                 queries.add_weight_version(s, call.model_id, result.version, uri)
             queries.release_weight_versions(s, call.model_id, self.ctx.config.keep_versions)
-            if create_sampler:
+            if mode:
                 row = self.ctx.model_row(s, tenant, call.model_id)
-                sampler = queries.create_sampler(
+                pinned = result.version if mode == "version" else None
+                created = queries.create_sampler(
                     s,
                     tenant_id=tenant,
                     base_model=row.base_model,
-                    mode="version",
+                    mode=mode,
                     model_id=call.model_id,
-                    pinned_version=result.version,
+                    pinned_version=pinned,
                 )
-                sampler_id = sampler.id
-                made = SamplerTarget(row.base_model, call.model_id, result.version)
+                sampler_id = created.id
+                made = SamplerTarget(row.base_model, call.model_id, pinned)
         if made is not None:  # committed: its first sample finds it without a database read
             self.samplers.remember(tenant, sampler_id, made)
         return SyncOutcome(result.version, uri, sampler_id)

@@ -15,8 +15,8 @@ and the proto's messages the wire's); a request for a new model is a
 from __future__ import annotations
 
 import datetime as dt
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import TypeVar, Union
 
 from treadle.errors import TreadleError
@@ -77,6 +77,8 @@ class NewModel:
     session_id: str = ""
     #: with from_state: load its weights only; the Adam moments start fresh
     weights_only: bool = False
+    #: the caller's notes on the run, checked (``service.run_metadata``)
+    user_metadata: Mapping[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -92,6 +94,10 @@ class ModelRecord:
     status: str  # "active" | "unloaded" | "lost"
     created_at: float  # unix seconds
     session_id: str
+    user_metadata: Mapping[str, str] = field(default_factory=dict)
+    #: unix seconds of the last call on it that started or ended (this server's
+    #: view; the row's last update when this server has seen none)
+    last_request_at: float = 0.0
 
 
 @dataclass(frozen=True)

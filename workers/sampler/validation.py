@@ -11,9 +11,8 @@ from __future__ import annotations
 import math
 
 from treadle.common.engine.domain import SampleOp
+from treadle.common.engine.sampling_limits import check_stop
 from treadle.errors import InvalidArgumentError
-
-MAX_STOP_STRING_CHARS = 256
 
 
 def validate(
@@ -58,11 +57,7 @@ def validate(
         )
     if p.top_k < -1:
         raise InvalidArgumentError(f"top_k: must be >= 0 (0 or -1 = off, as unset), got {p.top_k}")
-    for s in p.stop_strings:
-        if not s or len(s) > MAX_STOP_STRING_CHARS:
-            raise InvalidArgumentError(
-                f"stop: stop strings must have 1..{MAX_STOP_STRING_CHARS} characters"
-            )
+    check_stop(p.stop_strings, p.stop_token_ids)
     if p.stop_strings and not has_tokenizer:
         raise InvalidArgumentError(
             "stop: this base model has no tokenizer.json; use stop token ids"

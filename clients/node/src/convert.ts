@@ -220,6 +220,7 @@ export function modelInfoFromWire(msg: trainingPb.ModelInfo): ModelInfo {
     status: msg.status,
     createdAt: msg.createdAt,
     sessionId: msg.sessionId,
+    userMetadata: { ...msg.userMetadata },
   };
 }
 

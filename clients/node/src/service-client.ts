@@ -162,6 +162,7 @@ export class ServiceClient {
       fromState: "",
       sessionId: "",
       weightsOnly: false,
+      userMetadata: {},
       ...fields,
     };
     const info = await this.caller.call(this.training.createModel.bind(this.training), request, convert.modelInfoFromWire);

@@ -126,6 +126,8 @@ export interface ModelInfo {
   /** Unix seconds. */
   createdAt: number;
   sessionId: string;
+  /** The caller's notes on the run, as given at creation (tinker's user_metadata). */
+  userMetadata: Record<string, string>;
 }
 
 export interface SaveStateResponse {

@@ -56,7 +56,7 @@ class Server:
         self.tmp, self.port, self.runs = tmp, free_port(), 0
         self.cmd = [
             *(*CLI, "serve", "--model", f"tiny={model}", "--port", str(self.port)),
-            *("--http-port", "-1"),  # not used here; its default 8080 may be taken
+            *("--http-port", "-1"),  # not used here
             *("--threads", "1", "--data-dir", str(tmp / "server"), "--store", str(tmp / "store")),
             *("--database-url", database_url, "--broker", REDIS_URL, "--worker-timeout", "30"),
         ]

@@ -255,7 +255,7 @@ def test_the_sampler_a_sync_makes_is_known_without_a_database_read(
 
     w, svc = world, world.service
     model = _model(w, w.a)
-    out = w.run(svc.training.sync_weights(w.a, _call(model, 1), create_sampler=True))
+    out = w.run(svc.training.sync_weights(w.a, _call(model, 1), sampler="version"))
 
     def no_read(*args: Any, **kw: Any) -> Any:
         raise AssertionError("the sampler's target was read from the database")

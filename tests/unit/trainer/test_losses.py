@@ -139,6 +139,37 @@ def test_clip_fraction_ignores_prompt_tokens() -> None:
     assert res.metrics["ntokens:sum"] == 2.0
 
 
+@pytest.mark.parametrize("name", ["importance_sampling", "ppo", "cispo", "dro", "gspo"])
+def test_without_weights_metrics_count_the_tokens_with_an_advantage(name: str) -> None:
+    """As the tinker SDK sends a policy loss: no weights; the prompt positions carry
+    advantage 0 and a placeholder sampler logprob 0. The ratio, KL, clip and
+    entropy metrics describe the two completion tokens only (ratios 1.0 and 1.1),
+    not the prompt's exp(-3) ratios; the loss still sums over every token."""
+    logp = leaf([-3.0, -3.0, -1.0, -2.0])
+    completion = behaviour(logp, [1.0, 1.0, 1.0, 1.1])[2:]
+    inputs = {
+        "logprobs": torch.cat([t([0.0, 0.0]), completion]),
+        "advantages": t([0.0, 0.0, 1.0, -1.0]),
+    }
+    entropy = t([9.0, 9.0, 2.0, 4.0])
+    res = run(name, logp, inputs, entropy=entropy)
+    ratio = 1.1 if name != "gspo" else math.sqrt(1.1)  # GSPO: the sequence's ratio
+    if name != "gspo":
+        assert res.metrics["ratio:mean"] == pytest.approx((1.0 + ratio) / 2)
+        assert res.metrics["ratio:min"] == pytest.approx(1.0)
+    assert res.metrics["ratio:max"] == pytest.approx(ratio, rel=1e-6)
+    assert res.metrics["entropy:mean"] == pytest.approx(3.0)
+    assert res.metrics["ntokens:sum"] == 4.0
+    if name != "gspo":
+        k3 = 1.1 - math.log(1.1) - 1  # exp(x) - x - 1, x = log(current / behaviour)
+        assert res.metrics["approx_kl:mean"] == pytest.approx(k3 / 2, rel=1e-6)
+    if "clip_frac:mean" in res.metrics:  # GSPO's clip range (1 +- 4e-4) holds no 1.049
+        assert res.metrics["clip_frac:mean"] == (1.0 if name == "gspo" else 0.0)
+    # With weights given, the weights decide (here: every token counts).
+    weighted = run(name, leaf([-3.0, -3.0, -1.0, -2.0]), {**inputs, "weights": t([1.0] * 4)})
+    assert weighted.metrics["ratio:min"] < 0.5
+
+
 def test_cispo() -> None:
     logp = leaf([-0.5, -1.0, -2.0, -0.25])
     inputs = {

@@ -76,6 +76,22 @@ def _weights_and_mask(batch: LossBatch) -> tuple[torch.Tensor, torch.Tensor]:
     return w, w != 0
 
 
+def _counted(batch: LossBatch, mask: torch.Tensor) -> torch.Tensor:
+    """The tokens per-token metrics (ratio, approx_kl, clip_frac, entropy, ...)
+    describe: the loss's tokens (``mask``), and, when the batch has no
+    ``weights`` but has ``advantages``, only those with a non-zero advantage.
+
+    The tinker SDK's policy losses send no weights: a datum's prompt positions
+    carry advantage 0 and a placeholder sampler logprob of 0, add nothing to the
+    surrogate, and would pull ``ratio:mean`` far below the completion's ratio
+    if they were counted (docs/losses.md, "Which tokens a metric counts").
+    """
+    advantages = batch.inputs.get("advantages")
+    if "weights" in batch.inputs or advantages is None:
+        return mask
+    return mask & (advantages != 0)
+
+
 def _masked_diff(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """``a - b`` on masked tokens, 0 elsewhere (so ``exp`` of it is 1 there, never inf)."""
     return torch.where(mask, a - b, torch.zeros_like(a))
@@ -108,10 +124,16 @@ def _masked_stats(
     return out
 
 
-def _base_metrics(loss: torch.Tensor, batch: LossBatch, mask: torch.Tensor) -> dict[str, float]:
+def _base_metrics(
+    loss: torch.Tensor, batch: LossBatch, mask: torch.Tensor, counted: torch.Tensor | None = None
+) -> dict[str, float]:
+    """``loss:sum``, ``ntokens:sum`` (the tokens the loss sums over: ``mask``) and
+    the entropy's mean over the ``counted`` tokens (default: ``mask``)."""
     metrics = {"loss:sum": float(loss.detach()), "ntokens:sum": float(mask.sum())}
     if batch.entropy_N is not None:
-        metrics.update(_masked_stats(batch.entropy_N, mask, "entropy"))
+        metrics.update(
+            _masked_stats(batch.entropy_N, mask if counted is None else counted, "entropy")
+        )
     return metrics
 
 

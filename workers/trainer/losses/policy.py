@@ -16,6 +16,7 @@ from treadle.workers.trainer.losses.base import (
     LossBatch,
     LossResult,
     _base_metrics,
+    _counted,
     _k3,
     _masked_diff,
     _masked_stats,
@@ -37,6 +38,7 @@ def _policy_loss(
     logp = batch.logprobs_N
     inputs = batch.inputs
     w, mask = _weights_and_mask(batch)
+    counted = _counted(batch, mask)  # the tokens the diagnostics describe
     per_token, ratio, clipped, extra = surrogate(logp, inputs, mask, config)
 
     metrics: dict[str, float] = {}
@@ -47,6 +49,7 @@ def _policy_loss(
         kl_ref = _k3(_masked_diff(ref, logp, mask))
         if kl_beta > 0:
             per_token = per_token + kl_beta * kl_ref
+        # a term of the loss itself: over the tokens the loss sums (as ntokens:sum)
         metrics.update(_masked_stats(kl_ref, mask, "kl_ref"))
     elif kl_beta > 0:
         raise InvalidArgumentError(
@@ -55,14 +58,14 @@ def _policy_loss(
         )
 
     loss = (w * per_token).sum()
-    metrics.update(_base_metrics(loss, batch, mask))
+    metrics.update(_base_metrics(loss, batch, mask, counted))
     with torch.no_grad():
-        metrics.update(_masked_stats(ratio, mask, "ratio", extremes=True))
+        metrics.update(_masked_stats(ratio, counted, "ratio", extremes=True))
         if clipped is not None:
-            metrics.update(_masked_stats(clipped.to(logp.dtype), mask, "clip_frac"))
+            metrics.update(_masked_stats(clipped.to(logp.dtype), counted, "clip_frac"))
         # Drift of the current policy from the data's (behaviour) policy, k3 of KL(behaviour || current).
         data_log_ratio = _masked_diff(logp, inputs["logprobs"], mask)
-        metrics.update(_masked_stats(_k3(data_log_ratio), mask, "approx_kl"))
+        metrics.update(_masked_stats(_k3(data_log_ratio), counted, "approx_kl"))
     metrics.update(extra)
     return LossResult(loss, metrics)
 
@@ -176,7 +179,9 @@ def _gspo_surrogate(datum_N: torch.Tensor | None) -> _Surrogate:
 
     The sequence ratio ``s = exp(mean_{t in M} (logp_t - logprobs_t))`` is the
     geometric mean of the token ratios over the tokens ``M`` that
-    ``sequence_ratio_mask`` marks (default: the tokens with a non-zero weight).
+    ``sequence_ratio_mask`` marks (default: the tokens with a non-zero weight;
+    with no weights, those with a non-zero advantage, so the prompt positions the
+    tinker SDK sends with a placeholder sampler logprob stay out of it).
     Token t's ratio has ``s``'s value and the gradient of its own log-prob:
     ``s_t = sg(s) · exp(logp_t - sg(logp_t))``; then PPO's clipped surrogate
     on ``s_t``. Clipping is therefore decided per sequence.
@@ -191,7 +196,12 @@ def _gspo_surrogate(datum_N: torch.Tensor | None) -> _Surrogate:
         adv = inputs["advantages"]
         low, high = config["clip_low_threshold"], config["clip_high_threshold"]
         ratio_mask = inputs.get("sequence_ratio_mask")
-        in_ratio = mask if ratio_mask is None else (ratio_mask != 0)
+        if ratio_mask is not None:
+            in_ratio = ratio_mask != 0
+        elif "weights" in inputs:
+            in_ratio = mask
+        else:
+            in_ratio = mask & (adv != 0)
         token_log_ratio = _masked_diff(logp.detach(), inputs["logprobs"], in_ratio)
         seq_log_ratio = _sequence_mean(token_log_ratio, in_ratio, datum_N)
         own_grad = torch.where(mask, logp - logp.detach(), torch.zeros_like(logp))

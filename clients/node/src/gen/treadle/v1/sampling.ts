@@ -68,9 +68,12 @@ export interface SamplingParams {
   topK?:
     | number
     | undefined;
-  /** Stop strings, each matched whole. The tokens that complete one stay in the output. */
+  /**
+   * Stop strings, each matched whole. The tokens that complete one stay in the output.
+   * At most 32, of 1..256 characters each (INVALID_ARGUMENT naming params.stop).
+   */
   stop: string[];
-  /** token ids that end a sequence, besides EOS; the stop token stays in the output */
+  /** token ids that end a sequence, besides EOS (at most 256); the stop token stays in the output */
   stopTokenIds: number[];
   /** seeds this request's sampling (same seed, weights, prompt: same samples); unset = random */
   seed?:

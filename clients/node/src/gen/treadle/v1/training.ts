@@ -64,6 +64,17 @@ export interface CreateModelRequest {
    * fresh (false = weights and optimizer state, as before).
    */
   weightsOnly: boolean;
+  /**
+   * The caller's own notes on the run (the tinker SDK's user_metadata), kept with
+   * it and returned by GetModelInfo / ListModels. At most 64 keys; a key at most
+   * 128 characters, a value at most 4096; 16 KiB in all. With from_state too.
+   */
+  userMetadata: { [key: string]: string };
+}
+
+export interface CreateModelRequest_UserMetadataEntry {
+  key: string;
+  value: string;
 }
 
 /** Which model. */
@@ -116,6 +127,13 @@ export interface ModelInfo {
   createdAt: number;
   /** the session it was created in ("" = none) */
   sessionId: string;
+  /** as given at CreateModel */
+  userMetadata: { [key: string]: string };
+}
+
+export interface ModelInfo_UserMetadataEntry {
+  key: string;
+  value: string;
 }
 
 /** One forward + backward pass over a batch; gradients accumulate until OptimStep. */
@@ -357,6 +375,7 @@ function createBaseCreateModelRequest(): CreateModelRequest {
     trainMlp: undefined,
     trainUnembed: undefined,
     weightsOnly: false,
+    userMetadata: {},
   };
 }
 
@@ -395,6 +414,9 @@ export const CreateModelRequest: MessageFns<CreateModelRequest> = {
     if (message.weightsOnly !== false) {
       writer.uint32(88).bool(message.weightsOnly);
     }
+    globalThis.Object.entries(message.userMetadata).forEach(([key, value]: [string, string]) => {
+      CreateModelRequest_UserMetadataEntry.encode({ key: key as any, value }, writer.uint32(98).fork()).join();
+    });
     return writer;
   },
 
@@ -499,6 +521,17 @@ export const CreateModelRequest: MessageFns<CreateModelRequest> = {
             message.weightsOnly = reader.bool();
             continue;
           }
+          case 12: {
+            if (tag !== 98) {
+              break;
+            }
+
+            const entry12 = CreateModelRequest_UserMetadataEntry.decode(reader, reader.uint32());
+            if (entry12.value !== undefined) {
+              message.userMetadata[entry12.key] = entry12.value;
+            }
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -527,6 +560,86 @@ export const CreateModelRequest: MessageFns<CreateModelRequest> = {
     message.trainMlp = object.trainMlp ?? undefined;
     message.trainUnembed = object.trainUnembed ?? undefined;
     message.weightsOnly = object.weightsOnly ?? false;
+    message.userMetadata = (globalThis.Object.entries(object.userMetadata ?? {}) as [string, string][]).reduce(
+      (acc: { [key: string]: string }, [key, value]: [string, string]) => {
+        if (value !== undefined) {
+          acc[key] = globalThis.String(value);
+        }
+        return acc;
+      },
+      {},
+    );
+    return message;
+  },
+};
+
+function createBaseCreateModelRequest_UserMetadataEntry(): CreateModelRequest_UserMetadataEntry {
+  return { key: "", value: "" };
+}
+
+export const CreateModelRequest_UserMetadataEntry: MessageFns<CreateModelRequest_UserMetadataEntry> = {
+  encode(message: CreateModelRequest_UserMetadataEntry, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
+    if (message.key !== "") {
+      writer.uint32(10).string(message.key);
+    }
+    if (message.value !== "") {
+      writer.uint32(18).string(message.value);
+    }
+    return writer;
+  },
+
+  decode(input: BinaryReader | Uint8Array, length?: number): CreateModelRequest_UserMetadataEntry {
+    const reader = input instanceof BinaryReader ? input : new BinaryReader(input);
+    const previousRecursionDepth = (reader as any).__tsProtoDecodeDepth ?? 0;
+    if (previousRecursionDepth >= 100) {
+      throw new globalThis.Error("protobuf decode recursion limit exceeded");
+    }
+    (reader as any).__tsProtoDecodeDepth = previousRecursionDepth + 1;
+    try {
+      const end = length === undefined ? reader.len : reader.pos + length;
+      const message = createBaseCreateModelRequest_UserMetadataEntry();
+      while (reader.pos < end) {
+        const tag = reader.uint32();
+        switch (tag >>> 3) {
+          case 1: {
+            if (tag !== 10) {
+              break;
+            }
+
+            message.key = reader.string();
+            continue;
+          }
+          case 2: {
+            if (tag !== 18) {
+              break;
+            }
+
+            message.value = reader.string();
+            continue;
+          }
+        }
+        if ((tag & 7) === 4 || tag === 0) {
+          break;
+        }
+        reader.skip(tag & 7);
+      }
+      return message;
+    } finally {
+      (reader as any).__tsProtoDecodeDepth = previousRecursionDepth;
+    }
+  },
+
+  create<I extends Exact<DeepPartial<CreateModelRequest_UserMetadataEntry>, I>>(
+    base?: I,
+  ): CreateModelRequest_UserMetadataEntry {
+    return CreateModelRequest_UserMetadataEntry.fromPartial(base ?? ({} as any));
+  },
+  fromPartial<I extends Exact<DeepPartial<CreateModelRequest_UserMetadataEntry>, I>>(
+    object: I,
+  ): CreateModelRequest_UserMetadataEntry {
+    const message = createBaseCreateModelRequest_UserMetadataEntry();
+    message.key = object.key ?? "";
+    message.value = object.value ?? "";
     return message;
   },
 };
@@ -795,6 +908,7 @@ function createBaseModelInfo(): ModelInfo {
     status: "",
     createdAt: 0,
     sessionId: "",
+    userMetadata: {},
   };
 }
 
@@ -833,6 +947,9 @@ export const ModelInfo: MessageFns<ModelInfo> = {
     if (message.sessionId !== "") {
       writer.uint32(90).string(message.sessionId);
     }
+    globalThis.Object.entries(message.userMetadata).forEach(([key, value]: [string, string]) => {
+      ModelInfo_UserMetadataEntry.encode({ key: key as any, value }, writer.uint32(98).fork()).join();
+    });
     return writer;
   },
 
@@ -937,6 +1054,17 @@ export const ModelInfo: MessageFns<ModelInfo> = {
             message.sessionId = reader.string();
             continue;
           }
+          case 12: {
+            if (tag !== 98) {
+              break;
+            }
+
+            const entry12 = ModelInfo_UserMetadataEntry.decode(reader, reader.uint32());
+            if (entry12.value !== undefined) {
+              message.userMetadata[entry12.key] = entry12.value;
+            }
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -965,6 +1093,82 @@ export const ModelInfo: MessageFns<ModelInfo> = {
     message.status = object.status ?? "";
     message.createdAt = object.createdAt ?? 0;
     message.sessionId = object.sessionId ?? "";
+    message.userMetadata = (globalThis.Object.entries(object.userMetadata ?? {}) as [string, string][]).reduce(
+      (acc: { [key: string]: string }, [key, value]: [string, string]) => {
+        if (value !== undefined) {
+          acc[key] = globalThis.String(value);
+        }
+        return acc;
+      },
+      {},
+    );
+    return message;
+  },
+};
+
+function createBaseModelInfo_UserMetadataEntry(): ModelInfo_UserMetadataEntry {
+  return { key: "", value: "" };
+}
+
+export const ModelInfo_UserMetadataEntry: MessageFns<ModelInfo_UserMetadataEntry> = {
+  encode(message: ModelInfo_UserMetadataEntry, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
+    if (message.key !== "") {
+      writer.uint32(10).string(message.key);
+    }
+    if (message.value !== "") {
+      writer.uint32(18).string(message.value);
+    }
+    return writer;
+  },
+
+  decode(input: BinaryReader | Uint8Array, length?: number): ModelInfo_UserMetadataEntry {
+    const reader = input instanceof BinaryReader ? input : new BinaryReader(input);
+    const previousRecursionDepth = (reader as any).__tsProtoDecodeDepth ?? 0;
+    if (previousRecursionDepth >= 100) {
+      throw new globalThis.Error("protobuf decode recursion limit exceeded");
+    }
+    (reader as any).__tsProtoDecodeDepth = previousRecursionDepth + 1;
+    try {
+      const end = length === undefined ? reader.len : reader.pos + length;
+      const message = createBaseModelInfo_UserMetadataEntry();
+      while (reader.pos < end) {
+        const tag = reader.uint32();
+        switch (tag >>> 3) {
+          case 1: {
+            if (tag !== 10) {
+              break;
+            }
+
+            message.key = reader.string();
+            continue;
+          }
+          case 2: {
+            if (tag !== 18) {
+              break;
+            }
+
+            message.value = reader.string();
+            continue;
+          }
+        }
+        if ((tag & 7) === 4 || tag === 0) {
+          break;
+        }
+        reader.skip(tag & 7);
+      }
+      return message;
+    } finally {
+      (reader as any).__tsProtoDecodeDepth = previousRecursionDepth;
+    }
+  },
+
+  create<I extends Exact<DeepPartial<ModelInfo_UserMetadataEntry>, I>>(base?: I): ModelInfo_UserMetadataEntry {
+    return ModelInfo_UserMetadataEntry.fromPartial(base ?? ({} as any));
+  },
+  fromPartial<I extends Exact<DeepPartial<ModelInfo_UserMetadataEntry>, I>>(object: I): ModelInfo_UserMetadataEntry {
+    const message = createBaseModelInfo_UserMetadataEntry();
+    message.key = object.key ?? "";
+    message.value = object.value ?? "";
     return message;
   },
 };
