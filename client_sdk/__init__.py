@@ -43,6 +43,7 @@ if TYPE_CHECKING:
         ServerInfo,
         StreamedSample,
         TrainingPassMetrics,
+        Usage,
         VersionSpan,
     )
 
@@ -72,6 +73,7 @@ _LAZY = {
             "ServerInfo",
             "StreamedSample",
             "TrainingPassMetrics",
+            "Usage",
             "VersionSpan",
         )
     },
@@ -125,6 +127,7 @@ __all__ = [
     "Tokenizer",
     "TrainingClient",
     "TrainingPassMetrics",
+    "Usage",
     "TreadleError",
     "UnauthenticatedError",
     "UnavailableError",

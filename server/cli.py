@@ -94,6 +94,8 @@ async def graceful_stop(server: grpc.aio.Server, ctx: ServerContext) -> None:
     await ctx.service.op_endings.close()  # the last ends of calls (they count usage)
     if ctx.usage is not None:
         await ctx.usage.close()  # the last usage counters
+    if ctx.step_metrics is not None:
+        await ctx.step_metrics.close()  # the last calls' metrics
     ctx.dispatcher.close()
     if ctx.metrics is not None:
         ctx.metrics.close()

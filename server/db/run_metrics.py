@@ -1,0 +1,140 @@
+"""A run's curves in the database: the metrics its applied calls returned and
+those its client logged, written in batches and read back as series per step.
+
+Writes are idempotent: a call's metrics are keyed by its ``seq_id`` (a retry's
+second write is ignored), a logged metric by (step, name) (a second log of it
+replaces the value).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from sqlalchemy import Connection, delete, insert, select
+
+from treadle.common.db.models import LoggedMetric, StepMetric, utcnow
+
+
+@dataclass(frozen=True)
+class CallMetrics:
+    """The metrics one applied call returned."""
+
+    model_id: str
+    seq_id: int
+    kind: str
+    step: int | None  # the version an optim_step made; None for the other calls
+    values: Mapping[str, float]
+
+
+def write_call_metrics(conn: Connection, batch: Sequence[CallMetrics]) -> int:
+    """Insert the calls' metrics, skipping those already written; rows written."""
+    if not batch:
+        return 0
+    keys = {(c.model_id, c.seq_id) for c in batch}
+    seen = {
+        (m, s)
+        for m, s in conn.execute(
+            select(StepMetric.model_id, StepMetric.seq_id)
+            .where(StepMetric.model_id.in_({m for m, _ in keys}))
+            .where(StepMetric.seq_id.in_({s for _, s in keys}))
+            .distinct()
+        )
+    }
+    now = utcnow()
+    rows = [
+        {
+            "model_id": c.model_id,
+            "seq_id": c.seq_id,
+            "name": name[:128],
+            "kind": c.kind,
+            "step": c.step,
+            "value": float(value),
+            "created_at": now,
+        }
+        for c in batch
+        if (c.model_id, c.seq_id) not in seen
+        for name, value in c.values.items()
+        if math.isfinite(value)
+    ]
+    if rows:
+        conn.execute(insert(StepMetric), rows)
+    return len(rows)
+
+
+def log_metrics(conn: Connection, model_id: str, step: int, values: Mapping[str, float]) -> None:
+    """The client's metrics of a step (replacing what it logged before for them)."""
+    names = list(values)
+    conn.execute(
+        delete(LoggedMetric).where(
+            LoggedMetric.model_id == model_id,
+            LoggedMetric.step == step,
+            LoggedMetric.name.in_(names),
+        )
+    )
+    now = utcnow()
+    conn.execute(
+        insert(LoggedMetric),
+        [
+            {"model_id": model_id, "step": step, "name": n, "value": float(v), "logged_at": now}
+            for n, v in values.items()
+        ],
+    )
+
+
+#: name -> [(step, value)], steps ascending
+Series = dict[str, list[tuple[int, float]]]
+
+
+def step_series(conn: Connection, model_id: str) -> Series:
+    """The calls' metrics per optimizer step. An optim_step's metrics are at the
+    version it made; the forward_backward calls before it add up into the same
+    step (losses are sums; several calls before one step accumulate), and their
+    other metrics are averaged over the calls. Calls after the last optim_step
+    are a step in progress and are left out."""
+    rows = conn.execute(
+        select(
+            StepMetric.seq_id, StepMetric.kind, StepMetric.step, StepMetric.name, StepMetric.value
+        )
+        .where(StepMetric.model_id == model_id)
+        .order_by(StepMetric.seq_id)
+    ).all()
+    steps = sorted(
+        {(r.seq_id, r.step) for r in rows if r.kind == "optim_step" and r.step is not None}
+    )
+    series: Series = {}
+    pending: dict[str, list[float]] = {}
+    i = 0
+    for r in rows:
+        while i < len(steps) and steps[i][0] < r.seq_id:
+            _close(series, pending, steps[i][1])
+            i += 1
+        if r.kind == "optim_step":
+            series.setdefault(r.name, []).append((int(r.step or 0), float(r.value)))
+        elif r.kind == "forward_backward":
+            pending.setdefault(r.name, []).append(float(r.value))
+    while i < len(steps):
+        _close(series, pending, steps[i][1])
+        i += 1
+    for points in series.values():
+        points.sort()
+    return series
+
+
+def _close(series: Series, pending: dict[str, list[float]], step: int | None) -> None:
+    for name, values in pending.items():
+        value = sum(values) if name.endswith(":sum") else sum(values) / len(values)
+        series.setdefault(name, []).append((int(step or 0), value))
+    pending.clear()
+
+
+def logged_series(conn: Connection, model_id: str) -> Series:
+    series: Series = {}
+    for step, name, value in conn.execute(
+        select(LoggedMetric.step, LoggedMetric.name, LoggedMetric.value)
+        .where(LoggedMetric.model_id == model_id)
+        .order_by(LoggedMetric.step)
+    ):
+        series.setdefault(name, []).append((int(step), float(value)))
+    return series

@@ -1,0 +1,101 @@
+"""A run (a training model) as people and scripts follow it: its usage and cost,
+its curves (the metrics its calls returned and those its client logged), for
+any transport and the console."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+from sqlalchemy import func, select
+
+from treadle.common.db import models as db
+from treadle.errors import InvalidArgumentError, NotFoundError
+from treadle.server.context import ServerContext
+from treadle.server.db import queries, run_metrics
+from treadle.server.service.types import RunCurves, RunUsage
+
+#: at most this many metrics in one log_metrics call
+MAX_LOGGED_METRICS = 256
+MAX_METRIC_NAME = 128
+
+
+def check_logged(step: int, values: Mapping[str, float]) -> dict[str, float]:
+    """INVALID_ARGUMENT naming the field for a step or metric a run cannot keep."""
+    if step < 0:
+        raise InvalidArgumentError(f"step: must be >= 0 (got {step})")
+    if not values:
+        raise InvalidArgumentError("metrics: give at least one name: value")
+    if len(values) > MAX_LOGGED_METRICS:
+        raise InvalidArgumentError(
+            f"metrics: at most {MAX_LOGGED_METRICS} in one call (got {len(values)})"
+        )
+    checked: dict[str, float] = {}
+    for name, value in values.items():
+        if not name or len(name) > MAX_METRIC_NAME or not name.isprintable():
+            raise InvalidArgumentError(
+                f"metrics: name {name[:40]!r} must be 1-{MAX_METRIC_NAME} printable characters"
+            )
+        value = float(value)
+        if not math.isfinite(value):
+            raise InvalidArgumentError(f"metrics[{name!r}]: must be a finite number (got {value})")
+        checked[name] = value
+    return checked
+
+
+class RunService:
+    def __init__(self, ctx: ServerContext) -> None:
+        self.ctx = ctx
+
+    def _require(self, tenant: str, model_id: str) -> None:
+        with self.ctx.session() as s:
+            if queries.get_model(s, tenant, model_id) is None:
+                raise NotFoundError(f"model {model_id!r} not found")
+
+    def log_metrics(
+        self, tenant: str, model_id: str, step: int, values: Mapping[str, float]
+    ) -> int:
+        """Keep the client's metrics of a step; how many were kept."""
+        checked = check_logged(step, values)
+        self._require(tenant, model_id)
+        with self.ctx.connection() as conn:
+            run_metrics.log_metrics(conn, model_id, step, checked)
+        return len(checked)
+
+    def usage(self, tenant: str, model_id: str) -> RunUsage:
+        """The run's usage: what is in the database plus what is counted and not yet
+        written (read on the event loop that writes it, so nothing is missed or
+        counted twice), and its cost at the operator's prices."""
+        self._require(tenant, model_id)
+        u = db.Usage
+        with self.ctx.session() as s:
+            row = s.execute(
+                select(
+                    func.coalesce(func.sum(u.tokens_trained), 0),
+                    func.coalesce(func.sum(u.tokens_sampled), 0),
+                    func.coalesce(func.sum(u.tokens_scored), 0),
+                    func.coalesce(func.sum(u.calls), 0),
+                    func.coalesce(func.sum(u.compute_s), 0.0),
+                ).where(u.tenant_id == tenant, u.model_id == model_id)
+            ).one()
+        trained, sampled, scored, calls = int(row[0]), int(row[1]), int(row[2]), int(row[3])
+        device_s = float(row[4])
+        if self.ctx.usage is not None:
+            for (t, m, _), d in self.ctx.usage.pending().items():
+                if t == tenant and m == model_id:
+                    trained += d.tokens_trained
+                    sampled += d.tokens_sampled
+                    scored += d.tokens_scored
+                    calls += d.calls
+                    device_s += d.compute_s
+        prices = self.ctx.config.prices
+        cost = prices.cost(trained, sampled, scored, device_s) if prices.set else None
+        return RunUsage(model_id, trained, sampled, scored, calls, device_s, cost, prices.currency)
+
+    def curves(self, tenant: str, model_id: str) -> RunCurves:
+        """The run's curves (a database read: call it off the event loop)."""
+        self._require(tenant, model_id)
+        with self.ctx.sessions.kw["bind"].connect() as conn:
+            return RunCurves(
+                run_metrics.step_series(conn, model_id), run_metrics.logged_series(conn, model_id)
+            )
