@@ -36,6 +36,7 @@ if TYPE_CHECKING:
         ModelInfo,
         ModelInput,
         OptimStepResponse,
+        RunUsage,
         SampledSequence,
         SampleResponse,
         SamplingParams,
@@ -43,7 +44,6 @@ if TYPE_CHECKING:
         ServerInfo,
         StreamedSample,
         TrainingPassMetrics,
-        Usage,
         VersionSpan,
     )
 
@@ -73,7 +73,7 @@ _LAZY = {
             "ServerInfo",
             "StreamedSample",
             "TrainingPassMetrics",
-            "Usage",
+            "RunUsage",
             "VersionSpan",
         )
     },
@@ -127,7 +127,7 @@ __all__ = [
     "Tokenizer",
     "TrainingClient",
     "TrainingPassMetrics",
-    "Usage",
+    "RunUsage",
     "TreadleError",
     "UnauthenticatedError",
     "UnavailableError",

@@ -21,6 +21,7 @@ from treadle.types import (
     ModelInfo,
     ModelInput,
     OptimStepResponse,
+    RunUsage,
     SampledSequence,
     SampleResponse,
     SamplerMetrics,
@@ -31,7 +32,6 @@ from treadle.types import (
     StopReason,
     StreamedSample,
     TrainingPassMetrics,
-    Usage,
     VersionSpan,
 )
 from treadle.v1 import common_pb2, sampling_pb2, server_pb2, session_pb2, training_pb2
@@ -425,8 +425,8 @@ def usage_request(model_id: str) -> training_pb2.GetUsageRequest:
     return training_pb2.GetUsageRequest(model_id=model_id)
 
 
-def usage_from_wire(u: training_pb2.Usage) -> Usage:
-    return Usage(
+def usage_from_wire(u: training_pb2.Usage) -> RunUsage:
+    return RunUsage(
         model_id=u.model_id,
         tokens_trained=int(u.tokens_trained),
         tokens_sampled=int(u.tokens_sampled),

@@ -30,8 +30,8 @@ from treadle.types import (
     ForwardBackwardOutput,
     ModelInfo,
     OptimStepResponse,
+    RunUsage,
     SaveStateResponse,
-    Usage,
 )
 
 if TYPE_CHECKING:
@@ -231,7 +231,7 @@ class TrainingClient:
             self._service._training.LogMetrics, request, lambda r: None
         ).result()
 
-    def get_usage(self) -> Usage:
+    def get_usage(self) -> RunUsage:
         """What this run used so far: tokens trained, sampled (by its samplers) and
         scored, calls, device-seconds, and the cost at the server's prices."""
         request = _convert.usage_request(self.model_id)

@@ -220,7 +220,7 @@ class SaveStateResponse:
 
 
 @dataclass(frozen=True)
-class Usage:
+class RunUsage:
     """What a model (a run) used, its samplers' samples included
     (``TrainingClient.get_usage``); ``cost`` is None when the server has no prices."""
 

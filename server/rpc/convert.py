@@ -37,7 +37,7 @@ from treadle.server.service.types import (
     ModelRecord,
     NewModel,
     OrderedCall,
-    RunUsage,
+    RunUsageRecord,
     SamplerInfo,
     SamplerSource,
     SavedState,
@@ -307,7 +307,7 @@ def deleted_checkpoint() -> training_pb2.DeleteCheckpointResponse:
     return training_pb2.DeleteCheckpointResponse()
 
 
-def usage(u: RunUsage) -> training_pb2.Usage:
+def usage(u: RunUsageRecord) -> training_pb2.Usage:
     return training_pb2.Usage(
         model_id=u.model_id,
         tokens_trained=u.tokens_trained,

@@ -13,7 +13,7 @@ from treadle.common.db import models as db
 from treadle.errors import InvalidArgumentError, NotFoundError
 from treadle.server.context import ServerContext
 from treadle.server.db import queries, run_metrics
-from treadle.server.service.types import RunCurves, RunUsage
+from treadle.server.service.types import RunCurves, RunUsageRecord
 
 #: at most this many metrics in one log_metrics call
 MAX_LOGGED_METRICS = 256
@@ -62,11 +62,14 @@ class RunService:
             run_metrics.log_metrics(conn, model_id, step, checked)
         return len(checked)
 
-    def usage(self, tenant: str, model_id: str) -> RunUsage:
+    def usage(self, tenant: str, model_id: str) -> RunUsageRecord:
         """The run's usage: what is in the database plus what is counted and not yet
         written (read on the event loop that writes it, so nothing is missed or
         counted twice), and its cost at the operator's prices."""
         self._require(tenant, model_id)
+        # a call already answered is counted once its end is written (behind the
+        # answer, with the engine in this process): write the queued ends first
+        self.ctx.service.op_endings.flush()
         u = db.Usage
         with self.ctx.session() as s:
             row = s.execute(
@@ -90,7 +93,9 @@ class RunService:
                     device_s += d.compute_s
         prices = self.ctx.config.prices
         cost = prices.cost(trained, sampled, scored, device_s) if prices.set else None
-        return RunUsage(model_id, trained, sampled, scored, calls, device_s, cost, prices.currency)
+        return RunUsageRecord(
+            model_id, trained, sampled, scored, calls, device_s, cost, prices.currency
+        )
 
     def curves(self, tenant: str, model_id: str) -> RunCurves:
         """The run's curves (a database read: call it off the event loop)."""

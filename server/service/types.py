@@ -228,7 +228,7 @@ class BaseModelRecord:
 
 
 @dataclass(frozen=True)
-class RunUsage:
+class RunUsageRecord:
     """What one training model (a run) used: its calls, and its samplers' samples."""
 
     model_id: str
