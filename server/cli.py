@@ -154,6 +154,7 @@ def _demo(args: argparse.Namespace) -> int:
             seed=args.seed,
             out=Path(args.out) if args.out else None,
             sampler=args.sampler,
+            http_port=args.http_port,
         )
     )
 
@@ -209,6 +210,13 @@ def build_parser() -> argparse.ArgumentParser:
         default="torch",
         help="the sampler backend: torch (default), torch-thread, torch-process or vllm; "
         "see docs/backends.md",
+    )
+    demo.add_argument(
+        "--http-port",
+        type=int,
+        default=0,
+        help="port of the web console (/console) while the demo runs; 0 = any free port "
+        "(default), -1 = off",
     )
     demo.set_defaults(fn=_demo)
 

@@ -7,6 +7,7 @@
   var url = box.getAttribute("data-curves");
   var pollMs = Math.max(2000, parseInt(box.getAttribute("data-poll-ms"), 10) || 2000);
   var charts = {};  // key -> {plot, el}
+  var STEP_INCRS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 100000];
   var colors = ["#2563eb", "#dc2626", "#059669", "#d97706", "#7c3aed", "#0891b2"];
 
   function width() {
@@ -43,25 +44,31 @@
       height: 200,
       legend: { show: false },
       scales: { x: { time: false } },
-      axes: [{ label: "step" }, {}],
+      axes: [{ label: "step", incrs: STEP_INCRS }, {}],
       series: [{}, { label: name, stroke: colors[i % colors.length], width: 2,
                      points: { show: true, size: 5 } }],
     }, data, el);
     charts[key] = { plot: plot, el: el };
   }
 
+  // The loss first, then the client's own metrics, then the server's others.
+  function order(curves) {
+    var steps = curves.steps || {};
+    var logged = curves.logged || {};
+    var first = Object.keys(steps).filter(function (n) { return n.indexOf("loss") === 0; }).sort();
+    var rest = Object.keys(steps).filter(function (n) { return n.indexOf("loss") !== 0; }).sort();
+    return first.map(function (n) { return ["steps", n, steps[n]]; })
+      .concat(Object.keys(logged).sort().map(function (n) { return ["logged", n, logged[n]]; }))
+      .concat(rest.map(function (n) { return ["steps", n, steps[n]]; }));
+  }
+
   function render(curves) {
-    var i = 0;
     var any = false;
-    ["steps", "logged"].forEach(function (source) {
-      var series = curves[source] || {};
-      Object.keys(series).sort().forEach(function (name) {
-        if (series[name].length) {
-          draw(source, name, series[name], i);
-          any = true;
-        }
-        i += 1;
-      });
+    order(curves).forEach(function (entry, i) {
+      if (!entry[2].length) return;
+      draw(entry[0], entry[1], entry[2], i);
+      box.appendChild(charts[entry[0] + ":" + entry[1]].el);  // keeps the order as charts appear
+      any = true;
     });
     var empty = document.getElementById("no-curves");
     if (empty) empty.hidden = any;
