@@ -8,8 +8,9 @@ replaces the value).
 
 from __future__ import annotations
 
+import datetime as dt
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from sqlalchemy import Connection, delete, insert, select
@@ -138,3 +139,44 @@ def logged_series(conn: Connection, model_id: str) -> Series:
     ):
         series.setdefault(name, []).append((int(step), float(value)))
     return series
+
+
+@dataclass(frozen=True)
+class MetricPoint:
+    """One value of a run's metric, for its session's trace: a call's (``seq_id``)
+    or one the client logged (``seq_id`` None, ``step`` its step)."""
+
+    model_id: str
+    seq_id: int | None
+    step: int | None
+    name: str
+    value: float
+    at: dt.datetime
+
+
+def metric_points(conn: Connection, model_ids: Iterable[str]) -> list[MetricPoint]:
+    ids = list(model_ids)
+    if not ids:
+        return []
+    calls = conn.execute(
+        select(
+            StepMetric.model_id,
+            StepMetric.seq_id,
+            StepMetric.step,
+            StepMetric.name,
+            StepMetric.value,
+            StepMetric.created_at,
+        ).where(StepMetric.model_id.in_(ids))
+    ).all()
+    logged = conn.execute(
+        select(
+            LoggedMetric.model_id,
+            LoggedMetric.step,
+            LoggedMetric.name,
+            LoggedMetric.value,
+            LoggedMetric.logged_at,
+        ).where(LoggedMetric.model_id.in_(ids))
+    ).all()
+    return [MetricPoint(m, int(q), s, n, float(v), t) for m, q, s, n, v, t in calls] + [
+        MetricPoint(m, None, int(s), n, float(v), t) for m, s, n, v, t in logged
+    ]

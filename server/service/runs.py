@@ -97,6 +97,11 @@ class RunService:
             model_id, trained, sampled, scored, calls, device_s, cost, prices.currency
         )
 
+    def metric_points(self, model_ids: list[str]) -> list[run_metrics.MetricPoint]:
+        """Every metric value of these runs (already the caller's: a session's)."""
+        with self.ctx.sessions.kw["bind"].connect() as conn:
+            return run_metrics.metric_points(conn, model_ids)
+
     def curves(self, tenant: str, model_id: str) -> RunCurves:
         """The run's curves (a database read: call it off the event loop)."""
         self._require(tenant, model_id)

@@ -55,12 +55,18 @@ def test_curves_have_one_point_per_step_and_the_logged_metrics(srv: EmbeddedServ
         tc.forward_backward([next_token_datum(char_ids("in progress"))]).result(TIMEOUT)
         _flush(srv)
         curves = srv.ctx.service.runs.curves(srv.ctx.default_key.tenant_id, tc.model_id)  # type: ignore[union-attr]
+        points = srv.ctx.service.runs.metric_points([tc.model_id])  # the session trace's
     loss = curves.steps["loss:sum"]
     assert [s for s, _ in loss] == [1, 2, 3]  # the call after the last step is left out
     assert [v for _, v in loss] == pytest.approx(losses, rel=1e-6)
     assert [s for s, _ in curves.steps["grad_norm:value"]] == [1, 2, 3]
     assert curves.logged["reward/mean"] == [(1, 0.25), (2, 0.5), (3, 0.9)]
     assert [s for s, _ in curves.logged["eval/acc"]] == [1, 2, 3]
+    logged = sorted(
+        (p.step, p.value) for p in points if p.seq_id is None and p.name == "reward/mean"
+    )
+    assert logged == [(1, 0.25), (2, 0.5), (3, 0.9)]
+    assert sum(1 for p in points if p.name == "loss:sum") == 3 * 2 + 1  # one per call
 
 
 def test_log_metrics_refuses_bad_input_and_other_tenants_models(srv: EmbeddedServer) -> None:
