@@ -203,6 +203,7 @@ def operator(ctx: ServerContext) -> dict[str, Any]:
         {
             "id": w.id,
             "host": w.hostname,
+            "device": "",
             "models": ", ".join(json.loads(w.base_models or "[]")),
             "loaded": per_worker.get(w.id, 0),
             "capacity": w.capacity,
@@ -217,6 +218,7 @@ def operator(ctx: ServerContext) -> dict[str, Any]:
             {
                 "id": "in-process engine",
                 "host": platform.node(),
+                "device": ctx.config.device,
                 "models": ", ".join(ctx.catalog.base_model_names()),
                 "loaded": len(ctx.owners),
                 "capacity": ctx.config.quota_max_models or "",

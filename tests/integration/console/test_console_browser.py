@@ -164,6 +164,21 @@ def test_tenant_pages_in_chromium(browser: Any, srv: EmbeddedServer, tmp_path: P
     assert browser.find_element(By.CSS_SELECTOR, "#checkpoints tr[data-name='drop']")
     browser.save_screenshot(str(_shots(tmp_path) / "console-run.png"))
 
+    # readable on a phone: nothing wider than the screen but the scrolling tables
+    browser.set_window_size(390, 844)
+    try:
+        browser.refresh()
+        _wait(lambda: browser.find_element(By.CSS_SELECTOR, f"{loss} canvas"), "the loss chart")
+        overflow = browser.execute_script(
+            "return document.documentElement.scrollWidth - document.documentElement.clientWidth"
+        )
+        assert overflow <= 1, overflow
+        chart = browser.find_element(By.CSS_SELECTOR, loss)
+        assert chart.size["width"] <= 390
+        browser.save_screenshot(str(tmp_path / "console-run-phone.png"))
+    finally:
+        browser.set_window_size(1280, 800)
+
     # delete a checkpoint through the confirmation page
     row = browser.find_element(By.CSS_SELECTOR, "#checkpoints tr[data-name='drop']")
     row.find_element(By.LINK_TEXT, "Delete…").click()

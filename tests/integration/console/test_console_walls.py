@@ -7,6 +7,7 @@ never sees the operator page; GetUsage over HTTP agrees with gRPC."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,6 +18,7 @@ import pytest
 import treadle
 from tests.conftest import make_server
 from tests.helpers import char_ids, next_token_datum, tenant_key
+from treadle.common.db import models as db
 from treadle.server.console.cookies import COOKIE
 from treadle.server.embedded import EmbeddedServer
 
@@ -66,10 +68,13 @@ def _csrf(html: str) -> str:
 
 
 def test_sign_in_sets_a_strict_httponly_cookie_and_the_key_appears_nowhere(
-    srv: EmbeddedServer, runs: dict[str, object]
+    srv: EmbeddedServer, runs: dict[str, object], caplog: pytest.LogCaptureFixture
 ) -> None:
+    caplog.set_level(logging.DEBUG)
     key = str(runs["alice_key"])
+    wrong = "tdl-" + "k" * 43
     with _client(srv) as c:
+        assert c.post("/console/login", data={"api_key": wrong}).status_code == 401
         r = c.post("/console/login", data={"api_key": key})
         assert r.status_code == 303 and r.headers["location"] == "/console/runs"
         cookie = r.headers["set-cookie"]
@@ -82,6 +87,9 @@ def test_sign_in_sets_a_strict_httponly_cookie_and_the_key_appears_nowhere(
         assert "frame-ancestors 'none'" in page.headers["content-security-policy"]
         run = c.get(f"/console/runs/{runs['alice']}")
         assert run.status_code == 200 and key not in run.text
+    assert "sign-in was refused" in caplog.text  # the refusal is logged...
+    for secret in (key, wrong, key[4:16], wrong[4:16]):  # ...and no key, nor a piece of one
+        assert secret not in caplog.text
 
 
 def test_wrong_key_and_bad_cookies_are_refused(
@@ -176,12 +184,25 @@ def test_operator_page_is_the_admin_tenants_only(
         r = c.get("/console/operator")
         assert r.status_code == 403 and "bob" not in r.text
         assert "Operator" not in c.get("/console/runs").text
-    assert srv.api_key is not None
+    assert srv.api_key is not None and srv.ctx is not None
+    with srv.ctx.sessions() as s:  # a `treadle worker` as a distributed server sees it
+        s.add(
+            db.Worker(
+                id="gpu-host-1:0",
+                hostname="gpu-host-1",
+                base_models='["tiny"]',
+                capacity=8,
+                status="draining",
+            )
+        )
+        s.commit()
     with _sign_in(srv, srv.api_key) as c:
         r = c.get("/console/operator")
         assert r.status_code == 200
         assert 'data-tenant="alice"' in r.text and 'data-tenant="bob"' in r.text
         assert "in-process engine" in r.text
+        row = r.text.split('data-worker="gpu-host-1:0"', 1)[1].split("</tr>", 1)[0]
+        assert "gpu-host-1" in row and "draining" in row and "tiny" in row
         assert srv.api_key not in r.text and str(runs["alice_key"]) not in r.text
 
 
