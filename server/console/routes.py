@@ -32,6 +32,7 @@ from treadle.errors import InvalidArgumentError, NotFoundError, TreadleError, Un
 from treadle.server.console import views
 from treadle.server.console.cookies import COOKIE, ConsoleSession, CookieSigner, load_secret
 from treadle.server.context import ServerContext
+from treadle.server.http import session_trace
 from treadle.server.http.errors import status_of
 
 log = logging.getLogger("treadle.server")
@@ -302,6 +303,23 @@ def router(c: Console) -> APIRouter:
                 headers=HEADERS,
                 background=BackgroundTask(tar.unlink, missing_ok=True),
             )
+
+        return await c.page(request, build)
+
+    @r.get("/sessions/{session_id}/trace")
+    async def session_trace_download(request: Request, session_id: str) -> Response:
+        """The session's trace (as the tinker SDK's export_session_trace gives it):
+        its runs' calls as slices and their metrics as counters, for Perfetto."""
+
+        async def build(v: views.Viewer) -> Response:
+            def make() -> dict[str, Any]:
+                timeline = ctx.service.sessions.timeline(v.tenant_id, _id(session_id))
+                points = ctx.service.runs.metric_points([m for m, _ in timeline.models])
+                return session_trace.trace(timeline, points)
+
+            data = await c.off_loop(make)
+            disposition = f'attachment; filename="{session_id}.trace.json"'
+            return JSONResponse(data, headers={**HEADERS, "Content-Disposition": disposition})
 
         return await c.page(request, build)
 

@@ -44,6 +44,8 @@ def runs(srv: EmbeddedServer) -> dict[str, object]:
             tc.optim_step(treadle.AdamParams(learning_rate=1e-2)).result(TIMEOUT)
             tc.save_state("first").result(TIMEOUT)
             out[who] = tc.model_id
+            out[f"{who}_session"] = tc.get_info().session_id
+            assert out[f"{who}_session"]
             out[f"{who}_usage"] = tc.get_usage()
     return out
 
@@ -87,6 +89,12 @@ def test_sign_in_sets_a_strict_httponly_cookie_and_the_key_appears_nowhere(
         assert "frame-ancestors 'none'" in page.headers["content-security-policy"]
         run = c.get(f"/console/runs/{runs['alice']}")
         assert run.status_code == 200 and key not in run.text
+        trace_url = re.search(r'id="trace" href="([^"]+)"', run.text)
+        assert trace_url is not None
+        trace = c.get(trace_url.group(1))
+        assert trace.status_code == 200 and "attachment" in trace.headers["content-disposition"]
+        tracks = [e["args"]["name"] for e in trace.json()["traceEvents"] if e["ph"] == "M"]
+        assert f"training run {runs['alice']}" in tracks
     assert "sign-in was refused" in caplog.text  # the refusal is logged...
     for secret in (key, wrong, key[4:16], wrong[4:16]):  # ...and no key, nor a piece of one
         assert secret not in caplog.text
@@ -136,6 +144,7 @@ def test_other_tenants_ids_and_dotdot_paths_are_404(
             f"/console/runs/{bob}/usage",
             f"/console/runs/{bob}/checkpoints/first/delete",
             f"/console/runs/{bob}/checkpoints/first/download",
+            f"/console/sessions/{runs['bob_session']}/trace",
             f"/console/runs/{runs['alice']}/checkpoints/..%2F..%2Fapi_key/download",
             f"/console/runs/{runs['alice']}/checkpoints/../download",
             "/console/runs/%2E%2E",
