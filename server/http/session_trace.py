@@ -89,9 +89,14 @@ def trace(t: SessionTimeline, metrics: list[MetricPoint] | None = None) -> dict[
             continue
         name = p.name if p.seq_id is not None else f"client/{p.name}"
         at = ended.get((p.model_id, p.seq_id), p.at) if p.seq_id is not None else p.at
-        args: dict[str, Any] = {name: p.value}
         events.append(
-            {"ph": "C", "name": name, "pid": pid[p.model_id], "ts": _us(at, origin), "args": args}
+            {
+                "ph": "C",
+                "name": name,
+                "pid": pid[p.model_id],
+                "ts": _us(at, origin),
+                "args": {name: p.value},
+            }
         )
     for sampler_id, model_id, created in t.samplers:
         where = pid.get(model_id or "", 0)
