@@ -164,6 +164,21 @@ def test_tenant_pages_in_chromium(browser: Any, srv: EmbeddedServer, tmp_path: P
     assert browser.find_element(By.CSS_SELECTOR, "#checkpoints tr[data-name='drop']")
     browser.save_screenshot(str(_shots(tmp_path) / "console-run.png"))
 
+    # the page follows the run: a point logged now is drawn without a reload
+    channel = grpc.intercept_channel(grpc.insecure_channel(srv.address), _Bearer(alice))
+    training_pb2_grpc.TrainingServiceStub(channel).LogMetrics(
+        training_pb2.LogMetricsRequest(model_id=mine, step=STEPS + 1, metrics={"reward": 0.9}),
+        timeout=TIMEOUT,
+    )
+    channel.close()
+    _wait(
+        lambda: (
+            browser.find_element(By.CSS_SELECTOR, reward).get_attribute("data-points")
+            == str(STEPS + 1)
+        ),
+        "the new point, polled",
+    )
+
     # readable on a phone: nothing wider than the screen but the scrolling tables
     browser.set_window_size(390, 844)
     try:
