@@ -191,7 +191,7 @@ def operator(ctx: ServerContext) -> dict[str, Any]:
                 "tokens_sampled": sampled,
                 "tokens_scored": scored,
                 "calls": calls,
-                "device_s": f"{device_s:.1f}",
+                "device_s": f"{device_s:.2f}",
                 "cost": (
                     f"{prices.cost(trained, sampled, scored, device_s):.4f} {prices.currency}"
                     if prices.set
@@ -221,7 +221,7 @@ def operator(ctx: ServerContext) -> dict[str, Any]:
                 "device": ctx.config.device,
                 "models": ", ".join(ctx.catalog.base_model_names()),
                 "loaded": len(ctx.owners),
-                "capacity": ctx.config.quota_max_models or "",
+                "capacity": "",  # the engine takes models until its memory refuses
                 "status": "live",
                 "heartbeat": "",
             },
