@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from sqlalchemy import Connection, delete, insert, select
 
 from treadle.common.db.models import LoggedMetric, StepMetric, utcnow
+from treadle.rl.metrics import merge_metrics
 
 
 @dataclass(frozen=True)
@@ -90,10 +91,10 @@ Series = dict[str, list[tuple[int, float]]]
 
 def step_series(conn: Connection, model_id: str) -> Series:
     """The calls' metrics per optimizer step. An optim_step's metrics are at the
-    version it made; the forward_backward calls before it add up into the same
-    step (losses are sums; several calls before one step accumulate), and their
-    other metrics are averaged over the calls. Calls after the last optim_step
-    are a step in progress and are left out."""
+    version it made; the forward_backward calls before it are merged into the same
+    step as ``treadle.rl.merge_metrics`` merges a step's calls (losses are sums and
+    add up; means are token means; min and max take the extreme). Calls after the
+    last optim_step are a step in progress and are left out."""
     rows = conn.execute(
         select(
             StepMetric.seq_id, StepMetric.kind, StepMetric.step, StepMetric.name, StepMetric.value
@@ -101,33 +102,20 @@ def step_series(conn: Connection, model_id: str) -> Series:
         .where(StepMetric.model_id == model_id)
         .order_by(StepMetric.seq_id)
     ).all()
-    steps = sorted(
-        {(r.seq_id, r.step) for r in rows if r.kind == "optim_step" and r.step is not None}
-    )
     series: Series = {}
-    pending: dict[str, list[float]] = {}
-    i = 0
+    pending: dict[int, dict[str, float]] = {}  # seq_id -> a forward_backward's metrics
     for r in rows:
-        while i < len(steps) and steps[i][0] < r.seq_id:
-            _close(series, pending, steps[i][1])
-            i += 1
-        if r.kind == "optim_step":
-            series.setdefault(r.name, []).append((int(r.step or 0), float(r.value)))
-        elif r.kind == "forward_backward":
-            pending.setdefault(r.name, []).append(float(r.value))
-    while i < len(steps):
-        _close(series, pending, steps[i][1])
-        i += 1
+        if r.kind == "forward_backward":
+            pending.setdefault(int(r.seq_id), {})[r.name] = float(r.value)
+        elif r.kind == "optim_step" and r.step is not None:
+            step = int(r.step)
+            before = [pending.pop(q) for q in sorted(pending) if q < r.seq_id]
+            for name, value in merge_metrics(before).items():
+                series.setdefault(name, []).append((step, value))
+            series.setdefault(r.name, []).append((step, float(r.value)))
     for points in series.values():
         points.sort()
     return series
-
-
-def _close(series: Series, pending: dict[str, list[float]], step: int | None) -> None:
-    for name, values in pending.items():
-        value = sum(values) if name.endswith(":sum") else sum(values) / len(values)
-        series.setdefault(name, []).append((int(step or 0), value))
-    pending.clear()
 
 
 def logged_series(conn: Connection, model_id: str) -> Series:

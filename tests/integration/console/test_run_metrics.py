@@ -12,6 +12,7 @@ import pytest
 import treadle
 from tests.conftest import make_server
 from tests.helpers import char_ids, next_token_datum, tenant_key
+from treadle.rl import merge_metrics
 from treadle.server.accounting.prices import parse_prices
 from treadle.server.embedded import EmbeddedServer
 
@@ -42,7 +43,7 @@ async def _noop() -> None:
 def test_curves_have_one_point_per_step_and_the_logged_metrics(srv: EmbeddedServer) -> None:
     with treadle.ServiceClient(srv.address, api_key=srv.api_key) as service:
         tc = service.create_lora_training_client("tiny", rank=4, seed=0)
-        losses = []
+        losses, merged = [], []
         for step in range(1, 4):
             fb1 = tc.forward_backward([next_token_datum(char_ids("12+3=15"))])
             fb2 = tc.forward_backward([next_token_datum(char_ids("hello"))])
@@ -50,6 +51,7 @@ def test_curves_have_one_point_per_step_and_the_logged_metrics(srv: EmbeddedServ
             losses.append(
                 fb1.result(TIMEOUT).metrics["loss:sum"] + fb2.result(TIMEOUT).metrics["loss:sum"]
             )
+            merged.append(merge_metrics([fb1.result().metrics, fb2.result().metrics]))
             tc.log_metrics(step, {"reward/mean": step * 0.25, "eval/acc": 1.0 / step})
         tc.log_metrics(3, {"reward/mean": 0.9})  # a second log of a step replaces it
         tc.forward_backward([next_token_datum(char_ids("in progress"))]).result(TIMEOUT)
@@ -60,6 +62,10 @@ def test_curves_have_one_point_per_step_and_the_logged_metrics(srv: EmbeddedServ
     assert [s for s, _ in loss] == [1, 2, 3]  # the call after the last step is left out
     assert [v for _, v in loss] == pytest.approx(losses, rel=1e-6)
     assert [s for s, _ in curves.steps["grad_norm:value"]] == [1, 2, 3]
+    # a step's other metrics merge as the SDK merges them (token means here)
+    assert [v for _, v in curves.steps["entropy:mean"]] == pytest.approx(
+        [m["entropy:mean"] for m in merged], rel=1e-6
+    )
     assert curves.logged["reward/mean"] == [(1, 0.25), (2, 0.5), (3, 0.9)]
     assert [s for s, _ in curves.logged["eval/acc"]] == [1, 2, 3]
     logged = sorted(
