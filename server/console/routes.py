@@ -18,7 +18,7 @@ import tempfile
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, TypeVar
-from urllib.parse import parse_qs
+from urllib.parse import parse_qs, urlsplit
 
 import jinja2
 from fastapi import APIRouter, FastAPI
@@ -60,7 +60,9 @@ HEADERS = {
     "Cache-Control": "no-store",
     "X-Frame-Options": "DENY",
     "X-Content-Type-Options": "nosniff",
-    "Referrer-Policy": "no-referrer",
+    # same-origin: the console's own forms carry their Origin (checked on every
+    # POST); nothing of a console URL leaves for another site
+    "Referrer-Policy": "same-origin",
     "Content-Security-Policy": (
         "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
         "connect-src 'self'; form-action 'self'; frame-ancestors 'none'; base-uri 'none'"
@@ -112,6 +114,12 @@ class Console:
         return await self.off_loop(views.viewer, self.ctx, session)
 
     async def form(self, request: Request) -> dict[str, str]:
+        """A POSTed form; 403 when the browser says it comes from another site
+        (``Origin``; "null" for a cross-site form under our referrer policy): sign-in
+        included, which no CSRF token can guard."""
+        origin = request.headers.get("origin")
+        if origin is not None and urlsplit(origin).netloc != request.headers.get("host", ""):
+            raise PermissionDeniedError("the form was sent from another site")
         body = await request.body()
         if len(body) > _FORM_BYTES:
             raise InvalidArgumentError("form: too large")
@@ -198,7 +206,9 @@ def router(c: Console) -> APIRouter:
             tenant_id, key_id = await c.off_loop(views.sign_in, ctx, form.get("api_key", ""))
         except TreadleError as err:
             if status_of(err) != 401:
-                return c.error(err)
+                response = c.error(err)
+                response.delete_cookie(COOKIE, path=PREFIX)
+                return response
             log.info("console: a sign-in was refused")  # never the key
             return c.render("login.html", 401, error="That API key is not valid.", viewer=None)
         value, session = c.signer.issue(tenant_id, key_id)

@@ -103,6 +103,14 @@ def test_sign_in_sets_a_strict_httponly_cookie_and_the_key_appears_nowhere(
 def test_wrong_key_and_bad_cookies_are_refused(
     srv: EmbeddedServer, runs: dict[str, object]
 ) -> None:
+    for origin in ("http://evil.example", "null"):  # a sign-in posted from another site
+        with _client(srv) as c:
+            r = c.post(
+                "/console/login",
+                data={"api_key": str(runs["alice_key"])},
+                headers={"Origin": origin},
+            )
+            assert r.status_code == 403 and c.cookies.get(COOKIE) is None
     with _client(srv) as c:
         r = c.post("/console/login", data={"api_key": "tdl-" + "x" * 43})
         assert r.status_code == 401 and "not valid" in r.text
