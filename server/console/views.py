@@ -226,7 +226,21 @@ def operator(ctx: ServerContext) -> dict[str, Any]:
                 "heartbeat": "",
             },
         )
-    queue = [{"tenant": r["name"], "in_flight": r["in_flight"]} for r in rows if r["in_flight"] > 0]
+    engine_queue = {q.tenant_id: q for q in ctx.engine_metrics.queue_metrics()}
+    queue = []
+    for t, r in zip(tenants, rows, strict=True):
+        q = engine_queue.get(t.id)
+        if r["in_flight"] == 0 and q is None:
+            continue
+        queue.append(
+            {
+                "tenant": r["name"],
+                "in_flight": r["in_flight"],
+                "waiting": q.waiting if q else "",
+                "running": q.running if q else "",
+                "deficit": q.deficit if q else "",
+            }
+        )
     config = {
         k: v
         for k, v in dataclasses.asdict(ctx.config).items()

@@ -250,8 +250,10 @@ def test_operator_sees_the_worker_and_a_backlogged_tenants_waiting_calls(
 
         def queue_row() -> Any:
             browser.get(f"{base}/console/operator")
-            cell = browser.find_element(By.CSS_SELECTOR, "#queue tr[data-tenant='carol'] .waiting")
-            return cell.text == "3"
+            row = "#queue tr[data-tenant='carol']"
+            in_flight = browser.find_element(By.CSS_SELECTOR, f"{row} .in-flight").text
+            waiting = browser.find_element(By.CSS_SELECTOR, f"{row} .waiting").text
+            return in_flight == "3" and waiting == "3"  # all three wait in the scheduler
 
         _wait(queue_row, "carol's three waiting calls")
         workers = browser.find_element(By.ID, "workers").text
