@@ -48,6 +48,11 @@ def _serve(args: argparse.Namespace) -> int:
                 "(TINKER_BASE_URL; the key as TINKER_API_KEY=tml-<key>)",
                 flush=True,
             )
+            print(
+                f"treadle: web console on {'https' if config.tls else 'http'}://{config.host}:"
+                f"{ctx.http.port}/console (sign in with an API key)",
+                flush=True,
+            )
         _print_key(ctx)
         if ctx.metrics is not None and ctx.metrics.endpoint is not None:
             print(

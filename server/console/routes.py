@@ -10,6 +10,7 @@ key on an operator page 403. Database reads run in a worker thread.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import re
@@ -262,7 +263,7 @@ def router(c: Console) -> APIRouter:
     async def usage(request: Request, model_id: str) -> Response:
         async def build(v: views.Viewer) -> Response:
             u = ctx.service.runs.usage(v.tenant_id, _id(model_id))
-            return JSONResponse(u.__dict__, headers=HEADERS)
+            return JSONResponse(dataclasses.asdict(u), headers=HEADERS)
 
         return await c.page(request, build)
 
