@@ -13,7 +13,7 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from sqlalchemy import Connection, delete, insert, select
+from sqlalchemy import Connection, delete, func, insert, select
 
 from treadle.common.db.models import LoggedMetric, StepMetric, utcnow
 from treadle.rl.metrics import merge_metrics
@@ -168,3 +168,17 @@ def metric_points(conn: Connection, model_ids: Iterable[str]) -> list[MetricPoin
     return [MetricPoint(m, int(q), s, n, float(v), t) for m, q, s, n, v, t in calls] + [
         MetricPoint(m, None, int(s), n, float(v), t) for m, s, n, v, t in logged
     ]
+
+
+def fingerprint(conn: Connection, model_id: str) -> tuple[object, ...]:
+    """What changes when a run's curves do: rows and the newest of each table (two
+    index-only aggregates, far cheaper than reading the curves)."""
+    calls = conn.execute(
+        select(func.count(), func.max(StepMetric.seq_id)).where(StepMetric.model_id == model_id)
+    ).one()
+    logged = conn.execute(
+        select(func.count(), func.max(LoggedMetric.logged_at)).where(
+            LoggedMetric.model_id == model_id
+        )
+    ).one()
+    return (*calls, *logged)

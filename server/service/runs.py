@@ -5,6 +5,8 @@ any transport and the console."""
 from __future__ import annotations
 
 import math
+import threading
+from collections import OrderedDict
 from collections.abc import Mapping
 
 from sqlalchemy import func, select
@@ -43,9 +45,16 @@ def check_logged(step: int, values: Mapping[str, float]) -> dict[str, float]:
     return checked
 
 
+#: runs whose curves are kept computed (a page polls them every 2 s)
+CURVES_CACHED = 64
+
+
 class RunService:
     def __init__(self, ctx: ServerContext) -> None:
         self.ctx = ctx
+        #: model id -> (fingerprint, curves): read again only when the rows changed
+        self._curves: OrderedDict[str, tuple[tuple[object, ...], RunCurves]] = OrderedDict()
+        self._lock = threading.Lock()
 
     def _require(self, tenant: str, model_id: str) -> None:
         with self.ctx.session() as s:
@@ -106,6 +115,17 @@ class RunService:
         """The run's curves (a database read: call it off the event loop)."""
         self._require(tenant, model_id)
         with self.ctx.sessions.kw["bind"].connect() as conn:
-            return RunCurves(
+            seen = run_metrics.fingerprint(conn, model_id)
+            with self._lock:
+                cached = self._curves.get(model_id)
+            if cached is not None and cached[0] == seen:
+                return cached[1]
+            curves = RunCurves(
                 run_metrics.step_series(conn, model_id), run_metrics.logged_series(conn, model_id)
             )
+        with self._lock:
+            self._curves[model_id] = (seen, curves)
+            self._curves.move_to_end(model_id)
+            while len(self._curves) > CURVES_CACHED:
+                self._curves.popitem(last=False)
+        return curves
