@@ -36,6 +36,7 @@ if TYPE_CHECKING:
         ModelInfo,
         ModelInput,
         OptimStepResponse,
+        RunUsage,
         SampledSequence,
         SampleResponse,
         SamplingParams,
@@ -72,6 +73,7 @@ _LAZY = {
             "ServerInfo",
             "StreamedSample",
             "TrainingPassMetrics",
+            "RunUsage",
             "VersionSpan",
         )
     },
@@ -125,6 +127,7 @@ __all__ = [
     "Tokenizer",
     "TrainingClient",
     "TrainingPassMetrics",
+    "RunUsage",
     "TreadleError",
     "UnauthenticatedError",
     "UnavailableError",

@@ -21,6 +21,7 @@ from treadle.types import (
     ModelInfo,
     ModelInput,
     OptimStepResponse,
+    RunUsage,
     SampledSequence,
     SampleResponse,
     SamplerMetrics,
@@ -411,6 +412,31 @@ def list_checkpoints_request(model_id: str) -> training_pb2.ListCheckpointsReque
 
 def delete_checkpoint_request(path: str) -> training_pb2.DeleteCheckpointRequest:
     return training_pb2.DeleteCheckpointRequest(path=path)
+
+
+def log_metrics_request(
+    model_id: str, step: int, metrics: Mapping[str, float]
+) -> training_pb2.LogMetricsRequest:
+    return training_pb2.LogMetricsRequest(
+        model_id=model_id, step=int(step), metrics={str(k): float(v) for k, v in metrics.items()}
+    )
+
+
+def usage_request(model_id: str) -> training_pb2.GetUsageRequest:
+    return training_pb2.GetUsageRequest(model_id=model_id)
+
+
+def usage_from_wire(u: training_pb2.Usage) -> RunUsage:
+    return RunUsage(
+        model_id=u.model_id,
+        tokens_trained=int(u.tokens_trained),
+        tokens_sampled=int(u.tokens_sampled),
+        tokens_scored=int(u.tokens_scored),
+        calls=int(u.calls),
+        device_s=float(u.device_s),
+        cost=float(u.cost) if u.priced else None,
+        currency=u.currency,
+    )
 
 
 def export_weights_request(model_id: str, merged: bool) -> training_pb2.ExportWeightsRequest:

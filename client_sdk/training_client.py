@@ -30,6 +30,7 @@ from treadle.types import (
     ForwardBackwardOutput,
     ModelInfo,
     OptimStepResponse,
+    RunUsage,
     SaveStateResponse,
 )
 
@@ -217,6 +218,26 @@ class TrainingClient:
     def delete_checkpoint(self, path: str) -> None:
         """Delete a ``treadle://`` checkpoint (of this tenant) and its stored files."""
         self._service.delete_checkpoint(path)
+
+    # ---- the run's own metrics and usage ----------------------------------------------
+
+    def log_metrics(self, step: int, metrics: Mapping[str, float]) -> None:
+        """Keep the client's own metrics of a step with the run (rewards, evaluation
+        scores): the console draws them beside the server's loss and grad norm. A
+        name logged again for a step replaces its value. Not ordered with the
+        training calls (it takes no seq_id); returns once the server kept them."""
+        request = _convert.log_metrics_request(self.model_id, step, metrics)
+        self._service._caller.call(
+            self._service._training.LogMetrics, request, lambda r: None
+        ).result()
+
+    def get_usage(self) -> RunUsage:
+        """What this run used so far: tokens trained, sampled (by its samplers) and
+        scored, calls, device-seconds, and the cost at the server's prices."""
+        request = _convert.usage_request(self.model_id)
+        return self._service._caller.call(
+            self._service._training.GetUsage, request, _convert.usage_from_wire
+        ).result()
 
     def restore(self) -> ModelInfo:
         """Load the model back now if the server unloaded it for idling (the next

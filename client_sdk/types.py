@@ -220,6 +220,21 @@ class SaveStateResponse:
 
 
 @dataclass(frozen=True)
+class RunUsage:
+    """What a model (a run) used, its samplers' samples included
+    (``TrainingClient.get_usage``); ``cost`` is None when the server has no prices."""
+
+    model_id: str
+    tokens_trained: int
+    tokens_sampled: int
+    tokens_scored: int
+    calls: int
+    device_s: float
+    cost: float | None
+    currency: str
+
+
+@dataclass(frozen=True)
 class CheckpointInfo:
     path: str
     name: str

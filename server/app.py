@@ -18,6 +18,7 @@ from treadle.common.db import models as db
 from treadle.common.engine.messages import CreateModelCall
 from treadle.common.store import make_store, storage_path_str
 from treadle.server.accounting.quotas import Quotas
+from treadle.server.accounting.step_metrics import StepMetricsRecorder
 from treadle.server.accounting.usage import UsageMeter
 from treadle.server.auth import Authenticator, AuthInterceptor, bootstrap_default_tenant
 from treadle.server.config import ServerConfig
@@ -176,6 +177,7 @@ async def create_context(config: ServerConfig, dispatcher: Backend | None = None
         ),
         quotas=Quotas(config.quota_limits, overrides=quota_overrides),
         usage=usage,
+        step_metrics=StepMetricsRecorder(db_engine.begin, config.usage_flush_s),
         default_key=default_key,
     )
     if config.metrics_port is not None:
@@ -224,6 +226,8 @@ async def create_server(
         ctx.http = await start_http(ctx, config.host, config.http_port)
     if ctx.usage is not None:  # written to the database every usage_flush_s; closed at stop
         ctx.usage.start()
+    if ctx.step_metrics is not None:  # a run's curves, written like usage
+        ctx.step_metrics.start()
     if ctx.metrics is not None and config.metrics_port is not None:
         ctx.metrics.serve(config.metrics_host, config.metrics_port)  # closed by ctx.metrics.close()
     ctx.lifecycle.start()  # the idle-model sweeper (stopped by ctx.lifecycle.stop())

@@ -48,6 +48,11 @@ def _serve(args: argparse.Namespace) -> int:
                 "(TINKER_BASE_URL; the key as TINKER_API_KEY=tml-<key>)",
                 flush=True,
             )
+            print(
+                f"treadle: web console on {'https' if config.tls else 'http'}://{config.host}:"
+                f"{ctx.http.port}/console (sign in with an API key)",
+                flush=True,
+            )
         _print_key(ctx)
         if ctx.metrics is not None and ctx.metrics.endpoint is not None:
             print(
@@ -94,6 +99,8 @@ async def graceful_stop(server: grpc.aio.Server, ctx: ServerContext) -> None:
     await ctx.service.op_endings.close()  # the last ends of calls (they count usage)
     if ctx.usage is not None:
         await ctx.usage.close()  # the last usage counters
+    if ctx.step_metrics is not None:
+        await ctx.step_metrics.close()  # the last calls' metrics
     ctx.dispatcher.close()
     if ctx.metrics is not None:
         ctx.metrics.close()
@@ -152,6 +159,7 @@ def _demo(args: argparse.Namespace) -> int:
             seed=args.seed,
             out=Path(args.out) if args.out else None,
             sampler=args.sampler,
+            http_port=args.http_port,
         )
     )
 
@@ -207,6 +215,13 @@ def build_parser() -> argparse.ArgumentParser:
         default="torch",
         help="the sampler backend: torch (default), torch-thread, torch-process or vllm; "
         "see docs/backends.md",
+    )
+    demo.add_argument(
+        "--http-port",
+        type=int,
+        default=0,
+        help="port of the web console (/console) while the demo runs; 0 = any free port "
+        "(default), -1 = off",
     )
     demo.set_defaults(fn=_demo)
 

@@ -12,6 +12,7 @@ from typing import Any
 
 from treadle.common.logs import add_observe_flags, metrics_port_of
 from treadle.errors import InvalidArgumentError
+from treadle.server.accounting.prices import Prices, parse_prices
 from treadle.server.accounting.quotas import QuotaLimits
 from treadle.wire.channel import MAX_MESSAGE_BYTES
 from treadle.workers.engine.flags import (
@@ -79,6 +80,10 @@ class ServerConfig(EngineOptions):
     #: Prometheus metrics on http://metrics_host:metrics_port/metrics (None: off; 0: any port)
     metrics_port: int | None = None
     metrics_host: str = "127.0.0.1"
+    #: what usage costs (``--prices``; the console and ``GetUsage`` show it)
+    prices: Prices = field(default_factory=Prices)
+    #: the tenant whose keys see the console's operator pages ("" = nobody's)
+    admin_tenant: str = "default"
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -230,6 +235,19 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
     )
     add_store_flags(parser, "default: DATA_DIR/checkpoints")
     parser.add_argument(
+        "--prices",
+        default=env("TREADLE_PRICES", ""),
+        help="what usage costs, shown by the console and GetUsage: "
+        "'trained=1.5,sampled=0.5,scored=0.25,device_hour=2,currency=USD' (per million "
+        "tokens; per hour of engine time); default: no cost shown",
+    )
+    parser.add_argument(
+        "--admin-tenant",
+        default=env("TREADLE_ADMIN_TENANT", "default"),
+        help="the tenant whose API keys see the web console's operator pages (tenants, "
+        "workers, queue); '' = nobody's. Default: the default tenant",
+    )
+    parser.add_argument(
         "--worker-timeout",
         type=float,
         default=float(env("TREADLE_WORKER_TIMEOUT_S", "15")),
@@ -336,4 +354,6 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         metrics_port=metrics_port_of(args),
         metrics_host=args.metrics_host,
         replay_log_bytes=args.replay_log_bytes,
+        prices=parse_prices(args.prices),
+        admin_tenant=args.admin_tenant,
     )

@@ -19,6 +19,7 @@ from treadle.common.db import models as db
 from treadle.common.store import Store
 from treadle.errors import NotFoundError
 from treadle.server.accounting.quotas import QuotaLimits, Quotas
+from treadle.server.accounting.step_metrics import StepMetricsRecorder
 from treadle.server.accounting.usage import UsageMeter
 from treadle.server.auth import Authenticator, DefaultKey, current_tenant
 from treadle.server.config import ServerConfig
@@ -51,6 +52,8 @@ class ServerContext:
     quotas: Quotas = field(default_factory=lambda: Quotas(QuotaLimits()))
     #: usage counters, written to the database in the background (None: not counted)
     usage: UsageMeter | None = None
+    #: the metrics of applied training calls (a run's curves), written in the background
+    step_metrics: StepMetricsRecorder | None = None
     #: the default tenant's key and its file (made on the first start)
     default_key: DefaultKey | None = None
     #: this server process, new at each start: stamped on every answer

@@ -61,6 +61,8 @@ class DemoOptions:
     seed: int = 0
     out: Path | None = None
     sampler: str = "torch"  # the sampler backend (``--sampler``)
+    #: the HTTP port of the web console and tinker API (0: any free port; -1: off)
+    http_port: int = 0
 
 
 @dataclass(frozen=True)
@@ -290,6 +292,7 @@ def run_demo(opts: DemoOptions) -> int:
         sampler_slots=plan.prompts_per_step * plan.group_size,  # a whole step's rollouts at once
         sampler_max_len=32,
         sampler=opts.sampler,
+        http_port=None if opts.http_port < 0 else opts.http_port,
     )
     rng = random.Random(opts.seed)
     t_start = time.perf_counter()
@@ -301,6 +304,12 @@ def run_demo(opts: DemoOptions) -> int:
     ):
         tok = service.get_tokenizer("demo")
         trainer = service.create_training_client("demo", seed=opts.seed)  # full fine-tune
+        if server.http_url is not None:
+            print(
+                f"console: {server.http_url}/console/runs/{trainer.model_id} while the demo "
+                f"runs (sign in with the key in {(data_dir / 'api_key').resolve()})",
+                flush=True,
+            )
 
         with progress_bar(total=plan.sft_max_steps, desc="warm-up") as bar:
             sft_steps, _ = warm_up(trainer, tok, plan, rng, bar)
@@ -318,6 +327,11 @@ def run_demo(opts: DemoOptions) -> int:
             history.append(m)
             if step % plan.eval_every == 0 or step == plan.rl_steps:
                 evals[step] = evaluate(sampler, tok, plan)
+            # the reward curve in the console (x: the GRPO step)
+            logged = {"reward": m["reward"], "clip_frac": m["clip_frac"]}
+            if step in evals:
+                logged["eval"] = evals[step]
+            trainer.log_metrics(step, logged)
             tqdm.write(
                 f"{step:>5} {m['reward']:>7.3f} {m['loss']:>9.4f} {m['clip_frac']:>7.3f} "
                 f"{m['groups']:>7.0f} {m['tokens']:>7.0f} {m['seconds']:>6.2f}"

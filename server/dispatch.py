@@ -23,6 +23,7 @@ from treadle.common.engine.domain import (
     SamplerTarget,
     SequenceResult,
     StreamedSequence,
+    TenantQueue,
 )
 from treadle.common.engine.messages import EngineCall, ExportCall, SampleStreamCall
 from treadle.common.engine.model_config import ModelConfig
@@ -75,6 +76,7 @@ class LocalEngine(EngineAPI, Protocol):
 
     def sampler_metrics(self) -> list[SamplerStats]: ...
     def pass_metrics(self) -> list[PassStats]: ...
+    def queue_metrics(self) -> list[TenantQueue]: ...
     def stop(self, timeout: float = 10.0) -> None: ...
 
 
@@ -100,6 +102,10 @@ class EngineMetrics(Protocol):
 
     def pass_metrics(self) -> list[PassStats]:
         """How the training passes of the engines reached directly were shared."""
+        ...
+
+    def queue_metrics(self) -> list[TenantQueue]:
+        """The scheduler's queue per tenant in the engines reached directly."""
         ...
 
 
@@ -209,6 +215,9 @@ class InProcessDispatcher:
 
     def pass_metrics(self) -> list[PassStats]:
         return self.engine.pass_metrics()
+
+    def queue_metrics(self) -> list[TenantQueue]:
+        return self.engine.queue_metrics()
 
     def draining_models(self) -> set[str]:
         return set()  # the engine stops with the server

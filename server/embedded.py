@@ -101,6 +101,8 @@ class EmbeddedServer:
                 self._run(self.ctx.service.op_endings.close())  # they count usage
             if self.ctx is not None and self.ctx.usage is not None:
                 self._run(self.ctx.usage.close())
+            if self.ctx is not None and self.ctx.step_metrics is not None:
+                self._run(self.ctx.step_metrics.close())
             if self.ctx is not None:
                 self.ctx.dispatcher.close()
                 if self.ctx.metrics is not None:

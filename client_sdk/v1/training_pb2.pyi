@@ -322,3 +322,54 @@ class FileChunk(_message.Message):
     data: bytes
     last: bool
     def __init__(self, file_name: _Optional[str] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., last: _Optional[bool] = ...) -> None: ...
+
+class LogMetricsRequest(_message.Message):
+    __slots__ = ("model_id", "step", "metrics")
+    class MetricsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    METRICS_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    step: int
+    metrics: _containers.ScalarMap[str, float]
+    def __init__(self, model_id: _Optional[str] = ..., step: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ...) -> None: ...
+
+class LogMetricsResponse(_message.Message):
+    __slots__ = ("kept",)
+    KEPT_FIELD_NUMBER: _ClassVar[int]
+    kept: int
+    def __init__(self, kept: _Optional[int] = ...) -> None: ...
+
+class GetUsageRequest(_message.Message):
+    __slots__ = ("model_id",)
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    def __init__(self, model_id: _Optional[str] = ...) -> None: ...
+
+class Usage(_message.Message):
+    __slots__ = ("model_id", "tokens_trained", "tokens_sampled", "tokens_scored", "calls", "device_s", "priced", "cost", "currency")
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_TRAINED_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_SAMPLED_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_SCORED_FIELD_NUMBER: _ClassVar[int]
+    CALLS_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_S_FIELD_NUMBER: _ClassVar[int]
+    PRICED_FIELD_NUMBER: _ClassVar[int]
+    COST_FIELD_NUMBER: _ClassVar[int]
+    CURRENCY_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    tokens_trained: int
+    tokens_sampled: int
+    tokens_scored: int
+    calls: int
+    device_s: float
+    priced: bool
+    cost: float
+    currency: str
+    def __init__(self, model_id: _Optional[str] = ..., tokens_trained: _Optional[int] = ..., tokens_sampled: _Optional[int] = ..., tokens_scored: _Optional[int] = ..., calls: _Optional[int] = ..., device_s: _Optional[float] = ..., priced: _Optional[bool] = ..., cost: _Optional[float] = ..., currency: _Optional[str] = ...) -> None: ...

@@ -107,6 +107,16 @@ class TrainingServiceStub:
                 request_serializer=treadle_dot_v1_dot_training__pb2.ExportWeightsRequest.SerializeToString,
                 response_deserializer=treadle_dot_v1_dot_training__pb2.FileChunk.FromString,
                 _registered_method=True)
+        self.LogMetrics = channel.unary_unary(
+                '/treadle.v1.TrainingService/LogMetrics',
+                request_serializer=treadle_dot_v1_dot_training__pb2.LogMetricsRequest.SerializeToString,
+                response_deserializer=treadle_dot_v1_dot_training__pb2.LogMetricsResponse.FromString,
+                _registered_method=True)
+        self.GetUsage = channel.unary_unary(
+                '/treadle.v1.TrainingService/GetUsage',
+                request_serializer=treadle_dot_v1_dot_training__pb2.GetUsageRequest.SerializeToString,
+                response_deserializer=treadle_dot_v1_dot_training__pb2.Usage.FromString,
+                _registered_method=True)
 
 
 class TrainingServiceServicer:
@@ -216,6 +226,23 @@ class TrainingServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LogMetrics(self, request, context):
+        """The client's own metrics of a step (rewards, evaluation scores), kept with
+        the run for its curves in the console; a name logged again for a step
+        replaces its value. Not ordered: it takes no seq_id.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetUsage(self, request, context):
+        """What a model (a run) used: tokens trained, sampled and scored, calls,
+        device-seconds, and the cost at the operator's prices.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TrainingServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -288,6 +315,16 @@ def add_TrainingServiceServicer_to_server(servicer, server):
                     servicer.ExportWeights,
                     request_deserializer=treadle_dot_v1_dot_training__pb2.ExportWeightsRequest.FromString,
                     response_serializer=treadle_dot_v1_dot_training__pb2.FileChunk.SerializeToString,
+            ),
+            'LogMetrics': grpc.unary_unary_rpc_method_handler(
+                    servicer.LogMetrics,
+                    request_deserializer=treadle_dot_v1_dot_training__pb2.LogMetricsRequest.FromString,
+                    response_serializer=treadle_dot_v1_dot_training__pb2.LogMetricsResponse.SerializeToString,
+            ),
+            'GetUsage': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetUsage,
+                    request_deserializer=treadle_dot_v1_dot_training__pb2.GetUsageRequest.FromString,
+                    response_serializer=treadle_dot_v1_dot_training__pb2.Usage.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -670,6 +707,60 @@ class TrainingService:
             '/treadle.v1.TrainingService/ExportWeights',
             treadle_dot_v1_dot_training__pb2.ExportWeightsRequest.SerializeToString,
             treadle_dot_v1_dot_training__pb2.FileChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LogMetrics(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/treadle.v1.TrainingService/LogMetrics',
+            treadle_dot_v1_dot_training__pb2.LogMetricsRequest.SerializeToString,
+            treadle_dot_v1_dot_training__pb2.LogMetricsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetUsage(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/treadle.v1.TrainingService/GetUsage',
+            treadle_dot_v1_dot_training__pb2.GetUsageRequest.SerializeToString,
+            treadle_dot_v1_dot_training__pb2.Usage.FromString,
             options,
             channel_credentials,
             insecure,

@@ -297,3 +297,36 @@ class Usage(Base):
     calls: Mapped[int] = mapped_column(BigInteger, default=0, server_default=text("0"))
     compute_s: Mapped[float] = mapped_column(default=0.0, server_default=text("0"))
     updated_at: Mapped[dt.datetime] = mapped_column(default=utcnow, onupdate=utcnow)
+
+
+class StepMetric(Base):
+    """A metric an applied training call returned (``loss:sum`` of a
+    forward_backward, ``grad_norm:value`` of an optim_step...), one row per call
+    and name: keyed by the call's ``seq_id``, so a client's retry of a call writes
+    nothing twice. ``step`` is the version an optim_step made; a forward_backward's
+    step is that of the first optim_step after it (worked out when read).
+
+    ``model_id`` is not a foreign key, like ``usage``'s: a run's curves outlive it."""
+
+    __tablename__ = "step_metrics"
+
+    model_id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    seq_id: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    name: Mapped[str] = mapped_column(String(128), primary_key=True)
+    kind: Mapped[str] = mapped_column(String(32))
+    step: Mapped[int | None] = mapped_column(BigInteger)
+    value: Mapped[float]
+    created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+
+
+class LoggedMetric(Base):
+    """A metric the client logged for a step of its run (``log_metrics``: rewards,
+    evaluation scores); a name logged again for a step replaces the value."""
+
+    __tablename__ = "logged_metrics"
+
+    model_id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    step: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    name: Mapped[str] = mapped_column(String(128), primary_key=True)
+    value: Mapped[float]
+    logged_at: Mapped[dt.datetime] = mapped_column(default=utcnow)

@@ -332,3 +332,13 @@ def version_spans(token_versions: list[int]) -> tuple[tuple[int, int, int], ...]
         else:
             spans.append((i, 1, v))
     return tuple(spans)
+
+
+@dataclass(frozen=True)
+class TenantQueue:
+    """A tenant's calls in an engine's scheduler, as the operator sees them."""
+
+    tenant_id: str
+    waiting: int  # ordered calls queued and not started (waiting their turn or a gap)
+    running: int  # handed to the trainer, not finished
+    deficit: int  # fair-share (DRR) tokens earned and not yet spent; < 0: borrowed

@@ -55,6 +55,7 @@ from treadle.common.engine.domain import (
     SamplerTarget,
     SaveResult,
     StreamedSequence,
+    TenantQueue,
 )
 from treadle.common.engine.messages import (
     CreateModelCall,
@@ -278,6 +279,10 @@ class CeleryDispatcher:
 
     def pass_metrics(self) -> list[PassStats]:
         """None here, as for the samplers: each worker's engine runs in its process."""
+        return []
+
+    def queue_metrics(self) -> list[TenantQueue]:
+        """None here: each worker's scheduler runs in its process."""
         return []
 
     def draining_models(self) -> set[str]:

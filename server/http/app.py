@@ -25,6 +25,7 @@ from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from treadle.errors import InvalidArgumentError, TreadleError
+from treadle.server.console.routes import install as install_console
 from treadle.server.context import ServerContext
 from treadle.server.http import (
     errors,
@@ -59,6 +60,7 @@ def create_app(ctx: ServerContext) -> FastAPI:
     app.add_exception_handler(DBAPIError, errors.treadle_error_handler)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_middleware(BodyLimit, limit=ctx.config.max_message_bytes)
+    install_console(app, ctx)  # the web console (/console)
     app.add_middleware(ServerTiming)
     return app
 
@@ -198,5 +200,7 @@ async def start_http(ctx: ServerContext, host: str, port: int) -> HttpServer:
             raise OSError(f"could not bind the HTTP API to {host}:{port}")
         await asyncio.sleep(0.01)
     bound = server.servers[0].sockets[0].getsockname()[1]
-    log.info("tinker-compatible HTTP API on http://%s:%d/api/v1", host, bound)
+    scheme = "https" if ctx.config.tls else "http"
+    log.info("tinker-compatible HTTP API on %s://%s:%d/api/v1", scheme, host, bound)
+    log.info("web console on %s://%s:%d/console", scheme, host, bound)
     return HttpServer(server, task, int(bound), app.state.http)

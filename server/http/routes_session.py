@@ -140,7 +140,9 @@ async def download_trace(token: str, st: HttpState = Depends(state)) -> dict[str
     link = st.trace_links.resolve(token)
     if link is None:
         raise NotFoundError("token: no such trace link here (unknown or expired): export again")
-    return session_trace.trace(st.service.sessions.timeline(*link))
+    timeline = st.service.sessions.timeline(*link)
+    metrics = st.service.runs.metric_points([m for m, _ in timeline.models])
+    return session_trace.trace(timeline, metrics)
 
 
 @router.post("/sessions/{session_id}/finish")

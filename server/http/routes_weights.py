@@ -68,6 +68,25 @@ async def get_training_run(
     return _run(st, info, tenant_id, model_id)
 
 
+@router.get("/training_runs/{model_id}/usage")
+async def get_usage(
+    model_id: str, tenant_id: str = Depends(tenant), st: HttpState = Depends(state)
+) -> dict[str, Any]:
+    """What the run used (treadle's, for scripts): tokens trained, sampled, scored,
+    calls, device-seconds, and the cost at the operator's prices (null: none set)."""
+    u = st.service.runs.usage(tenant_id, st.names.model_id(tenant_id, model_id))
+    return {
+        "training_run_id": model_id,
+        "tokens_trained": u.tokens_trained,
+        "tokens_sampled": u.tokens_sampled,
+        "tokens_scored": u.tokens_scored,
+        "calls": u.calls,
+        "device_s": u.device_s,
+        "cost": u.cost,
+        "currency": u.currency,
+    }
+
+
 @router.get("/training_runs/{model_id}/checkpoints")
 async def list_checkpoints(
     model_id: str, tenant_id: str = Depends(tenant), st: HttpState = Depends(state)

@@ -11,8 +11,10 @@ The file is the Chrome trace-event JSON format, which ui.perfetto.dev and
 each ordered call a slice from its admission to its end (queueing included:
 ``seq_id``, status and error code in its arguments), and instants for the
 session's start and end and each sampler made in it or of its runs' weights.
-Sampling requests are not in it: treadle's database does not record them one by
-one.
+Each run's metrics are counter tracks: what its calls returned (``loss:sum``,
+``grad_norm:value``, ...) at the end of the call, and what its client logged
+(``log_metrics``) at the time it was logged, prefixed ``client/``. Sampling
+requests are not in it: treadle's database does not record them one by one.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from treadle.server.db.run_metrics import MetricPoint
 from treadle.server.service.types import SessionTimeline
 
 #: how long a download URL stays valid (the SDK says "about an hour")
@@ -51,7 +54,7 @@ class TraceLinks:
         return link[0], link[1]
 
 
-def trace(t: SessionTimeline) -> dict[str, Any]:
+def trace(t: SessionTimeline, metrics: list[MetricPoint] | None = None) -> dict[str, Any]:
     origin = t.created_at
     events: list[dict[str, Any]] = [_name(0, f"session {t.session_id}")]
     events.append(_instant(0, "session created", _us(t.created_at, origin)))
@@ -78,6 +81,21 @@ def trace(t: SessionTimeline) -> dict[str, Any]:
                 "ts": start,
                 "dur": max(0, _us(call.ended, origin) - start),
                 "args": args,
+            }
+        )
+    ended = {(c.model_id, c.seq_id): c.ended for c in t.calls if c.ended is not None}
+    for p in sorted(metrics or (), key=lambda p: p.at):
+        if p.model_id not in pid:
+            continue
+        name = p.name if p.seq_id is not None else f"client/{p.name}"
+        at = ended.get((p.model_id, p.seq_id), p.at) if p.seq_id is not None else p.at
+        events.append(
+            {
+                "ph": "C",
+                "name": name,
+                "pid": pid[p.model_id],
+                "ts": _us(at, origin),
+                "args": {name: p.value},
             }
         )
     for sampler_id, model_id, created in t.samplers:

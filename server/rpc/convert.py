@@ -39,6 +39,7 @@ from treadle.server.service.types import (
     ModelRecord,
     NewModel,
     OrderedCall,
+    RunUsageRecord,
     SamplerInfo,
     SamplerSource,
     SavedState,
@@ -309,6 +310,20 @@ def deleted_model() -> training_pb2.DeleteModelResponse:
 
 def deleted_checkpoint() -> training_pb2.DeleteCheckpointResponse:
     return training_pb2.DeleteCheckpointResponse()
+
+
+def usage(u: RunUsageRecord) -> training_pb2.Usage:
+    return training_pb2.Usage(
+        model_id=u.model_id,
+        tokens_trained=u.tokens_trained,
+        tokens_sampled=u.tokens_sampled,
+        tokens_scored=u.tokens_scored,
+        calls=u.calls,
+        device_s=u.device_s,
+        priced=u.cost is not None,
+        cost=u.cost or 0.0,
+        currency=u.currency,
+    )
 
 
 def file_chunk(name: str, offset: int, data: bytes, last: bool) -> training_pb2.FileChunk:

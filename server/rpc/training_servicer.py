@@ -158,3 +158,20 @@ class TrainingServicer(training_pb2_grpc.TrainingServiceServicer):
         tenant = self.ctx.tenant(context)
         self.checkpoints.delete(tenant, request.path)
         return convert.deleted_checkpoint()
+
+    # ---- a run's metrics and usage ----------------------------------------------------
+
+    async def LogMetrics(
+        self, request: training_pb2.LogMetricsRequest, context: grpc.aio.ServicerContext
+    ) -> training_pb2.LogMetricsResponse:
+        tenant = self.ctx.tenant(context)
+        kept = self.ctx.service.runs.log_metrics(
+            tenant, request.model_id, request.step, dict(request.metrics)
+        )
+        return training_pb2.LogMetricsResponse(kept=kept)
+
+    async def GetUsage(
+        self, request: training_pb2.GetUsageRequest, context: grpc.aio.ServicerContext
+    ) -> training_pb2.Usage:
+        tenant = self.ctx.tenant(context)
+        return convert.usage(self.ctx.service.runs.usage(tenant, request.model_id))

@@ -22,6 +22,7 @@ from treadle.server.service.info import InfoService
 from treadle.server.service.models import ModelService
 from treadle.server.service.op_endings import OpEndings
 from treadle.server.service.ordered import CallHandle, OrderedPipeline
+from treadle.server.service.runs import RunService
 from treadle.server.service.sampling import SamplingService
 from treadle.server.service.sessions import SessionService
 from treadle.server.service.training import TrainingService
@@ -31,6 +32,7 @@ __all__ = [
     "CheckpointService",
     "InfoService",
     "ModelService",
+    "RunService",
     "SamplingService",
     "Service",
     "SessionService",
@@ -55,3 +57,5 @@ class Service:
         )
         self.sessions = SessionService(ctx)
         self.info = InfoService(ctx)
+        #: a run's usage, cost and curves
+        self.runs = RunService(ctx)

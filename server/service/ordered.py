@@ -111,9 +111,13 @@ class OrderedPipeline:
         finally:
             self.meter.release_ordered(call.model_id, call.seq_id, ticket)
         # applied now, exactly once: counted by the call that ends its row
-        self._finish(
-            call, "done", None, lambda: self.meter.count_ordered(tenant, call.model_id, op, result)
-        )
+
+        def ended() -> None:
+            self.meter.count_ordered(tenant, call.model_id, op, result)
+            if self.ctx.step_metrics is not None:  # the run's curves
+                self.ctx.step_metrics.add(call.model_id, call.seq_id, op.kind, result)
+
+        self._finish(call, "done", None, ended)
         return result
 
     def _finish(

@@ -231,3 +231,26 @@ class BaseModelRecord:
     max_context: int  # tokens of prompt and completion a sequence may hold
     num_params: int
     dtype: str  # the server's default compute dtype
+
+
+@dataclass(frozen=True)
+class RunUsageRecord:
+    """What one training model (a run) used: its calls, and its samplers' samples."""
+
+    model_id: str
+    tokens_trained: int
+    tokens_sampled: int
+    tokens_scored: int
+    calls: int
+    device_s: float  # engine seconds spent on its calls
+    cost: float | None  # at the operator's prices; None: no prices set
+    currency: str
+
+
+@dataclass(frozen=True)
+class RunCurves:
+    """A run's metrics per step: name -> [(step, value)], steps ascending.
+    ``steps``: what its calls returned; ``logged``: what its client logged."""
+
+    steps: dict[str, list[tuple[int, float]]]
+    logged: dict[str, list[tuple[int, float]]]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import json
+import sqlite3
 import sys
 from pathlib import Path
 
@@ -47,6 +48,13 @@ def test_demo_reward_rises(
 
     captured = capsys.readouterr()
     assert "before RL" in captured.out and " step  reward" in captured.out
+    # the console's URL, and the reward curve it draws: one logged point per RL step
+    assert "console: http://127.0.0.1:" in captured.out
+    with sqlite3.connect(data_dir / "treadle.db") as db:
+        logged = db.execute(
+            "SELECT value FROM logged_metrics WHERE name = 'reward' ORDER BY step"
+        ).fetchall()
+    assert [v for (v,) in logged] == pytest.approx(rewards)
     assert "it/s" not in captured.err  # no progress bar off a terminal
 
 

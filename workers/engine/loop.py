@@ -40,6 +40,7 @@ from treadle.common.engine.domain import (
     SamplingConfig,
     SaveResult,
     SequenceResult,
+    TenantQueue,
     token_cost,
 )
 from treadle.common.engine.messages import EngineCall, SampleStreamCall, StreamEnd
@@ -114,6 +115,8 @@ class Engine:
         )
         self.threads = self.executor.threads
         self.passes = self.executor.passes
+        #: the scheduler's queue per tenant, replaced by the engine thread each round
+        self._queue: tuple[TenantQueue, ...] = ()
         self.call_stats = self.executor.call_stats
 
     # ---- lifecycle ---------------------------------------------------------------------
@@ -253,6 +256,11 @@ class Engine:
         """How the training passes were shared so far, per base model (thread-safe)."""
         return self.passes.snapshot()
 
+    def queue_metrics(self) -> list[TenantQueue]:
+        """The scheduler's queue per tenant as of the engine's latest round
+        (thread-safe: a snapshot the engine thread replaces)."""
+        return list(self._queue)
+
     def model_count(self) -> int:
         """Training models on this engine now (thread-safe)."""
         return self.registry.count()
@@ -308,6 +316,7 @@ class Engine:
         scheduler's next deadline."""
         inbox = self._drain_inbox(wait)
         out = self.scheduler.schedule(time.monotonic() if now is None else now)
+        self._queue = tuple(self.scheduler.queue_by_tenant())  # the operator's view
         for call in out.timed_out:
             self.executor.resolve(call, self._gap_error(call), record=False)
         if out.units:
@@ -322,6 +331,7 @@ class Engine:
                         run_once()
                     except Exception:  # a backend handles its own failures; this is a bug
                         log.exception("engine: a sampler task failed")
+        self._queue = tuple(self.scheduler.queue_by_tenant())
         return StepReport(tuple(self.executor.take_applied()), inbox, sampled)
 
     def _gap_error(self, call: QueuedCall) -> AbortedError:

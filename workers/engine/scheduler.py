@@ -56,7 +56,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from treadle.common.engine.domain import BARRIER_KINDS
+from treadle.common.engine.domain import BARRIER_KINDS, TenantQueue
 
 
 @dataclass
@@ -305,6 +305,20 @@ class Scheduler:
     def deficits(self) -> dict[str, int]:
         """Tokens each backlogged tenant has earned and not spent (for tests and stats)."""
         return {t: self._tenants[t].deficit for t in (*self._new, *self._old)}
+
+    def queue_by_tenant(self) -> list[TenantQueue]:
+        """Each tenant with calls queued or running: how many, and its deficit."""
+        counts: dict[str, list[int]] = {}
+        for q in self._models.values():
+            if q.waiting or q.running:
+                row = counts.setdefault(q.tenant_id, [0, 0])
+                row[0] += len(q.waiting)
+                row[1] += len(q.running)
+        deficits = self.deficits()
+        return [
+            TenantQueue(t, waiting, running, deficits.get(t, 0))
+            for t, (waiting, running) in sorted(counts.items())
+        ]
 
     # ---- internals ------------------------------------------------------------
 

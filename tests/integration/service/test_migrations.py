@@ -20,6 +20,7 @@ from treadle.server.db import (
     make_engine,
     make_session_factory,
     ops_log,
+    run_metrics,
     tenancy,
     upgrade_to_head,
 )
@@ -38,6 +39,8 @@ TABLES = {
     "usage",
     "sessions",
     "workers",
+    "step_metrics",
+    "logged_metrics",
 }
 
 
@@ -94,6 +97,11 @@ def _fill_every_table(engine: Engine) -> None:
         wq.register_worker(s, "w-1", hostname="gpu-1", base_models=["tiny-llama"], capacity=8)
         wq.place_model(s, model.id, "w-1")
         s.commit()
+    with engine.begin() as conn:
+        run_metrics.write_call_metrics(
+            conn, [run_metrics.CallMetrics(model.id, 1, "optim_step", 1, {"grad_norm:value": 2.0})]
+        )
+        run_metrics.log_metrics(conn, model.id, 1, {"reward": 0.5})
 
 
 def _schema_diffs(engine: Engine) -> list[object]:

@@ -195,6 +195,12 @@ ID_CASES: dict[str, list[IdCase]] = {
         lambda ids, w: _msg("ExportWeightsRequest", model_id=ids["model"]),
         lambda ids, w: _msg("ExportWeightsRequest", model_id=ids["model"], merged=True),
     ],
+    "treadle.v1.TrainingService.LogMetrics": [
+        lambda ids, w: _msg("LogMetricsRequest", model_id=ids["model"], step=1, metrics={"r": 1.0}),
+    ],
+    "treadle.v1.TrainingService.GetUsage": [
+        lambda ids, w: _msg("GetUsageRequest", model_id=ids["model"]),
+    ],
     "treadle.v1.SamplingService.CreateSampler": [
         lambda ids, w: sampling_pb2.CreateSamplerRequest(weights=f"treadle://{ids['model']}/v/1"),
         lambda ids, w: sampling_pb2.CreateSamplerRequest(

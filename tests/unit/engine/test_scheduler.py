@@ -256,3 +256,25 @@ def test_the_scheduler_is_pure() -> None:
             "treadle",
         ), name
         assert name in ("treadle.common.engine.domain",) or not name.startswith("treadle"), name
+
+
+def test_queue_by_tenant_counts_waiting_and_running_calls(s: Scheduler) -> None:
+    """The operator's view: calls waiting on a gap are waiting; handed out are running."""
+    s.add_model("b", "tenant-2")
+    for seq in (2, 3):  # seq 1 missing: both wait
+        s.submit(call("a", seq, digest=f"d{seq}"))
+    s.submit(call("b", 1))
+    assert s.queue_by_tenant()[0].tenant_id == "tenant-1"
+    assert [(q.tenant_id, q.waiting, q.running) for q in s.queue_by_tenant()] == [
+        ("tenant-1", 2, 0),
+        ("tenant-2", 1, 0),
+    ]
+    out = s.schedule(0.0)  # tenant-2's call is handed out; tenant-1 still waits
+    assert [(q.tenant_id, q.waiting, q.running) for q in s.queue_by_tenant()] == [
+        ("tenant-1", 2, 0),
+        ("tenant-2", 0, 1),
+    ]
+    for unit in out.units:
+        for c in unit.calls:
+            s.complete(c, "ok")
+    assert [q.tenant_id for q in s.queue_by_tenant()] == ["tenant-1"]
