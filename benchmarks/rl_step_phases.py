@@ -18,15 +18,19 @@ request sent to its last answer:
 "waits" is the step's wall time less the phases: time no phase accounts for.
 ``--serve-python`` runs the server from another installation (a virtualenv of an
 older checkout, say), so a before/after pair is measured in one run; and
-``--busy N`` runs N busy processes beside it (a contended host).
+``--contended`` runs every row twice, alone and with as many busy processes
+beside it as the host has cores (a contended host: tokenizers, reward code,
+other workers), and prints the contended/idle ratio of the step time (the
+defaults' target: within 1.5x).
 
-    python benchmarks/rl_step_phases.py [--steps 20] [--seeds 0] [--busy 0]
+    python benchmarks/rl_step_phases.py [--steps 20] [--seeds 0] [--contended]
         [--serve-python OLD/.venv/bin/python]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import statistics
 import sys
@@ -154,7 +158,11 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup-steps", type=int, default=3)
     ap.add_argument("--seeds", type=int, nargs="+", default=[0])
-    ap.add_argument("--busy", type=int, default=0, help="busy processes beside the server")
+    ap.add_argument(
+        "--contended",
+        action="store_true",
+        help="each row alone and with one busy process per core beside it",
+    )
     ap.add_argument(
         "--serve-python",
         default=None,
@@ -168,27 +176,31 @@ def main() -> int:
 
     work = scratch("treadle-phases-")
     names = ["before", "after"] if args.serve_python else ["after"]
+    loads = [0, os.cpu_count() or 2] if args.contended else [0]
     rows = []
-    with busy_processes(args.busy):
-        for seed in args.seeds:
-            base = build_tiny_model(work / f"base-{seed}", preset="demo", seed=seed)
-            flags = [f"--model=demo={base}", "--sampler-slots", "512", "--sampler-max-len", "32"]
-            for name in names:
-                rows.append((seed, name, run([*flags, *args.flags], work, name, args, seed)))
-                print(f"seed {seed} {name}: {rows[-1][2]['wall']:.3f} s/step", file=sys.stderr)
+    for seed in args.seeds:
+        base = build_tiny_model(work / f"base-{seed}", preset="demo", seed=seed)
+        flags = [f"--model=demo={base}", "--sampler-slots", "512", "--sampler-max-len", "32"]
+        for name in names:
+            for busy in loads:
+                with busy_processes(busy):
+                    r = run([*flags, *args.flags], work, name, args, seed)
+                rows.append((seed, name, busy, r))
+                print(f"seed {seed} {name} busy {busy}: {r['wall']:.3f} s/step", file=sys.stderr)
     print(
-        f"\nthe demo's GRPO step split by phase, mean seconds over {args.steps} steps "
-        f"({args.busy} busy processes beside the server)\n"
+        f"\nthe demo's GRPO step split by phase, mean seconds over {args.steps} steps; "
+        "busy: processes spinning beside the server\n"
     )
     cols = [*PHASES, "waits", "wall", "median wall"]
-    print("| seed | server | " + " | ".join(cols) + " | phases / wall |")
-    print("|---" * (len(cols) + 3) + "|")
-    for seed, name, r in rows:
+    print("| seed | server | busy | " + " | ".join(cols) + " | phases / wall | x idle |")
+    print("|---" * (len(cols) + 5) + "|")
+    idle = {(seed, name): r["wall"] for seed, name, busy, r in rows if busy == 0}
+    for seed, name, busy, r in rows:
         phases = sum(r.get(p, 0.0) for p in PHASES)
         print(
-            f"| {seed} | {name} | "
+            f"| {seed} | {name} | {busy} | "
             + " | ".join(f"{r.get(c, 0.0):.3f}" for c in cols)
-            + f" | {phases / r['wall']:.2f} |"
+            + f" | {phases / r['wall']:.2f} | {r['wall'] / idle[(seed, name)]:.2f} |"
         )
     return 0
 

@@ -35,6 +35,8 @@ Thread budget: 2 (fixed). Runs in about 1-3 minutes on 2 cores (5m).
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 import time
 from concurrent.futures import Future
 
@@ -105,13 +107,13 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--preset", default="5m")
     ap.add_argument("--model-dir", default=None)
-    ap.add_argument("--busy", type=int, default=0, help="busy processes beside the run")
+    ap.add_argument(
+        "--contended",
+        action="store_true",
+        help="also run every row with one busy process per core beside it",
+    )
     args = ap.parse_args()
-    with busy_processes(args.busy):
-        run(args)
 
-
-def run(args: argparse.Namespace) -> None:
     from transformers import LlamaForCausalLM
     from transformers.utils import logging as hf_logging
 
@@ -130,64 +132,69 @@ def run(args: argparse.Namespace) -> None:
     limits = SamplerLimits(num_slots=BATCH, max_len=PROMPT_TOKENS + CAP + 1)
     snap = WeightSnapshot(None, 0, base.params, None)
 
-    hf_runs: list[float] = []
-    hf1_runs: list[float] = []
-    tr_runs: list[float] = []
-    for r in range(args.rounds):
-        hf_runs.append(useful / run_hf(hf, prompts, lengths, eos, _common.THREADS))
-        hf1_runs.append(useful / run_hf(hf, prompts, lengths, eos, 1))
-        samplers = TorchSamplers(limits)
-        tr_runs.append(useful / run_treadle(samplers, base, snap, prompts, lengths))
-        reused = samplers.sampler_for(base).stats().prefix_reused_tokens
-        print(
-            f"round {r + 1}: HF {hf_runs[-1]:.0f}, HF 1 thread {hf1_runs[-1]:.0f}, "
-            f"treadle {tr_runs[-1]:.0f} useful tok/s"
-        )
+    engines = {
+        f"HF generate, static batches of 32, {_common.THREADS} threads": lambda: run_hf(
+            hf, prompts, lengths, eos, _common.THREADS
+        ),
+        "HF generate, static batches of 32, 1 thread": lambda: run_hf(hf, prompts, lengths, eos, 1),
+        "treadle, continuous batching (32 slots), engine's threads": lambda: run_treadle(
+            TorchSamplers(limits), base, snap, prompts, lengths
+        ),
+    }
+    loads = [0, os.cpu_count() or 2] if args.contended else [0]
+    runs: dict[tuple[str, int], list[float]] = {}
+    for busy in loads:
+        with busy_processes(busy):
+            for r in range(args.rounds):
+                for name, fn in engines.items():
+                    runs.setdefault((name, busy), []).append(useful / fn())
+                print(
+                    f"busy {busy}, round {r + 1}: "
+                    + ", ".join(f"{runs[(n, busy)][-1]:.0f}" for n in engines)
+                    + " useful tok/s",
+                    file=sys.stderr,
+                )
 
-    hf_best, hf1_best, tr_best = max(hf_runs), max(hf1_runs), max(tr_runs)
-    baseline = max(hf_best, hf1_best)
+    best = {k: max(v) for k, v in runs.items()}
     print()
     print(
         f"model {args.preset}: {base.cfg.num_params() / 1e6:.1f}M params, float32, "
-        f"{PROMPTS} prompts x G={G}, {PROMPT_TOKENS}-token prompts, {_common.THREADS} threads, "
-        f"{args.busy} busy processes beside"
+        f"{PROMPTS} prompts x G={G}, {PROMPT_TOKENS}-token prompts, {_common.THREADS} threads"
     )
     print(
         f"lengths: {len(lengths)} sequences, median {int(np.median(lengths))}, "
         f"mean {np.mean(lengths):.0f}, {sum(n == CAP for n in lengths)} at the {CAP} cap; "
         f"{useful} useful tokens; HF static batches generate {hf_generated} "
-        f"({useful / hf_generated:.0%} useful); treadle reused {reused} prompt tokens"
+        f"({useful / hf_generated:.0%} useful)"
     )
     print()
+    rows = []
+    for busy in loads:
+        baseline = max(best[(n, busy)] for n in engines if n.startswith("HF"))
+        for name in engines:
+            rows.append(
+                [
+                    name,
+                    busy,
+                    best[(name, busy)],
+                    " ".join(f"{x:.0f}" for x in runs[(name, busy)]),
+                    best[(name, busy)] / baseline,
+                    best[(name, 0)] / best[(name, busy)],
+                ]
+            )
     print(
         _common.table(
-            ["engine", "useful tok/s (best)", "all rounds", "x HF"],
-            [
-                [
-                    f"HF generate, static batches of 32, {_common.THREADS} threads",
-                    hf_best,
-                    " ".join(f"{x:.0f}" for x in hf_runs),
-                    hf_best / baseline,
-                ],
-                [
-                    "HF generate, static batches of 32, 1 thread",
-                    hf1_best,
-                    " ".join(f"{x:.0f}" for x in hf1_runs),
-                    hf1_best / baseline,
-                ],
-                [
-                    "treadle, continuous batching (32 slots), engine's threads",
-                    tr_best,
-                    " ".join(f"{x:.0f}" for x in tr_runs),
-                    tr_best / baseline,
-                ],
-            ],
+            ["engine", "busy", "useful tok/s (best)", "all rounds", "x faster HF", "time x idle"],
+            rows,
         )
     )
+    tr = list(engines)[-1]
+    hf2 = list(engines)[0]
     print()
     print(
-        f"speedup {tr_best / baseline:.2f}x the faster HF row "
-        f"({tr_best / hf_best:.2f}x HF on {_common.THREADS} threads; target >= 3x)"
+        f"idle: treadle {best[(tr, 0)] / max(best[(n, 0)] for n in engines if n != tr):.2f}x "
+        f"the faster HF row ({best[(tr, 0)] / best[(hf2, 0)]:.2f}x HF on "
+        f"{_common.THREADS} threads; target >= 3x)"
     )
 
 
