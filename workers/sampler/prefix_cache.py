@@ -5,14 +5,28 @@ chunks, ``TorchSampler._prefill``), then copied into the main cache's rows. The
 slot keeps the prompt's KV afterwards: a later prompt that starts like a staged
 one, under the same weights, copies that KV and prefills only the rest (the G
 samples of a group sent as separate requests share one prefill so).
+
+A finished single-sample request also leaves its *completion's* KV here
+(``keep_completion``): an agent episode's next turn is the previous turn's
+prompt + completion + the environment's observation, so it prefills only the
+observation (and the completion's last token, whose KV was never computed).
+An entry is reused only under the very weights that wrote it (``Staged.computed_by``
+compares the weight objects of a version, never just a model id): after a
+``sync_weights`` a ``latest`` sampler's next turn prefills its history again
+under the new version. A row that took an in-flight update mid-completion
+holds KV of two versions and is not kept. No request can opt into reusing an
+older version's KV.
 """
 
 from __future__ import annotations
 
 import weakref
+from collections.abc import Sequence
+
+import numpy as np
 
 from treadle.workers.model.kv_cache import KVCache
-from treadle.workers.sampler.state import Staged, TorchRequest, common_prefix
+from treadle.workers.sampler.state import Row, Staged, TorchRequest, common_prefix
 
 #: A queued request waits for one being prefilled when it could then reuse this
 #: many more prompt tokens (the wait is at most that request's prefill).
@@ -92,3 +106,47 @@ class PrefixCache:
     def forget(self, request: TorchRequest) -> None:
         """Free ``request``'s slot and what it holds (the request failed mid-prefill)."""
         self.staged[request.stage_slot] = Staged()
+
+    def keep_completion(self, rows: Sequence[Row], cache: KVCache, clock: int) -> None:
+        """Stage the prompt + completion KV of finished rows of single-sample
+        requests (an episode's turn), before compaction overwrites their slots.
+
+        Kept only when one set of weights wrote it all (no in-flight update since
+        the prompt's prefill) and the row is not a resumed partial rollout. The
+        entry replaces a free slot that holds a prefix of it (the turn's own
+        prompt, usually), else the least recently used free slot."""
+        for row in rows:
+            req = row.request
+            if (
+                req.op.num_samples != 1
+                or row.stop_reason not in ("stop", "length")
+                or req.prefix is not None
+                or req.cancelled
+                or row.snapshot is not req.snapshot
+            ):
+                continue
+            n = row.position  # the last sampled token was never fed: its KV is not there
+            if n <= req.prompt.size or n > self.stage.max_len:
+                continue
+            tokens = np.concatenate([req.prompt, np.asarray(row.tokens, dtype=np.int64)])[:n]
+            free = [i for i, s in enumerate(self.staged) if s.owner is None]
+            if not free:
+                return
+            within = [
+                i
+                for i in free
+                if self.staged[i].tokens.size <= n
+                and self.staged[i].computed_by(req.snapshot)
+                and common_prefix(self.staged[i].tokens, tokens[: self.staged[i].tokens.size])
+                == self.staged[i].tokens.size
+            ]
+            slot = (within or [min(free, key=lambda i: self.staged[i].last_used)])[0]
+            self.stage.copy_from(cache, row.slot, slot, 1, n)
+            snap = req.snapshot
+            self.staged[slot] = Staged(
+                tokens=tokens,
+                params=weakref.ref(snap.params),
+                adapter=None if snap.adapter is None else weakref.ref(snap.adapter),
+                owner=None,
+                last_used=clock,
+            )
