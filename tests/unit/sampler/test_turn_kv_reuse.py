@@ -81,3 +81,37 @@ def test_another_versions_kv_is_not_reused(base: BaseModel, base_snap: WeightSna
     _, counts = _episode(s, [base_snap, v1, v1])
     assert counts[1][1] == 0
     assert counts[2][0] == 1 + OBSERVED
+
+
+def test_more_episodes_than_staging_slots_keep_their_histories(
+    base: BaseModel, base_snap: WeightSnapshot
+) -> None:
+    """12 episodes wait on their tools at once (the staging cache has 8 slots):
+    each one's second turn still prefills only its observation."""
+    s = TorchSampler(base, num_slots=4, max_len=MAX_LEN)
+    assert s.prefix.stage.num_slots < 12
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(3, 90, PROMPT) for _ in range(12)]
+    firsts = [_run(s, p, base_snap, seed=i) for i, p in enumerate(prompts)]
+    computed, reused = s.prompt_tokens, s.prefix_reused_tokens
+    for i, (p, res) in enumerate(zip(prompts, firsts, strict=True)):
+        _run(
+            s,
+            np.concatenate([p, res.sequences[0].tokens, rng.integers(3, 90, OBSERVED)]),
+            base_snap,
+            seed=i,
+        )
+    assert s.prompt_tokens - computed == 12 * (1 + OBSERVED)
+    assert s.prefix_reused_tokens - reused == 12 * (PROMPT + SAMPLED - 1)
+
+
+def test_the_store_of_turns_stays_within_its_budget(
+    base: BaseModel, base_snap: WeightSnapshot
+) -> None:
+    s = TorchSampler(base, num_slots=4, max_len=MAX_LEN)
+    s.prefix.max_kept_tokens = 3 * (PROMPT + SAMPLED)  # room for about 3 turns
+    rng = np.random.default_rng(2)
+    for i in range(6):
+        _run(s, rng.integers(3, 90, PROMPT), base_snap, seed=i)
+        assert s.prefix.kept_tokens <= s.prefix.max_kept_tokens
+    assert 1 <= len(s.prefix.kept) <= 3
