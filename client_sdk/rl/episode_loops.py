@@ -29,7 +29,7 @@ from treadle.rl.episode_runner import EpisodeRunner
 from treadle.rl.episodes import EnvGroup, Episode, EpisodeLimits
 from treadle.rl.loops import (
     Launch,
-    Pending,
+    PendingGroup,
     _check_common,
     _check_sampling,
     check_async,
@@ -68,7 +68,7 @@ def _episode_launch(
 ) -> Launch:
     counter = itertools.count()
 
-    def launch(sampler: SamplingClient, group: EnvGroup) -> Pending:
+    def launch(sampler: SamplingClient, group: EnvGroup) -> PendingGroup:
         if not isinstance(group, EnvGroup):
             raise InvalidArgumentError(
                 f"env_groups: yields EnvGroup(envs=[...]), got {type(group).__name__}"
@@ -86,7 +86,7 @@ def _episode_launch(
                 episodes=episodes,
             )
 
-        return Pending(fut, to_group)
+        return PendingGroup(fut, to_group)
 
     return launch
 

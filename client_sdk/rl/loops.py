@@ -183,7 +183,7 @@ def _sync(trainer: TrainingClient, timeout: float, inflight: bool = False) -> Sa
 
 
 @dataclass(frozen=True, eq=False)
-class Pending:
+class PendingGroup:
     """One group in flight: a sample request (prompts) or G episodes (env groups).
 
     ``future`` finishes when the group has; ``group(timeout)`` waits for it and
@@ -193,19 +193,19 @@ class Pending:
     group: Callable[[float], Group]
 
 
-#: ``launch(sampler, item) -> Pending``: sends one item of the source.
-Launch = Callable[["SamplingClient", Any], Pending]
+#: ``launch(sampler, item) -> PendingGroup``: sends one item of the source.
+Launch = Callable[["SamplingClient", Any], PendingGroup]
 
 
 def _prompt_launch(group_size: int, params: SamplingParams | None, reward_fn: RewardFn) -> Launch:
-    def launch(sampler: SamplingClient, prompt: Prompt) -> Pending:
+    def launch(sampler: SamplingClient, prompt: Prompt) -> PendingGroup:
         fut = _submit(sampler, prompt, group_size, params)
-        return Pending(fut.concurrent, lambda timeout: _group(prompt, fut, reward_fn, timeout))
+        return PendingGroup(fut.concurrent, lambda timeout: _group(prompt, fut, reward_fn, timeout))
 
     return launch
 
 
-def _wait_group(pending: Pending, timeout: float) -> Group:
+def _wait_group(pending: PendingGroup, timeout: float) -> Group:
     done = wait_futures([pending.future], timeout=timeout).done
     if not done:
         raise TimeoutError(f"a rollout group did not finish within {timeout} s")
@@ -307,7 +307,7 @@ def run_one_step_stale(
     sampler = _sync(trainer, timeout)
     version = trainer.get_info().version
 
-    def start(sampler: SamplingClient) -> tuple[list[Pending], list[float]]:
+    def start(sampler: SamplingClient) -> tuple[list[PendingGroup], list[float]]:
         pending = [launch(sampler, next(source)) for _ in range(groups_per_step)]
         done_at: list[float] = []  # when each group finished (the sampler's idle starts after)
         for p in pending:
@@ -455,12 +455,12 @@ def run_async(
     train_step = train_step or grpo_train_step()
     source = iter(source_items)
     slots = threading.Semaphore(buffer_groups)  # requests in flight + finished, not yet taken
-    finished: queue.Queue[Pending] = queue.Queue()
+    finished: queue.Queue[PendingGroup] = queue.Queue()
     stop = threading.Event()
-    in_flight: set[Pending] = set()
+    in_flight: set[PendingGroup] = set()
     #: sent and not yet taken by the trainer (in flight or finished): -> version when sent
-    untaken: dict[Pending, int] = {}
-    taken_early: set[Pending] = set()  # taken out of order ("wait"): skip when queued
+    untaken: dict[PendingGroup, int] = {}
+    taken_early: set[PendingGroup] = set()  # taken out of order ("wait"): skip when queued
     lock = threading.Lock()
     sampler_wait = [0.0]  # producer time blocked on back-pressure, since the last step
     errors: list[BaseException] = []
@@ -485,7 +485,7 @@ def run_async(
                     in_flight.add(pending)
                     untaken[pending] = sent_at
 
-                def done(_: Future[Any], pending: Pending = pending) -> None:
+                def done(_: Future[Any], pending: PendingGroup = pending) -> None:
                     with lock:
                         in_flight.discard(pending)
                     finished.put(pending)
@@ -499,7 +499,7 @@ def run_async(
     dropped = 0
     advance = 1  # optimizer steps a train step takes (minibatches), as last seen
 
-    def take(pending: Pending, groups: list[Group]) -> None:
+    def take(pending: PendingGroup, groups: list[Group]) -> None:
         nonlocal dropped
         with lock:
             untaken.pop(pending, None)
