@@ -259,3 +259,38 @@ def test_async_episode_loop_bounds_staleness_per_episode(
     for s in stats:
         assert max(s.staleness) <= 1 and s.failed_episodes == 0
         assert s.rollouts == 8
+
+
+def test_an_environment_may_answer_with_model_inputs_and_cookbook_names(
+    trainer: treadle.TrainingClient,
+) -> None:
+    """Observations with ``to_ints()`` and results named ``reward`` /
+    ``episode_done`` / ``next_observation`` (tinker-cookbook's names) are read."""
+
+    class Result:
+        def __init__(self, reward: float, episode_done: bool, next_observation: Any) -> None:
+            self.reward, self.episode_done = reward, episode_done
+            self.next_observation = next_observation
+
+    class NamedEnv:
+        def __init__(self) -> None:
+            self.k = 0
+
+        async def initial_observation(self) -> treadle.ModelInput:
+            return treadle.ModelInput.from_ints([1, 5, 9])
+
+        async def step(self, action: list[int]) -> Result:
+            self.k += 1
+            return Result(0.5, self.k == 2, treadle.ModelInput.from_ints([7, 8]))
+
+    (episodes,) = run_episodes(
+        trainer.sync_weights(),
+        [EnvGroup([NamedEnv()])],
+        context_limit=2048,
+        sampling_params=PARAMS,
+        timeout=TIMEOUT,
+    )
+    (episode,) = episodes
+    assert episode.error is None and episode.done and episode.reward == 1.0
+    assert episode.turns[0].observation == (1, 5, 9)
+    assert episode.turns[1].observation == (7, 8)
