@@ -4,6 +4,7 @@ numpy only; torch tensors are accepted as inputs but torch is never imported.
 """
 
 from treadle.rl.advantages import effective_group_rate, group_advantages, informative_groups
+from treadle.rl.cookbook import CookbookEnv, cookbook_groups
 from treadle.rl.datums import AGGREGATIONS, Aggregation, Rollout, build_datums
 from treadle.rl.episode_loops import (
     async_episode_loop,
@@ -36,6 +37,8 @@ from treadle.rl.sweep import RunSpec, create_runs, sweep_loop
 from treadle.rl.train_step import Group, GrpoTrainStep, Prompt, StepStats, grpo_train_step
 
 __all__ = [
+    "CookbookEnv",
+    "cookbook_groups",
     "Env",
     "EnvGroup",
     "Episode",

@@ -158,9 +158,11 @@ class EpisodeRunner:
                 if budget <= 0:
                     episode.truncated = "max_episode_tokens"
                     return
-            response = await sampler.sample(
-                history, 1, dataclasses.replace(params, max_tokens=budget)
+            stop = getattr(env, "stop", None)  # the environment's stop condition, if it has one
+            turn_params = dataclasses.replace(
+                params, max_tokens=budget, **({"stop": list(stop)} if stop else {})
             )
+            response = await sampler.sample(history, 1, turn_params)
             seq = response.sequences[0]
             if not seq.tokens:
                 raise EpisodeError(f"turns[{k}].tokens: the sampler returned no tokens")

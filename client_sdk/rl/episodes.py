@@ -58,6 +58,10 @@ class Env(Protocol):
     * ``initial_observation()`` -> the first observation's tokens (non-empty).
     * ``step(action)`` -> :class:`StepResult`, ``action`` being the tokens of
       the model's turn.
+
+    An environment may also have a ``stop`` attribute (stop strings and/or stop
+    token ids): when set, it replaces the sampling params' ``stop`` for its
+    next turn (tinker-cookbook's stop condition, ``treadle.rl.cookbook``).
     """
 
     def initial_observation(self) -> Sequence[int] | Awaitable[Sequence[int]]: ...
