@@ -79,6 +79,11 @@ class LongObservationEnv(CountingEnv):
         return StepResult(reward=0.0, done=False, observation=[7] * 100)
 
 
+class OutOfVocabularyEnv(CountingEnv):
+    def step(self, action: list[int]) -> StepResult:
+        return StepResult(reward=0.0, done=False, observation=[7, 70_000])
+
+
 def groups(make: Any = CountingEnv, size: int = 4) -> Iterator[EnvGroup]:
     i = 0
     while True:
@@ -116,6 +121,7 @@ def test_bad_episodes_end_alone_with_a_clear_error(trainer: treadle.TrainingClie
         EmptyEnv(),
         LongObservationEnv(),
         AsyncCountingEnv(),
+        OutOfVocabularyEnv(),
     ]
     sampler = trainer.sync_weights()
     info = trainer._service.get_server_info().base_models[0]
@@ -123,6 +129,7 @@ def test_bad_episodes_end_alone_with_a_clear_error(trainer: treadle.TrainingClie
         sampler,
         [EnvGroup(mixed)],
         context_limit=info.max_context,
+        vocab_size=info.vocab_size,
         sampling_params=PARAMS,
         limits=EpisodeLimits(context_limit=60),
         timeout=TIMEOUT,
@@ -136,6 +143,9 @@ def test_bad_episodes_end_alone_with_a_clear_error(trainer: treadle.TrainingClie
     assert errors[3] is not None and errors[3].startswith("episode 0.3: initial_observation: empty")
     assert errors[4] is not None and errors[4].startswith("episode 0.4: turns[0].observation: ")
     assert "context limit 60" in errors[4]
+    assert errors[6] is not None and errors[6].startswith(
+        "episode 0.6: turns[0].observation: token id 70000 is outside the model's vocabulary"
+    )
     # the raising tool's episode kept the turn before it
     assert len(episodes[1].turns) == 1
 
