@@ -44,6 +44,12 @@ class Rollout:
     completion (``VersionSpan`` s as the sampler returns them, or one int per
     token; empty when unknown); ``ref_logprobs`` optional reference log-probs,
     one per completion token.
+
+    ``mask`` (one per completion token, 1 or 0) marks which completion tokens
+    are trained on: an agent episode (``treadle.rl.episodes``) lays its turns out
+    as one completion, the model's tokens with mask 1 and the environment's
+    observations (tool outputs included) with mask 0 (weight 0 in the datum).
+    ``None`` trains on every completion token.
     """
 
     prompt_tokens: Sequence[int]
@@ -52,6 +58,7 @@ class Rollout:
     reward: float = 0.0
     versions: Versions = ()
     ref_logprobs: Sequence[float] | None = None
+    mask: Sequence[float] | None = None
 
     def __post_init__(self) -> None:
         prompt = (
@@ -73,6 +80,18 @@ class Rollout:
             raise InvalidArgumentError(f"rollout.versions: must cover the {n} completion tokens")
         if self.ref_logprobs is not None:
             object.__setattr__(self, "ref_logprobs", _floats(self.ref_logprobs, n, "ref_logprobs"))
+        if self.mask is not None:
+            mask = _floats(self.mask, n, "mask")
+            if any(m not in (0.0, 1.0) for m in mask):
+                raise InvalidArgumentError("rollout.mask: every value must be 0 or 1")
+            object.__setattr__(self, "mask", mask)
+
+    @property
+    def trained_tokens(self) -> int:
+        """Completion tokens trained on: all of them, or the mask's ones."""
+        if self.mask is None:
+            return len(self.completion_tokens)
+        return int(sum(self.mask))
 
     @classmethod
     def from_sequence(
@@ -152,7 +171,8 @@ def build_datums(
     to the next-token target ``full[1:]``. Positions ``P-1 ..`` predict completion
     tokens: there ``weights`` is the aggregation factor, ``logprobs`` the
     behaviour log-probs and ``advantages`` the rollout's advantage; prompt targets
-    get 0 in all three. ``ref_logprobs`` is added the same way when every rollout
+    get 0 in all three, and so do completion tokens whose ``mask`` is 0 (an
+    episode's observations). ``ref_logprobs`` is added the same way when every rollout
     has them. ``include_logprobs=False`` leaves ``logprobs`` out (cross_entropy
     needs only ``target_tokens`` and ``weights``).
 
@@ -178,9 +198,7 @@ def build_datums(
             f"rollouts[{missing}].ref_logprobs: missing while other rollouts have them"
         )
 
-    scales = _weight_scales(
-        [len(r.completion_tokens) for r in rollouts], aggregation, loss_constant
-    )
+    scales = _weight_scales([r.trained_tokens for r in rollouts], aggregation, loss_constant)
     return [
         _datum(i, rollout, float(adv), scale, include_logprobs)
         for i, (rollout, adv, scale) in enumerate(zip(rollouts, adv_B, scales, strict=True))
@@ -204,9 +222,11 @@ def _datum(
         )
     first = n_prompt - 1  # the position whose target is the first completion token
 
+    mask_C = np.ones(len(rollout.completion_tokens)) if rollout.mask is None else rollout.mask
+
     def per_position(completion_values: Sequence[float] | float) -> np.ndarray:
         out = np.zeros(n_positions, dtype=np.float32)
-        out[first:] = completion_values
+        out[first:] = np.asarray(completion_values, dtype=np.float64) * mask_C
         return out
 
     inputs: dict[str, np.ndarray] = {

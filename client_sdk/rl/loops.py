@@ -39,7 +39,9 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -152,7 +154,7 @@ def _stats(
         version=version,
         groups=len(groups),
         rollouts=len(rollouts),
-        trained_tokens=sum(len(r.completion_tokens) for r in rollouts),
+        trained_tokens=sum(r.trained_tokens for r in rollouts),
         reward=float(np.mean([r.reward for r in rollouts])) if rollouts else 0.0,
         staleness=dict(sorted(staleness.items())),
         dropped_stale=dropped,
@@ -161,6 +163,7 @@ def _stats(
         step_s=time.perf_counter() - t0,
         occupancy=occupancy(),
         metrics=metrics,
+        failed_episodes=sum(1 for g in groups for e in g.episodes if not e.ok),
     )
 
 
@@ -174,6 +177,39 @@ def _sync(trainer: TrainingClient, timeout: float, inflight: bool = False) -> Sa
         raise TimeoutError(f"sync_weights did not land within {timeout} s")
     sampler._info.result()  # raises the sync's error, if any
     return sampler
+
+
+# ---- what a loop launches: one group, pending ------------------------------------------
+
+
+@dataclass(frozen=True, eq=False)
+class PendingGroup:
+    """One group in flight: a sample request (prompts) or G episodes (env groups).
+
+    ``future`` finishes when the group has; ``group(timeout)`` waits for it and
+    gives the :class:`Group` (rewards scored, failed episodes left out)."""
+
+    future: Future[Any]
+    group: Callable[[float], Group]
+
+
+#: ``launch(sampler, item) -> PendingGroup``: sends one item of the source.
+Launch = Callable[["SamplingClient", Any], PendingGroup]
+
+
+def _prompt_launch(group_size: int, params: SamplingParams | None, reward_fn: RewardFn) -> Launch:
+    def launch(sampler: SamplingClient, prompt: Prompt) -> PendingGroup:
+        fut = _submit(sampler, prompt, group_size, params)
+        return PendingGroup(fut.concurrent, lambda timeout: _group(prompt, fut, reward_fn, timeout))
+
+    return launch
+
+
+def _wait_group(pending: PendingGroup, timeout: float) -> Group:
+    done = wait_futures([pending.future], timeout=timeout).done
+    if not done:
+        raise TimeoutError(f"a rollout group did not finish within {timeout} s")
+    return pending.group(timeout)
 
 
 # ---- rung 0 ----------------------------------------------------------------------------
@@ -194,16 +230,29 @@ def sync_loop(
     """Rung 0: sample a batch from the current weights, train on it, sync, repeat."""
     _check_common(groups_per_step, group_size, steps, timeout)
     _check_sampling(sampling_params, "sampling_params")
+    launch = _prompt_launch(group_size, sampling_params, reward_fn)
+    return run_sync(trainer, prompts, launch, steps, groups_per_step, train_step, timeout)
+
+
+def run_sync(
+    trainer: TrainingClient,
+    source_items: Iterable[Any],
+    launch: Launch,
+    steps: int,
+    groups_per_step: int,
+    train_step: TrainStep | None,
+    timeout: float,
+) -> Iterator[StepStats]:
+    """Rung 0 over any source of groups (prompts or env groups)."""
     train_step = train_step or grpo_train_step()
-    source = iter(prompts)
+    source = iter(source_items)
     sampler = _sync(trainer, timeout)
     version = trainer.get_info().version
     for step in range(1, steps + 1):
         t0 = time.perf_counter()
         occupancy = _occupancy(trainer)  # while this batch samples
-        batch = [next(source) for _ in range(groups_per_step)]
-        futures = [_submit(sampler, p, group_size, sampling_params) for p in batch]
-        groups = [_group(p, f, reward_fn, timeout) for p, f in zip(batch, futures, strict=True)]
+        pending = [launch(sampler, next(source)) for _ in range(groups_per_step)]
+        groups = [_wait_group(p, timeout) for p in pending]
         wait_data = time.perf_counter() - t0  # the trainer idles while the whole batch samples
         t_train = time.perf_counter()
         metrics = train_step(trainer, groups)
@@ -239,35 +288,48 @@ def one_step_stale_loop(
     """
     _check_common(groups_per_step, group_size, steps, timeout)
     _check_sampling(sampling_params, "sampling_params")
+    launch = _prompt_launch(group_size, sampling_params, reward_fn)
+    return run_one_step_stale(trainer, prompts, launch, steps, groups_per_step, train_step, timeout)
+
+
+def run_one_step_stale(
+    trainer: TrainingClient,
+    source_items: Iterable[Any],
+    launch: Launch,
+    steps: int,
+    groups_per_step: int,
+    train_step: TrainStep | None,
+    timeout: float,
+) -> Iterator[StepStats]:
+    """Rung 2 over any source of groups (prompts or env groups)."""
     train_step = train_step or grpo_train_step()
-    source = iter(prompts)
+    source = iter(source_items)
     sampler = _sync(trainer, timeout)
     version = trainer.get_info().version
 
-    def launch(sampler: SamplingClient) -> tuple[list[Prompt], list[APIFuture], list[float]]:
-        batch = [next(source) for _ in range(groups_per_step)]
-        futures = [_submit(sampler, p, group_size, sampling_params) for p in batch]
-        done_at: list[float] = []  # when each request finished (the sampler's idle starts after)
-        for f in futures:
-            f.add_done_callback(lambda _: done_at.append(time.perf_counter()))
-        return batch, futures, done_at
+    def start(sampler: SamplingClient) -> tuple[list[PendingGroup], list[float]]:
+        pending = [launch(sampler, next(source)) for _ in range(groups_per_step)]
+        done_at: list[float] = []  # when each group finished (the sampler's idle starts after)
+        for p in pending:
+            p.future.add_done_callback(lambda _: done_at.append(time.perf_counter()))
+        return pending, done_at
 
-    nxt = launch(sampler)
+    nxt = start(sampler)
     for step in range(1, steps + 1):
         t0 = time.perf_counter()
-        batch, futures, _ = nxt
-        groups = [_group(p, f, reward_fn, timeout) for p, f in zip(batch, futures, strict=True)]
+        pending, _ = nxt
+        groups = [_wait_group(p, timeout) for p in pending]
         wait_data = time.perf_counter() - t0
-        nxt = launch(sampler) if step < steps else ([], [], [])  # overlaps with this step
+        nxt = start(sampler) if step < steps else ([], [])  # overlaps with this step
         occupancy = _occupancy(trainer)  # while the next batch samples
         metrics = train_step(trainer, groups)
         sampler = _sync(trainer, timeout)
         t_synced = time.perf_counter()
         new_version = _version(trainer, metrics)
         # the next batch's sampling idled from its last answer until these weights landed
-        done_at = nxt[2]
+        done_at = nxt[1]
         sampler_wait = (
-            max(0.0, t_synced - max(done_at)) if nxt[1] and len(done_at) == len(nxt[1]) else 0.0
+            max(0.0, t_synced - max(done_at)) if nxt[0] and len(done_at) == len(nxt[0]) else 0.0
         )
         yield _stats(
             step, version, new_version, groups, 0, wait_data, sampler_wait, t0, occupancy, metrics
@@ -321,6 +383,43 @@ def async_loop(
     """
     _check_common(groups_per_step, group_size, steps, timeout)
     _check_sampling(sampling_params, "sampling_params")
+    check_async(
+        trainer,
+        sampler,
+        max_staleness=max_staleness,
+        sync_every=sync_every,
+        buffer_groups=buffer_groups,
+        on_stale=on_stale,
+        name="async_loop",
+    )
+    launch = _prompt_launch(group_size, sampling_params, reward_fn)
+    return run_async(
+        trainer,
+        sampler,
+        prompts,
+        launch,
+        steps=steps,
+        groups_per_step=groups_per_step,
+        buffer_groups=buffer_groups,
+        max_staleness=max_staleness,
+        sync_every=sync_every,
+        inflight=inflight,
+        on_stale=on_stale,
+        train_step=train_step,
+        timeout=timeout,
+    )
+
+
+def check_async(
+    trainer: TrainingClient,
+    sampler: SamplingClient,
+    *,
+    max_staleness: int,
+    sync_every: int,
+    buffer_groups: int,
+    on_stale: str,
+    name: str,
+) -> None:
     if on_stale not in ("drop", "wait"):
         raise InvalidArgumentError(f"on_stale: 'drop' or 'wait', got {on_stale!r}")
     if isinstance(max_staleness, bool) or not isinstance(max_staleness, int) or max_staleness < 0:
@@ -331,18 +430,37 @@ def async_loop(
         raise InvalidArgumentError(f"buffer_groups: must be an integer >= 1, got {buffer_groups!r}")
     if sampler.version is not None or sampler.model_id != trainer.model_id:
         raise InvalidArgumentError(
-            "sampler: async_loop needs a sampler following this model's latest weights "
+            f"sampler: {name} needs a sampler following this model's latest weights "
             f"(treadle://{trainer.model_id}/latest); a pinned sampler never sees the updates"
         )
+
+
+def run_async(
+    trainer: TrainingClient,
+    sampler: SamplingClient,
+    source_items: Iterable[Any],
+    launch: Launch,
+    *,
+    steps: int,
+    groups_per_step: int,
+    buffer_groups: int,
+    max_staleness: int,
+    sync_every: int,
+    inflight: bool,
+    on_stale: str,
+    train_step: TrainStep | None,
+    timeout: float,
+) -> Iterator[StepStats]:
+    """Rung 3 over any source of groups (prompts or env groups)."""
     train_step = train_step or grpo_train_step()
-    source = iter(prompts)
+    source = iter(source_items)
     slots = threading.Semaphore(buffer_groups)  # requests in flight + finished, not yet taken
-    finished: queue.Queue[tuple[Prompt, APIFuture]] = queue.Queue()
+    finished: queue.Queue[PendingGroup] = queue.Queue()
     stop = threading.Event()
-    in_flight: set[APIFuture] = set()
+    in_flight: set[PendingGroup] = set()
     #: sent and not yet taken by the trainer (in flight or finished): -> version when sent
-    untaken: dict[APIFuture, tuple[Prompt, int]] = {}
-    taken_early: set[APIFuture] = set()  # taken out of order ("wait"): skip when queued
+    untaken: dict[PendingGroup, int] = {}
+    taken_early: set[PendingGroup] = set()  # taken out of order ("wait"): skip when queued
     lock = threading.Lock()
     sampler_wait = [0.0]  # producer time blocked on back-pressure, since the last step
     errors: list[BaseException] = []
@@ -359,20 +477,20 @@ def async_loop(
                     continue
                 with lock:
                     sampler_wait[0] += time.perf_counter() - t
-                prompt = next(source)
+                item = next(source)
                 with lock:
                     sent_at = synced[0]
-                fut = _submit(sampler, prompt, group_size, sampling_params)
+                pending = launch(sampler, item)
                 with lock:
-                    in_flight.add(fut)
-                    untaken[fut] = (prompt, sent_at)
+                    in_flight.add(pending)
+                    untaken[pending] = sent_at
 
-                def done(f: APIFuture, prompt: Prompt = prompt) -> None:
+                def done(_: Future[Any], pending: PendingGroup = pending) -> None:
                     with lock:
-                        in_flight.discard(f)
-                    finished.put((prompt, f))
+                        in_flight.discard(pending)
+                    finished.put(pending)
 
-                fut.add_done_callback(done)
+                pending.future.add_done_callback(done)
         except BaseException as err:  # StopIteration of the prompt source included
             errors.append(err)
 
@@ -381,13 +499,13 @@ def async_loop(
     dropped = 0
     advance = 1  # optimizer steps a train step takes (minibatches), as last seen
 
-    def take(prompt: Prompt, fut: APIFuture, groups: list[Group]) -> None:
+    def take(pending: PendingGroup, groups: list[Group]) -> None:
         nonlocal dropped
         with lock:
-            untaken.pop(fut, None)
+            untaken.pop(pending, None)
         slots.release()  # taken from the buffer: the producer may send another
-        group = _group(prompt, fut, reward_fn, timeout)
-        if max(rollout_staleness(r, version) for r in group.rollouts) > max_staleness:
+        group = _wait_group(pending, timeout)
+        if max((rollout_staleness(r, version) for r in group.rollouts), default=0) > max_staleness:
             dropped += len(group.rollouts)
         else:
             groups.append(group)
@@ -401,25 +519,25 @@ def async_loop(
                 # max_staleness: take them now, waiting for those still generating
                 with lock:
                     at_risk = sorted(
-                        (sent, id(f), f, p)
-                        for f, (p, sent) in untaken.items()
+                        (sent, id(p), p)
+                        for p, sent in untaken.items()
                         if version + advance - sent > max_staleness
                     )[:groups_per_step]
-                for _, _, fut, prompt in at_risk:
-                    taken_early.add(fut)
-                    take(prompt, fut, groups)
+                for _, _, pending in at_risk:
+                    taken_early.add(pending)
+                    take(pending, groups)
             while len(groups) < groups_per_step:
                 try:
-                    prompt, fut = finished.get(timeout=timeout)
+                    pending = finished.get(timeout=timeout)
                 except queue.Empty:
                     raise TimeoutError(
                         f"no rollout finished within {timeout} s"
                         + (f" (the producer failed: {errors[0]!r})" if errors else "")
                     ) from None
-                if fut in taken_early:
-                    taken_early.discard(fut)
+                if pending in taken_early:
+                    taken_early.discard(pending)
                     continue
-                take(prompt, fut, groups)
+                take(pending, groups)
             wait_data = time.perf_counter() - t0
             occupancy = _occupancy(trainer)  # while this step trains
             metrics = train_step(trainer, groups)
@@ -449,6 +567,6 @@ def async_loop(
         slots.release()  # wake the producer if it waits for a slot
         producer.join(timeout)
         with lock:
-            pending = list(in_flight)
+            left = list(in_flight)
         # let requests already sent finish, so the next user of the sampler starts clean
-        wait_futures([f.concurrent for f in pending], timeout=timeout)
+        wait_futures([p.future for p in left], timeout=timeout)

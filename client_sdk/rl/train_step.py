@@ -37,10 +37,14 @@ class Prompt:
 
 @dataclass(frozen=True)
 class Group:
-    """One prompt's G rollouts (one ``sample`` request), rewards filled in."""
+    """One prompt's G rollouts (one ``sample`` request), rewards filled in; or one
+    group of agent episodes, each as a masked rollout (``Episode.to_rollout``),
+    failed episodes left out (so groups may differ in size)."""
 
     prompt: Prompt
     rollouts: list[Rollout]
+    #: an episode group's episodes, the failed ones included (``Episode.error``)
+    episodes: Sequence[Any] = ()
 
 
 RewardFn = Callable[[Any, SampledSequence], float]
@@ -74,6 +78,8 @@ class StepStats:
     step_s: float
     occupancy: float | None = None  # the sampler's slot occupancy (server metrics), if reported
     metrics: dict[str, float] = field(default_factory=dict)
+    #: episodes that ended on bad input or a raising tool (not trained on), episode loops only
+    failed_episodes: int = 0
 
 
 # ---- the train step --------------------------------------------------------------------
@@ -134,12 +140,18 @@ class GrpoTrainStep:
         (advantages, one denominator a step) and the rollouts trained on.
         :func:`treadle.rl.sweep_loop` prepares every run's step before it sends
         any, so the runs' calls reach the server close together."""
-        G = {len(g.rollouts) for g in groups}
-        if len(G) != 1:
-            raise InvalidArgumentError(f"groups: every group needs the same size, got {sorted(G)}")
         rollouts = [r for g in groups for r in g.rollouts]
-        adv_B = group_advantages([r.reward for r in rollouts], G.pop())
-        keep = [i for i, a in enumerate(adv_B) if a != 0.0 and rollouts[i].completion_tokens]
+        # each group centred on its own mean: groups may differ in size (an
+        # episode group whose failed episodes were left out)
+        adv_B = np.concatenate(
+            [np.zeros(0)]
+            + [
+                group_advantages([r.reward for r in g.rollouts], len(g.rollouts))
+                for g in groups
+                if g.rollouts
+            ]
+        )
+        keep = [i for i, a in enumerate(adv_B) if a != 0.0 and rollouts[i].trained_tokens]
         if not keep:
             return []
         order = np.random.permutation(keep)

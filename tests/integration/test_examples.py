@@ -49,3 +49,21 @@ def test_sweep_example_runs(
     assert "lr=0.001: reward" in out and "lr=0.01: reward" in out
     assert "training passes on demo-warm:" in out
     assert example.OUT.stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_agent_calculator_example_learns_to_use_its_tool(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The example as written (warm-up, GRPO over episodes, evaluation on fixed
+    problems and seeds): both the success rate and the share of episodes that
+    call the calculator correctly rise."""
+    monkeypatch.delenv("TREADLE_ADDRESS", raising=False)  # its own embedded server
+    example = _load("agent_calculator")
+    success0, success1, calls0, calls1 = example.main()
+    out = capsys.readouterr().out
+    rows = [ln.split() for ln in out.splitlines() if ln[:4].strip().isdigit()]
+    assert [int(r[0]) for r in rows] == list(range(1, example.STEPS + 1))
+    assert all(r[5] == "0" for r in rows)  # no episode failed
+    assert calls1 >= calls0 + 0.15, (calls0, calls1)
+    assert success1 >= success0 + 0.1, (success0, success1)

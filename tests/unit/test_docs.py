@@ -68,6 +68,7 @@ def test_the_readme_lists_the_user_guides() -> None:
         "async_rl.md",
         "lora.md",
         "restarts.md",
+        "agents.md",
     ):
         assert f"docs/{guide}" in docs_list, guide
 

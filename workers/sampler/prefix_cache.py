@@ -5,24 +5,51 @@ chunks, ``TorchSampler._prefill``), then copied into the main cache's rows. The
 slot keeps the prompt's KV afterwards: a later prompt that starts like a staged
 one, under the same weights, copies that KV and prefills only the rest (the G
 samples of a group sent as separate requests share one prefill so).
+
+A finished single-sample request also leaves its prompt + completion KV
+behind (``keep_completion``), in a store of *turns* beside the staging slots:
+an agent episode's next turn is the previous turn's prompt + completion + the
+environment's observation, so it prefills only the observation (and the
+completion's last token, whose KV was never computed). The store holds at most
+``KEPT_TOKENS_FACTOR`` x the staging cache's tokens (least recently used
+dropped first; a turn's entry replaces the entries it extends), so that many
+episodes waiting on their tools at once keep their histories.
+
+An entry is reused only under the very weights that wrote it (``computed_by``
+compares the weight objects of a version, never a model id): after a
+``sync_weights`` a ``latest`` sampler's next turn prefills its history again
+under the new version. A row that took an in-flight update mid-completion
+holds KV of two versions and is not kept. No request can opt into reusing an
+older version's KV.
 """
 
 from __future__ import annotations
 
 import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass
 
+import numpy as np
+import torch
+
+from treadle.workers.engine.versions import WeightSnapshot
 from treadle.workers.model.kv_cache import KVCache
-from treadle.workers.sampler.state import Staged, TorchRequest, common_prefix
+from treadle.workers.sampler.state import Row, Staged, TorchRequest, common_prefix
 
 #: A queued request waits for one being prefilled when it could then reuse this
 #: many more prompt tokens (the wait is at most that request's prefill).
 MIN_PREFIX_WAIT = 16
+#: The store of finished turns holds at most this many times the staging cache's tokens.
+KEPT_TOKENS_FACTOR = 2
 
 
 class PrefixCache:
     def __init__(self, stage: KVCache) -> None:
         self.stage = stage
         self.staged = [Staged() for _ in range(stage.num_slots)]
+        self.kept: list[Kept] = []  # finished turns' prompt + completion KV
+        self.kept_tokens = 0
+        self.max_kept_tokens = KEPT_TOKENS_FACTOR * stage.num_slots * stage.max_len
 
     def slot_for(self, request: TorchRequest, clock: int) -> int:
         """A free staging slot for ``request``, seeded with the longest cached prefix
@@ -45,6 +72,11 @@ class PrefixCache:
             common = common_prefix(staged.tokens[:n], prompt[:n])
             if common > best_len:
                 best, best_len = i, common
+        kept, kept_len = self._best_kept(request)
+        if kept_len > best_len:
+            best_len = kept_len
+        else:
+            kept = None
         for staged in self.staged:
             # A request with the same prompt is being prefilled right now (G samples
             # sent as separate requests): wait for it, then copy instead of recompute.
@@ -53,6 +85,11 @@ class PrefixCache:
                 n = min(owner.prompt.size, prompt.size)
                 if common_prefix(owner.prompt[:n], prompt[:n]) >= best_len + MIN_PREFIX_WAIT:
                     return -1
+        if kept is not None:  # a finished turn of this episode: its KV into a free slot
+            slot = min(free, key=lambda i: self.staged[i].last_used)
+            reuse = min(best_len, prompt.size - 1)
+            self._restore(kept, slot, reuse, clock)
+            return self._take(request, slot, reuse, clock)
         if best >= 0 and self.staged[best].owner is None:
             slot = best
         else:
@@ -92,3 +129,83 @@ class PrefixCache:
     def forget(self, request: TorchRequest) -> None:
         """Free ``request``'s slot and what it holds (the request failed mid-prefill)."""
         self.staged[request.stage_slot] = Staged()
+
+    def keep_completion(self, rows: Sequence[Row], cache: KVCache, clock: int) -> None:
+        """Keep the prompt + completion KV of finished rows of single-sample
+        requests (an episode's turn), before compaction overwrites their slots.
+
+        Kept only when one set of weights wrote it all (no in-flight update since
+        the prompt's prefill) and the row is not a resumed partial rollout."""
+        for row in rows:
+            req = row.request
+            if (
+                req.op.num_samples != 1
+                or row.stop_reason not in ("stop", "length")
+                or req.prefix is not None
+                or req.cancelled
+                or row.snapshot is not req.snapshot
+            ):
+                continue
+            n = row.position  # the last sampled token was never fed: its KV is not there
+            if n <= req.prompt.size:
+                continue
+            tokens = np.concatenate([req.prompt, np.asarray(row.tokens, dtype=np.int64)])[:n]
+            snap = req.snapshot
+            entry = Kept(
+                Staged(
+                    tokens=tokens,
+                    params=weakref.ref(snap.params),
+                    adapter=None if snap.adapter is None else weakref.ref(snap.adapter),
+                    last_used=clock,
+                ),
+                cache.k_L_S_H_T_D[:, row.slot, :, :n].clone(),
+                cache.v_L_S_H_T_D[:, row.slot, :, :n].clone(),
+            )
+            # the entries this one extends (the episode's earlier turns) are no longer needed
+            self.kept = [k for k in self.kept if not _extends(entry, k, snap)] + [entry]
+            self.kept_tokens = sum(k.staged.tokens.size for k in self.kept)
+            while self.kept_tokens > self.max_kept_tokens and self.kept:
+                old = min(self.kept, key=lambda k: k.staged.last_used)
+                self.kept.remove(old)
+                self.kept_tokens -= old.staged.tokens.size
+
+    def _best_kept(self, request: TorchRequest) -> tuple[Kept | None, int]:
+        """The kept turn sharing the longest prefix with ``request``'s prompt."""
+        prompt = request.prompt
+        best: Kept | None = None
+        best_len = 0
+        for entry in self.kept:
+            tokens = entry.staged.tokens
+            n = min(tokens.size, prompt.size)
+            if n <= best_len or not entry.staged.computed_by(request.snapshot):
+                continue
+            common = common_prefix(tokens[:n], prompt[:n])
+            if common > best_len:
+                best, best_len = entry, common
+        return best, best_len
+
+    def _restore(self, entry: Kept, slot: int, length: int, clock: int) -> None:
+        """Copy a kept turn's first ``length`` positions into staging ``slot``."""
+        self.stage.k_L_S_H_T_D[:, slot, :, :length] = entry.k_L_H_T_D[:, :, :length]
+        self.stage.v_L_S_H_T_D[:, slot, :, :length] = entry.v_L_H_T_D[:, :, :length]
+        entry.staged.last_used = clock
+
+
+@dataclass(eq=False)  # kept entries are told apart by identity
+class Kept:
+    """A finished turn's prompt + completion KV (``[layers, kv_heads, tokens, head_dim]``)
+    and the weights that wrote it."""
+
+    staged: Staged
+    k_L_H_T_D: torch.Tensor
+    v_L_H_T_D: torch.Tensor
+
+
+def _extends(new: Kept, old: Kept, snap: WeightSnapshot) -> bool:
+    """``old`` is a prefix of ``new`` under the same weights."""
+    a, b = old.staged.tokens, new.staged.tokens
+    return (
+        a.size <= b.size
+        and old.staged.computed_by(snap)
+        and common_prefix(a, b[: a.size]) == a.size
+    )

@@ -396,6 +396,8 @@ class TorchSampler:
         """Drop finished rows (``sampler_state.compact``) and resolve what they end."""
         if all(r.stop_reason is None for r in self.running):
             return
+        finished = [r for r in self.running if r.stop_reason is not None]
+        self.prefix.keep_completion(finished, self.cache, self._clock)  # before slots move
         self.running, done = compact(self.running, self.cache)
         self._report(done)
         for req in {id(r.request): r.request for r in done}.values():

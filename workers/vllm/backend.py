@@ -354,8 +354,10 @@ class VllmBackend:
             row.request.compute_s += per_row
             if out.finished:
                 del eng.rows[out.request_id]
-                eng.meter.prompt_tokens += len(out.prompt_token_ids or [])
-                eng.meter.prefix_reused_tokens += int(out.num_cached_tokens or 0)
+                # computed vs reused, as the torch sampler counts them (GetServerInfo)
+                cached = int(out.num_cached_tokens or 0)
+                eng.meter.prompt_tokens += len(out.prompt_token_ids or []) - cached
+                eng.meter.prefix_reused_tokens += cached
                 p = row.request.params
                 row.stop_reason = stop_reason_of(
                     comp.finish_reason,

@@ -243,3 +243,28 @@ def test_a_dead_engine_fails_its_requests_unavailable_and_restarts(
         running.result(timeout=300)
     again = sampler.sample([1, 5, 6], 2, treadle.SamplingParams(max_tokens=4, seed=2))
     assert [len(s.tokens) for s in again.result(timeout=900).sequences] == [4, 4]
+
+
+def test_an_episodes_next_turn_reuses_its_history_from_vllms_prefix_cache(
+    service: treadle.ServiceClient,
+) -> None:
+    """A turn's prompt is the last turn's prompt + completion + observation:
+    vLLM's prefix cache (on) serves the history's full blocks, and GetServerInfo
+    counts prompt tokens computed and reused as the torch sampler does."""
+    base = service.create_sampling_client(base_model=BASE)
+    params = treadle.SamplingParams(max_tokens=16, ignore_eos=True, seed=3)
+
+    def counters() -> tuple[int, int]:  # summed over the engines (base, LoRA) of BASE
+        ms = [m for m in service.get_server_info().sampler_metrics if m.base_model == BASE]
+        return sum(m.prompt_tokens for m in ms), sum(m.prefix_reused_tokens for m in ms)
+
+    prompt = [3 + (i * 37) % 80 for i in range(120)]
+    first = base.sample(prompt, 1, params).result(timeout=300).sequences[0]
+    second = [*prompt, *first.tokens, *range(20, 28)]
+    computed0, reused0 = counters()
+    base.sample(second, 1, params).result(timeout=300)
+    computed, reused = counters()
+    computed, reused = computed - computed0, reused - reused0
+    assert computed + reused == len(second)
+    # every full 16-token block of the history is reused (prompt and completion)
+    assert reused >= (len(prompt) + len(first.tokens) - 1) // 16 * 16, (computed, reused)

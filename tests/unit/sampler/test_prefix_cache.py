@@ -19,6 +19,7 @@ class _Stage:
 
     def __init__(self, slots: int) -> None:
         self.num_slots = slots
+        self.max_len = 64
         self.moves: list[tuple[list[int], list[int], int]] = []
 
     def move(self, src: list[int], dst: list[int], length: int) -> None:
