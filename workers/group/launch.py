@@ -1,0 +1,254 @@
+"""Starting a worker's group of ranks (``--ranks N``) on torch.distributed.
+
+Rendezvous is torch's own: a ``TCPStore`` served by rank 0's process (on
+``--rdzv-endpoint HOST:PORT``, or a free loopback port when the group is one
+host), which every rank joins before ``init_process_group`` over it (gloo on
+the CPU, NCCL on CUDA with one GPU a rank). The ranks of a host are processes
+started here (``multiprocessing``'s spawn, as ``torch.multiprocessing.spawn``
+does); ranks on other hosts are started there by ``treadle worker --ranks N
+--nnodes M --node-rank K --rdzv-endpoint HOST:PORT``. Global rank =
+``node_rank * ranks + local rank``; rank 0 (node 0, local rank 0) is the
+process that runs the engine and talks to the server.
+
+``--ranks 1 --nnodes 1`` (the default) starts nothing: the engine runs alone,
+with no torch.distributed in its path.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from multiprocessing.process import BaseProcess
+
+import torch
+import torch.distributed as dist
+
+from treadle.errors import InvalidArgumentError, UnavailableError
+from treadle.workers.device import device
+from treadle.workers.engine.config import EngineConfig
+from treadle.workers.engine.loop import Engine
+from treadle.workers.engine.options import EngineOptions
+from treadle.workers.group.channel import CommandChannel
+from treadle.workers.group.follower import resolve_rank_device, serve_rank
+from treadle.workers.group.leader import GroupPeers
+
+log = logging.getLogger("treadle.group")
+
+#: how long a rank on another host tries to reach the rendezvous endpoint
+CONNECT_TIMEOUT_S = 10.0
+
+
+def grouped(options: EngineOptions) -> bool:
+    """Whether the options ask for a group (more than one rank, or several hosts)."""
+    return options.ranks > 1 or options.nnodes > 1
+
+
+def check_group(options: EngineOptions) -> None:
+    """INVALID_ARGUMENT naming the flag when the group's flags cannot work here."""
+    if options.ranks < 1:
+        raise InvalidArgumentError(f"--ranks: {options.ranks}; a worker has at least one rank")
+    if options.nnodes < 1:
+        raise InvalidArgumentError(f"--nnodes: {options.nnodes}; at least one host")
+    if not 0 <= options.node_rank < options.nnodes:
+        raise InvalidArgumentError(
+            f"--node-rank: {options.node_rank}; from 0 to --nnodes - 1 ({options.nnodes - 1})"
+        )
+    if options.collective_timeout_s <= 0:
+        raise InvalidArgumentError(
+            f"--collective-timeout: {options.collective_timeout_s}; seconds, above 0"
+        )
+    if options.nnodes > 1 and not options.rdzv_endpoint:
+        raise InvalidArgumentError(
+            "--rdzv-endpoint: several hosts (--nnodes > 1) meet at HOST:PORT, served by node 0"
+        )
+    if options.rdzv_endpoint:
+        _endpoint(options.rdzv_endpoint)
+    if not grouped(options):
+        return
+    where = device.resolve(options.device)
+    if where.type == "cuda" and options.ranks > torch.cuda.device_count():
+        raise InvalidArgumentError(
+            f"--ranks: {options.ranks} ranks, but this host has "
+            f"{torch.cuda.device_count()} GPU(s) (one GPU a rank)"
+        )
+
+
+def _endpoint(value: str) -> tuple[str, int]:
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise InvalidArgumentError(f"--rdzv-endpoint: {value!r}; write HOST:PORT")
+    return host.strip("[]"), int(port)
+
+
+@dataclass
+class RankProcesses:
+    """The ranks this process started on its host."""
+
+    procs: list[BaseProcess]
+
+    def alive(self) -> bool:
+        return all(p.is_alive() for p in self.procs)
+
+    def dead(self) -> list[BaseProcess]:
+        return [p for p in self.procs if not p.is_alive()]
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        for p in self.procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+
+
+def _backend(where: torch.device) -> str:
+    return "nccl" if where.type == "cuda" else "gloo"
+
+
+def _spawn(
+    config: EngineConfig, host: str, port: int, first_rank: int, local_ranks: range
+) -> RankProcesses:
+    ctx = mp.get_context("spawn")
+    procs: list[BaseProcess] = []
+    world = config.ranks * config.nnodes
+    for local in local_ranks:
+        rank = first_rank + local
+        p = ctx.Process(
+            target=rank_main,
+            args=(config, host, port, rank, local, world),
+            name=f"treadle-rank-{rank}",
+            daemon=True,
+        )
+        p.start()
+        procs.append(p)
+    return RankProcesses(procs)
+
+
+def rank_main(
+    config: EngineConfig, host: str, port: int, rank: int, local_rank: int, world: int
+) -> None:
+    """A rank other than 0 (the target of its process): join, then execute commands."""
+    timeout = timedelta(seconds=config.collective_timeout_s)
+    store = dist.TCPStore(host, port, is_master=False, timeout=timeout)
+    where = resolve_rank_device(config, local_rank)
+    if where.type == "cuda":
+        torch.cuda.set_device(where)
+    store.set(f"joined/{rank}", b"1")
+    dist.init_process_group(
+        _backend(where),
+        store=dist.PrefixStore("pg", store),
+        rank=rank,
+        world_size=world,
+        timeout=timeout,
+    )
+    try:
+        serve_rank(CommandChannel(store, rank, world), config, where)
+    finally:
+        dist.destroy_process_group()
+
+
+class WorkerGroup:
+    """Rank 0's group: the store it serves, the ranks it started, its peers."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        check_group(config)
+        self.config = config
+        world = config.ranks * config.nnodes
+        host, port = _endpoint(config.rdzv_endpoint) if config.rdzv_endpoint else ("127.0.0.1", 0)
+        timeout = timedelta(seconds=config.collective_timeout_s)
+        try:
+            self.store = dist.TCPStore(
+                host,
+                port,
+                world_size=world,
+                is_master=True,
+                wait_for_workers=False,
+                timeout=timeout,
+            )
+        except (RuntimeError, dist.DistError) as err:
+            flag = "--rdzv-endpoint" if config.rdzv_endpoint else "--ranks"
+            raise InvalidArgumentError(
+                f"{flag}: cannot serve the rendezvous on {host}:{port}: {err}"
+            ) from err
+        self.procs = _spawn(config, host, self.store.port, 0, range(1, config.ranks))
+        self._wait_joined(world, timeout)
+        where = resolve_rank_device(config, 0)
+        dist.init_process_group(
+            _backend(where),
+            store=dist.PrefixStore("pg", self.store),
+            rank=0,
+            world_size=world,
+            timeout=timeout,
+        )
+        self.peers = GroupPeers(
+            CommandChannel(self.store, 0, world), on_broken=self._broken, on_closed=self.close
+        )
+        log.info("group: %d ranks joined (%s)", world, _backend(where))
+
+    def _wait_joined(self, world: int, timeout: timedelta) -> None:
+        """Every rank joined the store, or the reason one did not (not a hang)."""
+        deadline = time.monotonic() + timeout.total_seconds()
+        keys = [f"joined/{r}" for r in range(1, world)]
+        while True:
+            dead = self.procs.dead()
+            if dead:
+                self.procs.stop(1)
+                codes = ", ".join(f"{p.name} exited with {p.exitcode}" for p in dead)
+                raise UnavailableError(f"the worker's group did not start: {codes}")
+            if all(self.store.check([k]) for k in keys):
+                return
+            if time.monotonic() > deadline:
+                self.procs.stop(1)
+                raise UnavailableError(
+                    f"the worker's group did not start: {world} ranks expected, "
+                    f"{1 + sum(self.store.check([k]) for k in keys)} joined in "
+                    f"{timeout.total_seconds():g} s (--collective-timeout)"
+                )
+            time.sleep(0.05)
+
+    def _broken(self, why: str) -> None:
+        # the ranks left would wait on a rank that is gone: stop them now
+        for p in self.procs.procs:
+            if p.is_alive():
+                p.kill()
+
+    def close(self) -> None:
+        self.procs.stop()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def build_engine(config: EngineConfig) -> Engine:
+    """The engine of a worker: rank 0 of its group when ``--ranks``/``--nnodes`` ask
+    for one (``Engine.stop`` then stops the group), else alone."""
+    if not grouped(config):
+        return Engine(config)
+    return Engine(config, peers=WorkerGroup(config).peers)
+
+
+def run_node(config: EngineConfig) -> int:
+    """A host other than node 0: start its ranks and wait for them (they exit when
+    rank 0 stops or is gone)."""
+    check_group(config)
+    host, port = _endpoint(config.rdzv_endpoint)
+    try:
+        dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=CONNECT_TIMEOUT_S))
+    except (RuntimeError, dist.DistError) as err:
+        raise InvalidArgumentError(
+            f"--rdzv-endpoint: nothing answers at {host}:{port} "
+            f"(start node 0 first, with the same --rdzv-endpoint): {err}"
+        ) from err
+    first = config.node_rank * config.ranks
+    procs = _spawn(config, host, port, first, range(config.ranks))
+    print(
+        f"treadle: node {config.node_rank}: ranks {first}..{first + config.ranks - 1} of "
+        f"{config.ranks * config.nnodes} joined {host}:{port}",
+        flush=True,
+    )
+    for p in procs.procs:
+        p.join()
+    return max((p.exitcode or 0) for p in procs.procs)
