@@ -36,7 +36,7 @@ class CommandChannel:
         """Rank 0: command ``per_rank[r - 1]`` for each rank ``r`` >= 1."""
         n, self._next = self._next, self._next + 1
         for r, command in enumerate(per_rank, start=1):
-            self.store.set(f"cmd/{n}/{r}", pickle.dumps(command))
+            self.store.set(f"cmd/{n}/{r}", pickle.dumps(command))  # type: ignore[arg-type]
 
     def take(self) -> RankCommand:
         """Another rank: its next command, waiting as long as it takes."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -30,14 +31,9 @@ def broadcast_state(model: TrainingModel) -> None:
         dist.broadcast(opt.exp_avg[name], src=0)
         dist.broadcast(opt.exp_avg_sq[name], src=0)
         p.grad = None
-    meta: list[object] = [opt.step_count, opt.weights_moved, model.version]
+    meta: list[Any] = [opt.step_count, opt.weights_moved, model.version]
     dist.broadcast_object_list(meta, src=0)
-    step_count, weights_moved, version = meta
-    opt.step_count, opt.weights_moved, model.version = (
-        int(step_count),
-        bool(weights_moved),
-        int(version),
-    )  # type: ignore[call-overload]
+    opt.step_count, opt.weights_moved, model.version = int(meta[0]), bool(meta[1]), int(meta[2])
 
 
 @torch.no_grad()

@@ -18,7 +18,10 @@ from __future__ import annotations
 
 import logging
 import multiprocessing as mp
+import os
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.process import BaseProcess
@@ -137,7 +140,7 @@ def rank_main(
     where = resolve_rank_device(config, local_rank)
     if where.type == "cuda":
         torch.cuda.set_device(where)
-    store.set(f"joined/{rank}", b"1")
+    store.set(f"joined/{rank}", "1")
     dist.init_process_group(
         _backend(where),
         store=dist.PrefixStore("pg", store),
@@ -152,11 +155,18 @@ def rank_main(
 
 
 class WorkerGroup:
-    """Rank 0's group: the store it serves, the ranks it started, its peers."""
+    """Rank 0's group: the store it serves, the ranks it started, its peers.
 
-    def __init__(self, config: EngineConfig) -> None:
+    ``on_lost`` is called (with the reason) once a collective failed: a rank died
+    or hung. The ranks this process started are killed at once, so none is left
+    waiting on a rank that is gone; what happens to the worker is the caller's
+    (``exit_soon``: a server or Celery worker exits, and its supervisor restarts
+    it, as after a worker crash)."""
+
+    def __init__(self, config: EngineConfig, on_lost: Callable[[str], None] | None = None) -> None:
         check_group(config)
         self.config = config
+        self._on_lost = on_lost
         world = config.ranks * config.nnodes
         host, port = _endpoint(config.rdzv_endpoint) if config.rdzv_endpoint else ("127.0.0.1", 0)
         timeout = timedelta(seconds=config.collective_timeout_s)
@@ -215,6 +225,8 @@ class WorkerGroup:
         for p in self.procs.procs:
             if p.is_alive():
                 p.kill()
+        if self._on_lost is not None:
+            self._on_lost(why)
 
     def close(self) -> None:
         self.procs.stop()
@@ -222,12 +234,29 @@ class WorkerGroup:
             dist.destroy_process_group()
 
 
-def build_engine(config: EngineConfig) -> Engine:
+def build_engine(config: EngineConfig, on_lost: Callable[[str], None] | None = None) -> Engine:
     """The engine of a worker: rank 0 of its group when ``--ranks``/``--nnodes`` ask
-    for one (``Engine.stop`` then stops the group), else alone."""
+    for one (``Engine.stop`` then stops the group; ``on_lost``: ``WorkerGroup``),
+    else alone."""
     if not grouped(config):
         return Engine(config)
-    return Engine(config, peers=WorkerGroup(config).peers)
+    return Engine(config, peers=WorkerGroup(config, on_lost).peers)
+
+
+#: seconds between a group losing a rank and its process exiting (``exit_soon``):
+#: time for the failed call's UNAVAILABLE to reach its caller
+EXIT_AFTER_S = 2.0
+
+
+def exit_soon(why: str) -> None:
+    """A worker process whose group lost a rank exits (status 1) shortly, the
+    failed call answered first: its supervisor restarts it with a fresh group, and
+    the server brings its models back at their last applied step (checkpoint and
+    ops log), as after any worker crash (docs/scaling.md)."""
+    log.critical("group: a rank was lost (%s); exiting in %.0f s", why, EXIT_AFTER_S)
+    timer = threading.Timer(EXIT_AFTER_S, os._exit, (1,))
+    timer.daemon = True
+    timer.start()
 
 
 def run_node(config: EngineConfig) -> int:
