@@ -22,7 +22,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from multiprocessing.process import BaseProcess
 
@@ -240,7 +240,18 @@ def build_engine(config: EngineConfig, on_lost: Callable[[str], None] | None = N
     else alone."""
     if not grouped(config):
         return Engine(config)
+    config = shared_cores(config)
     return Engine(config, peers=WorkerGroup(config, on_lost).peers)
+
+
+def shared_cores(config: EngineConfig) -> EngineConfig:
+    """On the CPU, ranks of one host share its cores: with ``--threads 0`` (torch's
+    default, every core) each rank takes cores / ranks threads, not all of them
+    (N ranks each spinning on every core run slower than one)."""
+    if config.threads > 0 or device.resolve(config.device).type != "cpu":
+        return config
+    cores = len(os.sched_getaffinity(0))
+    return replace(config, threads=max(1, cores // config.ranks))
 
 
 #: seconds between a group losing a rank and its process exiting (``exit_soon``):
@@ -272,7 +283,7 @@ def run_node(config: EngineConfig) -> int:
             f"(start node 0 first, with the same --rdzv-endpoint): {err}"
         ) from err
     first = config.node_rank * config.ranks
-    procs = _spawn(config, host, port, first, range(config.ranks))
+    procs = _spawn(shared_cores(config), host, port, first, range(config.ranks))
     print(
         f"treadle: node {config.node_rank}: ranks {first}..{first + config.ranks - 1} of "
         f"{config.ranks * config.nnodes} joined {host}:{port}",
