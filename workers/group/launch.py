@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from treadle.errors import InvalidArgumentError, UnavailableError
 from treadle.workers.device import device
+from treadle.workers.engine.base_models import BaseModelRegistry
 from treadle.workers.engine.config import EngineConfig
 from treadle.workers.engine.loop import Engine
 from treadle.workers.engine.options import EngineOptions
@@ -140,6 +141,13 @@ def rank_main(
     where = resolve_rank_device(config, local_rank)
     if where.type == "cuda":
         torch.cuda.set_device(where)
+    try:  # what the rank will load is there: else the group's start says why
+        registry = BaseModelRegistry(config.base_models, where)
+        for name in registry.names():
+            registry.config(name)
+    except Exception as err:
+        store.set(f"failed/{rank}", f"{type(err).__name__}: {err}")
+        raise SystemExit(1) from err
     store.set(f"joined/{rank}", "1")
     dist.init_process_group(
         _backend(where),
@@ -197,13 +205,18 @@ class WorkerGroup:
         self.peers = GroupPeers(
             CommandChannel(self.store, 0, world), on_broken=self._broken, on_closed=self.close
         )
-        log.info("group: %d ranks joined (%s)", world, _backend(where))
+        print(f"treadle: a worker of {world} ranks ({_backend(where)})", flush=True)
 
     def _wait_joined(self, world: int, timeout: timedelta) -> None:
         """Every rank joined the store, or the reason one did not (not a hang)."""
         deadline = time.monotonic() + timeout.total_seconds()
         keys = [f"joined/{r}" for r in range(1, world)]
         while True:
+            for r in range(1, world):
+                if self.store.check([f"failed/{r}"]):
+                    self.procs.stop(1)
+                    why = self.store.get(f"failed/{r}").decode()
+                    raise UnavailableError(f"the worker's group did not start: rank {r}: {why}")
             dead = self.procs.dead()
             if dead:
                 self.procs.stop(1)
