@@ -336,7 +336,7 @@ def check_engine_settings(config: EngineOptions) -> None:
             f"training_threads: {config.training_threads!r}; choose from {TRAINING_THREADS}"
         )
     check_available(config.sampler)
-    from treadle.workers.group.launch import check_group  # torch.distributed: only here
+    from treadle.workers.group.options import check_group
 
     check_group(config)
     if config.sampler == "vllm":

@@ -34,57 +34,15 @@ from treadle.workers.device import device
 from treadle.workers.engine.base_models import BaseModelRegistry
 from treadle.workers.engine.config import EngineConfig
 from treadle.workers.engine.loop import Engine
-from treadle.workers.engine.options import EngineOptions
 from treadle.workers.group.channel import CommandChannel
 from treadle.workers.group.follower import resolve_rank_device, serve_rank
 from treadle.workers.group.leader import GroupPeers
+from treadle.workers.group.options import check_group, endpoint, grouped
 
 log = logging.getLogger("treadle.group")
 
 #: how long a rank on another host tries to reach the rendezvous endpoint
 CONNECT_TIMEOUT_S = 10.0
-
-
-def grouped(options: EngineOptions) -> bool:
-    """Whether the options ask for a group (more than one rank, or several hosts)."""
-    return options.ranks > 1 or options.nnodes > 1
-
-
-def check_group(options: EngineOptions) -> None:
-    """INVALID_ARGUMENT naming the flag when the group's flags cannot work here."""
-    if options.ranks < 1:
-        raise InvalidArgumentError(f"--ranks: {options.ranks}; a worker has at least one rank")
-    if options.nnodes < 1:
-        raise InvalidArgumentError(f"--nnodes: {options.nnodes}; at least one host")
-    if not 0 <= options.node_rank < options.nnodes:
-        raise InvalidArgumentError(
-            f"--node-rank: {options.node_rank}; from 0 to --nnodes - 1 ({options.nnodes - 1})"
-        )
-    if options.collective_timeout_s <= 0:
-        raise InvalidArgumentError(
-            f"--collective-timeout: {options.collective_timeout_s}; seconds, above 0"
-        )
-    if options.nnodes > 1 and not options.rdzv_endpoint:
-        raise InvalidArgumentError(
-            "--rdzv-endpoint: several hosts (--nnodes > 1) meet at HOST:PORT, served by node 0"
-        )
-    if options.rdzv_endpoint:
-        _endpoint(options.rdzv_endpoint)
-    if not grouped(options):
-        return
-    where = device.resolve(options.device)
-    if where.type == "cuda" and options.ranks > torch.cuda.device_count():
-        raise InvalidArgumentError(
-            f"--ranks: {options.ranks} ranks, but this host has "
-            f"{torch.cuda.device_count()} GPU(s) (one GPU a rank)"
-        )
-
-
-def _endpoint(value: str) -> tuple[str, int]:
-    host, sep, port = value.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise InvalidArgumentError(f"--rdzv-endpoint: {value!r}; write HOST:PORT")
-    return host.strip("[]"), int(port)
 
 
 @dataclass
@@ -176,7 +134,7 @@ class WorkerGroup:
         self.config = config
         self._on_lost = on_lost
         world = config.ranks * config.nnodes
-        host, port = _endpoint(config.rdzv_endpoint) if config.rdzv_endpoint else ("127.0.0.1", 0)
+        host, port = endpoint(config.rdzv_endpoint) if config.rdzv_endpoint else ("127.0.0.1", 0)
         timeout = timedelta(seconds=config.collective_timeout_s)
         try:
             self.store = dist.TCPStore(
@@ -287,7 +245,7 @@ def run_node(config: EngineConfig) -> int:
     """A host other than node 0: start its ranks and wait for them (they exit when
     rank 0 stops or is gone)."""
     check_group(config)
-    host, port = _endpoint(config.rdzv_endpoint)
+    host, port = endpoint(config.rdzv_endpoint)
     try:
         dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=CONNECT_TIMEOUT_S))
     except (RuntimeError, dist.DistError) as err:

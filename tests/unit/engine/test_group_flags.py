@@ -12,7 +12,7 @@ import pytest
 from treadle.server.cli import main
 from treadle.workers.engine.options import EngineOptions
 from treadle.workers.group.collectives import merge_results, split
-from treadle.workers.group.launch import check_group
+from treadle.workers.group.options import check_group
 from treadle.workers.model.tiny import build_tiny_model
 
 
