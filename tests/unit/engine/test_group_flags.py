@@ -42,6 +42,14 @@ def test_serve_refuses_bad_group_flags(
     assert message in capsys.readouterr().err
 
 
+def test_a_distributed_server_refuses_ranks(
+    model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["serve", "--model", f"tiny={model}", "--data-dir", str(tmp_path), "--ranks", "2"]
+    assert main([*argv, "--broker", "redis://localhost:6379/0"]) == 2
+    assert "--ranks: a distributed server (--broker) runs no engine" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(("flags", "message"), BAD[:2])
 def test_worker_refuses_bad_group_flags(
     model: Path, capsys: pytest.CaptureFixture[str], flags: list[str], message: str
