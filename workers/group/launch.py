@@ -41,6 +41,9 @@ from treadle.workers.group.options import check_group, endpoint, grouped
 
 log = logging.getLogger("treadle.group")
 
+#: the least time the ranks have to start and join (starting a process that imports
+#: torch takes seconds; --collective-timeout bounds it when longer)
+START_TIMEOUT_S = 120.0
 #: how long a rank on another host tries to reach the rendezvous endpoint
 CONNECT_TIMEOUT_S = 10.0
 
@@ -151,7 +154,7 @@ class WorkerGroup:
                 f"{flag}: cannot serve the rendezvous on {host}:{port}: {err}"
             ) from err
         self.procs = _spawn(config, host, self.store.port, 0, range(1, config.ranks))
-        self._wait_joined(world, timeout)
+        self._wait_joined(world, max(timeout, timedelta(seconds=START_TIMEOUT_S)))
         where = resolve_rank_device(config, 0)
         dist.init_process_group(
             _backend(where),
@@ -187,7 +190,7 @@ class WorkerGroup:
                 raise UnavailableError(
                     f"the worker's group did not start: {world} ranks expected, "
                     f"{1 + sum(self.store.check([k]) for k in keys)} joined in "
-                    f"{timeout.total_seconds():g} s (--collective-timeout)"
+                    f"{timeout.total_seconds():g} s"
                 )
             time.sleep(0.05)
 

@@ -75,3 +75,25 @@ def test_a_rank_killed_mid_forward_backward(tmp_path: Path, tiny_model_dir: Path
         np.testing.assert_allclose(_logprobs(tc), applied, rtol=0, atol=1e-6)
         assert _step(tc) == 3  # and it trains on, on the new group
         service.close()
+
+
+def test_a_hung_rank_fails_the_call_after_the_collective_timeout(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    """SIGSTOP: the rank neither answers nor closes its sockets; the collective
+    gives up after ``--collective-timeout`` and the stopped rank is killed."""
+    flags = ("--ranks", "2", "--collective-timeout", "5")
+    with serve(tmp_path, tiny_model_dir, *flags) as srv:
+        assert srv.proc is not None
+        (rank,) = _ranks_of(srv.proc.pid)
+        service = treadle.ServiceClient(srv.address, max_retries=0)
+        tc = service.create_training_client("tiny", seed=0)
+        assert _step(tc) == 1
+        os.kill(rank, signal.SIGSTOP)
+        t0 = time.monotonic()
+        with pytest.raises(treadle.UnavailableError, match="collective"):
+            tc.forward_backward(DATA, "cross_entropy").result(TIMEOUT)
+        waited = time.monotonic() - t0
+        assert 4 < waited < 5 + 30, waited
+        assert srv.proc.wait(60) == 1
+        assert not _alive(rank)
