@@ -46,6 +46,14 @@ def sum_gradients(model: TrainingModel) -> None:
         dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
 
 
+def all_ok(ok: bool, where: torch.device) -> bool:
+    """Whether every rank's ``ok`` is True (each rank learns the same answer);
+    ``where``: the ranks' device (NCCL reduces CUDA tensors only)."""
+    flag = torch.tensor([0 if ok else 1], dtype=torch.int64, device=where)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return int(flag.item()) == 0
+
+
 def split(count: int, parts: int) -> list[range]:
     """``count`` datums in ``parts`` contiguous shares, the larger first (rank 0's)."""
     size, extra = divmod(count, parts)

@@ -66,7 +66,13 @@ class Replicas:
         elif isinstance(command, ReplicaOptimStep):
             model = self.models[command.model_id]
             collectives.sum_gradients(model)
-            model.optim_step(command.adam)
+            try:
+                model.optim_step(command.adam)
+                ok = True
+            except Exception:  # rank 0 breaks the group: the replicas no longer agree
+                log.exception("group: rank %d: optim_step failed", dist.get_rank())
+                ok = False
+            collectives.all_ok(ok, model.params.device)
         elif isinstance(command, ReplicaLoadState):
             collectives.broadcast_state(self.models[command.model_id])
         return True

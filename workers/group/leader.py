@@ -93,7 +93,7 @@ class GroupPeers(Peers):
             if share.data:
                 trainer.prepare_forward_backward(model, share)
         self.channel.post([ReplicaForwardBackward(model.spec.model_id, s) for s in shares[1:]])
-        mine: ForwardResult | TreadleError | None = None
+        mine: ForwardResult | None = None
         failed: Exception | None = None
         try:
             mine = trainer.forward_backward(model, shares[0]) if shares[0].data else None
@@ -106,15 +106,25 @@ class GroupPeers(Peers):
         errors = [g for g in gathered if isinstance(g, BaseException)]
         if errors:
             raise self._diverged(str(errors[0]))
-        return collectives.merge_results([g for g in gathered if not isinstance(g, BaseException)])  # type: ignore[misc]
+        return collectives.merge_results(
+            [g if isinstance(g, ForwardResult) else None for g in gathered]
+        )
 
     def optim_step(self, model: TrainingModel, adam: AdamConfig) -> OptimStepResult:
         check_adam(adam)
         result: list[OptimStepResult] = []
 
+        failed: list[BaseException] = []
+
         def step() -> None:
             collectives.sum_gradients(model)
-            result.append(model.optim_step(adam))
+            try:
+                result.append(model.optim_step(adam))
+            except Exception as err:  # e.g. out of memory here only: told to every rank
+                failed.append(err)
+            if not collectives.all_ok(not failed, model.params.device):
+                why = f"rank 0: {failed[0]}" if failed else "another rank failed its step"
+                raise self._diverged(why)
 
         self._all(ReplicaOptimStep(model.spec.model_id, adam), step)
         return result[0]
