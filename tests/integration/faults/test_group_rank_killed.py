@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 import treadle
+from tests.helpers import next_token_datum
 from tests.integration.faults.test_restarts import DATA, TIMEOUT, _logprobs, _step, serve
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -56,8 +57,11 @@ def test_a_rank_killed_mid_forward_backward(tmp_path: Path, tiny_model_dir: Path
         assert _step(tc) == 2
         applied = _logprobs(tc)
 
-        big = DATA * 64  # long enough for the kill to land while it runs
+        # long enough (seconds) for the kill to land while the ranks compute
+        tokens = [int(t) for t in np.random.default_rng(0).integers(3, 60, 122)]
+        big = [next_token_datum(tokens)] * 512
         fb = tc.forward_backward(big, "cross_entropy")
+        time.sleep(0.5)
         os.kill(ranks[0], signal.SIGKILL)
         t0 = time.monotonic()
         with pytest.raises(treadle.UnavailableError):
