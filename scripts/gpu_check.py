@@ -26,6 +26,9 @@ Rows of the table:
   step (sample, forward_backward, optim_step, sync_weights), all in flight vs
   one after another, with their logprobs compared (``benchmarks/sweep.py``'s
   runs; ``scripts/gpu_sweep.py``) (target: >= 2.8x);
+* ``ranks``: ``--ranks 2`` (one GPU a rank, NCCL) against one rank, a full
+  fine-tune of the train model at its longest case: step time, losses, rank
+  0's peak; skipped with the reason on a host with fewer than two GPUs;
 * ``peak memory`` of each part, engine vs reference
   (``torch.cuda.max_memory_allocated``).
 
@@ -82,6 +85,7 @@ from treadle.common.engine.domain import (  # noqa: E402
     SamplingConfig,
 )
 from treadle.workers.engine.loop import Engine, EngineConfig  # noqa: E402
+from treadle.workers.group.launch import build_engine  # noqa: E402
 from treadle.workers.model.tiny import build_tiny_model  # noqa: E402
 from treadle.workers.trainer import trainer  # noqa: E402
 from treadle.workers.trainer.batching import BatchCall, run_batch  # noqa: E402
@@ -393,6 +397,73 @@ class Run:
             )
         )
 
+    # ---- a worker of two ranks -----------------------------------------------------------------
+
+    def ranks(self) -> None:
+        """``--ranks 2`` (one GPU a rank, NCCL): a full fine-tune's step on 2 ranks vs 1,
+        its loss and step time, and rank 0's peak memory. A host with fewer than
+        two GPUs runs one rank: the row says so and why."""
+        if self.device.startswith("cuda") and torch.cuda.device_count() < 2:
+            self.rows.append(
+                Row(
+                    "ranks",
+                    "--ranks 2 (full FT)",
+                    "skipped",
+                    note=f"needs 2 GPUs or more; this host has {torch.cuda.device_count()} "
+                    "(a single-GPU host runs one rank)",
+                )
+            )
+            return
+        s = self.args.sizes
+        name, (_, rows, length) = s.train_model, s.train_cases[-1]
+        out = {n: self._ranks_run(n, name, rows, length) for n in (1, 2)}
+        (t1, l1, p1), (t2, l2, p2) = out[1], out[2]
+        diff = max(abs(a - b) / abs(b) for a, b in zip(l2, l1, strict=True))
+        self.rows.append(
+            Row(
+                "ranks",
+                f"--ranks 2, {name} full FT {rows}x{length}",
+                f"2 ranks {t2 * 1e3:.1f} ms",
+                f"1 rank {t1 * 1e3:.1f} ms",
+                f"{t1 / t2:.2f}x faster",
+                f"losses max rel diff {diff:.1e}; rank 0 peak {p2} vs {p1}",
+            )
+        )
+
+    def _ranks_run(
+        self, n: int, name: str, rows: int, length: int
+    ) -> tuple[float, list[float], str]:
+        dtype = str(self.dtype).removeprefix("torch.")
+        cfg = EngineConfig(
+            base_models={name: self.model(name)},
+            device=self.device,
+            default_dtype=dtype,
+            ranks=n,
+            collective_timeout_s=120.0,
+        )
+        engine = build_engine(cfg)
+        checks._create(engine, ModelSpec("m", "t", name, 0, 0.0, 0, dtype))
+        model = engine.models["m"]
+        rng = np.random.default_rng(0)
+        toks = rng.integers(3, min(model.cfg.vocab_size, 30_000), size=(rows, length + 1))
+        ones = np.ones(length, np.float32)
+        data = tuple(DatumData(t[:-1], {"target_tokens": t[1:], "weights": ones}) for t in toks)
+        fb = ForwardBackwardOp(data, "cross_entropy", {})
+        adam = OptimStepOp(AdamConfig(learning_rate=1e-5))
+        seq = iter(range(1, 10**6))
+        losses: list[float] = []
+
+        def step() -> None:
+            result = engine.executor.apply(model, next(seq), fb)
+            losses.append(result.metrics["loss:sum"])  # type: ignore[union-attr]
+            engine.executor.apply(model, next(seq), adam)
+
+        self.reset_peak()
+        spent = self.timed(step, self.args.reps)
+        peak = self.peak()
+        engine.stop()
+        return spent, losses, peak
+
     # ---- a sweep of one tenant ---------------------------------------------------------------------
 
     def sweep(self) -> None:
@@ -448,7 +519,9 @@ def main() -> int:
         "--reps", type=int, default=0, help="timed repetitions (default 5; smoke 1)"
     )
     parser.add_argument(
-        "--skip", default="", help="comma-separated parts to skip: tests,decode,train,tenants,sweep"
+        "--skip",
+        default="",
+        help="comma-separated parts to skip: tests,decode,train,tenants,sweep,ranks",
     )
     args = parser.parse_args()
     args.sizes = SMOKE if args.smoke else FULL
@@ -483,6 +556,8 @@ def main() -> int:
             run.guarded("tenants", "4", run.tenants)
         if "sweep" not in skip:
             run.guarded("sweep", str(args.sizes.sweep_runs), run.sweep)
+        if "ranks" not in skip:
+            run.guarded("ranks", "2", run.ranks)
         print(
             f"\ntreadle GPU check: {gpu}, torch {torch.__version__}, {str(dtype).removeprefix('torch.')}, "
             f"{time.strftime('%Y-%m-%d')}, {time.perf_counter() - t0:.0f}s{' (smoke sizes)' if args.smoke else ''}\n"

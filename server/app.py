@@ -47,8 +47,9 @@ from treadle.wire.channel import channel_options
 from treadle.workers.device import host_allocator
 from treadle.workers.engine import flags as engine_flags
 from treadle.workers.engine.collector import EngineCollector
-from treadle.workers.engine.loop import Engine, EngineConfig
+from treadle.workers.engine.loop import EngineConfig
 from treadle.workers.engine.staging import StagedEngine
+from treadle.workers.group.launch import build_engine, exit_soon
 
 log = logging.getLogger("treadle.server")
 
@@ -159,7 +160,7 @@ async def create_context(config: ServerConfig, dispatcher: Backend | None = None
             replay_log_bytes=config.replay_log_bytes,
         )
     if dispatcher is None:
-        engine = Engine(engine_config(config)).start()
+        engine = build_engine(engine_config(config), on_lost=exit_soon).start()
         # with a remote store (S3), checkpoints move through local staging off the
         # engine thread; with a local one, storage paths are the engine's directories
         staged = StagedEngine(engine, store) if not store.is_local else None

@@ -30,6 +30,11 @@ def _serve(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    if config.node_rank > 0:  # another host of a group: its ranks only, no server
+        from treadle.server.app import engine_config
+        from treadle.workers.group.launch import run_node
+
+        return run_node(engine_config(config))
     prepare_process(config)
 
     async def main() -> None:

@@ -93,6 +93,11 @@ class ServerConfig(EngineOptions):
         if self.http_port is not None and not 0 <= self.http_port < 65536:
             raise InvalidArgumentError(f"http_port: {self.http_port} is not a TCP port")
         check_engine_settings(self)
+        if self.broker and (self.ranks > 1 or self.nnodes > 1):
+            raise InvalidArgumentError(
+                "--ranks: a distributed server (--broker) runs no engine; give --ranks to "
+                "each `treadle worker`"
+            )
         for name, positive in (
             ("max_message_bytes", self.max_message_bytes >= 4 * 1024 * 1024),
             ("model_ttl_s", self.model_ttl_s >= 0),

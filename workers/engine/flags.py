@@ -162,7 +162,47 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=int(env("TREADLE_SAMPLER_MAX_LEN", DEFAULTS.sampler_max_len)),
     )
+    _add_group_flags(parser)
     _add_vllm_flags(parser)
+
+
+def _add_group_flags(parser: argparse.ArgumentParser) -> None:
+    """A worker as a group of ranks on torch.distributed (``workers.group``)."""
+    env = os.environ.get
+    group = parser.add_argument_group("a worker of several processes (docs/scaling.md)")
+    group.add_argument(
+        "--ranks",
+        type=int,
+        default=int(env("TREADLE_RANKS", DEFAULTS.ranks)),
+        help="processes of this worker on this host (one GPU each on CUDA; gloo on the CPU): "
+        "rank 0 runs the engine, every rank executes each training call, its datums split "
+        "across them (default 1: one process, no torch.distributed)",
+    )
+    group.add_argument(
+        "--nnodes",
+        type=int,
+        default=int(env("TREADLE_NNODES", DEFAULTS.nnodes)),
+        help="hosts of the group, each with --ranks processes",
+    )
+    group.add_argument(
+        "--node-rank",
+        type=int,
+        default=int(env("TREADLE_NODE_RANK", DEFAULTS.node_rank)),
+        help="this host's index in the group; node 0 runs rank 0 (the engine) and serves "
+        "the rendezvous, the others start their ranks only",
+    )
+    group.add_argument(
+        "--rdzv-endpoint",
+        default=env("TREADLE_RDZV_ENDPOINT", DEFAULTS.rdzv_endpoint),
+        help="HOST:PORT where the group's ranks meet (a torch.distributed TCPStore served "
+        "by node 0); default: a free loopback port (one host)",
+    )
+    group.add_argument(
+        "--collective-timeout",
+        type=float,
+        default=float(env("TREADLE_COLLECTIVE_TIMEOUT", DEFAULTS.collective_timeout_s)),
+        help="seconds a collective waits for every rank before the call fails UNAVAILABLE",
+    )
 
 
 def _add_vllm_flags(parser: argparse.ArgumentParser) -> None:
@@ -267,6 +307,11 @@ def engine_settings(args: argparse.Namespace) -> dict[str, Any]:
         "activation_checkpointing": args.activation_checkpointing,
         "train_memory_limit_bytes": args.train_memory_limit_bytes,
         "host_allocator": args.host_allocator,
+        "ranks": args.ranks,
+        "nnodes": args.nnodes,
+        "node_rank": args.node_rank,
+        "rdzv_endpoint": args.rdzv_endpoint,
+        "collective_timeout_s": args.collective_timeout,
     }
 
 
@@ -301,6 +346,9 @@ def check_engine_settings(config: EngineOptions) -> None:
                 f"{name}: {getattr(config, name)!r}; choose from {TRAINING_THREADS}"
             )
     check_available(config.sampler)
+    from treadle.workers.group.options import check_group
+
+    check_group(config)
     if config.sampler == "vllm":
         vllm = VllmSettings.from_options(dict(config.sampler_options))
         if vllm.sleep_during_training:

@@ -59,6 +59,7 @@ from treadle.workers.engine.base_models import BaseModel, BaseModelRegistry, par
 from treadle.workers.engine.config import EngineConfig
 from treadle.workers.engine.models import ModelRegistry, holds_gradients
 from treadle.workers.engine.ordered import OrderedExecutor, StepReport
+from treadle.workers.engine.peers import Alone, Peers
 from treadle.workers.engine.scheduler import QueuedCall, Scheduler
 from treadle.workers.engine.versions import VersionStore, WeightSnapshot
 from treadle.workers.sampler.backend import (
@@ -78,8 +79,10 @@ R = TypeVar("R")
 
 
 class Engine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, peers: Peers | None = None) -> None:
         self.config = config
+        #: the other ranks of this worker's group (``workers.group``); none: ``Alone``
+        self.peers: Peers = peers if peers is not None else Alone()
         #: where every tensor lives (``workers.device.device``)
         self.device = device.resolve(config.device)
         device.check_dtype(self.device, config.default_dtype)
@@ -111,7 +114,13 @@ class Engine:
         )
         self.sampler: SamplerBackend = make_backend(config.sampler, settings)
         self.executor = OrderedExecutor(
-            config, self.device, self.registry, self.scheduler, self.versions, self.sampler
+            config,
+            self.device,
+            self.registry,
+            self.scheduler,
+            self.versions,
+            self.sampler,
+            self.peers,
         )
         self.threads = self.executor.threads
         self.passes = self.executor.passes
@@ -132,6 +141,7 @@ class Engine:
         if self._thread.is_alive():
             self._thread.join(timeout)
         self.sampler.close(UnavailableError("the engine is shutting down"), timeout)
+        self.peers.close()
 
     def run_between_calls(self, has_work: Callable[[], bool], run_once: Callable[[], None]) -> None:
         """``EngineThread``: run ``run_once`` on this engine's thread between two
@@ -396,6 +406,7 @@ class Engine:
         if from_state is not None:
             checkpoint.load_state(model, from_state)
             model.last_checkpoint_seq_id = next_seq_id - 1
+        self.peers.created(model)
         self.models[spec.model_id] = model
         self.scheduler.add_model(spec.model_id, spec.tenant_id, next_seq_id)
         self.executor.publish(model, inflight=False)
@@ -405,6 +416,7 @@ class Engine:
 
     def _delete_model(self, model_id: str) -> None:
         self.registry.remove(model_id)
+        self.peers.deleted(model_id)
         for call in self.scheduler.remove_model(model_id):
             self.executor.resolve(
                 call, NotFoundError(f"model {model_id} was deleted"), record=False

@@ -52,7 +52,7 @@ def _forward_backward(
     ex: OrderedExecutor, model: TrainingModel, seq_id: int, op: ForwardBackwardOp
 ) -> OpResult:
     ex.check_size(op.data)
-    return trainer.forward_backward(model, op)
+    return ex.peers.forward_backward(model, op)
 
 
 @applies(ForwardLogprobsOp)
@@ -71,7 +71,7 @@ def _forward_logprobs(
 def _optim_step(
     ex: OrderedExecutor, model: TrainingModel, seq_id: int, op: OptimStepOp
 ) -> OpResult:
-    return ex.auto_checkpoint(model, seq_id, model.optim_step(op.adam))
+    return ex.auto_checkpoint(model, seq_id, ex.peers.optim_step(model, op.adam))
 
 
 @applies(SyncWeightsOp)
@@ -96,4 +96,4 @@ def _save_state(
 def _load_state(
     ex: OrderedExecutor, model: TrainingModel, seq_id: int, op: LoadStateOp
 ) -> OpResult:
-    return checkpoint.load_state(model, op.directory, optimizer=op.optimizer)
+    return ex.peers.load_state(model, op.directory, op.optimizer)

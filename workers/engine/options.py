@@ -61,6 +61,17 @@ class EngineOptions:
     #: "reuse" (malloc keeps what a step frees for the next, no page faults to get
     #: it back) or "system" (malloc's defaults): ``engine.host_allocator``
     host_allocator: str = "reuse"
+    #: processes of this worker (``workers.group``): rank 0 runs the engine, every rank
+    #: executes each training call on torch.distributed; 1: one process, no group
+    ranks: int = 1
+    #: hosts of the group (``--nnodes``), this host's index (``--node-rank``) and where
+    #: they meet (``--rdzv-endpoint HOST:PORT``, served by node 0; "" = loopback)
+    nnodes: int = 1
+    node_rank: int = 0
+    rdzv_endpoint: str = ""
+    #: seconds a collective of the group waits for every rank before the call fails
+    #: UNAVAILABLE (a rank died or hangs)
+    collective_timeout_s: float = 300.0
 
 
 #: the operator's options, by name: what a server's or worker's config hands its engine

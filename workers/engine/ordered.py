@@ -43,6 +43,7 @@ from treadle.workers.engine import op_handlers
 from treadle.workers.engine.call_stats import CallStats
 from treadle.workers.engine.config import EngineConfig
 from treadle.workers.engine.models import ModelRegistry
+from treadle.workers.engine.peers import Peers
 from treadle.workers.engine.scheduler import Admission, QueuedCall, Scheduler, WorkUnit
 from treadle.workers.engine.versions import VersionStore, WeightSnapshot
 from treadle.workers.sampler.backend import SamplerBackend
@@ -86,8 +87,11 @@ class OrderedExecutor:
         scheduler: Scheduler,
         versions: VersionStore,
         sampler: SamplerBackend,
+        peers: Peers,
     ) -> None:
         self.config = config
+        #: the other ranks, which execute each state-changing op too (``engine.peers``)
+        self.peers = peers
         self.device = where
         self.registry = registry
         self.scheduler = scheduler
@@ -162,7 +166,8 @@ class OrderedExecutor:
         for unit in units:
             model = self.registry.models.get(unit.model_id)
             n = 0
-            if model is not None and self.config.batch_across_models:
+            # a group runs each call on its own, its datums split across the ranks
+            if model is not None and self.config.batch_across_models and self.peers.size == 1:
                 while n < len(unit.calls) and batchable(model, unit.calls[n].payload):
                     n += 1
             if model is not None and n:

@@ -66,6 +66,7 @@ from treadle.workers.engine.collector import EngineCollector
 from treadle.workers.engine.flags import engine_config
 from treadle.workers.engine.loop import Engine
 from treadle.workers.engine.staging import StagedEngine
+from treadle.workers.group.launch import build_engine, exit_soon
 from treadle.workers.worker.config import WorkerConfig
 
 log = logging.getLogger("treadle.worker")
@@ -155,7 +156,9 @@ class WorkerProcess:
             endpoint_url=config.s3_endpoint_url,
             staging=config.data_dir / "staging",
         )
-        self.engine = Engine(engine_config(config, config.models, self.store.local_root))
+        self.engine = build_engine(
+            engine_config(config, config.models, self.store.local_root), on_lost=exit_soon
+        )
         self.staged = StagedEngine(self.engine, self.store)
         self.api: EngineAPI = self.staged
         self.db = make_engine(config.database_url)
@@ -456,4 +459,8 @@ def _status_query(worker_id: str) -> Any:
 
 
 def run_worker(config: WorkerConfig) -> int:
+    if config.node_rank > 0:  # another host of a group: its ranks only, no broker
+        from treadle.workers.group.launch import run_node
+
+        return run_node(engine_config(config, config.models, None))
     return WorkerProcess(config).run()

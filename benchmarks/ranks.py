@@ -1,0 +1,165 @@
+"""A worker as a group of ranks (``--ranks``, issue 36): step time and peak memory
+per rank of a full fine-tune, 1 rank against 2, in one run.
+
+Each configuration runs in a fresh process (this script with ``--one RANKS``):
+the engine of a worker (``workers.group.launch.build_engine``, as ``treadle
+serve --ranks`` builds it) with one full fine-tune of the ``--preset`` (110m)
+in float32, and ``--steps`` steps of ``forward_backward`` (cross-entropy on
+``--batch`` x ``--length`` random tokens) + ``optim_step`` after one untimed
+step. The machine's cores are shared out: 1 rank runs ``THREADS`` torch
+threads, each of 2 ranks ``THREADS / 2``, so both rows use the same cores.
+
+Columns: the median step time; each rank's peak RSS (``VmHWM``: rank 0 is the
+process that runs the engine, the others its rank processes); and the bytes of
+the model's parameters + gradients + Adam moments on a rank, counted on rank 0
+from its tensors (the other ranks hold the same replica).
+
+What to expect: the group is data parallel with the weights replicated (each
+rank holds the whole model, its optimizer state and a gradient; datums are
+split, gradients summed at the step), so parameters + gradients + Adam per rank
+are the same on 2 ranks as on 1: the memory of a rank does not shrink, only the
+activations (half the datums each). On a 2-core machine 2 ranks of 1 thread do
+the work of 1 rank of 2 threads, plus the gradient all-reduce and a second
+process: expect no speed-up. Sharding the weights across ranks (FSDP2) is not
+built (docs/scaling.md).
+
+    python benchmarks/ranks.py                      # 110m, 4 x 256, 3 steps
+    python benchmarks/ranks.py --preset 5m --steps 2   # quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _common import THREADS, model_dir, table  # noqa: E402
+
+
+def _hwm_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def one(ranks: int, model: Path, steps: int, batch: int, length: int) -> dict[str, object]:
+    import numpy as np
+
+    from treadle.common.engine.domain import (
+        AdamConfig,
+        DatumData,
+        ForwardBackwardOp,
+        ModelSpec,
+        OptimStepOp,
+    )
+    from treadle.workers.engine.config import EngineConfig
+    from treadle.workers.group.launch import build_engine
+
+    threads = max(1, THREADS // ranks)
+    config = EngineConfig(base_models={"m": model}, ranks=ranks, threads=threads)
+    engine = build_engine(config).start()
+    spec = ModelSpec("full", "t", "m", 0, 0.0, 0, "float32")
+    engine.create_model(spec).result()
+    rng = np.random.default_rng(0)
+    vocab = engine.bases.config("m").vocab_size
+    data = tuple(
+        DatumData(
+            rng.integers(3, vocab, length),
+            {"target_tokens": rng.integers(3, vocab, length), "weights": np.ones(length)},
+        )
+        for _ in range(batch)
+    )
+    seq, times = 1, []
+    for i in range(steps + 1):
+        t0 = time.perf_counter()
+        engine.submit("full", seq, ForwardBackwardOp(data, "cross_entropy", {}), f"f{i}").result()
+        engine.submit(
+            "full", seq + 1, OptimStepOp(AdamConfig(learning_rate=1e-5)), f"o{i}"
+        ).result()
+        seq += 2
+        if i:
+            times.append(time.perf_counter() - t0)
+    model_state = engine.models["full"]
+    opt = model_state.optimizer
+    per_rank_state = sum(
+        p.numel() * p.element_size() * 2  # the weights and a gradient
+        + opt.exp_avg[n].numel() * opt.exp_avg[n].element_size()
+        + opt.exp_avg_sq[n].numel() * opt.exp_avg_sq[n].element_size()
+        for n, p in model_state.trainable.items()
+    )
+    peaks = [_hwm_bytes(p.pid) for p in multiprocessing.active_children() if p.pid]
+    peaks = [_hwm_bytes(os.getpid()), *peaks]
+    engine.stop()
+    return {
+        "ranks": ranks,
+        "threads": threads,
+        "step_s": statistics.median(times),
+        "peaks": peaks,
+        "state": per_rank_state,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", default="110m")
+    parser.add_argument("--model-dir", default=None)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--length", type=int, default=256)
+    parser.add_argument("--one", type=int, default=0, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    model = model_dir(args.preset, args.model_dir)
+    if args.one:
+        print(json.dumps(one(args.one, model, args.steps, args.batch, args.length)))
+        return
+    rows, base = [], None
+    for ranks in (1, 2):
+        cmd = [sys.executable, __file__, "--one", str(ranks), "--model-dir", str(model)]
+        cmd += ["--steps", str(args.steps), "--batch", str(args.batch)]
+        cmd += ["--length", str(args.length)]
+        out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+        r = json.loads(out.strip().splitlines()[-1])
+        base = base or r
+        gib = 2**30
+        rows.append(
+            [
+                r["ranks"],
+                r["threads"],
+                r["step_s"] * 1e3,
+                f"{r['step_s'] / base['step_s']:.2f}x",
+                " / ".join(f"{p / gib:.2f}" for p in r["peaks"]),
+                r["state"] / gib,
+                f"{r['state'] / base['state']:.2f}x",
+            ]
+        )
+    print(
+        f"{args.preset} full fine-tune, {args.batch} x {args.length} tokens, float32, "
+        f"median of {args.steps} steps; {THREADS} cores shared out"
+    )
+    print(
+        table(
+            [
+                "ranks",
+                "threads/rank",
+                "ms/step",
+                "vs 1 rank",
+                "peak RSS GiB per rank (0 / 1)",
+                "params+grads+Adam GiB/rank",
+                "vs 1 rank",
+            ],
+            rows,
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()

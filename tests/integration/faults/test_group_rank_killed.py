@@ -1,0 +1,103 @@
+"""A rank of a worker group killed (SIGKILL) in the middle of ``forward_backward``
+(issue 36, "Faults"): the call fails UNAVAILABLE (gloo sees the peer gone; at
+the latest after ``--collective-timeout``), the worker exits so that its
+supervisor restarts it (here: the test), no rank is left running, and the
+restarted worker brings the model back at its last applied step (auto-checkpoint
+every step: the checkpoint is the last applied step)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import treadle
+from tests.helpers import next_token_datum
+from tests.integration.faults.test_restarts import DATA, TIMEOUT, _logprobs, _step, serve
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+
+def _ranks_of(pid: int) -> list[int]:
+    """The rank processes ``pid`` started (multiprocessing's spawned children)."""
+    out = []
+    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    for child in map(int, children):
+        try:
+            cmdline = Path(f"/proc/{child}/cmdline").read_bytes()
+        except FileNotFoundError:
+            continue
+        if b"spawn_main" in cmdline:
+            out.append(child)
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    stat = Path(f"/proc/{pid}/stat").read_text() if Path(f"/proc/{pid}").exists() else ""
+    return bool(stat) and stat.split()[2] != "Z"
+
+
+def test_a_rank_killed_mid_forward_backward(tmp_path: Path, tiny_model_dir: Path) -> None:
+    flags = ("--ranks", "2", "--auto-checkpoint-steps", "1", "--collective-timeout", "30")
+    with serve(tmp_path, tiny_model_dir, *flags) as srv:
+        assert srv.proc is not None
+        ranks = _ranks_of(srv.proc.pid)
+        assert len(ranks) == 1, ranks  # rank 1; rank 0 is the server process
+        service = treadle.ServiceClient(srv.address, max_retries=0)
+        tc = service.create_training_client("tiny", seed=0)
+        assert _step(tc) == 1
+        assert _step(tc) == 2
+        applied = _logprobs(tc)
+
+        # long enough (seconds) for the kill to land while the ranks compute
+        tokens = [int(t) for t in np.random.default_rng(0).integers(3, 60, 122)]
+        big = [next_token_datum(tokens)] * 512
+        fb = tc.forward_backward(big, "cross_entropy")
+        time.sleep(0.5)
+        os.kill(ranks[0], signal.SIGKILL)
+        t0 = time.monotonic()
+        with pytest.raises(treadle.UnavailableError):
+            fb.result(TIMEOUT)
+        assert time.monotonic() - t0 < 30 + 10  # within --collective-timeout
+        assert srv.proc.wait(60) == 1  # the worker exits for its supervisor to restart it
+        assert not any(_alive(pid) for pid in ranks)
+
+        srv.start()  # the supervisor's restart: a fresh group
+        assert srv.proc is not None and len(_ranks_of(srv.proc.pid)) == 1
+        with pytest.raises(treadle.ServerRestartedError):
+            tc.forward_backward(DATA).result(TIMEOUT)
+        tc.resync()
+        assert tc.get_info().version == 2  # its last applied step
+        np.testing.assert_allclose(_logprobs(tc), applied, rtol=0, atol=1e-6)
+        assert _step(tc) == 3  # and it trains on, on the new group
+        service.close()
+
+
+def test_a_hung_rank_fails_the_call_after_the_collective_timeout(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    """SIGSTOP: the rank neither answers nor closes its sockets; the collective
+    gives up after ``--collective-timeout`` and the stopped rank is killed."""
+    flags = ("--ranks", "2", "--collective-timeout", "5")
+    with serve(tmp_path, tiny_model_dir, *flags) as srv:
+        assert srv.proc is not None
+        (rank,) = _ranks_of(srv.proc.pid)
+        service = treadle.ServiceClient(srv.address, max_retries=0)
+        tc = service.create_training_client("tiny", seed=0)
+        assert _step(tc) == 1
+        os.kill(rank, signal.SIGSTOP)
+        t0 = time.monotonic()
+        with pytest.raises(treadle.UnavailableError, match="collective"):
+            tc.forward_backward(DATA, "cross_entropy").result(TIMEOUT)
+        waited = time.monotonic() - t0
+        assert 4 < waited < 5 + 30, waited
+        assert srv.proc.wait(60) == 1
+        assert not _alive(rank)

@@ -1,0 +1,94 @@
+"""What the ranks of a group exchange for one call: a model's whole state (rank 0's,
+broadcast), the sum of the gradients, and the per-rank results of a
+``ForwardBackward`` merged into the one a single rank would give.
+
+Every function here is a collective: each rank calls it, in the same order,
+with the same model; a rank that died or hangs makes it raise after the
+process group's timeout (``--collective-timeout``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from treadle.common.engine.domain import ForwardResult
+from treadle.workers.trainer.trainer import TrainingModel
+
+
+@torch.no_grad()
+def broadcast_state(model: TrainingModel) -> None:
+    """Every rank's replica becomes rank 0's: trainable weights, Adam moments, step
+    and version; accumulated gradients are dropped (as ``load_state`` drops them)."""
+    opt = model.optimizer
+    for name, p in model.trainable.items():
+        dist.broadcast(p.detach(), src=0)
+        dist.broadcast(opt.exp_avg[name], src=0)
+        dist.broadcast(opt.exp_avg_sq[name], src=0)
+        p.grad = None
+    meta: list[Any] = [opt.step_count, opt.weights_moved, model.version]
+    dist.broadcast_object_list(meta, src=0)
+    opt.step_count, opt.weights_moved, model.version = int(meta[0]), bool(meta[1]), int(meta[2])
+
+
+@torch.no_grad()
+def sum_gradients(model: TrainingModel) -> None:
+    """Each trainable tensor's gradient becomes the sum of every rank's (zero where a
+    rank has none): the gradient of the step's summed loss, as on one rank."""
+    for p in model.trainable.values():
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
+
+
+def all_ok(ok: bool, where: torch.device) -> bool:
+    """Whether every rank's ``ok`` is True (each rank learns the same answer);
+    ``where``: the ranks' device (NCCL reduces CUDA tensors only)."""
+    flag = torch.tensor([0 if ok else 1], dtype=torch.int64, device=where)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return int(flag.item()) == 0
+
+
+def split(count: int, parts: int) -> list[range]:
+    """``count`` datums in ``parts`` contiguous shares, the larger first (rank 0's)."""
+    size, extra = divmod(count, parts)
+    out, at = [], 0
+    for r in range(parts):
+        n = size + (1 if r < extra else 0)
+        out.append(range(at, at + n))
+        at += n
+    return out
+
+
+def merge_results(results: Sequence[ForwardResult | None]) -> ForwardResult:
+    """The ranks' results (None: a rank with no datums), in rank order, as one:
+    logprobs concatenated; ``:sum`` metrics added, ``:min``/``:max`` taken over
+    ranks, ``:mean`` weighted by each rank's ``ntokens:sum`` (the tokens it was
+    a mean over); any other metric is rank 0's."""
+    present = [r for r in results if r is not None]
+    logprobs: list[np.ndarray] = [lp for r in present for lp in r.logprobs]
+    metrics: dict[str, float] = {}
+    weights = [r.metrics.get("ntokens:sum", 0.0) for r in present]
+    for name in dict.fromkeys(k for r in present for k in r.metrics):
+        values = [
+            (r.metrics[name], w) for r, w in zip(present, weights, strict=True) if name in r.metrics
+        ]
+        if name.endswith(":sum"):
+            metrics[name] = math.fsum(v for v, _ in values)
+        elif name.endswith(":min"):
+            metrics[name] = min(v for v, _ in values)
+        elif name.endswith(":max"):
+            metrics[name] = max(v for v, _ in values)
+        elif name.endswith(":mean"):
+            total = math.fsum(w for _, w in values)
+            metrics[name] = (
+                math.fsum(v * w for v, w in values) / total if total > 0 else values[0][0]
+            )
+        else:
+            metrics[name] = values[0][0]
+    return ForwardResult(logprobs=tuple(logprobs), metrics=metrics)

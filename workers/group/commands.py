@@ -1,0 +1,61 @@
+"""What rank 0 hands another rank: one command per state-changing call, in the
+order the engine applied them, through a queue per rank (``channel``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from treadle.common.engine.domain import AdamConfig, ForwardBackwardOp, ModelSpec
+
+
+@dataclass(frozen=True)
+class ReplicaCreate:
+    """Make a replica of a new model; its state then arrives by broadcast."""
+
+    spec: ModelSpec
+    max_context: int
+    checkpoint_activations: bool
+    memory_limit_bytes: int
+
+
+@dataclass(frozen=True)
+class ReplicaDelete:
+    model_id: str
+
+
+@dataclass(frozen=True)
+class ReplicaForwardBackward:
+    """The rank's share of a call's datums (possibly none: it still joins the gather)."""
+
+    model_id: str
+    op: ForwardBackwardOp
+
+
+@dataclass(frozen=True)
+class ReplicaOptimStep:
+    """Sum the gradients over the group, then step (every rank the same update)."""
+
+    model_id: str
+    adam: AdamConfig
+
+
+@dataclass(frozen=True)
+class ReplicaLoadState:
+    """Rank 0 loaded a state: take its weights, moments and step by broadcast."""
+
+    model_id: str
+
+
+@dataclass(frozen=True)
+class RankStop:
+    """The engine stopped: exit."""
+
+
+RankCommand = (
+    ReplicaCreate
+    | ReplicaDelete
+    | ReplicaForwardBackward
+    | ReplicaOptimStep
+    | ReplicaLoadState
+    | RankStop
+)

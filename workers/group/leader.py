@@ -1,0 +1,175 @@
+"""Rank 0's side of a group (``engine.peers.Peers``): each state-changing call is
+handed to every other rank (``channel``), then run here and on them alike
+(SPMD), the collectives joining the ranks' parts (``collectives``).
+
+A training model is replicated on every rank; a ``ForwardBackward``'s datums are
+split across the ranks (data parallel) and the gradients summed at the
+optimizer step, so every rank takes the same step. Only rank 0 samples, saves
+and exports: its model is whole. What a call is checked for (data, loss
+inputs, the memory of each rank's share) is checked here, for every share,
+before any rank starts, so a refused call changes no rank.
+
+A collective that fails (a rank died, or hung past ``--collective-timeout``)
+fails the call UNAVAILABLE and breaks the group: every later call fails
+UNAVAILABLE at once, and the worker stops so that its supervisor restarts it
+(the models come back from their checkpoints and the ops log, as after any
+worker restart).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+from typing import TypeVar
+
+import torch.distributed as dist
+
+from treadle.common.engine.domain import (
+    AdamConfig,
+    ForwardBackwardOp,
+    ForwardResult,
+    LoadResult,
+    OptimStepResult,
+)
+from treadle.errors import TreadleError, UnavailableError
+from treadle.workers.engine.peers import Peers
+from treadle.workers.group import collectives
+from treadle.workers.group.channel import CommandChannel
+from treadle.workers.group.commands import (
+    RankCommand,
+    RankStop,
+    ReplicaCreate,
+    ReplicaDelete,
+    ReplicaForwardBackward,
+    ReplicaLoadState,
+    ReplicaOptimStep,
+)
+from treadle.workers.trainer import checkpoint, trainer
+from treadle.workers.trainer.trainer import TrainingModel
+from treadle.workers.trainer.validation import check_adam
+
+log = logging.getLogger("treadle.group")
+T = TypeVar("T")
+
+
+class GroupPeers(Peers):
+    def __init__(
+        self,
+        channel: CommandChannel,
+        on_broken: Callable[[str], None] | None = None,
+        on_closed: Callable[[], None] | None = None,
+    ) -> None:
+        self.channel = channel
+        self.size = channel.world_size
+        #: why the group cannot run calls any more ("" while it can)
+        self.broken = ""
+        self._on_broken = on_broken
+        self._on_closed = on_closed
+
+    # ---- Peers ---------------------------------------------------------------------------
+
+    def created(self, model: TrainingModel) -> None:
+        command = ReplicaCreate(
+            model.spec,
+            model.max_context,
+            model.checkpoint_activations,
+            model.memory_limit_bytes,
+        )
+        self._all(command, lambda: collectives.broadcast_state(model))
+
+    def deleted(self, model_id: str) -> None:
+        if not self.broken:
+            self.channel.post([ReplicaDelete(model_id)] * (self.size - 1))
+
+    def forward_backward(self, model: TrainingModel, op: ForwardBackwardOp) -> ForwardResult:
+        self._check()
+        shares = [
+            replace(op, data=tuple(op.data[i] for i in r))
+            for r in collectives.split(len(op.data), self.size)
+        ]
+        for share in shares:  # every share is checked before any rank starts
+            if share.data:
+                trainer.prepare_forward_backward(model, share)
+        self.channel.post([ReplicaForwardBackward(model.spec.model_id, s) for s in shares[1:]])
+        mine: ForwardResult | None = None
+        failed: Exception | None = None
+        try:
+            mine = trainer.forward_backward(model, shares[0]) if shares[0].data else None
+        except Exception as err:  # reported after the gather: the others wait on it
+            failed = err
+        gathered: list[object] = [None] * self.size
+        self._collective(lambda: dist.gather_object(mine, gathered, dst=0))
+        if failed is not None:
+            raise self._diverged(f"rank 0: {type(failed).__name__}: {failed}") from failed
+        errors = [g for g in gathered if isinstance(g, BaseException)]
+        if errors:
+            raise self._diverged(str(errors[0]))
+        return collectives.merge_results(
+            [g if isinstance(g, ForwardResult) else None for g in gathered]
+        )
+
+    def optim_step(self, model: TrainingModel, adam: AdamConfig) -> OptimStepResult:
+        check_adam(adam)
+        result: list[OptimStepResult] = []
+
+        failed: list[BaseException] = []
+
+        def step() -> None:
+            collectives.sum_gradients(model)
+            try:
+                result.append(model.optim_step(adam))
+            except Exception as err:  # e.g. out of memory here only: told to every rank
+                failed.append(err)
+            if not collectives.all_ok(not failed, model.params.device):
+                why = f"rank 0: {failed[0]}" if failed else "another rank failed its step"
+                raise self._diverged(why)
+
+        self._all(ReplicaOptimStep(model.spec.model_id, adam), step)
+        return result[0]
+
+    def load_state(
+        self, model: TrainingModel, directory: str | Path, optimizer: bool
+    ) -> LoadResult:
+        self._check()
+        loaded = checkpoint.load_state(model, directory, optimizer=optimizer)
+        self._all(ReplicaLoadState(model.spec.model_id), lambda: collectives.broadcast_state(model))
+        return loaded
+
+    def close(self) -> None:
+        if not self.broken:
+            self.channel.post([RankStop()] * (self.size - 1))
+            self.broken = "the worker stopped"
+        if self._on_closed is not None:
+            self._on_closed()
+
+    # ---- the group's health ---------------------------------------------------------------
+
+    def _all(self, command: RankCommand, run: Callable[[], None]) -> None:
+        self._check()
+        self.channel.post([command] * (self.size - 1))
+        self._collective(run)
+
+    def _check(self) -> None:
+        if self.broken:
+            raise UnavailableError(f"the worker's group of ranks is down: {self.broken}")
+
+    def _collective(self, run: Callable[[], T]) -> T:
+        try:
+            return run()
+        except TreadleError:
+            raise
+        except (RuntimeError, dist.DistError) as err:
+            raise self._break(f"a collective failed (a rank died or hung): {err}") from err
+
+    def _diverged(self, why: str) -> UnavailableError:
+        # a rank failed where the others did not: their gradients now differ
+        return self._break(f"a rank failed its share of the call: {why}")
+
+    def _break(self, why: str) -> UnavailableError:
+        self.broken = why
+        log.error("group: %s; the worker must restart its group", why)
+        if self._on_broken is not None:
+            self._on_broken(why)
+        return UnavailableError(f"the worker's group of ranks failed: {why}")
