@@ -167,3 +167,26 @@ def postgres_url() -> Iterator[str]:
 
     with fresh_postgres("treadle_test") as url:
         yield url
+
+
+class IdleHost:
+    """A host whose cores no other process uses: ``host_load.HOST`` for tests of
+    the measured thread choice, which must not depend on what else runs beside
+    them (``workers.device.pass_threads`` caps a busy host's passes at one thread)."""
+
+    cores = 2
+
+    def spare_cores(self) -> float:
+        return 2.0
+
+    def others_busy(self) -> float:
+        return 0.0
+
+
+@pytest.fixture
+def idle_host(monkeypatch: pytest.MonkeyPatch) -> IdleHost:
+    from treadle.workers.device import host_load
+
+    host = IdleHost()
+    monkeypatch.setattr(host_load, "HOST", host)
+    return host

@@ -15,25 +15,29 @@ from collections.abc import Iterator
 
 import torch
 
-from treadle.workers.device import device
-from treadle.workers.device.host_load import HOST, HostLoad
+from treadle.workers.device import device, host_load
+from treadle.workers.device.host_load import HostLoad
 from treadle.workers.device.thread_choice import ThreadChoice
 
 
 @contextlib.contextmanager
 def pass_threads(
-    choice: ThreadChoice, where: torch.device, kind: str, work: float, host: HostLoad = HOST
+    choice: ThreadChoice,
+    where: torch.device,
+    kind: str,
+    work: float,
+    host: HostLoad | None = None,
 ) -> Iterator[None]:
     """Run the pass (``work`` = tokens x parameters) on the thread count ``choice``
     picks for its kind and size, and report its time (only when it ends without
-    raising)."""
+    raising). ``host``: where to read the spare cores (the process's reader)."""
     if not device.is_cpu_only(where):
         yield
         return
     available = torch.get_num_threads()
     usable = available
     if choice.policy == "measure" and available > 1:
-        spare = host.spare_cores()
+        spare = (host or host_load.HOST).spare_cores()
         if spare is not None:
             usable = max(1, min(available, int(spare + 0.5)))
     threads = choice.threads(kind, work, usable)

@@ -45,7 +45,7 @@ def _sample(model_dir: Path, policy: str, monkeypatch: pytest.MonkeyPatch) -> tu
 
 
 def test_steps_measure_their_threads_and_restore_the_count(
-    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch, idle_host: object
 ) -> None:
     measured, after, tokens = _sample(tiny_model_dir, "measure", monkeypatch)
     assert after == 2

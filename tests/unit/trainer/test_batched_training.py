@@ -323,7 +323,7 @@ def test_a_call_that_fails_in_its_backward_keeps_the_earlier_gradients(
 
 
 def test_training_threads_are_chosen_per_call_and_restored(
-    base: BaseModel, monkeypatch: pytest.MonkeyPatch
+    base: BaseModel, monkeypatch: pytest.MonkeyPatch, idle_host: object
 ) -> None:
     """With ``training_threads="measure"`` the engine tries a call size on all
     threads, then on one (and then on whichever the timings pick) (``workers.device.thread_choice``); ``"one"`` always
