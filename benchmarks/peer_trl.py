@@ -25,7 +25,9 @@ way), and TRL computes them.
 Variants, each run for the same wall-clock budget per seed:
 
 * ``TRL GRPOTrainer``: its own process and generation (``model.generate``), its
-  default threads;
+  default threads (torch's: one per core);
+* ``TRL, 1 thread`` (``trl1``): the same on one torch thread, the peer tuned the
+  way treadle's engine tunes itself on small models and busy hosts;
 * ``treadle sync (defaults)``: ``treadle.rl.sync_loop`` through the SDK against a
   ``treadle serve`` process started with its defaults (plus the slots and length
   a whole step needs);
@@ -276,8 +278,11 @@ def peer_python(given: str | None) -> Path:
     return py
 
 
-def run_trl(py: Path, work: Path, warm: Path, seed: int, g: Grpo, budget: float) -> Run:
+def run_trl(
+    py: Path, work: Path, warm: Path, seed: int, g: Grpo, budget: float, threads: int = 0
+) -> Run:
     cfg = {
+        "threads": threads,
         **g.__dict__,
         "model_dir": str(warm),
         "out_dir": str(work / f"trl-{seed}"),
@@ -319,7 +324,7 @@ def main() -> int:
     ap.add_argument("--threshold", type=float, default=0.7, help="rollout reward to reach")
     ap.add_argument("--window", type=int, default=5, help="steps of the moving average")
     ap.add_argument("--lr", type=float, default=Grpo.lr)
-    ap.add_argument("--variants", nargs="+", default=["trl", "sync", "async"])
+    ap.add_argument("--variants", nargs="+", default=["trl", "trl1", "sync", "async"])
     ap.add_argument("--peer-python", default=None, help="a python with trl installed")
     ap.add_argument("--work", default=None, help="keep models and logs here (default: temp)")
     args = ap.parse_args()
@@ -334,9 +339,10 @@ def main() -> int:
 
         work = Path(tempfile.mkdtemp(prefix="treadle-peer-trl-"))
         atexit.register(shutil.rmtree, work, ignore_errors=True)
-    py = peer_python(args.peer_python) if "trl" in args.variants else None
+    py = peer_python(args.peer_python) if {"trl", "trl1"} & set(args.variants) else None
     names = {
         "trl": "TRL GRPOTrainer",
+        "trl1": "TRL, 1 thread",
         "sync": "treadle sync (defaults)",
         "async": "treadle async (rung 3)",
     }
@@ -345,9 +351,9 @@ def main() -> int:
     for seed in args.seeds:
         warm = warm_start(work, seed)
         for v in args.variants:
-            if v == "trl":
+            if v in ("trl", "trl1"):
                 assert py is not None
-                run = run_trl(py, work, warm, seed, g, args.budget)
+                run = run_trl(py, work, warm, seed, g, args.budget, 1 if v == "trl1" else 0)
             elif v == "sync":
                 run = run_treadle(work, v, [], "sync", warm, seed, g, args.budget)
             else:
@@ -366,19 +372,30 @@ def main() -> int:
         f"{args.budget:.0f} s a run; threshold: mean rollout reward over {args.window} steps "
         f">= {args.threshold}\n"
     )
-    header = "| seed | variant | steps | s/step | s to threshold | × TRL | eval at budget | peak RSS MB |"
+    header = (
+        "| seed | variant | steps | s/step | s to threshold | × TRL | × faster TRL "
+        "| eval at budget | peak RSS MB |"
+    )
     print(header)
     print("|---" * (header.count("|") - 1) + "|")
     for seed in args.seeds:
-        base = runs.get("trl", {}).get(seed)
-        t_base = base.time_to(args.threshold, args.window) if base else None
+        peers = {
+            v: runs[v][seed].time_to(args.threshold, args.window)
+            for v in ("trl", "trl1")
+            if v in runs
+        }
+        t_trl = peers.get("trl")
+        reached = [t for t in peers.values() if t is not None]
+        t_best = min(reached) if reached else None
         for v in args.variants:
             run = runs[v][seed]
             t_hit = run.time_to(args.threshold, args.window)
-            ratio = t_hit / t_base if t_hit is not None and t_base else None
+            ratio = t_hit / t_trl if t_hit is not None and t_trl else None
+            best = t_hit / t_best if t_hit is not None and t_best else None
             print(
                 f"| {seed} | {names[v]} | {len(run.steps)} | {run.s_per_step:.2f} | "
-                f"{_fmt(t_hit)} | {_fmt(ratio, '.2f')} | {run.eval:.3f} | {run.peak_rss_mb:.0f} |"
+                f"{_fmt(t_hit)} | {_fmt(ratio, '.2f')} | {_fmt(best, '.2f')} | "
+                f"{run.eval:.3f} | {run.peak_rss_mb:.0f} |"
             )
     print("\nreward per step, mean over seeds (steps 1, 5, 10, 15, ...):")
     for v in args.variants:
