@@ -312,6 +312,10 @@ def deleted_checkpoint() -> training_pb2.DeleteCheckpointResponse:
     return training_pb2.DeleteCheckpointResponse()
 
 
+def metrics_logged(kept: int) -> training_pb2.LogMetricsResponse:
+    return training_pb2.LogMetricsResponse(kept=kept)
+
+
 def usage(u: RunUsageRecord) -> training_pb2.Usage:
     return training_pb2.Usage(
         model_id=u.model_id,

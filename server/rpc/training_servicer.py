@@ -168,7 +168,7 @@ class TrainingServicer(training_pb2_grpc.TrainingServiceServicer):
         kept = self.ctx.service.runs.log_metrics(
             tenant, request.model_id, request.step, dict(request.metrics)
         )
-        return training_pb2.LogMetricsResponse(kept=kept)
+        return convert.metrics_logged(kept)
 
     async def GetUsage(
         self, request: training_pb2.GetUsageRequest, context: grpc.aio.ServicerContext

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import tempfile
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -22,10 +23,11 @@ from treadle.server.http.app import create_app
 
 
 def _app() -> Any:
+    data_dir = Path(tempfile.mkdtemp(prefix="treadle-route-cost-"))  # the console's secret
     ctx = SimpleNamespace(
         session=None,
         instance_id="test",
-        config=SimpleNamespace(max_message_bytes=1 << 20),
+        config=SimpleNamespace(max_message_bytes=1 << 20, data_dir=data_dir, tls=None),
         auth=SimpleNamespace(enabled=False, authenticate=lambda metadata: "tenant-a"),
     )
     return create_app(ctx)  # type: ignore[arg-type]
