@@ -53,7 +53,7 @@ from treadle.errors import (
     UnavailableError,
 )
 from treadle.workers.device import device, host_allocator, memory_budget
-from treadle.workers.engine import calls
+from treadle.workers.engine import calls, shipping
 from treadle.workers.engine.base_models import BaseModel, BaseModelRegistry, parse_dtype
 from treadle.workers.engine.config import EngineConfig
 from treadle.workers.engine.models import ModelRegistry, holds_gradients
@@ -91,6 +91,10 @@ class Engine:
             anticipate_batched=config.batch_across_models,
         )
         self.versions = VersionStore(config.keep_versions)
+        #: versions of models trained elsewhere, shipped here for sampling (a sampler
+        #: worker of the pool: ``workers.engine.shipping``)
+        self.shipped = VersionStore(config.keep_versions)
+        self._shipped_from: dict[tuple[str, int], str] = {}  # (model, version) -> its files
         self.registry = ModelRegistry()
         #: model id -> the model (engine thread only)
         self.models: dict[str, TrainingModel] = self.registry.models
@@ -256,6 +260,44 @@ class Engine:
     def model_count(self) -> int:
         """Training models on this engine now (thread-safe)."""
         return self.registry.count()
+
+    def ship_version(self, model_id: str, version: int, directory: str | Path) -> Future[int]:
+        """Write a published version of a model trained here for the sampler pool;
+        the bytes written."""
+
+        def ship() -> int:
+            if model_id not in self.models:
+                raise NotFoundError(f"model {model_id} not found")
+            snapshot = self.versions.get(model_id, version)
+            return shipping.write_version(snapshot, Path(directory))
+
+        return self._on_engine(ship)
+
+    def load_version(self, target: SamplerTarget, directory: str | Path) -> Future[int]:
+        """Serve a version shipped from the model's trainer (``ship_version``) from now
+        on: read it, publish it to the sampler; the version (this worker's ack)."""
+        model_id, version = target.model_id, target.version
+        assert model_id is not None and version is not None
+
+        def base_at(dtype: str) -> BaseModel:
+            return self.bases.get(target.base_model, parse_dtype(dtype))
+
+        def load() -> int:
+            if self._shipped_from.get((model_id, version)) == str(directory):
+                return version  # served already (a repeat, or a second server's publish)
+            snapshot = shipping.read_version(Path(directory), base_at, model_id, version)
+            released = self.shipped.publish(snapshot)
+            self._shipped_from[(model_id, version)] = str(directory)
+            for old in released:
+                self._shipped_from.pop((model_id, old), None)
+            self.sampler.publish(
+                self.bases.get(target.base_model, snapshot.params.dtype), snapshot, inflight=False
+            )
+            if released:
+                self.sampler.release(model_id, released)
+            return version
+
+        return self._on_engine(load)
 
     def check_sampler_target(self, target: SamplerTarget) -> Future[int]:
         """Resolve a sampler target now (NOT_FOUND if its weights are gone); the version."""
@@ -442,6 +484,8 @@ class Engine:
             base = self.bases.get(target.base_model, dtype)
             return WeightSnapshot(None, 0, base.params, None)
         if target.model_id not in self.models:
+            if self.shipped.versions(target.model_id):  # trained elsewhere, shipped here
+                return self.shipped.get(target.model_id, target.version)
             raise NotFoundError(f"model {target.model_id} not found")
         return self.versions.get(target.model_id, target.version)
 
