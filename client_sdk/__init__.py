@@ -44,6 +44,7 @@ if TYPE_CHECKING:
         StreamedSample,
         TrainingPassMetrics,
         VersionSpan,
+        WorkerInfo,
     )
 
 #: the client's names, imported on first use: the engine (``treadle.workers``)
@@ -73,6 +74,7 @@ _LAZY = {
             "StreamedSample",
             "TrainingPassMetrics",
             "VersionSpan",
+            "WorkerInfo",
         )
     },
 }
@@ -129,5 +131,6 @@ __all__ = [
     "UnauthenticatedError",
     "UnavailableError",
     "VersionSpan",
+    "WorkerInfo",
     "__version__",
 ]

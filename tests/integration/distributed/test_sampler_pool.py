@@ -7,7 +7,8 @@ trainer), its sampler and trainer logprobs agree within 1e-4, every token's
 version is the trainer's, and the reward rises; one sampler worker SIGKILLed
 mid-run and the run goes on, on the other. A version whose upload fails (the
 trainer's store unreachable) fails ``sync_weights`` UNAVAILABLE and the pool
-serves the version it had.
+serves the version it had. With no sampler worker left, a sample answers
+UNAVAILABLE naming the base model.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import os
 import signal
 import subprocess
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -138,6 +140,15 @@ def test_roles_are_recorded_and_shown(pool: Pool) -> None:
     for worker_id, role in roles.items():
         (line,) = [ln for ln in table.splitlines() if ln.startswith(worker_id)]
         assert role in line.split(), line
+    service = treadle.ServiceClient(pool.server.address, api_key=pool.key)
+    try:
+        shown = {
+            w.worker_id: (w.role, w.status, w.base_models)
+            for w in service.get_server_info().workers
+        }
+    finally:
+        service.close()
+    assert shown == {w: (role, "live", [BASE]) for w, role in roles.items()}
 
 
 def test_grpo_on_the_pool_agrees_learns_and_survives_a_sampler_kill(pool: Pool) -> None:
@@ -160,17 +171,17 @@ def test_grpo_on_the_pool_agrees_learns_and_survives_a_sampler_kill(pool: Pool) 
             trained = np.asarray(out["logprobs"])[-len(seq.tokens) :]
             assert np.max(np.abs(trained - np.asarray(seq.logprobs))) < 1e-4
 
-        step = grpo_train_step(adam=treadle.AdamParams(learning_rate=0.02))
-        kw = dict(steps=8, groups_per_step=4, group_size=4, sampling_params=PARAMS, timeout=240.0)
+        step = grpo_train_step(adam=treadle.AdamParams(learning_rate=0.01))
+        kw = dict(steps=12, groups_per_step=4, group_size=8, sampling_params=PARAMS, timeout=240.0)
         stats, killed = [], samplers[0]
         for s in sync_loop(tc, prompts(), reward, train_step=step, **kw):
             stats.append(s)
             if s.step == 3:  # SIGKILL one pool worker while the next batch samples
                 threading.Timer(0.3, lambda: pool.procs[killed].send_signal(signal.SIGKILL)).start()
-        assert [s.step for s in stats] == list(range(1, 9)), pool.tail()
+        assert [s.step for s in stats] == list(range(1, 13)), pool.tail()
         assert pool.procs[killed].wait(30) == -signal.SIGKILL
         # on-policy: every token's version is the trainer's, and the ratio is 1
-        assert all(s.staleness == {0: 16} for s in stats), [s.staleness for s in stats]
+        assert all(s.staleness == {0: 32} for s in stats), [s.staleness for s in stats]
         for s in stats:
             if s.metrics.get("trained_rollouts", 0) > 0:
                 assert (
@@ -204,5 +215,17 @@ def test_grpo_on_the_pool_agrees_learns_and_survives_a_sampler_kill(pool: Pool) 
         (old,) = before[0]
         res = latest.sample(prompt, num_samples=1, sampling_params=PARAMS).result(120)
         assert set(res.sequences[0].token_versions()) == {old}
+
+        # no pool worker left, under --sampler-placement pool: UNAVAILABLE naming the base
+        survivor = samplers[1]
+        pool.procs[survivor].send_signal(signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while pool.sql("SELECT status FROM workers WHERE id = :w", w=survivor) != [("dead",)]:
+            assert time.monotonic() < deadline, pool.tail()
+            time.sleep(0.2)
+        with pytest.raises(
+            treadle.UnavailableError, match=f"no sampler worker serves base model '{BASE}'"
+        ):
+            latest.sample(prompt, num_samples=1, sampling_params=PARAMS).result(120)
     finally:
         service.close()
