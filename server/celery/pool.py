@@ -94,6 +94,10 @@ class SamplerPool:
         load = self._load_of()
         return sorted(live, key=lambda w: (load.get(w, 0), random.random()))
 
+    def _any_sampler_worker(self) -> bool:
+        with self.placement.lock:
+            return any(w.role == "sampler" for w in self.placement.live)
+
     def places(self, base_model: str) -> bool:
         """Whether samplers of ``base_model`` sample on the pool now; under ``pool``
         with no pool worker, UNAVAILABLE naming the base."""
@@ -115,6 +119,9 @@ class SamplerPool:
         """After ``sync_weights`` made ``version``: ship it and have the pool serve it
         (returns once one pool worker does). A version that cannot be shipped fails
         UNAVAILABLE; the pool keeps what it served."""
+        if self.mode == "colocated" or (self.mode == "auto" and not self._any_sampler_worker()):
+            self._latest.pop(model_id, None)  # resolved again from the trainer if a pool comes
+            return
         base_model, tenant_id = self._model(model_id)
         if not self.places(base_model):
             self._latest.pop(model_id, None)  # resolved again from the trainer if a pool comes

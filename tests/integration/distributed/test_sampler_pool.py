@@ -8,7 +8,8 @@ version is the trainer's, and the reward rises; one sampler worker SIGKILLed
 mid-run and the run goes on, on the other. A version whose upload fails (the
 trainer's store unreachable) fails ``sync_weights`` UNAVAILABLE and the pool
 serves the version it had. With no sampler worker left, a sample answers
-UNAVAILABLE naming the base model.
+UNAVAILABLE naming the base model under ``pool``, and falls back to the
+model's own worker under ``auto``.
 """
 
 from __future__ import annotations
@@ -227,5 +228,12 @@ def test_grpo_on_the_pool_agrees_learns_and_survives_a_sampler_kill(pool: Pool) 
             treadle.UnavailableError, match=f"no sampler worker serves base model '{BASE}'"
         ):
             latest.sample(prompt, num_samples=1, sampling_params=PARAMS).result(120)
+        # ...and under auto, the model's own worker serves them again (the operator's
+        # switch): its latest is the version the failed sync applied there, which
+        # neither the pool nor the database took
+        pool.server.ctx.dispatcher.pool.mode = "auto"  # type: ignore[attr-defined]
+        res = latest.sample(prompt, num_samples=2, sampling_params=PARAMS).result(120)
+        assert {v for s in res.sequences for v in s.token_versions()} == {old + 1}
+        assert _calls_served(pool, trainer_id, "SampleCall") == 1
     finally:
         service.close()
