@@ -41,6 +41,7 @@ from treadle.common.db import models as db
 from treadle.common.engine.domain import SamplerTarget
 from treadle.common.engine.messages import (
     CheckTargetCall,
+    DeleteModelCall,
     EngineCall,
     LoadVersionCall,
     ShipVersionCall,
@@ -177,10 +178,17 @@ class SamplerPool:
         return None  # auto: back to the model's own worker
 
     def forget(self, model_id: str) -> None:
-        """A deleted model: its versions leave the store (off the event loop)."""
+        """A deleted model: its versions leave the store (off the event loop) and the
+        pool workers that served them let them go (in the background)."""
         self._latest.pop(model_id, None)
         for path in self._shipped.pop(model_id, {}).values():
             self._delete_later(path)
+        workers = {w for w, m, _, _ in self._served if m == model_id}
+        self._served = {s for s in self._served if s[1] != model_id}
+        self._shipping = {k: v for k, v in self._shipping.items() if k[0] != model_id}
+        for worker_id in workers:
+            task = asyncio.ensure_future(self._call(worker_id, DeleteModelCall(model_id)))
+            task.add_done_callback(_quiet)
 
     # ---- shipping ---------------------------------------------------------------------------
 
@@ -210,6 +218,7 @@ class SamplerPool:
             while len(shipped) > self.keep_versions:
                 old, old_path = shipped.popitem(last=False)
                 self._served = {s for s in self._served if s[1:3] != (model_id, old)}
+                self._shipping.pop((model_id, old), None)
                 self._delete_later(old_path)
             return path
 
@@ -240,3 +249,9 @@ class SamplerPool:
             if row is None:
                 raise NotFoundError(f"model {model_id} not found")
             return row.base_model, row.tenant_id
+
+
+def _quiet(task: asyncio.Future[Any]) -> None:
+    """A pool worker gone before it let a deleted model's versions go: nothing to do."""
+    if not task.cancelled() and task.exception() is not None:
+        log.debug("a pool worker did not release a deleted model: %s", task.exception())

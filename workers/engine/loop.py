@@ -436,6 +436,9 @@ class Engine:
         )
 
     def _delete_model(self, model_id: str) -> None:
+        if model_id not in self.models and self.shipped.versions(model_id):
+            self._drop_shipped(model_id)  # a sampler worker: the versions shipped here go
+            return
         self.registry.remove(model_id)
         for call in self.scheduler.remove_model(model_id):
             self.executor.resolve(
@@ -446,6 +449,13 @@ class Engine:
         if kept:
             self.sampler.release(model_id, kept)
         self.registry.forget_status(model_id)
+
+    def _drop_shipped(self, model_id: str) -> None:
+        kept = self.shipped.versions(model_id)
+        self.shipped.drop(model_id)
+        for version in kept:
+            self._shipped_from.pop((model_id, version), None)
+        self.sampler.release(model_id, kept)
 
     def _unload_model(self, model_id: str, directory: Path, force: bool = False) -> SaveResult:
         model = self.registry.require(model_id)

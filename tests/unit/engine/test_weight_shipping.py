@@ -2,7 +2,8 @@
 (``ShipVersionCall`` / ``LoadVersionCall``): the sampler worker, which holds no
 training model, samples exactly what the trainer's own sampler samples under
 that version (same tokens, logprobs within 1e-5, the version on every token),
-for a LoRA adapter and a full fine-tune; a file that is another version is refused."""
+for a LoRA adapter and a full fine-tune, until the model is deleted; a file that
+is another version is refused."""
 
 from __future__ import annotations
 
@@ -81,6 +82,9 @@ def test_a_shipped_version_samples_as_on_the_trainer(
         assert a.tokens.tolist() == b.tokens.tolist() == c.tokens.tolist()
         assert np.max(np.abs(a.logprobs - b.logprobs)) < 1e-5
         assert b.versions == c.versions == ((0, 6, 1),)
+    pool.delete_model(model_id).result(10)  # the model was deleted: its versions go
+    with pytest.raises(NotFoundError):
+        pool.check_sampler_target(target).result(10)
 
 
 def test_a_file_of_another_version_is_refused(
