@@ -274,6 +274,9 @@ class LoadVersionCall(EngineCall[TargetVersion]):
     fetches = ("directory",)
     target: SamplerTarget  # the model, base and version shipped
     directory: str
+    #: PipelineRL: sequences following the model's latest weights on this worker
+    #: continue under this version from their next token (``SyncWeightsOp.inflight``)
+    inflight: bool = False
 
     @property
     def route(self) -> CallRoute:

@@ -245,7 +245,8 @@ class CeleryDispatcher:
             raise
         await self._keep(model_id, seq_id, op)
         if isinstance(op, SyncWeightsOp) and isinstance(result, SyncResult):
-            await self.pool.publish(model_id, result.version)  # UNAVAILABLE if not shipped
+            # UNAVAILABLE if not shipped
+            await self.pool.publish(model_id, result.version, inflight=op.inflight)
         return result
 
     async def _keep(self, model_id: str, seq_id: int, op: OrderedOp) -> None:

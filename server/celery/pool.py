@@ -17,8 +17,10 @@ missed a publish (started later) loads the version on the first request for it.
 
 Routing. A sample goes straight to the pool worker with the fewest calls in
 flight (a request, with its G samples, stays on one worker, so its prefill is
-shared), pinned to the version it reads, so every token's version is the one
-that wrote it. A pool worker that dies fails its in-flight samples UNAVAILABLE
+shared), once that worker serves the version it reads; a ``latest`` sampler
+reads the worker's latest version, and a ``sync_weights(inflight=True)`` moves
+its running sequences to the new version there, as on a trainer. Every token's
+version is the one that wrote it. A pool worker that dies fails its in-flight samples UNAVAILABLE
 (the liveness watchdog; the SDK retries them, and they land on another); with
 no pool worker left a sampler falls back to its model's worker under ``auto``,
 and answers UNAVAILABLE naming the base under ``pool``.
@@ -116,7 +118,7 @@ class SamplerPool:
 
     # ---- versions --------------------------------------------------------------------------
 
-    async def publish(self, model_id: str, version: int) -> None:
+    async def publish(self, model_id: str, version: int, *, inflight: bool = False) -> None:
         """After ``sync_weights`` made ``version``: ship it and have the pool serve it
         (returns once one pool worker does). A version that cannot be shipped fails
         UNAVAILABLE; the pool keeps what it served."""
@@ -131,7 +133,7 @@ class SamplerPool:
         target = SamplerTarget(base_model, model_id, version, tenant_id)
         workers = self.workers(base_model)
         acks = await asyncio.gather(
-            *(self._load(w, target, path) for w in workers), return_exceptions=True
+            *(self._load(w, target, path, inflight) for w in workers), return_exceptions=True
         )
         served = [w for w, a in zip(workers, acks, strict=True) if not isinstance(a, BaseException)]
         if not served:
@@ -146,8 +148,10 @@ class SamplerPool:
         )
 
     async def route(self, target: SamplerTarget) -> tuple[str, SamplerTarget] | None:
-        """The pool worker a sample of ``target`` goes to, and the target pinned to the
-        version it reads there (loaded first if that worker lacks it); None: colocated."""
+        """The pool worker a sample of ``target`` goes to (which has the version it
+        reads, loaded first if it lacked it), and the target as sent there; None:
+        colocated. A ``latest`` target stays one: the worker samples its latest
+        version, and an in-flight publish moves its running sequences on."""
         if not self.places(target.base_model):
             return None
         if target.model_id is None:
@@ -169,7 +173,7 @@ class SamplerPool:
             except UnavailableError as err:  # gone meanwhile: the next one
                 last = err
                 continue
-            return worker_id, pinned
+            return worker_id, target
         if self.mode == "pool":
             raise UnavailableError(
                 f"no sampler worker of base model {target.base_model!r} could serve "
@@ -222,12 +226,14 @@ class SamplerPool:
                 self._delete_later(old_path)
             return path
 
-    async def _load(self, worker_id: str, target: SamplerTarget, path: str) -> None:
+    async def _load(
+        self, worker_id: str, target: SamplerTarget, path: str, inflight: bool = False
+    ) -> None:
         assert target.model_id is not None and target.version is not None
         key = (worker_id, target.model_id, target.version, path)
         if key in self._served:
             return
-        await self._call(worker_id, LoadVersionCall(target, path))
+        await self._call(worker_id, LoadVersionCall(target, path, inflight))
         self._served.add(key)
 
     def _delete_later(self, path: str) -> None:

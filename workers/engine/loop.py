@@ -273,9 +273,12 @@ class Engine:
 
         return self._on_engine(ship)
 
-    def load_version(self, target: SamplerTarget, directory: str | Path) -> Future[int]:
+    def load_version(
+        self, target: SamplerTarget, directory: str | Path, *, inflight: bool = False
+    ) -> Future[int]:
         """Serve a version shipped from the model's trainer (``ship_version``) from now
-        on: read it, publish it to the sampler; the version (this worker's ack)."""
+        on: read it, publish it to the sampler (``inflight``: the requests following
+        the model's latest weights here continue under it); the version (the ack)."""
         model_id, version = target.model_id, target.version
         assert model_id is not None and version is not None
 
@@ -291,7 +294,9 @@ class Engine:
             for old in released:
                 self._shipped_from.pop((model_id, old), None)
             self.sampler.publish(
-                self.bases.get(target.base_model, snapshot.params.dtype), snapshot, inflight=False
+                self.bases.get(target.base_model, snapshot.params.dtype),
+                snapshot,
+                inflight=inflight,
             )
             if released:
                 self.sampler.release(model_id, released)
@@ -494,8 +499,10 @@ class Engine:
             base = self.bases.get(target.base_model, dtype)
             return WeightSnapshot(None, 0, base.params, None)
         if target.model_id not in self.models:
-            if self.shipped.versions(target.model_id):  # trained elsewhere, shipped here
-                return self.shipped.get(target.model_id, target.version)
+            shipped = self.shipped.versions(target.model_id)
+            if shipped:  # trained elsewhere, shipped here: its latest is the highest
+                version = target.version if target.version is not None else max(shipped)
+                return self.shipped.get(target.model_id, version)
             raise NotFoundError(f"model {target.model_id} not found")
         return self.versions.get(target.model_id, target.version)
 

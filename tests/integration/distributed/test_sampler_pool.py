@@ -4,7 +4,8 @@ sampler workers.
 
 A GRPO run through ``treadle.rl.sync_loop`` samples on the pool (never on the
 trainer), its sampler and trainer logprobs agree within 1e-4, every token's
-version is the trainer's, and the reward rises; one sampler worker SIGKILLed
+version is the trainer's, and the reward rises; an in-flight sync moves the
+sequences still generating on a pool worker to the new version; one sampler worker SIGKILLed
 mid-run and the run goes on, on the other. A version whose upload fails (the
 trainer's store unreachable) fails ``sync_weights`` UNAVAILABLE and the pool
 serves the version it had. With no sampler worker left, a sample answers
@@ -150,6 +151,36 @@ def test_roles_are_recorded_and_shown(pool: Pool) -> None:
     finally:
         service.close()
     assert shown == {w: (role, "live", [BASE]) for w, role in roles.items()}
+
+
+def test_an_inflight_sync_moves_pool_sequences_to_the_new_version(pool: Pool) -> None:
+    """``sync_weights(inflight=True)``: sequences still generating on a pool worker
+    continue under the new version from their next token; versions per token say so."""
+    service = treadle.ServiceClient(pool.server.address, api_key=pool.key)
+    try:
+        tc = service.create_lora_training_client(BASE, rank=4, seed=3)
+        tok = service.get_tokenizer(BASE)
+        tc.sync_weights().sampler_id  # noqa: B018 - v0 on the pool
+        latest = service.create_sampling_client(weights=f"treadle://{tc.model_id}/latest")
+        prompt = tok.encode("abc")
+        # 16 samples of up to 600 tokens: most are still generating when v1 lands
+        running = latest.sample(prompt, 16, treadle.SamplingParams(max_tokens=600, seed=4))
+        tc.forward_backward([next_token_datum(tok.encode("abcabcabc"))], "cross_entropy")
+        tc.optim_step(treadle.AdamParams(learning_rate=5e-2))
+        assert tc.sync_weights(inflight=True).version == 1
+        res = running.result(timeout=240)
+        for seq in res.sequences:  # contiguous spans, v0 first, never back to v0
+            assert [v.version for v in seq.versions] in ([0], [0, 1]), seq.versions
+            assert seq.versions[0].start == 0
+            assert sum(v.length for v in seq.versions) == len(seq.tokens)
+        switched = [s for s in res.sequences if len(s.versions) == 2]
+        assert switched, [len(s.tokens) for s in res.sequences]
+        later = latest.sample(prompt, 1, treadle.SamplingParams(max_tokens=4)).result(120)
+        assert set(later.sequences[0].token_versions()) == {1}
+        trainer_id = next(w for w in pool.procs if "-trainer-" in w)
+        assert _calls_served(pool, trainer_id, "SampleCall") == 0  # all on the pool
+    finally:
+        service.close()
 
 
 def test_grpo_on_the_pool_agrees_learns_and_survives_a_sampler_kill(pool: Pool) -> None:
