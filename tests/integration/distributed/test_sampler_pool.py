@@ -32,7 +32,7 @@ import pytest
 
 import treadle
 from tests.helpers import next_token_datum
-from treadle.rl import Prompt, grpo_train_step, sync_loop
+from treadle.rl import Prompt, async_loop, grpo_train_step, sync_loop
 from treadle.server.embedded import EmbeddedServer
 
 from ..services import REDIS_URL, fresh_postgres, port_open, wait_for_workers
@@ -177,6 +177,17 @@ def test_an_inflight_sync_moves_pool_sequences_to_the_new_version(pool: Pool) ->
         assert switched, [len(s.tokens) for s in res.sequences]
         later = latest.sample(prompt, 1, treadle.SamplingParams(max_tokens=4)).result(120)
         assert set(later.sequences[0].token_versions()) == {1}
+        # treadle.rl's async loop with in-flight syncs, sampling on the pool
+        stats = list(
+            async_loop(
+                tc, latest, prompts(), reward, steps=3, groups_per_step=2, group_size=4,
+                buffer_groups=2, max_staleness=4, inflight=True, sampling_params=PARAMS,
+                timeout=120.0,
+            )
+        )  # fmt: skip
+        assert [s.step for s in stats] == [1, 2, 3]
+        assert all(s.rollouts == 8 and max(s.staleness) <= 4 for s in stats), stats
+        assert tc.get_info().version == 4
         trainer_id = next(w for w in pool.procs if "-trainer-" in w)
         assert _calls_served(pool, trainer_id, "SampleCall") == 0  # all on the pool
     finally:
@@ -228,6 +239,12 @@ def test_grpo_on_the_pool_agrees_learns_and_survives_a_sampler_kill(pool: Pool) 
         assert _calls_served(pool, trainer_id, "ShipVersionCall") >= 9
         after = pool.sql("SELECT status FROM workers WHERE id = :w", w=killed)
         assert after == [("dead",)], after
+        # sampled tokens on the pool count in the tenant's usage as colocated ones do
+        sampled = sum(len(s.tokens) for s in res.sequences) + 12 * 32 * PARAMS.max_tokens
+        ((counted,),) = pool.sql(
+            "SELECT tokens_sampled FROM usage WHERE model_id = :m", m=tc.model_id
+        )
+        assert 0 < counted <= sampled, (counted, sampled)
 
         # a version that cannot be shipped: UNAVAILABLE, and the pool keeps the old one
         before = pool.sql(
