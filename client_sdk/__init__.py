@@ -45,6 +45,7 @@ if TYPE_CHECKING:
         StreamedSample,
         TrainingPassMetrics,
         VersionSpan,
+        WorkerInfo,
     )
 
 #: the client's names, imported on first use: the engine (``treadle.workers``)
@@ -75,6 +76,7 @@ _LAZY = {
             "TrainingPassMetrics",
             "RunUsage",
             "VersionSpan",
+            "WorkerInfo",
         )
     },
 }
@@ -132,5 +134,6 @@ __all__ = [
     "UnauthenticatedError",
     "UnavailableError",
     "VersionSpan",
+    "WorkerInfo",
     "__version__",
 ]

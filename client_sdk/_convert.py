@@ -33,6 +33,7 @@ from treadle.types import (
     StreamedSample,
     TrainingPassMetrics,
     VersionSpan,
+    WorkerInfo,
 )
 from treadle.v1 import common_pb2, sampling_pb2, server_pb2, session_pb2, training_pb2
 from treadle.wire.tensors import from_wire, to_wire
@@ -270,6 +271,9 @@ def server_info_from_wire(msg: server_pb2.ServerInfo) -> ServerInfo:
         ],
         max_models=msg.max_models,
         live_models=msg.live_models,
+        workers=[
+            WorkerInfo(w.worker_id, w.role, w.status, list(w.base_models)) for w in msg.workers
+        ],
     )
 
 

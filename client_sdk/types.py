@@ -320,6 +320,17 @@ class TrainingPassMetrics:
 
 
 @dataclass(frozen=True)
+class WorkerInfo:
+    """A ``treadle worker`` of a distributed server (``ServerInfo.workers``)."""
+
+    worker_id: str
+    #: "both" (trains and samples), "trainer", or "sampler" (a sampler pool worker)
+    role: str
+    status: str  # "live" or "draining"
+    base_models: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
 class ServerInfo:
     server_version: str
     api_version: str
@@ -333,3 +344,5 @@ class ServerInfo:
     max_models: int = 0
     #: the tenant's models that count against ``max_models`` now
     live_models: int = 0
+    #: the serving workers of a distributed server, with their roles (empty: embedded)
+    workers: list[WorkerInfo] = field(default_factory=list)

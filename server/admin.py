@@ -20,6 +20,7 @@ from pathlib import Path
 
 from sqlalchemy.orm import Session
 
+from treadle.common.db import models as db
 from treadle.errors import AlreadyExistsError, InvalidArgumentError
 from treadle.server.auth import generate_key, hash_key, key_prefix
 from treadle.server.db import make_engine, make_session_factory, queries, tenancy, upgrade_to_head
@@ -61,6 +62,11 @@ def add_admin_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     for name in tenancy.QUOTA_FIELDS:
         p.add_argument(f"--{name.replace('_', '-')}", dest=name, metavar="N|default")
     p.set_defaults(fn=_set_quota)
+
+    p = cmds.add_parser(
+        "list-workers", help="workers of a distributed server: role, status, base models, load"
+    )
+    p.set_defaults(fn=_list_workers)
 
     p = cmds.add_parser("usage", help="tokens, calls, compute seconds, checkpoints per model")
     p.add_argument("tenant", nargs="?", help="name or id (default: all)")
@@ -152,6 +158,29 @@ def _list_tenants(args: argparse.Namespace) -> int:
             for t in tenancy.list_tenants(s)
         ]
     _table(("tenant", "id", *tenancy.QUOTA_FIELDS), rows)
+    return 0
+
+
+def _list_workers(args: argparse.Namespace) -> int:
+    """Every ``treadle worker`` the database knows, its role (``--role``) and its models."""
+    from sqlalchemy import select
+
+    from treadle.common.db import workers as wq
+
+    with _session(args) as s:
+        loads = wq.worker_loads(s)
+        rows = [
+            (
+                w.id,
+                w.role,
+                w.status,
+                ",".join(wq.base_models_of(w)),
+                f"{loads.get(w.id, 0)}/{w.capacity}",
+                w.heartbeat_at.strftime("%Y-%m-%d %H:%M:%S"),
+            )
+            for w in s.scalars(select(db.Worker).order_by(db.Worker.id))
+        ]
+    _table(("worker", "role", "status", "base models", "models", "last heartbeat"), rows)
     return 0
 
 

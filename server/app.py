@@ -158,6 +158,8 @@ async def create_context(config: ServerConfig, dispatcher: Backend | None = None
             worker_timeout_s=config.worker_timeout_s,
             store=store,
             replay_log_bytes=config.replay_log_bytes,
+            sampler_placement=config.sampler_placement,
+            keep_versions=config.keep_versions,
         )
     if dispatcher is None:
         engine = build_engine(engine_config(config), on_lost=exit_soon).start()

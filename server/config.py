@@ -26,6 +26,8 @@ from treadle.workers.engine.flags import (
 from treadle.workers.engine.options import EngineOptions
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1", "[::1]")
+#: ``--sampler-placement`` (``server.celery.pool``)
+SAMPLER_PLACEMENTS = ("colocated", "pool", "auto")
 
 
 @dataclass(frozen=True)
@@ -63,6 +65,11 @@ class ServerConfig(EngineOptions):
     s3_endpoint_url: str = ""  # S3-compatible stores (MinIO, Ceph, moto)
     #: a worker whose heartbeat is older than this is dead and its models are lost
     worker_timeout_s: float = 15.0
+    #: distributed mode: where a model's samplers sample (``server.celery.pool``):
+    #: ``colocated`` on the model's trainer worker; ``pool`` on the sampler workers
+    #: (``treadle worker --role sampler``) serving its base, each version shipped to
+    #: them through the store; ``auto``: the pool when one serves the base, else colocated
+    sampler_placement: str = "auto"
     #: distributed mode: the calls applied since a model's last checkpoint are kept in
     #: the database (at most this many bytes per model; 0 = none), so a model lost
     #: with its worker is replayed to its last applied step on another
@@ -159,6 +166,11 @@ class ServerConfig(EngineOptions):
         elif "://" in self.store:
             raise InvalidArgumentError(
                 f"store: {self.store!r}: give a directory or s3://bucket/prefix"
+            )
+        if self.sampler_placement not in SAMPLER_PLACEMENTS:
+            raise InvalidArgumentError(
+                f"sampler_placement: {self.sampler_placement!r} is not one of "
+                f"{', '.join(SAMPLER_PLACEMENTS)} (--sampler-placement)"
             )
         if self.worker_timeout_s <= 0:
             raise InvalidArgumentError(f"worker_timeout_s: out of range ({self.worker_timeout_s})")
@@ -259,6 +271,14 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
         help="seconds without a heartbeat after which a worker is dead and its models lost",
     )
     parser.add_argument(
+        "--sampler-placement",
+        choices=SAMPLER_PLACEMENTS,
+        default=env("TREADLE_SAMPLER_PLACEMENT", "auto"),
+        help="distributed mode: where samplers of trained models sample: colocated (on the "
+        "model's worker), pool (on `treadle worker --role sampler` workers, each version "
+        "shipped through the store), auto (default: the pool when one serves the base)",
+    )
+    parser.add_argument(
         "--replay-log-bytes",
         type=int,
         default=int(env("TREADLE_REPLAY_LOG_BYTES", str(64 * 1024 * 1024))),
@@ -356,6 +376,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         store=args.store,
         s3_endpoint_url=args.s3_endpoint_url,
         worker_timeout_s=args.worker_timeout,
+        sampler_placement=args.sampler_placement,
         metrics_port=metrics_port_of(args),
         metrics_host=args.metrics_host,
         replay_log_bytes=args.replay_log_bytes,

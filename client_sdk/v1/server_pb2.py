@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17treadle/v1/server.proto\x12\ntreadle.v1\"\x16\n\x14GetServerInfoRequest\"s\n\tBaseModel\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04\x61rch\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\x03\x12\x13\n\x0bmax_context\x18\x04 \x01(\x03\x12\x12\n\nnum_params\x18\x05 \x01(\x03\x12\r\n\x05\x64type\x18\x06 \x01(\t\"\xd0\x02\n\nServerInfo\x12\x16\n\x0eserver_version\x18\x01 \x01(\t\x12\x13\n\x0b\x61pi_version\x18\x02 \x01(\t\x12*\n\x0b\x62\x61se_models\x18\x03 \x03(\x0b\x32\x15.treadle.v1.BaseModel\x12\x19\n\x11max_message_bytes\x18\x04 \x01(\x03\x12\x1e\n\x16max_tokens_per_request\x18\x05 \x01(\x03\x12\x10\n\x08\x66\x65\x61tures\x18\x06 \x03(\t\x12\x33\n\x0fsampler_metrics\x18\x07 \x03(\x0b\x32\x1a.treadle.v1.SamplerMetrics\x12>\n\x15training_pass_metrics\x18\x08 \x03(\x0b\x32\x1f.treadle.v1.TrainingPassMetrics\x12\x12\n\nmax_models\x18\t \x01(\x03\x12\x13\n\x0blive_models\x18\n \x01(\x03\"\xf6\x01\n\x13TrainingPassMetrics\x12\x12\n\nbase_model\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x0e\n\x06passes\x18\x03 \x01(\x03\x12\x16\n\x0e\x62\x61tched_passes\x18\x04 \x01(\x03\x12\x15\n\rcalls_batched\x18\x05 \x01(\x03\x12\x13\n\x0b\x63\x61lls_alone\x18\x06 \x01(\x03\x12\x16\n\x0etokens_batched\x18\x07 \x01(\x03\x12\x14\n\x0ctokens_alone\x18\x08 \x01(\x03\x12\x1e\n\x16\x63\x61lls_per_batched_pass\x18\t \x01(\x01\x12\x1a\n\x12max_calls_per_pass\x18\n \x01(\x03\"\xbf\x02\n\x0eSamplerMetrics\x12\x12\n\nbase_model\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x14\n\x0ctokens_per_s\x18\x03 \x01(\x01\x12\x11\n\toccupancy\x18\x04 \x01(\x01\x12\x14\n\x0crunning_rows\x18\x05 \x01(\x03\x12\x11\n\tnum_slots\x18\x06 \x01(\x03\x12\x17\n\x0fqueued_requests\x18\x07 \x01(\x03\x12\x1b\n\x13prefilling_requests\x18\x08 \x01(\x03\x12\x18\n\x10tokens_generated\x18\t \x01(\x03\x12\x15\n\rprompt_tokens\x18\n \x01(\x03\x12\x1c\n\x14prefix_reused_tokens\x18\x0b \x01(\x03\x12\x16\n\x0ekv_cache_usage\x18\x0c \x01(\x01\x12\x1b\n\x13kv_cache_peak_usage\x18\r \x01(\x01\")\n\x13GetTokenizerRequest\x12\x12\n\nbase_model\x18\x01 \x01(\t\"O\n\x0eTokenizerChunk\x12\x11\n\tfile_name\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x0c\n\x04last\x18\x04 \x01(\x08\x32\xa9\x01\n\rServerService\x12I\n\rGetServerInfo\x12 .treadle.v1.GetServerInfoRequest\x1a\x16.treadle.v1.ServerInfo\x12M\n\x0cGetTokenizer\x12\x1f.treadle.v1.GetTokenizerRequest\x1a\x1a.treadle.v1.TokenizerChunk0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17treadle/v1/server.proto\x12\ntreadle.v1\"\x16\n\x14GetServerInfoRequest\"s\n\tBaseModel\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04\x61rch\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\x03\x12\x13\n\x0bmax_context\x18\x04 \x01(\x03\x12\x12\n\nnum_params\x18\x05 \x01(\x03\x12\r\n\x05\x64type\x18\x06 \x01(\t\"\xf9\x02\n\nServerInfo\x12\x16\n\x0eserver_version\x18\x01 \x01(\t\x12\x13\n\x0b\x61pi_version\x18\x02 \x01(\t\x12*\n\x0b\x62\x61se_models\x18\x03 \x03(\x0b\x32\x15.treadle.v1.BaseModel\x12\x19\n\x11max_message_bytes\x18\x04 \x01(\x03\x12\x1e\n\x16max_tokens_per_request\x18\x05 \x01(\x03\x12\x10\n\x08\x66\x65\x61tures\x18\x06 \x03(\t\x12\x33\n\x0fsampler_metrics\x18\x07 \x03(\x0b\x32\x1a.treadle.v1.SamplerMetrics\x12>\n\x15training_pass_metrics\x18\x08 \x03(\x0b\x32\x1f.treadle.v1.TrainingPassMetrics\x12\x12\n\nmax_models\x18\t \x01(\x03\x12\x13\n\x0blive_models\x18\n \x01(\x03\x12\'\n\x07workers\x18\x0b \x03(\x0b\x32\x16.treadle.v1.WorkerInfo\"R\n\nWorkerInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x0e\n\x06status\x18\x03 \x01(\t\x12\x13\n\x0b\x62\x61se_models\x18\x04 \x03(\t\"\xf6\x01\n\x13TrainingPassMetrics\x12\x12\n\nbase_model\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x0e\n\x06passes\x18\x03 \x01(\x03\x12\x16\n\x0e\x62\x61tched_passes\x18\x04 \x01(\x03\x12\x15\n\rcalls_batched\x18\x05 \x01(\x03\x12\x13\n\x0b\x63\x61lls_alone\x18\x06 \x01(\x03\x12\x16\n\x0etokens_batched\x18\x07 \x01(\x03\x12\x14\n\x0ctokens_alone\x18\x08 \x01(\x03\x12\x1e\n\x16\x63\x61lls_per_batched_pass\x18\t \x01(\x01\x12\x1a\n\x12max_calls_per_pass\x18\n \x01(\x03\"\xbf\x02\n\x0eSamplerMetrics\x12\x12\n\nbase_model\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x14\n\x0ctokens_per_s\x18\x03 \x01(\x01\x12\x11\n\toccupancy\x18\x04 \x01(\x01\x12\x14\n\x0crunning_rows\x18\x05 \x01(\x03\x12\x11\n\tnum_slots\x18\x06 \x01(\x03\x12\x17\n\x0fqueued_requests\x18\x07 \x01(\x03\x12\x1b\n\x13prefilling_requests\x18\x08 \x01(\x03\x12\x18\n\x10tokens_generated\x18\t \x01(\x03\x12\x15\n\rprompt_tokens\x18\n \x01(\x03\x12\x1c\n\x14prefix_reused_tokens\x18\x0b \x01(\x03\x12\x16\n\x0ekv_cache_usage\x18\x0c \x01(\x01\x12\x1b\n\x13kv_cache_peak_usage\x18\r \x01(\x01\")\n\x13GetTokenizerRequest\x12\x12\n\nbase_model\x18\x01 \x01(\t\"O\n\x0eTokenizerChunk\x12\x11\n\tfile_name\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x0c\n\x04last\x18\x04 \x01(\x08\x32\xa9\x01\n\rServerService\x12I\n\rGetServerInfo\x12 .treadle.v1.GetServerInfoRequest\x1a\x16.treadle.v1.ServerInfo\x12M\n\x0cGetTokenizer\x12\x1f.treadle.v1.GetTokenizerRequest\x1a\x1a.treadle.v1.TokenizerChunk0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,15 +37,17 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_BASEMODEL']._serialized_start=63
   _globals['_BASEMODEL']._serialized_end=178
   _globals['_SERVERINFO']._serialized_start=181
-  _globals['_SERVERINFO']._serialized_end=517
-  _globals['_TRAININGPASSMETRICS']._serialized_start=520
-  _globals['_TRAININGPASSMETRICS']._serialized_end=766
-  _globals['_SAMPLERMETRICS']._serialized_start=769
-  _globals['_SAMPLERMETRICS']._serialized_end=1088
-  _globals['_GETTOKENIZERREQUEST']._serialized_start=1090
-  _globals['_GETTOKENIZERREQUEST']._serialized_end=1131
-  _globals['_TOKENIZERCHUNK']._serialized_start=1133
-  _globals['_TOKENIZERCHUNK']._serialized_end=1212
-  _globals['_SERVERSERVICE']._serialized_start=1215
-  _globals['_SERVERSERVICE']._serialized_end=1384
+  _globals['_SERVERINFO']._serialized_end=558
+  _globals['_WORKERINFO']._serialized_start=560
+  _globals['_WORKERINFO']._serialized_end=642
+  _globals['_TRAININGPASSMETRICS']._serialized_start=645
+  _globals['_TRAININGPASSMETRICS']._serialized_end=891
+  _globals['_SAMPLERMETRICS']._serialized_start=894
+  _globals['_SAMPLERMETRICS']._serialized_end=1213
+  _globals['_GETTOKENIZERREQUEST']._serialized_start=1215
+  _globals['_GETTOKENIZERREQUEST']._serialized_end=1256
+  _globals['_TOKENIZERCHUNK']._serialized_start=1258
+  _globals['_TOKENIZERCHUNK']._serialized_end=1337
+  _globals['_SERVERSERVICE']._serialized_start=1340
+  _globals['_SERVERSERVICE']._serialized_end=1509
 # @@protoc_insertion_point(module_scope)

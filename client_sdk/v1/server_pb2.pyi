@@ -28,7 +28,7 @@ class BaseModel(_message.Message):
     def __init__(self, name: _Optional[str] = ..., arch: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., num_params: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class ServerInfo(_message.Message):
-    __slots__ = ("server_version", "api_version", "base_models", "max_message_bytes", "max_tokens_per_request", "features", "sampler_metrics", "training_pass_metrics", "max_models", "live_models")
+    __slots__ = ("server_version", "api_version", "base_models", "max_message_bytes", "max_tokens_per_request", "features", "sampler_metrics", "training_pass_metrics", "max_models", "live_models", "workers")
     SERVER_VERSION_FIELD_NUMBER: _ClassVar[int]
     API_VERSION_FIELD_NUMBER: _ClassVar[int]
     BASE_MODELS_FIELD_NUMBER: _ClassVar[int]
@@ -39,6 +39,7 @@ class ServerInfo(_message.Message):
     TRAINING_PASS_METRICS_FIELD_NUMBER: _ClassVar[int]
     MAX_MODELS_FIELD_NUMBER: _ClassVar[int]
     LIVE_MODELS_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
     server_version: str
     api_version: str
     base_models: _containers.RepeatedCompositeFieldContainer[BaseModel]
@@ -49,7 +50,20 @@ class ServerInfo(_message.Message):
     training_pass_metrics: _containers.RepeatedCompositeFieldContainer[TrainingPassMetrics]
     max_models: int
     live_models: int
-    def __init__(self, server_version: _Optional[str] = ..., api_version: _Optional[str] = ..., base_models: _Optional[_Iterable[_Union[BaseModel, _Mapping]]] = ..., max_message_bytes: _Optional[int] = ..., max_tokens_per_request: _Optional[int] = ..., features: _Optional[_Iterable[str]] = ..., sampler_metrics: _Optional[_Iterable[_Union[SamplerMetrics, _Mapping]]] = ..., training_pass_metrics: _Optional[_Iterable[_Union[TrainingPassMetrics, _Mapping]]] = ..., max_models: _Optional[int] = ..., live_models: _Optional[int] = ...) -> None: ...
+    workers: _containers.RepeatedCompositeFieldContainer[WorkerInfo]
+    def __init__(self, server_version: _Optional[str] = ..., api_version: _Optional[str] = ..., base_models: _Optional[_Iterable[_Union[BaseModel, _Mapping]]] = ..., max_message_bytes: _Optional[int] = ..., max_tokens_per_request: _Optional[int] = ..., features: _Optional[_Iterable[str]] = ..., sampler_metrics: _Optional[_Iterable[_Union[SamplerMetrics, _Mapping]]] = ..., training_pass_metrics: _Optional[_Iterable[_Union[TrainingPassMetrics, _Mapping]]] = ..., max_models: _Optional[int] = ..., live_models: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ...) -> None: ...
+
+class WorkerInfo(_message.Message):
+    __slots__ = ("worker_id", "role", "status", "base_models")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    BASE_MODELS_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    role: str
+    status: str
+    base_models: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., status: _Optional[str] = ..., base_models: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class TrainingPassMetrics(_message.Message):
     __slots__ = ("base_model", "dtype", "passes", "batched_passes", "calls_batched", "calls_alone", "tokens_batched", "tokens_alone", "calls_per_batched_pass", "max_calls_per_pass")

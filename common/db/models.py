@@ -47,6 +47,8 @@ OP_STATUSES = ("pending", "done", "failed")
 #: live: takes new models; draining: stopping gracefully (serves the models it has
 #: while servers move them off, takes no new ones); stopped, dead: gone
 WORKER_STATUSES = ("live", "draining", "stopped", "dead")
+#: what a worker does: trains and samples (``both``), or one of the two
+WORKER_ROLES = ("both", "trainer", "sampler")
 
 
 def utcnow() -> dt.datetime:
@@ -267,13 +269,18 @@ class Worker(Base):
     models it takes, and its heartbeat. ``models.worker_id`` names where a model lives."""
 
     __tablename__ = "workers"
-    __table_args__ = (CheckConstraint(_in("status", WORKER_STATUSES), name="status"),)
+    __table_args__ = (
+        CheckConstraint(_in("status", WORKER_STATUSES), name="status"),
+        CheckConstraint(_in("role", WORKER_ROLES), name="role"),
+    )
 
     id: Mapped[str] = mapped_column(String(255), primary_key=True)
     hostname: Mapped[str] = mapped_column(String(255), default="")
     base_models: Mapped[str] = mapped_column(Text, default="[]")  # JSON list of names
     capacity: Mapped[int]
     status: Mapped[str] = mapped_column(String(16), default="live")
+    #: ``both``, ``trainer`` (takes no sampler of the pool) or ``sampler`` (no training model)
+    role: Mapped[str] = mapped_column(String(16), default="both", server_default=text("'both'"))
     started_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
     heartbeat_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
 

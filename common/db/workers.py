@@ -27,7 +27,13 @@ SERVING = ("live", "draining")
 
 
 def register_worker(
-    s: Session, worker_id: str, *, hostname: str, base_models: Iterable[str], capacity: int
+    s: Session,
+    worker_id: str,
+    *,
+    hostname: str,
+    base_models: Iterable[str],
+    capacity: int,
+    role: str = "both",
 ) -> Worker:
     """A worker (re)joins as live; a restarted worker with the same id starts empty."""
     row = s.get(Worker, worker_id)
@@ -38,6 +44,7 @@ def register_worker(
     row.hostname = hostname[:255]
     row.base_models = json.dumps(sorted(base_models))
     row.capacity = capacity
+    row.role = role
     row.status = "live"
     row.started_at = now
     row.heartbeat_at = now

@@ -67,6 +67,14 @@ class TargetVersion:
 
 
 @dataclass(frozen=True)
+class Shipped:
+    """A published version written to the store for the sampler pool."""
+
+    version: int
+    size_bytes: int
+
+
+@dataclass(frozen=True)
 class StreamEnd:
     """The last reply of a streamed sample: how many items came before it."""
 
@@ -240,6 +248,41 @@ class ExportCall(EngineCall[Exported]):
         return CallRoute(model_id=self.model_id)
 
 
+@dataclass(frozen=True)
+class ShipVersionCall(EngineCall[Shipped]):
+    """Write the published ``version`` of a model (its LoRA adapter, or full
+    weights) as safetensors under ``directory``, for sampler workers to load
+    (``LoadVersionCall``): one upload, many readers."""
+
+    response = (Shipped,)
+    uploads = ("directory",)
+    model_id: str
+    version: int
+    directory: str  # the storage path the version goes to
+
+    @property
+    def route(self) -> CallRoute:
+        return CallRoute(model_id=self.model_id)
+
+
+@dataclass(frozen=True)
+class LoadVersionCall(EngineCall[TargetVersion]):
+    """A sampler worker loads a version shipped by the model's trainer
+    (``ShipVersionCall``) and serves it from then on; the reply is its ack."""
+
+    response = (TargetVersion,)
+    fetches = ("directory",)
+    target: SamplerTarget  # the model, base and version shipped
+    directory: str
+    #: PipelineRL: sequences following the model's latest weights on this worker
+    #: continue under this version from their next token (``SyncWeightsOp.inflight``)
+    inflight: bool = False
+
+    @property
+    def route(self) -> CallRoute:
+        return CallRoute(target=self.target)
+
+
 # ---- the reply --------------------------------------------------------------------------------
 
 
@@ -269,6 +312,8 @@ CALLS: Mapping[str, type[EngineCall[Any]]] = {
         ResumeCall,
         CheckTargetCall,
         ExportCall,
+        ShipVersionCall,
+        LoadVersionCall,
     )
 }
 
@@ -276,6 +321,15 @@ CALLS: Mapping[str, type[EngineCall[Any]]] = {
 MESSAGES: Mapping[str, type] = {
     **CALLS,
     **{
-        cls.__name__: cls for cls in (Reply, CallRoute, Deleted, Exported, TargetVersion, StreamEnd)
+        cls.__name__: cls
+        for cls in (
+            Reply,
+            CallRoute,
+            Deleted,
+            Exported,
+            TargetVersion,
+            StreamEnd,
+            Shipped,
+        )
     },
 }

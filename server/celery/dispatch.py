@@ -55,6 +55,8 @@ from treadle.common.engine.domain import (
     SamplerTarget,
     SaveResult,
     StreamedSequence,
+    SyncResult,
+    SyncWeightsOp,
     TenantQueue,
 )
 from treadle.common.engine.messages import (
@@ -63,6 +65,7 @@ from treadle.common.engine.messages import (
     EngineCall,
     ExportCall,
     Exported,
+    SampleCall,
     SampleStreamCall,
     SubmitCall,
     UnloadModelCall,
@@ -78,6 +81,7 @@ from treadle.errors import (
 )
 from treadle.server.celery.liveness import Liveness
 from treadle.server.celery.placement import Placement
+from treadle.server.celery.pool import SamplerPool
 from treadle.server.celery.transport import CeleryTransport
 from treadle.server.dispatch import BaseCatalog, stream_items
 from treadle.server.replay_log import APPLIED_ERRORS, Logged, ReplayLog
@@ -100,6 +104,8 @@ class CeleryDispatcher:
         check_s: float | None = None,
         store: Store | None = None,
         replay_log_bytes: int = 64 * 1024 * 1024,
+        sampler_placement: str = "auto",
+        keep_versions: int = 4,
     ) -> None:
         self.broker = broker
         self.replay = ReplayLog(sessions, replay_log_bytes)
@@ -116,6 +122,15 @@ class CeleryDispatcher:
         self.transport = CeleryTransport(broker, self.server_id, self.placement.note_status)
         self.app = self.transport.app
         self._call = self.transport.call
+        self.pool = SamplerPool(
+            self.placement,
+            self.transport.call,
+            self.transport.pending_counts,
+            sessions,
+            store,
+            sampler_placement,
+            keep_versions,
+        )
         self.liveness = Liveness(
             sessions,
             self.placement,
@@ -140,6 +155,11 @@ class CeleryDispatcher:
             return cast(R, await self._unload_model(call))
         if isinstance(call, ExportCall):
             return cast(R, await self._export(call))
+        if isinstance(call, SampleCall):
+            routed = await self.pool.route(call.target)
+            if routed is not None:  # straight to a sampler worker, never the trainer's queue
+                worker_id, pinned = routed
+                return cast(R, await self._call(worker_id, replace(call, target=pinned)))
         route = call.route
         if route.target is not None:
             worker_id = await self._route(route.target, route.sampler_key)
@@ -164,6 +184,7 @@ class CeleryDispatcher:
         model_id = call.model_id
         worker_id = self.placement.forget(model_id)
         self.replay.forget(model_id)
+        self.pool.forget(model_id)
         if worker_id is None or self.transport.is_gone(worker_id):
             raise NotFoundError(f"model {model_id} not found")
         return await self._call(worker_id, call)
@@ -224,6 +245,9 @@ class CeleryDispatcher:
                 await self._keep(model_id, seq_id, op)
             raise
         await self._keep(model_id, seq_id, op)
+        if isinstance(op, SyncWeightsOp) and isinstance(result, SyncResult):
+            # UNAVAILABLE if not shipped
+            await self.pool.publish(model_id, result.version, inflight=op.inflight)
         return result
 
     async def _keep(self, model_id: str, seq_id: int, op: OrderedOp) -> None:
@@ -247,7 +271,11 @@ class CeleryDispatcher:
         order on this server's reply queue), then once at the end. Closing the
         iterator early stops listening; the worker finishes the samples anyway
         (there is no cancel message)."""
-        worker_id = await self._route(target, None)
+        routed = await self.pool.route(target)
+        if routed is not None:  # a sampler worker of the pool
+            worker_id, target = routed
+        else:
+            worker_id = await self._route(target, None)
         items: asyncio.Queue[StreamedSequence] = asyncio.Queue()
         call = asyncio.ensure_future(
             self._call(worker_id, SampleStreamCall(target, op), on_item=items.put_nowait)

@@ -65,7 +65,7 @@ class Liveness:
             lost_models = wq.mark_models_lost(s, wq.stopped_workers_with_models(s))
             gone = wq.gone_workers(s, in_use)
             live = [
-                LiveWorker(w.id, tuple(wq.base_models_of(w)))
+                LiveWorker(w.id, tuple(wq.base_models_of(w)), w.role)
                 for w in wq.live_workers(s, now - dt.timedelta(seconds=self.worker_timeout_s))
             ]
             draining = wq.active_models_on(s, wq.draining_workers(s))

@@ -38,6 +38,7 @@ from treadle.errors import (
 class LiveWorker:
     worker_id: str
     base_models: tuple[str, ...]
+    role: str = "both"  # ``treadle worker --role``: both, trainer or sampler
 
 
 class Placement:
@@ -58,6 +59,10 @@ class Placement:
         self.live: list[LiveWorker] = []
         self.draining: set[str] = set()  # model ids on workers stopping gracefully
         self._placing: Counter[str] = Counter()  # creations in flight, per worker
+
+    def is_gone(self, worker_id: str) -> bool:
+        """Whether the transport knows ``worker_id`` gone (declared dead or stopped)."""
+        return self._is_gone(worker_id)
 
     # ---- placing a model ---------------------------------------------------------------------
 
@@ -110,6 +115,7 @@ class Placement:
                 (loads.get(w.id, 0), random.random(), w.id)
                 for w in live
                 if base_model in wq.base_models_of(w)
+                and w.role != "sampler"  # a pool worker takes no training model
                 and loads.get(w.id, 0) < w.capacity
                 and w.id not in skip
             ]
@@ -173,7 +179,11 @@ class Placement:
         if target.model_id is not None:
             return self.worker_of(target.model_id)
         with self.lock:
-            live = [w.worker_id for w in self.live if target.base_model in w.base_models]
+            serving = [w for w in self.live if target.base_model in w.base_models]
+        # colocated samplers of a base stay off the pool while a worker of another role serves it
+        live = [w.worker_id for w in serving if w.role != "sampler"] or [
+            w.worker_id for w in serving
+        ]
         live = [w for w in live if not self._is_gone(w)]
         if not live:
             raise UnavailableError(f"no live worker serves base model {target.base_model!r}")

@@ -85,6 +85,14 @@ class CeleryTransport:
         with self._lock:
             return {p.worker_id for p in self._pending.values()}
 
+    def pending_counts(self) -> dict[str, int]:
+        """Calls in flight per worker (the sampler pool routes by it)."""
+        counts: dict[str, int] = {}
+        with self._lock:
+            for p in self._pending.values():
+                counts[p.worker_id] = counts.get(p.worker_id, 0) + 1
+        return counts
+
     async def call(
         self,
         worker_id: str,

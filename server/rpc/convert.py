@@ -45,6 +45,7 @@ from treadle.server.service.types import (
     SavedState,
     SessionInfo,
     SyncOutcome,
+    WorkerRecord,
 )
 from treadle.v1 import common_pb2, sampling_pb2, server_pb2, session_pb2, training_pb2
 from treadle.wire.tensors import from_wire, to_wire
@@ -383,6 +384,7 @@ def server_info(
     base_models: Sequence[BaseModelRecord],
     sampler_metrics: Sequence[SamplerStats],
     pass_metrics: Sequence[PassStats],
+    workers: Sequence[WorkerRecord] = (),
 ) -> server_pb2.ServerInfo:
     """What the server serves; ``quota`` is the tenant's (max_models, live_models)."""
     info = server_pb2.ServerInfo(
@@ -397,6 +399,10 @@ def server_info(
     _add_each(info.base_models, base_models)
     _add_each(info.sampler_metrics, sampler_metrics)
     _add_each(info.training_pass_metrics, pass_metrics)
+    for w in workers:
+        info.workers.add(
+            worker_id=w.worker_id, role=w.role, status=w.status, base_models=list(w.base_models)
+        )
     return info
 
 

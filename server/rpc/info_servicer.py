@@ -30,6 +30,7 @@ class InfoServicer(server_pb2_grpc.ServerServiceServicer):
         quota = await asyncio.to_thread(self.info.model_quota, tenant)
         # off the event loop: with a sampler thread this waits for its current step
         sampler_metrics = await asyncio.to_thread(d.sampler_metrics)
+        workers = await asyncio.to_thread(self.info.workers)
         return convert.server_info(
             server_version=treadle.__version__,
             max_message_bytes=self.ctx.config.max_message_bytes,
@@ -39,6 +40,7 @@ class InfoServicer(server_pb2_grpc.ServerServiceServicer):
             base_models=self.info.base_models(),
             sampler_metrics=sampler_metrics,
             pass_metrics=d.pass_metrics(),
+            workers=workers,
         )
 
     async def GetTokenizer(

@@ -8,7 +8,7 @@ from pathlib import Path
 from treadle.errors import NotFoundError
 from treadle.server.context import ServerContext
 from treadle.server.db import tenancy
-from treadle.server.service.types import BaseModelRecord
+from treadle.server.service.types import BaseModelRecord, WorkerRecord
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
@@ -35,6 +35,21 @@ class InfoService:
                 )
             )
         return out
+
+    def workers(self) -> list[WorkerRecord]:
+        """The serving workers (none when the engine runs in this process), by id."""
+        from sqlalchemy import select
+
+        from treadle.common.db import models as db
+        from treadle.common.db import workers as wq
+
+        if self.ctx.dispatcher.engine_in_process:
+            return []
+        with self.ctx.session() as s:
+            rows = s.scalars(
+                select(db.Worker).where(db.Worker.status.in_(wq.SERVING)).order_by(db.Worker.id)
+            )
+            return [WorkerRecord(w.id, w.role, w.status, tuple(wq.base_models_of(w))) for w in rows]
 
     def max_tokens_per_request(self, tenant: str) -> int:
         """What one request of the tenant may hold: the engine's limit, or the

@@ -222,6 +222,16 @@ class SessionTimeline:
 
 
 @dataclass(frozen=True)
+class WorkerRecord:
+    """A serving worker of a distributed server (``treadle worker``)."""
+
+    worker_id: str
+    role: str  # both | trainer | sampler
+    status: str  # live | draining
+    base_models: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class BaseModelRecord:
     """A base model this server serves."""
 

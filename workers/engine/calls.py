@@ -21,9 +21,12 @@ from treadle.common.engine.messages import (
     EngineCall,
     ExportCall,
     Exported,
+    LoadVersionCall,
     ResumeCall,
     SampleCall,
     SampleStreamCall,
+    Shipped,
+    ShipVersionCall,
     StreamEnd,
     SubmitCall,
     TargetVersion,
@@ -94,6 +97,17 @@ def _check_target(engine: Engine, c: CheckTargetCall) -> Future[Any]:
 def _export(engine: Engine, c: ExportCall) -> Future[Any]:
     fut = engine.export_weights(c.model_id, c.directory, merged=c.merged)
     return mapped(fut, lambda names: Exported(tuple(names)))
+
+
+@handles(ShipVersionCall)
+def _ship_version(engine: Engine, c: ShipVersionCall) -> Future[Any]:
+    fut = engine.ship_version(c.model_id, c.version, c.directory)
+    return mapped(fut, lambda size: Shipped(c.version, size))
+
+
+@handles(LoadVersionCall)
+def _load_version(engine: Engine, c: LoadVersionCall) -> Future[Any]:
+    return mapped(engine.load_version(c.target, c.directory, inflight=c.inflight), TargetVersion)
 
 
 def stream(

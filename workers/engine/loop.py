@@ -54,7 +54,7 @@ from treadle.errors import (
     UnavailableError,
 )
 from treadle.workers.device import device, host_allocator, memory_budget
-from treadle.workers.engine import calls
+from treadle.workers.engine import calls, shipping
 from treadle.workers.engine.base_models import BaseModel, BaseModelRegistry, parse_dtype
 from treadle.workers.engine.config import EngineConfig
 from treadle.workers.engine.models import ModelRegistry, holds_gradients
@@ -95,6 +95,10 @@ class Engine:
             anticipate_batched=config.batch_across_models,
         )
         self.versions = VersionStore(config.keep_versions)
+        #: versions of models trained elsewhere, shipped here for sampling (a sampler
+        #: worker of the pool: ``workers.engine.shipping``)
+        self.shipped = VersionStore(config.keep_versions)
+        self._shipped_from: dict[tuple[str, int], str] = {}  # (model, version) -> its files
         self.registry = ModelRegistry()
         #: model id -> the model (engine thread only)
         self.models: dict[str, TrainingModel] = self.registry.models
@@ -275,6 +279,49 @@ class Engine:
         """Training models on this engine now (thread-safe)."""
         return self.registry.count()
 
+    def ship_version(self, model_id: str, version: int, directory: str | Path) -> Future[int]:
+        """Write a published version of a model trained here for the sampler pool;
+        the bytes written."""
+
+        def ship() -> int:
+            if model_id not in self.models:
+                raise NotFoundError(f"model {model_id} not found")
+            snapshot = self.versions.get(model_id, version)
+            return shipping.write_version(snapshot, Path(directory))
+
+        return self._on_engine(ship)
+
+    def load_version(
+        self, target: SamplerTarget, directory: str | Path, *, inflight: bool = False
+    ) -> Future[int]:
+        """Serve a version shipped from the model's trainer (``ship_version``) from now
+        on: read it, publish it to the sampler (``inflight``: the requests following
+        the model's latest weights here continue under it); the version (the ack)."""
+        model_id, version = target.model_id, target.version
+        assert model_id is not None and version is not None
+
+        def base_at(dtype: str) -> BaseModel:
+            return self.bases.get(target.base_model, parse_dtype(dtype))
+
+        def load() -> int:
+            if self._shipped_from.get((model_id, version)) == str(directory):
+                return version  # served already (a repeat, or a second server's publish)
+            snapshot = shipping.read_version(Path(directory), base_at, model_id, version)
+            released = self.shipped.publish(snapshot)
+            self._shipped_from[(model_id, version)] = str(directory)
+            for old in released:
+                self._shipped_from.pop((model_id, old), None)
+            self.sampler.publish(
+                self.bases.get(target.base_model, snapshot.params.dtype),
+                snapshot,
+                inflight=inflight,
+            )
+            if released:
+                self.sampler.release(model_id, released)
+            return version
+
+        return self._on_engine(load)
+
     def check_sampler_target(self, target: SamplerTarget) -> Future[int]:
         """Resolve a sampler target now (NOT_FOUND if its weights are gone); the version."""
         return self._on_engine(lambda: self._snapshot(target).version)
@@ -415,6 +462,9 @@ class Engine:
         )
 
     def _delete_model(self, model_id: str) -> None:
+        if model_id not in self.models and self.shipped.versions(model_id):
+            self._drop_shipped(model_id)  # a sampler worker: the versions shipped here go
+            return
         self.registry.remove(model_id)
         self.peers.deleted(model_id)
         for call in self.scheduler.remove_model(model_id):
@@ -426,6 +476,13 @@ class Engine:
         if kept:
             self.sampler.release(model_id, kept)
         self.registry.forget_status(model_id)
+
+    def _drop_shipped(self, model_id: str) -> None:
+        kept = self.shipped.versions(model_id)
+        self.shipped.drop(model_id)
+        for version in kept:
+            self._shipped_from.pop((model_id, version), None)
+        self.sampler.release(model_id, kept)
 
     def _unload_model(self, model_id: str, directory: Path, force: bool = False) -> SaveResult:
         model = self.registry.require(model_id)
@@ -464,6 +521,10 @@ class Engine:
             base = self.bases.get(target.base_model, dtype)
             return WeightSnapshot(None, 0, base.params, None)
         if target.model_id not in self.models:
+            shipped = self.shipped.versions(target.model_id)
+            if shipped:  # trained elsewhere, shipped here: its latest is the highest
+                version = target.version if target.version is not None else max(shipped)
+                return self.shipped.get(target.model_id, version)
             raise NotFoundError(f"model {target.model_id} not found")
         return self.versions.get(target.model_id, target.version)
 

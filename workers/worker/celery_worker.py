@@ -53,6 +53,7 @@ from treadle.common.engine.messages import (
     DeleteModelCall,
     EngineCall,
     SampleStreamCall,
+    SubmitCall,
     UnloadModelCall,
 )
 from treadle.common.logs import request_context
@@ -219,6 +220,11 @@ class WorkerProcess:
     def _start(self, msg: EngineCall[Any], cid: str, reply_to: str) -> Future[Any]:
         """The engine call of ``msg``, with what this worker keeps about its models
         (which it hosts, its capacity) around the ones that change them."""
+        if self.config.role == "sampler" and isinstance(msg, (CreateModelCall, SubmitCall)):
+            raise FailedPreconditionError(
+                f"worker {self.worker_id} is a sampler worker (--role sampler): it takes "
+                "no training model and no training call"
+            )
         if isinstance(msg, CreateModelCall):
             return self._create(msg)
         if isinstance(msg, SampleStreamCall):
@@ -289,10 +295,16 @@ class WorkerProcess:
                 hostname=socket.gethostname(),
                 base_models=self.config.models,
                 capacity=self.config.capacity,
+                role=self.config.role,
             )
             s.commit()
         threading.Thread(target=self._heartbeat, name="treadle-heartbeat", daemon=True).start()
-        log.info("worker %s live: serving %s", self.worker_id, ", ".join(self.config.models))
+        log.info(
+            "worker %s live (role %s): serving %s",
+            self.worker_id,
+            self.config.role,
+            ", ".join(self.config.models),
+        )
         print(f"treadle worker {self.worker_id}: ready", flush=True)
 
     def _heartbeat(self) -> None:

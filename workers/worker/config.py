@@ -21,6 +21,9 @@ from treadle.workers.engine.flags import (
 )
 from treadle.workers.engine.options import EngineOptions
 
+#: ``treadle worker --role``
+ROLES = ("both", "trainer", "sampler")
+
 
 @dataclass(frozen=True)
 class WorkerConfig(EngineOptions):
@@ -44,6 +47,11 @@ class WorkerConfig(EngineOptions):
     #: Prometheus metrics on http://metrics_host:metrics_port/metrics (None: off; 0: any port)
     metrics_port: int | None = None
     metrics_host: str = "127.0.0.1"
+    #: ``both``: trains and samples (one colocated worker); ``trainer``: hosts training
+    #: models, and the samplers the server keeps colocated; ``sampler``: a pool worker,
+    #: serves samplers of its base models (and the versions shipped to it), never a
+    #: training model nor an ordered call
+    role: str = "both"
 
     def __post_init__(self) -> None:
         from treadle.common.celery_app import check_broker_url
@@ -65,6 +73,10 @@ class WorkerConfig(EngineOptions):
             )
         parse_database_url(self.database_url)
         check_engine_settings(self)
+        if self.role not in ROLES:
+            raise InvalidArgumentError(
+                f"role: {self.role!r} is not one of {', '.join(ROLES)} (--role)"
+            )
         for name, ok in (
             ("capacity", self.capacity >= 1),
             ("heartbeat_s", self.heartbeat_s > 0),
@@ -99,6 +111,14 @@ def add_worker_flags(parser: argparse.ArgumentParser) -> None:
         "SIGTERM, or SIGINT, stops at once too). Default 60, above treadle serve's 30: "
         "models still here when it runs out are lost, as in a crash",
     )
+    parser.add_argument(
+        "--role",
+        choices=ROLES,
+        default=env("TREADLE_WORKER_ROLE", "both"),
+        help="both (default): trains and samples; trainer: training models only, the "
+        "sampler pool samples for them; sampler: a pool worker that serves samplers "
+        "(weights shipped per version through the store), never a training call",
+    )
     add_engine_flags(parser)
     add_observe_flags(parser)
 
@@ -118,4 +138,5 @@ def worker_config_from_args(args: argparse.Namespace) -> WorkerConfig:
         **engine_settings(args),
         metrics_port=metrics_port_of(args),
         metrics_host=args.metrics_host,
+        role=args.role,
     )

@@ -66,6 +66,7 @@ def test_server_info_lists_the_base_model(service: treadle.ServiceClient) -> Non
     assert base.vocab_size >= 99  # 3 specials + 96 characters
     assert base.max_context > 0 and base.num_params > 0
     assert info.api_version == "treadle.v1"
+    assert info.workers == []  # the engine runs in the server's process: no workers
 
 
 def test_tokenizer_round_trips(tok: treadle.Tokenizer) -> None:

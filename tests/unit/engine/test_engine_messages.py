@@ -39,7 +39,12 @@ from treadle.common.engine.domain import (
     SaveResult,
     SequenceResult,
 )
-from treadle.errors import InternalError, InvalidArgumentError, NotFoundError
+from treadle.errors import (
+    FailedPreconditionError,
+    InternalError,
+    InvalidArgumentError,
+    NotFoundError,
+)
 from treadle.server.celery.transport import Pending, _outcome
 from treadle.workers.engine import calls
 from treadle.workers.engine.loop import Engine, EngineConfig
@@ -60,6 +65,8 @@ EXAMPLES: list[m.EngineCall[Any]] = [
     m.ResumeCall(TARGET, ("rh-1", "rh-2"), PARAMS, "sampler-1"),
     m.CheckTargetCall(TARGET),
     m.ExportCall("m-1", "s3://b/export", merged=True),
+    m.ShipVersionCall("m-1", 3, "s3://b/pool-v3"),
+    m.LoadVersionCall(TARGET, "s3://b/pool-v3", inflight=True),
 ]
 
 ANSWERS: dict[str, Any] = {
@@ -71,6 +78,8 @@ ANSWERS: dict[str, Any] = {
     "resume": SampleResult((SEQ, SEQ)),
     "check_sampler_target": 3,
     "export_weights": ["adapter_model.safetensors", "adapter_config.json"],
+    "ship_version": 1234,
+    "load_version": 3,
 }
 
 
@@ -99,7 +108,7 @@ def test_an_engine_refuses_a_call_it_has_no_handler_for(tiny_model_dir: Path) ->
 
 def test_calls_pass_their_fields_to_the_engine() -> None:
     api = RecordingAPI(ANSWERS, SEQ)
-    create, delete, unload, submit, sample, stream, resume, check, export = EXAMPLES
+    create, delete, unload, submit, sample, stream, resume, check, export, ship, load = EXAMPLES
     for msg in EXAMPLES:
         api.call(msg)
     assert [
@@ -114,7 +123,11 @@ def test_calls_pass_their_fields_to_the_engine() -> None:
         ("resume", (TARGET, ("rh-1", "rh-2"), PARAMS), {}),
         ("check_sampler_target", (TARGET,), {}),
         ("export_weights", ("m-1", "s3://b/export"), {"merged": True}),
+        ("ship_version", ("m-1", 3, "s3://b/pool-v3"), {}),
+        ("load_version", (TARGET, "s3://b/pool-v3"), {"inflight": True}),
     ]
+    assert api.call(ship).result() == m.Shipped(3, 1234)
+    assert api.call(load).result() == m.TargetVersion(3)
     assert api.call(m.ExportCall("m", "p", merged=True)).result() == m.Exported(
         ("adapter_model.safetensors", "adapter_config.json")
     )
@@ -123,9 +136,10 @@ def test_calls_pass_their_fields_to_the_engine() -> None:
 
 
 def test_calls_route_to_their_model_or_sampler_target() -> None:
-    create, delete, unload, submit, sample, stream, resume, check, export = EXAMPLES
-    for msg in (create, delete, unload, submit, export):
+    create, delete, unload, submit, sample, stream, resume, check, export, ship, load = EXAMPLES
+    for msg in (create, delete, unload, submit, export, ship):
         assert msg.route == m.CallRoute(model_id="m-1"), msg
+    assert load.route == m.CallRoute(target=TARGET)
     assert sample.route == m.CallRoute(target=TARGET, sampler_key="sampler-1")
     assert resume.route == m.CallRoute(target=TARGET, sampler_key="sampler-1")
     assert stream.route == check.route == m.CallRoute(target=TARGET)
@@ -183,13 +197,13 @@ class _Replies:
         self.sent.append((cid, outcome, model_id, more))
 
 
-def _worker(capacity: int = 4) -> Any:
+def _worker(capacity: int = 4, role: str = "both") -> Any:
     """A ``WorkerProcess`` without its broker, database and engine: the task alone."""
     w = WorkerProcess.__new__(WorkerProcess)
     w.staged = w.api = RecordingAPI(ANSWERS, SEQ)  # type: ignore[assignment]
     w.engine = SimpleNamespace(has_model=lambda _: False)  # type: ignore[assignment]
     w.replies = _Replies()  # type: ignore[assignment]
-    w.config = SimpleNamespace(capacity=capacity)  # type: ignore[assignment]
+    w.config = SimpleNamespace(capacity=capacity, role=role)  # type: ignore[assignment]
     w.worker_id = "w-1"
     w.hosted = set()
     w._hosted_lock = threading.Lock()
@@ -211,6 +225,8 @@ def test_the_worker_dispatches_on_the_message_type() -> None:
         "resume",
         "check_sampler_target",
         "export_weights",
+        "ship_version",
+        "load_version",
     ]
     sent = {cid: (out, model_id, more) for cid, out, model_id, more in w.replies.sent if not more}
     assert sent["c0"] == (ANSWERS["create_model"], "m-1", False)  # carries its status
@@ -220,6 +236,21 @@ def test_the_worker_dispatches_on_the_message_type() -> None:
     (item,) = [out for cid, out, _, more in w.replies.sent if more]
     assert item.index == 0 and item.sequence is SEQ  # the streamed sample, before its end
     assert w.hosted == set() and w._calls == 0  # created, then deleted; all answered
+
+
+def test_a_sampler_worker_refuses_training_calls_and_serves_samplers() -> None:
+    w = _worker(role="sampler")
+    for i, msg in enumerate(EXAMPLES):
+        w.handle(f"c{i}", "reply-q", codec.encode_message(msg))
+    names = [name for name, _, _ in w.staged.calls]
+    assert "create_model" not in names and "submit" not in names
+    assert {"sample", "resume", "check_sampler_target", "load_version"} <= set(names)
+    sent = {cid: out for cid, out, _, more in w.replies.sent if not more}
+    for cid in ("c0", "c3"):  # CreateModelCall, SubmitCall
+        assert isinstance(sent[cid], FailedPreconditionError)
+        assert "sampler worker (--role sampler)" in sent[cid].message
+    assert sent["c10"] == m.TargetVersion(3)
+    assert w.hosted == set()  # no training model, so no optimizer state
 
 
 def test_the_worker_refuses_another_version_with_a_clear_error() -> None:

@@ -83,6 +83,27 @@ export interface ServerInfo {
    * model not deleted or lost).
    */
   liveModels: number;
+  /**
+   * The serving workers of a distributed server (empty when the engine runs in
+   * the server's process): each one's role and base models, so a client sees
+   * whether samplers run on a pool apart from the trainers.
+   */
+  workers: WorkerInfo[];
+}
+
+/** A `treadle worker` process of a distributed server. */
+export interface WorkerInfo {
+  /** the id it registered under (`treadle worker --worker-id`) */
+  workerId: string;
+  /**
+   * "both" (trains and samples), "trainer" or "sampler" (a sampler pool
+   * worker: serves samplers, never a training model); `treadle worker --role`
+   */
+  role: string;
+  /** "live" or "draining" */
+  status: string;
+  /** the base models it serves */
+  baseModels: string[];
 }
 
 /**
@@ -333,6 +354,7 @@ function createBaseServerInfo(): ServerInfo {
     trainingPassMetrics: [],
     maxModels: 0,
     liveModels: 0,
+    workers: [],
   };
 }
 
@@ -367,6 +389,9 @@ export const ServerInfo: MessageFns<ServerInfo> = {
     }
     if (message.liveModels !== 0) {
       writer.uint32(80).int64(message.liveModels);
+    }
+    for (const v of message.workers) {
+      WorkerInfo.encode(v!, writer.uint32(90).fork()).join();
     }
     return writer;
   },
@@ -464,6 +489,14 @@ export const ServerInfo: MessageFns<ServerInfo> = {
             message.liveModels = longToNumber(reader.int64());
             continue;
           }
+          case 11: {
+            if (tag !== 90) {
+              break;
+            }
+
+            message.workers.push(WorkerInfo.decode(reader, reader.uint32()));
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -491,6 +524,98 @@ export const ServerInfo: MessageFns<ServerInfo> = {
     message.trainingPassMetrics = object.trainingPassMetrics?.map((e) => TrainingPassMetrics.fromPartial(e)) || [];
     message.maxModels = object.maxModels ?? 0;
     message.liveModels = object.liveModels ?? 0;
+    message.workers = object.workers?.map((e) => WorkerInfo.fromPartial(e)) || [];
+    return message;
+  },
+};
+
+function createBaseWorkerInfo(): WorkerInfo {
+  return { workerId: "", role: "", status: "", baseModels: [] };
+}
+
+export const WorkerInfo: MessageFns<WorkerInfo> = {
+  encode(message: WorkerInfo, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
+    if (message.workerId !== "") {
+      writer.uint32(10).string(message.workerId);
+    }
+    if (message.role !== "") {
+      writer.uint32(18).string(message.role);
+    }
+    if (message.status !== "") {
+      writer.uint32(26).string(message.status);
+    }
+    for (const v of message.baseModels) {
+      writer.uint32(34).string(v!);
+    }
+    return writer;
+  },
+
+  decode(input: BinaryReader | Uint8Array, length?: number): WorkerInfo {
+    const reader = input instanceof BinaryReader ? input : new BinaryReader(input);
+    const previousRecursionDepth = (reader as any).__tsProtoDecodeDepth ?? 0;
+    if (previousRecursionDepth >= 100) {
+      throw new globalThis.Error("protobuf decode recursion limit exceeded");
+    }
+    (reader as any).__tsProtoDecodeDepth = previousRecursionDepth + 1;
+    try {
+      const end = length === undefined ? reader.len : reader.pos + length;
+      const message = createBaseWorkerInfo();
+      while (reader.pos < end) {
+        const tag = reader.uint32();
+        switch (tag >>> 3) {
+          case 1: {
+            if (tag !== 10) {
+              break;
+            }
+
+            message.workerId = reader.string();
+            continue;
+          }
+          case 2: {
+            if (tag !== 18) {
+              break;
+            }
+
+            message.role = reader.string();
+            continue;
+          }
+          case 3: {
+            if (tag !== 26) {
+              break;
+            }
+
+            message.status = reader.string();
+            continue;
+          }
+          case 4: {
+            if (tag !== 34) {
+              break;
+            }
+
+            message.baseModels.push(reader.string());
+            continue;
+          }
+        }
+        if ((tag & 7) === 4 || tag === 0) {
+          break;
+        }
+        reader.skip(tag & 7);
+      }
+      return message;
+    } finally {
+      (reader as any).__tsProtoDecodeDepth = previousRecursionDepth;
+    }
+  },
+
+  create<I extends Exact<DeepPartial<WorkerInfo>, I>>(base?: I): WorkerInfo {
+    return WorkerInfo.fromPartial(base ?? ({} as any));
+  },
+  fromPartial<I extends Exact<DeepPartial<WorkerInfo>, I>>(object: I): WorkerInfo {
+    const message = createBaseWorkerInfo();
+    message.workerId = object.workerId ?? "";
+    message.role = object.role ?? "";
+    message.status = object.status ?? "";
+    message.baseModels = object.baseModels?.map((e) => e) || [];
     return message;
   },
 };

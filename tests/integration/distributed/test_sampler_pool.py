@@ -1,0 +1,287 @@
+"""Sampler workers apart from the trainer (``--role sampler``, ``--sampler-placement pool``),
+on PostgreSQL, Redis and the test S3 server: a server, one trainer worker and two
+sampler workers.
+
+A GRPO run through ``treadle.rl.sync_loop`` samples on the pool (never on the
+trainer), its sampler and trainer logprobs agree within 1e-4, every token's
+version is the trainer's, and the reward rises; an in-flight sync moves the
+sequences still generating on a pool worker to the new version; one sampler worker SIGKILLed
+mid-run and the run goes on, on the other. A version whose upload fails (the
+trainer's store unreachable) fails ``sync_weights`` UNAVAILABLE and the pool
+serves the version it had. With no sampler worker left, a sample answers
+UNAVAILABLE naming the base model under ``pool``, and falls back to the
+model's own worker under ``auto``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import itertools
+import os
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import treadle
+from tests.helpers import next_token_datum
+from treadle.rl import Prompt, async_loop, grpo_train_step, sync_loop
+from treadle.server.embedded import EmbeddedServer
+
+from ..services import REDIS_URL, fresh_postgres, port_open, wait_for_workers
+from .cluster import BASE, BUCKET, create_tenant, server_config, start_worker
+from .freezing_proxy import FreezingProxy
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
+PARAMS = treadle.SamplingParams(max_tokens=4, temperature=1.0)
+
+
+class Pool:
+    def __init__(self, server: EmbeddedServer, database_url: str, key: str) -> None:
+        self.server, self.database_url, self.key = server, database_url, key
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.logs: dict[str, Path] = {}
+        self.proxy: FreezingProxy | None = None
+
+    def tail(self) -> str:
+        return "\n".join(
+            f"--- {w} ---\n" + "\n".join(p.read_text(errors="replace").splitlines()[-20:])
+            for w, p in self.logs.items()
+        )
+
+    def sql(self, query: str, **params: object) -> list[tuple[Any, ...]]:
+        from sqlalchemy import create_engine, text
+
+        engine = create_engine(self.database_url)
+        try:
+            with engine.connect() as conn:
+                return [tuple(r) for r in conn.execute(text(query), params)]
+        finally:
+            engine.dispose()
+
+
+@pytest.fixture(scope="module")
+def pool(
+    tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path, s3_endpoint: str
+) -> Iterator[Pool]:
+    if not port_open("127.0.0.1", 6379):
+        pytest.skip("redis is not running on 127.0.0.1:6379")
+    tmp = tmp_path_factory.mktemp("pool")
+    store = f"s3://{BUCKET}/pool"
+    with fresh_postgres() as database_url:
+        config = server_config(
+            tmp, tiny_model_dir, database_url, REDIS_URL, store,
+            s3_endpoint_url=s3_endpoint, worker_timeout_s=5.0, sampler_placement="pool",
+        )  # fmt: skip
+        server = EmbeddedServer(config).start()
+        p = Pool(server, database_url, "")
+        # the trainer reaches the store through a proxy the last test closes
+        p.proxy = FreezingProxy(int(s3_endpoint.rsplit(":", 1)[1]))
+        try:
+            for name, role, s3 in (
+                ("trainer", "trainer", p.proxy.url),
+                ("sampler1", "sampler", s3_endpoint),
+                ("sampler2", "sampler", s3_endpoint),
+            ):
+                worker_id = f"pool-{name}-{os.getpid()}"
+                p.procs[worker_id], p.logs[worker_id] = start_worker(
+                    worker_id, tiny_model_dir, REDIS_URL, database_url, store, s3, tmp,
+                    flags=("--role", role), verbose=True,
+                )  # fmt: skip
+            try:
+                wait_for_workers(database_url, list(p.procs), timeout_s=120)
+            except TimeoutError as err:
+                raise AssertionError(f"{err}\n{p.tail()}") from None
+            p.key = create_tenant(database_url, "alice")
+            yield p
+        finally:
+            for proc in p.procs.values():
+                if proc.poll() is None:
+                    proc.terminate()
+            for proc in p.procs.values():
+                try:
+                    proc.wait(20)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+            server.stop()
+            p.proxy.close()
+
+
+def _calls_served(p: Pool, worker_id: str, kind: str) -> int:
+    return p.logs[worker_id].read_text(errors="replace").count(f": {kind} answered OK")
+
+
+def prompts() -> Iterator[Prompt]:
+    for i in itertools.count():
+        yield Prompt(tokens=[1, 5 + i % 7, 9], task=None)
+
+
+def reward(task: Any, seq: treadle.SampledSequence) -> float:
+    """The share of even tokens: about half at first, so every group has a signal."""
+    return float(np.mean([t % 2 == 0 for t in seq.tokens])) if seq.tokens else 0.0
+
+
+def test_roles_are_recorded_and_shown(pool: Pool) -> None:
+    from treadle.server.cli import main
+
+    roles = dict(pool.sql("SELECT id, role FROM workers"))
+    assert sorted(roles.values()) == ["sampler", "sampler", "trainer"], roles
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(["admin", "--database-url", pool.database_url, "list-workers"]) == 0
+    table = out.getvalue()
+    assert "role" in table.splitlines()[0]
+    for worker_id, role in roles.items():
+        (line,) = [ln for ln in table.splitlines() if ln.startswith(worker_id)]
+        assert role in line.split(), line
+    service = treadle.ServiceClient(pool.server.address, api_key=pool.key)
+    try:
+        shown = {
+            w.worker_id: (w.role, w.status, w.base_models)
+            for w in service.get_server_info().workers
+        }
+    finally:
+        service.close()
+    assert shown == {w: (role, "live", [BASE]) for w, role in roles.items()}
+
+
+def test_an_inflight_sync_moves_pool_sequences_to_the_new_version(pool: Pool) -> None:
+    """``sync_weights(inflight=True)``: sequences still generating on a pool worker
+    continue under the new version from their next token; versions per token say so."""
+    service = treadle.ServiceClient(pool.server.address, api_key=pool.key)
+    try:
+        tc = service.create_lora_training_client(BASE, rank=4, seed=3)
+        tok = service.get_tokenizer(BASE)
+        tc.sync_weights().sampler_id  # noqa: B018 - v0 on the pool
+        latest = service.create_sampling_client(weights=f"treadle://{tc.model_id}/latest")
+        prompt = tok.encode("abc")
+        # 16 samples of up to 600 tokens: most are still generating when v1 lands
+        running = latest.sample(prompt, 16, treadle.SamplingParams(max_tokens=600, seed=4))
+        tc.forward_backward([next_token_datum(tok.encode("abcabcabc"))], "cross_entropy")
+        tc.optim_step(treadle.AdamParams(learning_rate=5e-2))
+        assert tc.sync_weights(inflight=True).version == 1
+        res = running.result(timeout=240)
+        for seq in res.sequences:  # contiguous spans, v0 first, never back to v0
+            assert [v.version for v in seq.versions] in ([0], [0, 1]), seq.versions
+            assert seq.versions[0].start == 0
+            assert sum(v.length for v in seq.versions) == len(seq.tokens)
+        switched = [s for s in res.sequences if len(s.versions) == 2]
+        assert switched, [len(s.tokens) for s in res.sequences]
+        later = latest.sample(prompt, 1, treadle.SamplingParams(max_tokens=4)).result(120)
+        assert set(later.sequences[0].token_versions()) == {1}
+        # treadle.rl's async loop with in-flight syncs, sampling on the pool
+        stats = list(
+            async_loop(
+                tc, latest, prompts(), reward, steps=3, groups_per_step=2, group_size=4,
+                buffer_groups=2, max_staleness=4, inflight=True, sampling_params=PARAMS,
+                timeout=120.0,
+            )
+        )  # fmt: skip
+        assert [s.step for s in stats] == [1, 2, 3]
+        assert all(s.rollouts == 8 and max(s.staleness) <= 4 for s in stats), stats
+        assert tc.get_info().version == 4
+        trainer_id = next(w for w in pool.procs if "-trainer-" in w)
+        assert _calls_served(pool, trainer_id, "SampleCall") == 0  # all on the pool
+    finally:
+        service.close()
+
+
+def test_grpo_on_the_pool_agrees_learns_and_survives_a_sampler_kill(pool: Pool) -> None:
+    service = treadle.ServiceClient(pool.server.address, api_key=pool.key)
+    try:
+        tc = service.create_lora_training_client(BASE, rank=8, seed=0)
+        trainer_id = next(w for w in pool.procs if "-trainer-" in w)
+        samplers = [w for w in pool.procs if "-sampler" in w]
+        assert pool.sql("SELECT worker_id FROM models WHERE id = :m", m=tc.model_id) == [
+            (trainer_id,)
+        ]
+
+        # sampler vs trainer logprobs under one version, sampled on the pool
+        sampler = tc.sync_weights()
+        prompt = treadle.ModelInput.from_ints([1, 5, 9])
+        res = sampler.sample(prompt, num_samples=4, sampling_params=PARAMS).result(120)
+        for seq in res.sequences:
+            datum = next_token_datum([1, 5, 9, *seq.tokens])
+            (out,) = tc.forward_logprobs([datum]).result(120).loss_fn_outputs
+            trained = np.asarray(out["logprobs"])[-len(seq.tokens) :]
+            assert np.max(np.abs(trained - np.asarray(seq.logprobs))) < 1e-4
+
+        step = grpo_train_step(adam=treadle.AdamParams(learning_rate=0.01))
+        kw = dict(steps=12, groups_per_step=4, group_size=8, sampling_params=PARAMS, timeout=240.0)
+        stats, killed = [], samplers[0]
+        for s in sync_loop(tc, prompts(), reward, train_step=step, **kw):
+            stats.append(s)
+            if s.step == 3:  # SIGKILL one pool worker while the next batch samples
+                threading.Timer(0.3, lambda: pool.procs[killed].send_signal(signal.SIGKILL)).start()
+        assert [s.step for s in stats] == list(range(1, 13)), pool.tail()
+        assert pool.procs[killed].wait(30) == -signal.SIGKILL
+        # on-policy: every token's version is the trainer's, and the ratio is 1
+        assert all(s.staleness == {0: 32} for s in stats), [s.staleness for s in stats]
+        for s in stats:
+            if s.metrics.get("trained_rollouts", 0) > 0:
+                assert (
+                    abs(s.metrics["ratio:min"] - 1) < 1e-4
+                    and abs(s.metrics["ratio:max"] - 1) < 1e-4
+                )
+        rewards = [s.reward for s in stats]
+        assert np.mean(rewards[-3:]) > np.mean(rewards[:3]) + 0.05, rewards
+        # sampled on the pool, never on the trainer; the survivor served after the kill
+        assert _calls_served(pool, trainer_id, "SampleCall") == 0
+        assert all(_calls_served(pool, w, "SampleCall") > 0 for w in samplers), pool.tail()
+        assert _calls_served(pool, trainer_id, "ShipVersionCall") >= 9
+        after = pool.sql("SELECT status FROM workers WHERE id = :w", w=killed)
+        assert after == [("dead",)], after
+        # sampled tokens on the pool count in the tenant's usage as colocated ones do
+        sampled = sum(len(s.tokens) for s in res.sequences) + 12 * 32 * PARAMS.max_tokens
+        ((counted,),) = pool.sql(
+            "SELECT tokens_sampled FROM usage WHERE model_id = :m", m=tc.model_id
+        )
+        assert 0 < counted <= sampled, (counted, sampled)
+
+        # a version that cannot be shipped: UNAVAILABLE, and the pool keeps the old one
+        before = pool.sql(
+            "SELECT max(version) FROM weight_versions WHERE model_id = :m", m=tc.model_id
+        )
+        latest = service.create_sampling_client(weights=f"treadle://{tc.model_id}/latest")
+        assert pool.proxy is not None
+        pool.proxy.close()
+        tc.forward_backward([next_token_datum([1, 5, 9, 2])], "cross_entropy").result(120)
+        tc.optim_step(treadle.AdamParams(learning_rate=0.01)).result(120)
+        with pytest.raises(treadle.UnavailableError, match="could not be shipped"):
+            tc.sync_weights().sampler_id  # noqa: B018 - raises the sync's error
+        assert (
+            pool.sql("SELECT max(version) FROM weight_versions WHERE model_id = :m", m=tc.model_id)
+            == before
+        )
+        (old,) = before[0]
+        res = latest.sample(prompt, num_samples=1, sampling_params=PARAMS).result(120)
+        assert set(res.sequences[0].token_versions()) == {old}
+
+        # no pool worker left, under --sampler-placement pool: UNAVAILABLE naming the base
+        survivor = samplers[1]
+        pool.procs[survivor].send_signal(signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while pool.sql("SELECT status FROM workers WHERE id = :w", w=survivor) != [("dead",)]:
+            assert time.monotonic() < deadline, pool.tail()
+            time.sleep(0.2)
+        with pytest.raises(
+            treadle.UnavailableError, match=f"no sampler worker serves base model '{BASE}'"
+        ):
+            latest.sample(prompt, num_samples=1, sampling_params=PARAMS).result(120)
+        # ...and under auto, the model's own worker serves them again (the operator's
+        # switch): its latest is the version the failed sync applied there, which
+        # neither the pool nor the database took
+        pool.server.ctx.dispatcher.pool.mode = "auto"  # type: ignore[attr-defined]
+        res = latest.sample(prompt, num_samples=2, sampling_params=PARAMS).result(120)
+        assert {v for s in res.sequences for v in s.token_versions()} == {old + 1}
+        assert _calls_served(pool, trainer_id, "SampleCall") == 1
+    finally:
+        service.close()
