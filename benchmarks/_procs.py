@@ -107,14 +107,20 @@ def treadle_serve(
 
 
 def peak_rss_mb(pid: int) -> float:
-    """A live process's peak resident memory (``VmHWM``), in MiB; 0 where unknown."""
+    """A live process's peak resident memory (``VmHWM``) plus its live children's
+    (a sampler or engine process of its own), in MiB; 0 where unknown. A sum of
+    peaks: an upper bound of the tree's peak."""
+    total = 0.0
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
             if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
+                total += int(line.split()[1]) / 1024
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            for child in (task / "children").read_text().split():
+                total += peak_rss_mb(int(child))
     except OSError:
         pass
-    return 0.0
+    return total
 
 
 def _busy_loop() -> None:

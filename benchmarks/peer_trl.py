@@ -397,19 +397,27 @@ def main() -> int:
                 f"{_fmt(t_hit)} | {_fmt(ratio, '.2f')} | {_fmt(best, '.2f')} | "
                 f"{run.eval:.3f} | {run.peak_rss_mb:.0f} |"
             )
-    k = min(len(r.steps) for v in args.variants for r in runs[v].values())
-    print(
-        f"\nlearning per step (the curves' match): mean rollout reward over the first {k} "
-        "steps (all variants have them), per seed and mean ± std over seeds"
-    )
-    for v in args.variants:
-        per_seed = [statistics.fmean(r for _, r in runs[v][s].steps[:k]) for s in args.seeds]
-        spread = statistics.pstdev(per_seed) if len(per_seed) > 1 else 0.0
+    ref = "trl1" if "trl1" in runs else ("trl" if "trl" in runs else None)
+    if ref:
         print(
-            f"  {names[v]:<26} "
-            + " ".join(f"{x:.3f}" for x in per_seed)
-            + f"   {statistics.fmean(per_seed):.3f} ± {spread:.3f}"
+            f"\nlearning per step (the curves' match): mean rollout reward over the steps a "
+            f"variant and {names[ref]} both took, per seed, and the mean difference ± its "
+            "spread over seeds"
         )
+        for v in args.variants:
+            diffs, cells = [], []
+            for s in args.seeds:
+                k = min(len(runs[v][s].steps), len(runs[ref][s].steps))
+                mine = statistics.fmean(r for _, r in runs[v][s].steps[:k])
+                theirs = statistics.fmean(r for _, r in runs[ref][s].steps[:k])
+                diffs.append(mine - theirs)
+                cells.append(f"{mine:.3f} vs {theirs:.3f} ({k} steps)")
+            spread = statistics.pstdev(diffs) if len(diffs) > 1 else 0.0
+            print(
+                f"  {names[v]:<26} "
+                + "; ".join(cells)
+                + f"; difference {statistics.fmean(diffs):+.3f} ± {spread:.3f}"
+            )
     print("\nreward per step, mean over seeds (steps 1, 5, 10, 15, ...):")
     for v in args.variants:
         n = min(len(r.steps) for r in runs[v].values())
