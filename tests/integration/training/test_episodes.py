@@ -341,18 +341,38 @@ def test_an_episodes_turns_prefill_only_their_observations(
     assert computed - computed0 <= 3 + 2 * (1 + 2)
     assert reused - reused0 >= 2 * 8 + 8 + 2
 
+    # a turn that max_turns makes the last does not ask: a request extending its
+    # prompt + completion reuses the prompt (staged) and computes the completion again
+    with EpisodeRunner(context_limit=2048) as runner:
+        (capped,) = runner.submit(
+            sampler, EnvGroup([CountingEnv(5)]), "1", params, EpisodeLimits(max_turns=2)
+        ).result(TIMEOUT)
+    assert capped.truncated == "max_turns" and len(capped.turns) == 2
+    computed0, reused0, _ = _sampler_counters(service)
+    follow = [*capped.tokens(), 7, 8]
+    sampler.sample(follow, 1, treadle.SamplingParams(max_tokens=1)).result(TIMEOUT)
+    computed, reused, _ = _sampler_counters(service)
+    assert (computed - computed0, reused - reused0) == (8 + 2, len(follow) - 8 - 2)
+
 
 def test_a_turn_with_no_tokens_ends_only_its_episode(trainer: treadle.TrainingClient) -> None:
     """A group whose sampling params leave a turn no tokens (``max_tokens`` 0):
     the sampler returns an empty completion, and each of that group's episodes
     ends with an error naming it and ``turns[0].tokens``; the other group's
-    episodes go on."""
+    episodes go on (one of them answered its first turn with an empty
+    observation: not an error, the next turn follows the model's own tokens)."""
+
+    class SilentToolEnv(CountingEnv):
+        def step(self, action: list[int]) -> StepResult:
+            result = super().step(action)
+            return result if result.done else StepResult(reward=0.0, done=False, observation=[])
+
     sampler = trainer.sync_weights()
     empty = treadle.SamplingParams(max_tokens=0, temperature=1.0)
     fine, starved = run_episodes(
         sampler,
         [
-            EnvGroup([CountingEnv(), CountingEnv()]),
+            EnvGroup([CountingEnv(), SilentToolEnv()]),
             EnvGroup([CountingEnv(), CountingEnv()], sampling_params=empty),
         ],
         context_limit=2048,
@@ -360,6 +380,8 @@ def test_a_turn_with_no_tokens_ends_only_its_episode(trainer: treadle.TrainingCl
         timeout=TIMEOUT,
     )
     assert [(e.error, e.done, len(e.turns)) for e in fine] == [(None, True, 2)] * 2
+    assert fine[1].turns[1].observation == ()
+    assert list(fine[1].to_rollout().mask or []) == [1.0] * fine[1].model_tokens
     for i, episode in enumerate(starved):
         assert episode.error == (
             f"episode 1.{i}: turns[0].tokens: the sampler returned no tokens (max_tokens 0); "
