@@ -317,6 +317,18 @@ def _sampler_counters(service: treadle.ServiceClient) -> tuple[int, int, int]:
     )
 
 
+def _counted(service: treadle.ServiceClient, positions: int) -> tuple[int, int]:
+    """(computed, reused) once the published stats count ``positions`` prompt
+    positions in all: the sampler publishes them just after the step that
+    answered the request, so a read right after a result may miss its last turn."""
+    for _ in range(int(TIMEOUT / 0.01)):
+        computed, reused, _ = _sampler_counters(service)
+        if computed + reused >= positions:
+            return computed, reused
+        threading.Event().wait(0.01)
+    raise AssertionError(f"the sampler's stats never counted {positions} prompt positions")
+
+
 def test_an_episodes_turns_prefill_only_their_observations(
     service: treadle.ServiceClient, trainer: treadle.TrainingClient
 ) -> None:
@@ -325,19 +337,24 @@ def test_an_episodes_turns_prefill_only_their_observations(
     not the 8 tokens the turn before sampled."""
     sampler = trainer.sync_weights()
     params = treadle.SamplingParams(max_tokens=8, temperature=1.0, ignore_eos=True)
+    computed0, reused0, _ = _sampler_counters(service)
+    total = computed0 + reused0
     with EpisodeRunner(context_limit=2048) as runner:
         runner.submit(sampler, EnvGroup([CountingEnv(1)]), "w", params, EpisodeLimits()).result(
             TIMEOUT
         )  # the sampler exists and has run once
-        computed0, reused0, _ = _sampler_counters(service)
+        total += 3
+        computed0, reused0 = _counted(service, total)
         (episode,) = runner.submit(
             sampler, EnvGroup([CountingEnv(3)]), "0", params, EpisodeLimits()
         ).result(TIMEOUT)
-    computed, reused, _ = _sampler_counters(service)
+    # turn 1: the 3-token first observation; turns 2 and 3: the history so far
+    total += 3 + (3 + 8 + 2) + (3 + 2 * (8 + 2))
+    computed, reused = _counted(service, total)
     assert episode.error is None and [len(t.tokens) for t in episode.turns] == [8, 8, 8]
-    # turn 1: the 3-token first observation (its first tokens may match turn 0 of
-    # the warm-up episode's staged prompt); turns 2 and 3: 1 + 2 tokens each
-    assert computed - computed0 + reused - reused0 == 3 + (3 + 8 + 2) + (3 + 2 * (8 + 2))
+    assert computed + reused == total
+    # turn 1 reuses 2 tokens of the warm-up's identical first observation; turns 2
+    # and 3 compute 1 + 2 tokens each
     assert computed - computed0 <= 3 + 2 * (1 + 2)
     assert reused - reused0 >= 2 * 8 + 8 + 2
 
@@ -348,10 +365,11 @@ def test_an_episodes_turns_prefill_only_their_observations(
             sampler, EnvGroup([CountingEnv(5)]), "1", params, EpisodeLimits(max_turns=2)
         ).result(TIMEOUT)
     assert capped.truncated == "max_turns" and len(capped.turns) == 2
-    computed0, reused0, _ = _sampler_counters(service)
+    total += 3 + (3 + 8 + 2)
+    computed0, reused0 = _counted(service, total)
     follow = [*capped.tokens(), 7, 8]
     sampler.sample(follow, 1, treadle.SamplingParams(max_tokens=1)).result(TIMEOUT)
-    computed, reused, _ = _sampler_counters(service)
+    computed, reused = _counted(service, total + len(follow))
     assert (computed - computed0, reused - reused0) == (8 + 2, len(follow) - 8 - 2)
 
 
