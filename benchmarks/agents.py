@@ -15,9 +15,10 @@ train step ``grpo_train_step`` (PPO, one optimizer step a batch).
   4 steps, ``buffer_groups`` 8 (64 episodes in flight or waiting),
   ``max_staleness`` 4, ``on_stale="wait"``.
 * **rollout only**: the same 64 episodes through ``run_episodes`` (no training,
-  so no weight changes mid-episode), with the sampler keeping each turn's
-  completion KV (this change) and, in the same run, without it (the prompt-only
-  prefix cache it replaced: ``PrefixCache.keep_completion`` switched off).
+  so no weight changes mid-episode), each turn but the last asking the sampler
+  to keep its completion's KV (``SamplingParams.cache_completion``, as the
+  episode loops do) and, in the same run, every turn sent as a plain request
+  (``cache_completion`` cleared: only the prompt's KV is reused, as before).
 
 Episodes/s counts the episodes trained on (or rolled out) over the phase's
 wall-clock. Prefill reuse on turns >= 2 is ``prefix_reused_tokens`` over
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import itertools
 import random
 import time
@@ -46,10 +48,20 @@ import treadle
 from treadle import rl
 from treadle.server.config import ServerConfig
 from treadle.server.embedded import EmbeddedServer
-from treadle.workers.sampler import prefix_cache
 
 FIRST, SAMPLED, OBSERVED = 120, 16, 8
 BUFFER_GROUPS = 8  # episode groups in flight or waiting in the async loop
+
+
+class PlainRequests:
+    """A sampler whose requests never ask to keep their completion's KV."""
+
+    def __init__(self, sampler: treadle.SamplingClient) -> None:
+        self.sampler = sampler
+
+    def sample(self, prompt: Any, num_samples: int, params: treadle.SamplingParams) -> Any:
+        plain = dataclasses.replace(params, cache_completion=False)
+        return self.sampler.sample(prompt, num_samples, plain)
 
 
 class ToolEnv:
@@ -137,9 +149,11 @@ def main() -> None:
         trainer = service.create_lora_training_client("demo", rank=8, seed=0)
         context = service.get_server_info().base_models[0].max_context
 
-        def rollout(seed: int) -> tuple[int, int, float]:
+        def rollout(seed: int, keep: bool = True) -> tuple[int, int, float]:
             groups = list(itertools.islice(env_groups(args.turns, G, seed), args.episodes // G))
-            sampler = trainer.sync_weights()
+            sampler: Any = trainer.sync_weights()
+            if not keep:
+                sampler = PlainRequests(sampler)
             results = rl.run_episodes(
                 sampler, groups, context_limit=context, sampling_params=params, limits=limits
             )
@@ -188,18 +202,13 @@ def main() -> None:
         sync_row = measure(service, sync)
         async_row = measure(service, async_)
         kept_row = measure(service, lambda: rollout(3))
-        keep = prefix_cache.PrefixCache.keep_completion
-        prefix_cache.PrefixCache.keep_completion = lambda *a, **k: None  # type: ignore[method-assign]
-        try:
-            prompt_only_row = measure(service, lambda: rollout(4))
-        finally:
-            prefix_cache.PrefixCache.keep_completion = keep  # type: ignore[method-assign]
+        prompt_only_row = measure(service, lambda: rollout(4, keep=False))
         base = sync_row[1]
         for name, (n, eps, reuse) in (
             ("sync_episode_loop (baseline)", sync_row),
             (f"async_episode_loop, buffer {BUFFER_GROUPS}, wait", async_row),
             ("rollout only, completion KV kept", kept_row),
-            ("rollout only, prompt KV only (before)", prompt_only_row),
+            ("rollout only, plain requests (prompt KV only)", prompt_only_row),
         ):
             rows.append([name, n, eps, eps / base, reuse])
     print(

@@ -123,6 +123,7 @@ def sampling_params_to_wire(params: SamplingParams) -> sampling_pb2.SamplingPara
         msg.seed = params.seed
     msg.token_budget = params.token_budget
     msg.ignore_eos = params.ignore_eos
+    msg.cache_completion = params.cache_completion
     return msg
 
 

@@ -129,6 +129,13 @@ class SamplingParams:
     #: EOS does not stop a sequence: it runs to ``max_tokens`` (or a ``stop``);
     #: for benchmarks and length-controlled rollouts (vLLM's ``ignore_eos``)
     ignore_eos: bool = False
+    #: keep this request's prompt + completion KV on the sampler after it finishes
+    #: (one sample per request only), so a next request whose prompt extends them
+    #: (an agent episode's next turn) prefills only its new tokens. It costs the
+    #: sampler memory: ask only when such a follow-up is likely (the episode loops
+    #: of ``treadle.rl`` set it on every turn that may be followed by another).
+    #: gRPC only; the tinker-compatible HTTP API has no such field.
+    cache_completion: bool = False
 
 
 @dataclass(frozen=True)

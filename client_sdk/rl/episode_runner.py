@@ -159,13 +159,23 @@ class EpisodeRunner:
                     episode.truncated = "max_episode_tokens"
                     return
             stop = getattr(env, "stop", None)  # the environment's stop condition, if it has one
+            # the sampler keeps this turn's KV for the next one, unless no next turn can come
+            last = (limits.max_turns is not None and k + 1 >= limits.max_turns) or (
+                len(history) + budget >= context
+            )
             turn_params = dataclasses.replace(
-                params, max_tokens=budget, **({"stop": list(stop)} if stop else {})
+                params,
+                max_tokens=budget,
+                cache_completion=not last,
+                **({"stop": list(stop)} if stop else {}),
             )
             response = await sampler.sample(history, 1, turn_params)
             seq = response.sequences[0]
             if not seq.tokens:
-                raise EpisodeError(f"turns[{k}].tokens: the sampler returned no tokens")
+                raise EpisodeError(
+                    f"turns[{k}].tokens: the sampler returned no tokens (max_tokens {budget}); "
+                    "a turn must sample at least one"
+                )
             versions = tuple(seq.token_versions())
             if len(versions) != len(seq.tokens):
                 raise EpisodeError(

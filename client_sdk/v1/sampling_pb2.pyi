@@ -31,7 +31,7 @@ class SamplerInfo(_message.Message):
     def __init__(self, sampler_id: _Optional[str] = ..., base_model: _Optional[str] = ..., model_id: _Optional[str] = ..., version: _Optional[int] = ..., follows_latest: _Optional[bool] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
-    __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "stop", "stop_token_ids", "seed", "token_budget", "ignore_eos")
+    __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "stop", "stop_token_ids", "seed", "token_budget", "ignore_eos", "cache_completion")
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
@@ -41,6 +41,7 @@ class SamplingParams(_message.Message):
     SEED_FIELD_NUMBER: _ClassVar[int]
     TOKEN_BUDGET_FIELD_NUMBER: _ClassVar[int]
     IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_COMPLETION_FIELD_NUMBER: _ClassVar[int]
     max_tokens: int
     temperature: float
     top_p: float
@@ -50,7 +51,8 @@ class SamplingParams(_message.Message):
     seed: int
     token_budget: int
     ignore_eos: bool
-    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., seed: _Optional[int] = ..., token_budget: _Optional[int] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
+    cache_completion: bool
+    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., seed: _Optional[int] = ..., token_budget: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., cache_completion: _Optional[bool] = ...) -> None: ...
 
 class SampleRequest(_message.Message):
     __slots__ = ("sampler_id", "seq_id", "prompt", "num_samples", "params", "prompt_logprobs", "topk_prompt_logprobs")

@@ -233,6 +233,10 @@ class SamplingConfig:
     #: partial rollouts: a sequence that samples this many tokens in this call
     #: (0 = no budget) stops with "partial" and a resume handle
     token_budget: int = 0
+    #: keep this single-sample request's prompt + completion KV after it finishes,
+    #: so a next request extending them (an agent episode's next turn) prefills only
+    #: what is new (the torch sampler's store of turns, ``workers.sampler.prefix_cache``)
+    cache_completion: bool = False
 
 
 @dataclass(frozen=True)

@@ -262,6 +262,7 @@ def sampling_config(p: sampling_pb2.SamplingParams) -> SamplingConfig:
         seed=p.seed if p.HasField("seed") else None,
         token_budget=p.token_budget,
         ignore_eos=p.ignore_eos,
+        cache_completion=p.cache_completion,
     )
 
 

@@ -8,9 +8,11 @@ up through this module at each use, so a test replaces it with its own.
 * **KV cache.** With ``--sampler-slots 0`` (the default: auto) a sampler's
   main cache gets ``--kv-cache-memory-fraction`` of the free memory when it is
   made (0 = the device's default: ``DEFAULT_FRACTION``), less its prefill
-  slots, in whole slots of ``max_len`` tokens, at most ``MAX_AUTO_SLOTS`` (on
-  the CPU today's 64: a small model keeps the batch it always had). An
-  explicit ``--sampler-slots N`` wins.
+  slots and the store of finished turns (``SamplerLimits.turn_cache_slots``,
+  allocated as requests ask for it, but planned for here), in whole slots of
+  ``max_len`` tokens, at most ``MAX_AUTO_SLOTS`` (on the CPU today's 64: a
+  small model keeps the batch it always had). An explicit ``--sampler-slots N``
+  wins.
 * **Models.** Creating or restoring a model first estimates what it will
   hold between calls (``model_bytes``: the base weights if not loaded yet;
   the trainable tensors, their gradients, Adam's two moments and the
@@ -69,20 +71,24 @@ def kv_slots(
     *,
     fraction: float,
     prefill_slots: int,
+    turn_cache_slots: int = 0,
 ) -> int:
     """The main cache's slots when they are sized by memory: ``fraction`` (0: the
-    device's default) of the free memory, less ``prefill_slots`` staging slots, at
-    most ``MAX_AUTO_SLOTS``. RESOURCE_EXHAUSTED when not even one slot fits."""
+    device's default) of the free memory, less ``prefill_slots`` staging slots and
+    ``turn_cache_slots`` (the store of finished turns at its bound), at most
+    ``MAX_AUTO_SLOTS``. RESOURCE_EXHAUSTED when not even one slot fits."""
     share = fraction or DEFAULT_FRACTION.get(where.type, DEFAULT_FRACTION["cpu"])
     per_slot = kv_slot_bytes(cfg, max_len, dtype)
     free = free_bytes(where)
-    fits = int(share * free) // per_slot - prefill_slots
+    aside = prefill_slots + turn_cache_slots
+    fits = int(share * free) // per_slot - aside
     if fits < 1:
         raise ResourceExhaustedError(
-            f"sampler: the KV cache needs {(1 + prefill_slots) * per_slot / MIB:,.1f} MiB for "
-            f"one row and {prefill_slots} prefill slots of {max_len} tokens; "
-            f"{share:.0%} of the {free / MIB:,.1f} MiB free on {where} is less: raise "
-            "--kv-cache-memory-fraction, lower --sampler-max-len, or set --sampler-slots"
+            f"sampler: the KV cache needs {(1 + aside) * per_slot / MIB:,.1f} MiB for "
+            f"one row, {prefill_slots} prefill slots and {turn_cache_slots} slots of kept "
+            f"turns of {max_len} tokens; {share:.0%} of the {free / MIB:,.1f} MiB free on "
+            f"{where} is less: raise --kv-cache-memory-fraction, lower --sampler-max-len, "
+            "or set --sampler-slots"
         )
     return min(fits, MAX_AUTO_SLOTS.get(where.type, MAX_AUTO_SLOTS["cpu"]))
 
@@ -99,6 +105,7 @@ def sampler_caches(base: BaseModel, limits: SamplerLimits, max_len: int) -> tupl
         where,
         fraction=limits.kv_memory_fraction,
         prefill_slots=stage_slots,
+        turn_cache_slots=limits.turn_cache_slots,
     )
     try:
         main = KVCache(base.cfg, slots, max_len, dtype=base.dtype, device=where)

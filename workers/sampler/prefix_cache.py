@@ -6,14 +6,17 @@ slot keeps the prompt's KV afterwards: a later prompt that starts like a staged
 one, under the same weights, copies that KV and prefills only the rest (the G
 samples of a group sent as separate requests share one prefill so).
 
-A finished single-sample request also leaves its prompt + completion KV
+A finished single-sample request that asks for it
+(``SamplingConfig.cache_completion``) also leaves its prompt + completion KV
 behind (``keep_completion``), in a store of *turns* beside the staging slots:
 an agent episode's next turn is the previous turn's prompt + completion + the
 environment's observation, so it prefills only the observation (and the
-completion's last token, whose KV was never computed). The store holds at most
-``KEPT_TOKENS_FACTOR`` x the staging cache's tokens (least recently used
-dropped first; a turn's entry replaces the entries it extends), so that many
-episodes waiting on their tools at once keep their histories.
+completion's last token, whose KV was never computed). A request that does not
+ask costs nothing here (its completion's KV is not copied). The store holds at
+most ``kept_slots`` x ``max_len`` tokens (``SamplerLimits.turn_cache_slots``,
+which the memory plan sets aside; least recently used dropped first; a turn's
+entry replaces the entries it extends), so that many episodes waiting on their
+tools at once keep their histories.
 
 An entry is reused only under the very weights that wrote it (``computed_by``
 compares the weight objects of a version, never a model id): after a
@@ -39,17 +42,18 @@ from treadle.workers.sampler.state import Row, Staged, TorchRequest, common_pref
 #: A queued request waits for one being prefilled when it could then reuse this
 #: many more prompt tokens (the wait is at most that request's prefill).
 MIN_PREFIX_WAIT = 16
-#: The store of finished turns holds at most this many times the staging cache's tokens.
-KEPT_TOKENS_FACTOR = 2
 
 
 class PrefixCache:
-    def __init__(self, stage: KVCache) -> None:
+    """The staging slots' prefixes and the store of finished turns (at most
+    ``kept_slots`` x ``stage.max_len`` tokens of KV; 0: none kept)."""
+
+    def __init__(self, stage: KVCache, kept_slots: int = 0) -> None:
         self.stage = stage
         self.staged = [Staged() for _ in range(stage.num_slots)]
         self.kept: list[Kept] = []  # finished turns' prompt + completion KV
         self.kept_tokens = 0
-        self.max_kept_tokens = KEPT_TOKENS_FACTOR * stage.num_slots * stage.max_len
+        self.max_kept_tokens = max(0, kept_slots) * stage.max_len
 
     def slot_for(self, request: TorchRequest, clock: int) -> int:
         """A free staging slot for ``request``, seeded with the longest cached prefix
@@ -132,14 +136,16 @@ class PrefixCache:
 
     def keep_completion(self, rows: Sequence[Row], cache: KVCache, clock: int) -> None:
         """Keep the prompt + completion KV of finished rows of single-sample
-        requests (an episode's turn), before compaction overwrites their slots.
+        requests that asked for it (an episode's turn), before compaction
+        overwrites their slots.
 
         Kept only when one set of weights wrote it all (no in-flight update since
         the prompt's prefill) and the row is not a resumed partial rollout."""
         for row in rows:
             req = row.request
             if (
-                req.op.num_samples != 1
+                not req.op.params.cache_completion
+                or req.op.num_samples != 1
                 or row.stop_reason not in ("stop", "length")
                 or req.prefix is not None
                 or req.cancelled
@@ -147,7 +153,7 @@ class PrefixCache:
             ):
                 continue
             n = row.position  # the last sampled token was never fed: its KV is not there
-            if n <= req.prompt.size:
+            if n <= req.prompt.size or n > self.max_kept_tokens:
                 continue
             tokens = np.concatenate([req.prompt, np.asarray(row.tokens, dtype=np.int64)])[:n]
             snap = req.snapshot

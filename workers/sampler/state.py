@@ -32,7 +32,10 @@ class SamplerLimits:
     ``max_len`` is the context; ``prefill_slots`` prompts prefill at once and stay cached for
     prefix reuse; ``max_prefill_tokens`` caps prompt tokens computed per step
     (so a decode step is never delayed by more than that much prefill);
-    ``max_queued`` requests wait at most, beyond that RESOURCE_EXHAUSTED.
+    ``max_queued`` requests wait at most, beyond that RESOURCE_EXHAUSTED;
+    ``turn_cache_slots`` bounds the store of finished turns' KV kept for requests
+    that ask (``SamplingConfig.cache_completion``), in slots of ``max_len`` tokens
+    (0: none kept), counted against the memory an auto-sized cache plans for.
     """
 
     num_slots: int = 64
@@ -40,6 +43,8 @@ class SamplerLimits:
     prefill_slots: int = 8
     max_prefill_tokens: int = 512
     max_queued: int = 4096
+    #: the store of finished turns (``prefix_cache``), in slots of ``max_len`` tokens
+    turn_cache_slots: int = 16
     log_every_s: float = 30.0
     #: share of free device memory an auto-sized (``num_slots`` 0) KV cache takes
     #: (0: the device's default, ``memory_budget.DEFAULT_FRACTION``)

@@ -102,7 +102,7 @@ class TorchSampler:
         #: where the cache, the step's inputs and the sampling live: the weights' device
         self.device = base.device
         self.cache, stage = memory_budget.sampler_caches(base, lim, self.max_len)
-        self.prefix = PrefixCache(stage)
+        self.prefix = PrefixCache(stage, kept_slots=lim.turn_cache_slots)
         self.queue = FairQueue()
         self.prefilling: list[TorchRequest] = []
         self.running: list[Row] = []  # running[i].slot == i

@@ -251,6 +251,7 @@ export function samplingParamsToWire(params: SamplingParams | undefined): sampli
     stopTokenIds,
     tokenBudget: integer(p.tokenBudget ?? 0, "samplingParams.tokenBudget", { min: 0, max: 2 ** 31 - 1 }),
     ignoreEos: Boolean(p.ignoreEos),
+    cacheCompletion: Boolean(p.cacheCompletion),
   };
   if (p.temperature !== undefined) msg.temperature = finite(p.temperature, "samplingParams.temperature", { min: 0 });
   if (p.topP !== undefined) {

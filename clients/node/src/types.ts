@@ -79,6 +79,13 @@ export interface SamplingParams {
   tokenBudget?: number;
   /** EOS does not stop a sequence (benchmarks, length-controlled rollouts). */
   ignoreEos?: boolean;
+  /**
+   * Keep this request's prompt + completion KV on the sampler after it finishes
+   * (one sample per request only), so a next request extending them (an agent's
+   * next turn) prefills only its new tokens. Costs sampler memory: ask only when
+   * such a follow-up is likely.
+   */
+  cacheCompletion?: boolean;
 }
 
 /** Tokens [start, start + length) of a sequence were written by weight `version`. */

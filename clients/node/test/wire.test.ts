@@ -42,6 +42,12 @@ test("unset sampling knobs are not sent; explicit values, 0 included, are", () =
   assert.equal(onTheWire({ topK: -1, topP: 0.5 }).topK, -1);
 });
 
+test("cacheCompletion travels as cache_completion (field 10); unset it is not sent", () => {
+  assert.equal(onTheWire({ cacheCompletion: true }).cacheCompletion, true);
+  assert.equal(onTheWire({}).cacheCompletion, false);
+  assert.deepEqual([...SamplingParamsPb.encode(convert.samplingParamsToWire({ cacheCompletion: true })).finish()], [0x08, 16, 0x50, 1]);
+});
+
 test("a string stop is ONE stop string; an array mixes stop strings and token ids", () => {
   assert.deepEqual(onTheWire({ stop: "</answer>" }).stop, ["</answer>"]);
   assert.deepEqual(onTheWire({ stop: "</answer>" }).stopTokenIds, []);

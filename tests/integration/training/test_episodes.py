@@ -31,6 +31,7 @@ from treadle.rl import (
 
 PARAMS = treadle.SamplingParams(max_tokens=3, temperature=1.0)
 TIMEOUT = 60.0
+TURN = 300  # tokens a turn decodes while an in-flight update lands
 
 
 class CountingEnv:
@@ -304,3 +305,158 @@ def test_an_environment_may_answer_with_model_inputs_and_cookbook_names(
     assert episode.error is None and episode.done and episode.reward == 1.0
     assert episode.turns[0].observation == (1, 5, 9)
     assert episode.turns[1].observation == (7, 8)
+
+
+def _sampler_counters(service: treadle.ServiceClient) -> tuple[int, int, int]:
+    """(prompt tokens computed, reused, rows decoding) over the tiny base's samplers."""
+    ms = [m for m in service.get_server_info().sampler_metrics if m.base_model == "tiny"]
+    return (
+        sum(m.prompt_tokens for m in ms),
+        sum(m.prefix_reused_tokens for m in ms),
+        sum(m.running_rows for m in ms),
+    )
+
+
+def _counted(service: treadle.ServiceClient, positions: int) -> tuple[int, int]:
+    """(computed, reused) once the published stats count ``positions`` prompt
+    positions in all: the sampler publishes them just after the step that
+    answered the request, so a read right after a result may miss its last turn."""
+    for _ in range(int(TIMEOUT / 0.01)):
+        computed, reused, _ = _sampler_counters(service)
+        if computed + reused >= positions:
+            return computed, reused
+        threading.Event().wait(0.01)
+    raise AssertionError(f"the sampler's stats never counted {positions} prompt positions")
+
+
+def test_an_episodes_turns_prefill_only_their_observations(
+    service: treadle.ServiceClient, trainer: treadle.TrainingClient
+) -> None:
+    """The runner asks the sampler to keep each turn's KV (``cache_completion``):
+    turns 2 and 3 compute only the last sampled token and the 2 observed ones,
+    not the 8 tokens the turn before sampled."""
+    sampler = trainer.sync_weights()
+    params = treadle.SamplingParams(max_tokens=8, temperature=1.0, ignore_eos=True)
+    computed0, reused0, _ = _sampler_counters(service)
+    total = computed0 + reused0
+    with EpisodeRunner(context_limit=2048) as runner:
+        runner.submit(sampler, EnvGroup([CountingEnv(1)]), "w", params, EpisodeLimits()).result(
+            TIMEOUT
+        )  # the sampler exists and has run once
+        total += 3
+        computed0, reused0 = _counted(service, total)
+        (episode,) = runner.submit(
+            sampler, EnvGroup([CountingEnv(3)]), "0", params, EpisodeLimits()
+        ).result(TIMEOUT)
+    # turn 1: the 3-token first observation; turns 2 and 3: the history so far
+    total += 3 + (3 + 8 + 2) + (3 + 2 * (8 + 2))
+    computed, reused = _counted(service, total)
+    assert episode.error is None and [len(t.tokens) for t in episode.turns] == [8, 8, 8]
+    assert computed + reused == total
+    # turn 1 reuses 2 tokens of the warm-up's identical first observation; turns 2
+    # and 3 compute 1 + 2 tokens each
+    assert computed - computed0 <= 3 + 2 * (1 + 2)
+    assert reused - reused0 >= 2 * 8 + 8 + 2
+
+    # a turn that max_turns makes the last does not ask: a request extending its
+    # prompt + completion reuses the prompt (staged) and computes the completion again
+    with EpisodeRunner(context_limit=2048) as runner:
+        (capped,) = runner.submit(
+            sampler, EnvGroup([CountingEnv(5)]), "1", params, EpisodeLimits(max_turns=2)
+        ).result(TIMEOUT)
+    assert capped.truncated == "max_turns" and len(capped.turns) == 2
+    total += 3 + (3 + 8 + 2)
+    computed0, reused0 = _counted(service, total)
+    follow = [*capped.tokens(), 7, 8]
+    sampler.sample(follow, 1, treadle.SamplingParams(max_tokens=1)).result(TIMEOUT)
+    computed, reused = _counted(service, total + len(follow))
+    assert (computed - computed0, reused - reused0) == (8 + 2, len(follow) - 8 - 2)
+
+
+def test_a_turn_with_no_tokens_ends_only_its_episode(trainer: treadle.TrainingClient) -> None:
+    """A group whose sampling params leave a turn no tokens (``max_tokens`` 0):
+    the sampler returns an empty completion, and each of that group's episodes
+    ends with an error naming it and ``turns[0].tokens``; the other group's
+    episodes go on (one of them answered its first turn with an empty
+    observation: not an error, the next turn follows the model's own tokens)."""
+
+    class SilentToolEnv(CountingEnv):
+        def step(self, action: list[int]) -> StepResult:
+            result = super().step(action)
+            return result if result.done else StepResult(reward=0.0, done=False, observation=[])
+
+    sampler = trainer.sync_weights()
+    empty = treadle.SamplingParams(max_tokens=0, temperature=1.0)
+    fine, starved = run_episodes(
+        sampler,
+        [
+            EnvGroup([CountingEnv(), SilentToolEnv()]),
+            EnvGroup([CountingEnv(), CountingEnv()], sampling_params=empty),
+        ],
+        context_limit=2048,
+        sampling_params=PARAMS,
+        timeout=TIMEOUT,
+    )
+    assert [(e.error, e.done, len(e.turns)) for e in fine] == [(None, True, 2)] * 2
+    assert fine[1].turns[1].observation == ()
+    assert list(fine[1].to_rollout().mask or []) == [1.0] * fine[1].model_tokens
+    for i, episode in enumerate(starved):
+        assert episode.error == (
+            f"episode 1.{i}: turns[0].tokens: the sampler returned no tokens (max_tokens 0); "
+            "a turn must sample at least one"
+        )
+        assert not episode.ok and episode.turns == []
+        with pytest.raises(treadle.InvalidArgumentError, match=rf"episode 1\.{i}: turns\[0\]"):
+            episode.to_rollout()
+
+
+def test_a_turn_decoding_through_an_inflight_update_has_the_right_versions(
+    service: treadle.ServiceClient, trainer: treadle.TrainingClient
+) -> None:
+    """Turn 0 samples on version v. While the tool holds the episode the trainer
+    steps; turn 1 (300 tokens) is decoding when ``sync_weights(inflight=True)``
+    publishes v + 1 on the ``latest`` sampler: its first tokens are v's, the rest
+    v + 1's; turn 2 is all v + 1 (it prefills its history again: turn 1's KV,
+    written by two versions, was not kept). The rollout's versions say so token
+    by token, observations taking the version of the turn they answer."""
+    trainer.sync_weights().sampler_id  # noqa: B018 - a version to follow
+    latest = service.create_sampling_client(weights=f"treadle://{trainer.model_id}/latest")
+    v = trainer.get_info().version
+    at_tool, resume = threading.Event(), threading.Event()
+
+    class Held(CountingEnv):
+        def step(self, action: list[int]) -> StepResult:
+            if self.k == 0:
+                at_tool.set()
+                assert resume.wait(TIMEOUT)
+            return super().step(action)
+
+    long = treadle.SamplingParams(max_tokens=TURN, temperature=1.0, ignore_eos=True)
+    context = service.get_server_info().base_models[0].max_context
+    assert context >= 3 + 3 * TURN + 2 * 2
+    with EpisodeRunner(context_limit=context) as runner:
+        fut = runner.submit(latest, EnvGroup([Held(3)]), "0", long, EpisodeLimits())
+        assert at_tool.wait(TIMEOUT)
+        datum = treadle.Datum(
+            model_input=treadle.ModelInput.from_ints([1, 5, 9]),
+            loss_fn_inputs={"target_tokens": [5, 9, 2], "weights": [1.0, 1.0, 1.0]},
+        )
+        trainer.forward_backward([datum], "cross_entropy").result(TIMEOUT)
+        trainer.optim_step(treadle.AdamParams(learning_rate=1e-2)).result(TIMEOUT)
+        resume.set()
+        for _ in range(int(TIMEOUT / 0.005)):  # turn 1 is decoding
+            if _sampler_counters(service)[2] > 0:
+                break
+            threading.Event().wait(0.005)
+        assert trainer.sync_weights(inflight=True).version == v + 1
+        (episode,) = fut.result(TIMEOUT)
+    assert episode.error is None and [len(t.tokens) for t in episode.turns] == [TURN] * 3
+    t0, t1, t2 = episode.turns
+    assert t0.versions == (v,) * TURN
+    switch = t1.versions.index(v + 1)
+    assert 0 < switch < TURN, "the update landed before or after turn 1's decode"
+    assert t1.versions == (v,) * switch + (v + 1,) * (TURN - switch)
+    assert t2.versions == (v + 1,) * TURN
+    assert episode.to_rollout().token_versions() == (
+        [v] * (TURN + 2 + switch) + [v + 1] * (TURN - switch + 2 + TURN)
+    )

@@ -38,11 +38,33 @@ def test_auto_slots_take_the_fraction_of_free_memory(
     per_slot = memory_budget.kv_slot_bytes(base.cfg, MAX_LEN, torch.float32)
     # half the memory holds 10 main slots and the 2 prefill slots, with room to spare
     reading(monkeypatch, 2 * (12 * per_slot + per_slot // 2))
-    limits = SamplerLimits(num_slots=0, max_len=MAX_LEN, prefill_slots=2, kv_memory_fraction=0.5)
+    limits = SamplerLimits(
+        num_slots=0, max_len=MAX_LEN, prefill_slots=2, kv_memory_fraction=0.5, turn_cache_slots=0
+    )
     assert TorchSampler(base, limits=limits).cache.num_slots == 10
     # the CPU's default share, a quarter of 25 slots' worth: 6 slots, 2 of them prefill
-    default = SamplerLimits(num_slots=0, max_len=MAX_LEN, prefill_slots=2)
+    default = SamplerLimits(num_slots=0, max_len=MAX_LEN, prefill_slots=2, turn_cache_slots=0)
     assert TorchSampler(base, limits=default).cache.num_slots == 6 - 2
+
+
+def test_the_store_of_kept_turns_is_planned_for(
+    base: BaseModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The store of finished turns, at its bound, is set aside like the prefill slots."""
+    per_slot = memory_budget.kv_slot_bytes(base.cfg, MAX_LEN, torch.float32)
+    reading(monkeypatch, 2 * (12 * per_slot + per_slot // 2))
+    limits = SamplerLimits(
+        num_slots=0, max_len=MAX_LEN, prefill_slots=2, kv_memory_fraction=0.5, turn_cache_slots=3
+    )
+    sampler = TorchSampler(base, limits=limits)
+    assert sampler.cache.num_slots == 10 - 3
+    assert sampler.prefix.max_kept_tokens == 3 * MAX_LEN
+    # no room once it is set aside: the error counts it
+    too_many = SamplerLimits(
+        num_slots=0, max_len=MAX_LEN, prefill_slots=2, kv_memory_fraction=0.5, turn_cache_slots=10
+    )
+    with pytest.raises(ResourceExhaustedError, match="10 slots of kept turns"):
+        TorchSampler(base, limits=too_many)
 
 
 def test_auto_slots_keep_the_cpu_default_on_a_small_model(

@@ -1,7 +1,8 @@
-"""An episode's turns on the torch sampler: the previous turn's prompt *and*
-completion KV are reused, so a turn prefills only its new observation; the
-reused KV gives the same tokens and logprobs as a fresh prefill; another
-version's KV is never reused. A tiny model built on the spot; no server."""
+"""An episode's turns on the torch sampler: a turn that asks
+(``cache_completion``) leaves its prompt *and* completion KV for the next, so
+that one prefills only its new observation; the reused KV gives the same tokens
+and logprobs as a fresh prefill; another version's KV is never reused; a plain
+request keeps nothing. A tiny model built on the spot; no server."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from treadle.common.engine.domain import ModelSpec, SampleOp, SampleResult, Samp
 from treadle.workers.engine.base_models import BaseModel
 from treadle.workers.engine.versions import WeightSnapshot
 from treadle.workers.sampler.backend import SampleJob
+from treadle.workers.sampler.state import SamplerLimits
 from treadle.workers.sampler.torch_sampler import TorchSampler
 from treadle.workers.trainer.trainer import TrainingModel
 
@@ -22,8 +24,10 @@ MAX_LEN = 256
 PROMPT, SAMPLED, OBSERVED, TURNS = 120, 16, 8, 3
 
 
-def _run(s: TorchSampler, prompt: np.ndarray, snap: WeightSnapshot, seed: int) -> SampleResult:
-    params = SamplingConfig(max_tokens=SAMPLED, ignore_eos=True, seed=seed)
+def _run(
+    s: TorchSampler, prompt: np.ndarray, snap: WeightSnapshot, seed: int, keep: bool = True
+) -> SampleResult:
+    params = SamplingConfig(max_tokens=SAMPLED, ignore_eos=True, seed=seed, cache_completion=keep)
     fut: Future[SampleResult] = Future()
     s.submit(SampleJob(s.base, SampleOp(prompt, 1, params), snap), fut)
     while s.has_work():
@@ -32,7 +36,7 @@ def _run(s: TorchSampler, prompt: np.ndarray, snap: WeightSnapshot, seed: int) -
 
 
 def _episode(
-    s: TorchSampler, snaps: list[WeightSnapshot]
+    s: TorchSampler, snaps: list[WeightSnapshot], keep: bool = True
 ) -> tuple[list[SampleResult], list[tuple[int, int]]]:
     """``TURNS`` turns: each prompt is the last one + its completion + 8 observed
     tokens. Returns each turn's result and (prompt tokens computed, reused) for it."""
@@ -41,7 +45,7 @@ def _episode(
     out, counts = [], []
     for k in range(TURNS):
         computed, reused = s.prompt_tokens, s.prefix_reused_tokens
-        res = _run(s, prompt, snaps[k], seed=k)
+        res = _run(s, prompt, snaps[k], seed=k, keep=keep)
         counts.append((s.prompt_tokens - computed, s.prefix_reused_tokens - reused))
         out.append(res)
         observation = rng.integers(3, 90, OBSERVED)
@@ -70,6 +74,35 @@ def test_a_turn_prefills_only_its_observation(base: BaseModel, base_snap: Weight
         np.testing.assert_array_equal(a.tokens, b.tokens)
         np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5, rtol=0)
         prompt = np.concatenate([prompt, a.tokens, rng.integers(3, 90, OBSERVED)])
+
+
+def test_a_plain_request_keeps_nothing(base: BaseModel, base_snap: WeightSnapshot) -> None:
+    """The same turns sent without ``cache_completion``: no completion KV is copied
+    into the store, and each turn reuses only the previous turn's prompt (staged)."""
+    s = TorchSampler(base, num_slots=4, max_len=MAX_LEN)
+    _, counts = _episode(s, [base_snap] * TURNS, keep=False)
+    assert s.prefix.kept == [] and s.prefix.kept_tokens == 0
+    assert counts[0] == (PROMPT, 0)
+    previous = PROMPT
+    for computed, reused in counts[1:]:
+        assert reused == previous  # the last turn's prompt, not its completion
+        assert computed == SAMPLED + OBSERVED
+        previous += SAMPLED + OBSERVED
+    # a G > 1 request asking for it keeps nothing either (its rows are a group, not a turn)
+    params = SamplingConfig(max_tokens=SAMPLED, ignore_eos=True, seed=0, cache_completion=True)
+    fut: Future[SampleResult] = Future()
+    prompt = np.random.default_rng(5).integers(3, 90, PROMPT)
+    s.submit(SampleJob(s.base, SampleOp(prompt, 2, params), base_snap), fut)
+    while s.has_work():
+        s.step()
+    fut.result(0)
+    assert s.prefix.kept == []
+
+
+def test_no_store_when_its_budget_is_zero(base: BaseModel, base_snap: WeightSnapshot) -> None:
+    s = TorchSampler(base, limits=SamplerLimits(num_slots=4, max_len=MAX_LEN, turn_cache_slots=0))
+    _, counts = _episode(s, [base_snap] * TURNS)
+    assert s.prefix.kept == [] and counts[1][0] == SAMPLED + OBSERVED
 
 
 def test_another_versions_kv_is_not_reused(base: BaseModel, base_snap: WeightSnapshot) -> None:

@@ -90,6 +90,14 @@ export interface SamplingParams {
    * stop token). For benchmarks and length-controlled rollouts (vLLM's ignore_eos).
    */
   ignoreEos: boolean;
+  /**
+   * Keep this request's prompt + completion KV once it finishes (num_samples 1
+   * only; ignored otherwise), so that a next request whose prompt extends them,
+   * an agent episode's next turn, prefills only its new tokens. It costs the
+   * sampler memory (a bounded store, least recently used dropped first): ask
+   * only when a follow-up is likely. Unset: only the prompt's KV may be reused.
+   */
+  cacheCompletion: boolean;
 }
 
 /** One prompt, num_samples completions (a GRPO group shares one prefill). */
@@ -361,6 +369,7 @@ function createBaseSamplingParams(): SamplingParams {
     seed: undefined,
     tokenBudget: 0,
     ignoreEos: false,
+    cacheCompletion: false,
   };
 }
 
@@ -396,6 +405,9 @@ export const SamplingParams: MessageFns<SamplingParams> = {
     }
     if (message.ignoreEos !== false) {
       writer.uint32(72).bool(message.ignoreEos);
+    }
+    if (message.cacheCompletion !== false) {
+      writer.uint32(80).bool(message.cacheCompletion);
     }
     return writer;
   },
@@ -495,6 +507,14 @@ export const SamplingParams: MessageFns<SamplingParams> = {
             message.ignoreEos = reader.bool();
             continue;
           }
+          case 10: {
+            if (tag !== 80) {
+              break;
+            }
+
+            message.cacheCompletion = reader.bool();
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -521,6 +541,7 @@ export const SamplingParams: MessageFns<SamplingParams> = {
     message.seed = object.seed ?? undefined;
     message.tokenBudget = object.tokenBudget ?? 0;
     message.ignoreEos = object.ignoreEos ?? false;
+    message.cacheCompletion = object.cacheCompletion ?? false;
     return message;
   },
 };
