@@ -21,9 +21,6 @@ class EngineConfig(EngineOptions):
     sampler_prefill_slots: int = 8  # prompts prefilled at once, kept for prefix reuse
     sampler_max_prefill_tokens: int = 512  # prompt tokens computed per step, at most
     sampler_max_queued: int = 4096  # queued sample requests before RESOURCE_EXHAUSTED
-    #: finished turns' KV kept for requests that ask (``cache_completion``), in slots
-    #: of ``sampler_max_len`` tokens (0: none); an auto-sized KV cache is that much smaller
-    sampler_turn_cache_slots: int = 16
     metrics_log_every_s: float = 30.0
     #: run the forward calls of LoRA models on one base as one batched pass
     batch_across_models: bool = True

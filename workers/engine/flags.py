@@ -162,6 +162,14 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=int(env("TREADLE_SAMPLER_MAX_LEN", DEFAULTS.sampler_max_len)),
     )
+    parser.add_argument(
+        "--sampler-turn-cache-slots",
+        type=int,
+        default=int(env("TREADLE_SAMPLER_TURN_CACHE_SLOTS", DEFAULTS.sampler_turn_cache_slots)),
+        help="agent episodes: finished turns' KV kept so the next turn prefills only its "
+        "observation, in slots of --sampler-max-len tokens (default 16; 0 keeps none and "
+        "gives an auto-sized KV cache those slots back)",
+    )
     _add_group_flags(parser)
     _add_vllm_flags(parser)
 
@@ -303,6 +311,7 @@ def engine_settings(args: argparse.Namespace) -> dict[str, Any]:
         "sampler_slots": args.sampler_slots,
         "kv_cache_memory_fraction": args.kv_cache_memory_fraction,
         "sampler_max_len": args.sampler_max_len,
+        "sampler_turn_cache_slots": args.sampler_turn_cache_slots,
         "max_quantum_tokens": args.max_quantum_tokens,
         "activation_checkpointing": args.activation_checkpointing,
         "train_memory_limit_bytes": args.train_memory_limit_bytes,
@@ -364,6 +373,7 @@ def check_engine_settings(config: EngineOptions) -> None:
         ("sampler_slots", config.sampler_slots >= 0),
         ("kv_cache_memory_fraction", 0.0 <= config.kv_cache_memory_fraction < 1.0),
         ("sampler_max_len", config.sampler_max_len >= 2),
+        ("sampler_turn_cache_slots", config.sampler_turn_cache_slots >= 0),
         ("max_tokens_per_call", config.max_tokens_per_call >= 1),
         ("auto_checkpoint_steps", config.auto_checkpoint_steps >= 0),
         ("max_quantum_tokens", config.max_quantum_tokens >= 0),

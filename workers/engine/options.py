@@ -43,6 +43,10 @@ class EngineOptions:
     sampler_slots: int = 0  # rows decoding together; 0 = sized by memory (--sampler-slots)
     kv_cache_memory_fraction: float = 0.0  # of free memory, for sampler_slots 0; 0 = default
     sampler_max_len: int = 1024
+    #: finished turns' KV kept for requests that ask (``cache_completion``: agent
+    #: episodes), in slots of ``sampler_max_len`` tokens (0: none); an auto-sized KV
+    #: cache is that much smaller (``--sampler-turn-cache-slots``)
+    sampler_turn_cache_slots: int = 16
     max_tokens_per_call: int = 262_144
     #: save the state every N optimizer steps (0 = off), under the engine's
     #: auto_checkpoint_root/<tenant>/<model>/auto
