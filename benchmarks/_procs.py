@@ -144,3 +144,31 @@ def busy_processes(n: int) -> Iterator[None]:
             p.terminate()
         for p in procs:
             p.join(10)
+
+
+def cpu_share_slowdown(busy: int, seconds: float = 1.0) -> float:
+    """How much slower one thread's fixed CPU work runs with ``busy`` busy processes
+    beside it than alone, measured now: the bound a contended row is held to (no
+    thread policy gets a busy core back; the scheduler shares it)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    a = torch.randn(256, 256)
+
+    def work() -> float:
+        t0 = time.perf_counter()
+        n = 0
+        while time.perf_counter() - t0 < seconds:
+            a @ a
+            n += 1
+        return (time.perf_counter() - t0) / n
+
+    try:
+        alone = work()
+        with busy_processes(busy):
+            time.sleep(0.2)
+            shared = work()
+        return shared / alone
+    finally:
+        torch.set_num_threads(threads)

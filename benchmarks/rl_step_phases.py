@@ -40,7 +40,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
-from _procs import busy_processes, treadle_serve
+from _procs import busy_processes, cpu_share_slowdown, treadle_serve
 
 import treadle
 from treadle.rl import Rollout, build_datums, group_advantages, informative_groups
@@ -194,6 +194,12 @@ def main() -> int:
     cols = [*PHASES, "waits", "wall", "median wall"]
     print("| seed | server | busy | " + " | ".join(cols) + " | phases / wall | x idle |")
     print("|---" * (len(cols) + 5) + "|")
+    if args.contended:
+        bound = cpu_share_slowdown(loads[-1])
+        print(
+            f"bound: one thread's fixed work ran {bound:.2f}x as long with {loads[-1]} busy "
+            "processes beside it as alone (measured in this run)\n"
+        )
     idle = {(seed, name): r["wall"] for seed, name, busy, r in rows if busy == 0}
     for seed, name, busy, r in rows:
         phases = sum(r.get(p, 0.0) for p in PHASES)

@@ -43,7 +43,7 @@ from concurrent.futures import Future
 import _common  # sets the thread budget before torch starts its pools
 import numpy as np
 import torch
-from _procs import busy_processes
+from _procs import busy_processes, cpu_share_slowdown
 
 from treadle.common.engine.domain import SampleOp, SampleResult, SamplingConfig
 from treadle.workers.engine.base_models import BaseModel, BaseModelRegistry
@@ -193,6 +193,12 @@ def main() -> None:
             rows,
         )
     )
+    if args.contended:
+        bound = cpu_share_slowdown(loads[-1])
+        print(
+            f"\nbound: one thread's fixed work ran {bound:.2f}x as long with {loads[-1]} busy "
+            "processes beside it as alone (measured in this run)"
+        )
     tr = list(engines)[-1]
     hf2 = list(engines)[0]
     print()
