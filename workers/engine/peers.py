@@ -11,6 +11,8 @@ runs each call here, with no torch.distributed in the path.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from treadle.common.engine.domain import (
@@ -53,6 +55,14 @@ class Peers:
         self, model: TrainingModel, directory: str | Path, optimizer: bool
     ) -> LoadResult:
         raise NotImplementedError
+
+    @contextmanager
+    def whole(self, model: TrainingModel, *, moments: bool = False) -> Iterator[None]:
+        """``model``'s whole weights here (and its Adam moments with ``moments``) for a
+        call that reads them on this rank alone: ``forward_logprobs``, publishing a
+        version, ``save_state``, exports. A full fine-tune sharded over the group is
+        gathered for the duration; a model held whole is as it is."""
+        yield
 
     def close(self) -> None:
         """The engine stopped: stop the other ranks."""

@@ -21,10 +21,11 @@ from treadle.workers.group.commands import (
     ReplicaCreate,
     ReplicaDelete,
     ReplicaForwardBackward,
+    ReplicaGather,
     ReplicaLoadState,
     ReplicaOptimStep,
 )
-from treadle.workers.trainer import trainer
+from treadle.workers.trainer import sharding, trainer
 from treadle.workers.trainer.trainer import TrainingModel
 
 log = logging.getLogger("treadle.group")
@@ -51,21 +52,25 @@ class Replicas:
                 memory_limit_bytes=command.memory_limit_bytes,
             )
             self.models[command.spec.model_id] = model
-            collectives.broadcast_state(model)
+            collectives.made(model)
         elif isinstance(command, ReplicaDelete):
             self.models.pop(command.model_id, None)
         elif isinstance(command, ReplicaForwardBackward):
             outcome: ForwardResult | Exception | None = None
-            try:
-                model = self.models[command.model_id]
-                if command.op.data:
-                    outcome = trainer.forward_backward(model, command.op)
-            except Exception as err:  # rank 0 reports it (and breaks the group)
-                outcome = err
+            model = self.models[command.model_id]
+            if model.sharding is not None:  # joins the gathers even with no datums
+                outcome = sharding.forward_backward(model, command.op)
+            else:
+                try:
+                    if command.op.data:
+                        outcome = trainer.forward_backward(model, command.op)
+                except Exception as err:  # rank 0 reports it (and breaks the group)
+                    outcome = err
             dist.gather_object(outcome, None, dst=0)
         elif isinstance(command, ReplicaOptimStep):
             model = self.models[command.model_id]
-            collectives.sum_gradients(model)
+            if model.sharding is None:  # a sharded model's were reduce-scattered
+                collectives.sum_gradients(model)
             try:
                 model.optim_step(command.adam)
                 ok = True
@@ -74,7 +79,15 @@ class Replicas:
                 ok = False
             collectives.all_ok(ok, model.params.device)
         elif isinstance(command, ReplicaLoadState):
-            collectives.broadcast_state(self.models[command.model_id])
+            model = self.models[command.model_id]
+            if model.sharding is None:
+                collectives.broadcast_state(model)
+            else:  # whole while rank 0's state arrives, then sharded again
+                sharding.unshard(model)
+                collectives.made(model)
+        elif isinstance(command, ReplicaGather):
+            with sharding.whole(self.models[command.model_id], moments=command.moments):
+                pass
         return True
 
 

@@ -49,6 +49,14 @@ LOGITS_CHUNK_BYTES = 256 * 2**20
 TensorsCopy = Callable[[dict[str, Tensor]], dict[str, Tensor]]
 
 
+class Sharding:
+    """How a full fine-tune's weights, gradients and Adam moments are split over a
+    group of ranks (``workers.trainer.sharding``); None on a model held whole."""
+
+    #: the bytes of the whole trainable weights (what a call gathers)
+    full_bytes: int = 0
+
+
 class TrainingModel:
     """A tenant's model: a LoRA adapter on the shared frozen base, or a full copy."""
 
@@ -100,6 +108,9 @@ class TrainingModel:
             self.adapter = None
             trainable = dict(self.params.named_tensors())
         self.optimizer = AdamW(trainable)
+        #: set while the model is sharded over a group of ranks: ``params`` and
+        #: ``trainable`` then hold this rank's flat shards (``workers.trainer.sharding``)
+        self.sharding: Sharding | None = None
         self.version = 0
         self.last_checkpoint_seq_id = 0
         #: references ``ForwardLogprobs`` loaded from checkpoints (``workers.trainer.reference``)
@@ -342,7 +353,10 @@ def _check_memory(model: TrainingModel, data: Sequence[DatumData]) -> None:
         chunked_logits=not _adapts_head(model.adapter)
         and rows * length * model.cfg.vocab_size * 4 > LOGITS_CHUNK_BYTES,
     )
-    need += sum(p.numel() * p.element_size() for p in model.trainable.values())
+    if model.sharding is not None:  # the whole weights gathered, and their whole gradient
+        need += 2 * model.sharding.full_bytes
+    else:
+        need += sum(p.numel() * p.element_size() for p in model.trainable.values())
     train_memory.check_fits(
         need,
         model.memory_limit_bytes,
