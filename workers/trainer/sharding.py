@@ -36,12 +36,17 @@ from treadle.workers.trainer.trainer import Sharding, TrainingModel
 class FlatShards(Sharding):
     """Flat, zero-padded 1/N slices over the default process group."""
 
-    def __init__(self, model: TrainingModel) -> None:
+    def __init__(self, shapes: dict[str, tuple[int, ...]], element_size: int) -> None:
         self.rank = dist.get_rank()
         self.size = dist.get_world_size()
-        self.shapes = {n: tuple(t.shape) for n, t in model.params.named_tensors()}
-        element = model.params.embed_tokens.element_size()
-        self.full_bytes = sum(math.prod(s) for s in self.shapes.values()) * element
+        #: each tensor's whole shape, by name
+        self.shapes = shapes
+        self.full_bytes = sum(math.prod(s) for s in shapes.values()) * element_size
+
+    @classmethod
+    def of(cls, model: TrainingModel) -> FlatShards:
+        shapes = {n: tuple(t.shape) for n, t in model.params.named_tensors()}
+        return cls(shapes, model.params.embed_tokens.element_size())
 
     def take(self, full: Tensor) -> Tensor:
         """This rank's slice of ``full`` (a copy: the whole tensor can be freed)."""
@@ -76,7 +81,7 @@ class FlatShards(Sharding):
 def shard(model: TrainingModel) -> None:
     """Every rank: a whole model (the same on every rank) becomes this rank's shards;
     accumulated gradients are dropped."""
-    sharding = FlatShards(model)
+    sharding = FlatShards.of(model)
     opt = model.optimizer
     model.params = model.params.map(sharding.take)
     opt.params = dict(model.params.named_tensors())
