@@ -1,6 +1,7 @@
-"""A rank other than 0: replicas of the engine's training models, and a loop that
-executes rank 0's commands in order (``channel``), joining each call's
-collectives. It decides nothing and talks to nobody but its group."""
+"""A rank other than 0: its copies of the engine's training models (a LoRA model's
+replica, a full fine-tune's shards), and a loop that executes rank 0's commands
+in order (``channel``), joining each call's collectives. It decides nothing and
+talks to nobody but its group."""
 
 from __future__ import annotations
 

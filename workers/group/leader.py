@@ -2,10 +2,13 @@
 handed to every other rank (``channel``), then run here and on them alike
 (SPMD), the collectives joining the ranks' parts (``collectives``).
 
-A training model is replicated on every rank; a ``ForwardBackward``'s datums are
-split across the ranks (data parallel) and the gradients summed at the
-optimizer step, so every rank takes the same step. Only rank 0 samples, saves
-and exports: its model is whole. What a call is checked for (data, loss
+A ``ForwardBackward``'s datums are split across the ranks (data parallel). A
+LoRA model is replicated on every rank, its gradients summed at the optimizer
+step, so every rank takes the same step. A full fine-tune is sharded
+(``trainer.sharding``): each rank holds 1/N of its weights, gradients and Adam
+moments, gathers the weights for a ``ForwardBackward`` and reduce-scatters the
+gradient. Only rank 0 samples, saves and exports; a sharded model is gathered
+whole for those reads (``whole``). What a call is checked for (data, loss
 inputs, the memory of each rank's share) is checked here, for every share,
 before any rank starts, so a refused call changes no rank.
 
