@@ -20,17 +20,26 @@ Every function here is a collective: each rank calls it in the same order.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import fields, replace
+from functools import partial
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import Tensor
+from torch.profiler import record_function
 
 from treadle.common.engine.domain import ForwardBackwardOp, ForwardResult
-from treadle.workers.model.params import LlamaParams
+from treadle.common.engine.model_config import ModelConfig
+from treadle.workers.model.llama import decoder_layer, rms_norm, rope_cos_sin
+from treadle.workers.model.params import LayerParams, LlamaParams, layer_tensor_name
 from treadle.workers.trainer import trainer
-from treadle.workers.trainer.trainer import Sharding, TrainingModel
+from treadle.workers.trainer.trainer import PreparedForwardBackward, Sharding, TrainingModel
+
+_R = TypeVar("_R")
 
 
 class FlatShards(Sharding):
@@ -41,7 +50,13 @@ class FlatShards(Sharding):
         self.size = dist.get_world_size()
         #: each tensor's whole shape, by name
         self.shapes = shapes
-        self.full_bytes = sum(math.prod(s) for s in shapes.values()) * element_size
+        sizes: dict[str, int] = {}  # "embed", "head" or a layer's prefix: its elements
+        for name, shape in shapes.items():
+            key = name.rsplit(".", 3)[0] if name.startswith("model.layers.") else name
+            sizes[key] = sizes.get(key, 0) + math.prod(shape)
+        layer = max((v for k, v in sizes.items() if k.startswith("model.layers.")), default=0)
+        others = sum(v for k, v in sizes.items() if not k.startswith("model.layers."))
+        self.gathered_bytes = (others + layer) * element_size
 
     @classmethod
     def of(cls, model: TrainingModel) -> FlatShards:
@@ -121,31 +136,201 @@ def whole(model: TrainingModel, *, moments: bool) -> Iterator[None]:
         model.params, opt.params, opt.exp_avg, opt.exp_avg_sq = kept
 
 
+_EMBED = "model.embed_tokens.weight"
+_NORM = "model.norm.weight"
+_HEAD = "lm_head.weight"
+
+
 def forward_backward(
     model: TrainingModel, op: ForwardBackwardOp
 ) -> ForwardResult | Exception | None:
-    """Every rank: its share of a ``ForwardBackward`` (possibly none: None) on the
-    gathered weights; the whole gradients summed over ranks into each shard's gradient.
+    """Every rank: its share of a ``ForwardBackward`` (possibly none: None), one layer
+    at a time, as FSDP runs it.
 
-    A failure of the share itself (out of memory on one rank, say) is returned,
-    not raised, once the collectives are done, so no rank is left waiting; a
-    failed collective raises."""
-    sharding = _sharding(model)
-    outcome: ForwardResult | None = None
-    failed: Exception | None = None
-    with whole(model, moments=False):
-        for p in model.optimizer.params.values():
-            p.requires_grad_(True)
+    Forward, without a graph: the embedding, then each layer with its weights
+    gathered, run, and freed (the layer's input kept); then the final norm, the
+    head and the loss with their gradient. Backward, from the last layer to the
+    first: the layer's weights gathered again, the layer recomputed from its
+    input and differentiated, its weights' gradients reduce-scattered (the sum
+    over ranks) and freed; the embedding's last. So at most the embedding, the
+    head and one layer are whole at a time (``Sharding.gathered_bytes``), and the
+    activations are those of activation checkpointing. The summed gradient is
+    added to the shards' only once the whole pass is done (all or nothing, as
+    ``trainer.accumulate_gradients``).
+
+    The collectives run in the same order on every rank whatever its datums: a
+    rank with none, or whose share failed (out of memory on one rank, say),
+    still joins each gather and reduce-scatter (with zeros), and the failure is
+    returned, not raised, once they are done; a failed collective raises."""
+    return _LayerwisePass(model, op).run()
+
+
+class _LayerwisePass:
+    def __init__(self, model: TrainingModel, op: ForwardBackwardOp) -> None:
+        self.model = model
+        self.op = op
+        self.cfg = model.cfg
+        self.sharding = _sharding(model)
+        self.shards = model.optimizer.params
+        self.head_name = _HEAD if _HEAD in self.shards else _EMBED  # tied: the embedding
+        self.failed: Exception | None = None
+        self.active = bool(op.data)
+        #: the summed gradient of each shard, added to its ``grad`` at the end
+        self.parts: dict[str, Tensor] = {}
+
+    def _attempt(self, compute: Callable[[], _R]) -> _R | None:
+        """``compute()`` unless this rank has nothing to compute (no datums, or a failure)."""
+        if not self.active or self.failed is not None:
+            return None
         try:
-            outcome = trainer.forward_backward(model, op) if op.data else None
-        except Exception as err:  # raised below, once every rank has its gradient
-            failed = err
-        grads = {n: p.grad for n, p in model.optimizer.params.items()}
-    with torch.no_grad():
-        for name, part in model.optimizer.params.items():
-            summed = sharding.reduce(grads.pop(name), part)
-            part.grad = summed if part.grad is None else part.grad.add_(summed)
-    return failed if failed is not None else outcome
+            return compute()
+        except Exception as err:  # returned once every collective of the pass ran
+            self.failed = err
+            return None
+
+    def _reduce(self, name: str, whole: Tensor | None) -> None:
+        if self.failed is not None:
+            whole = None
+        part = self.sharding.reduce(whole, self.shards[name])
+        self.parts[name] = part if name not in self.parts else self.parts[name].add_(part)
+
+    def _layer(self, n: int) -> tuple[LayerParams, dict[str, Tensor]]:
+        """Layer ``n`` with its weights gathered whole (and those by name)."""
+        shard = self.model.params.layers[n]
+        tensors: dict[str, Tensor] = {}
+        changes: dict[str, Tensor] = {}
+        for f in fields(shard):
+            if getattr(shard, f.name) is None:
+                continue
+            name = layer_tensor_name(n, f.name)
+            tensors[name] = changes[f.name] = self.sharding.gather(name, self.shards[name])
+        return replace(shard, **changes), tensors
+
+    def run(self) -> ForwardResult | Exception | None:
+        cfg, op, model = self.cfg, self.op, self.model
+        prep = self._attempt(partial(trainer.prepare_forward_backward, model, op))
+        if prep is not None and prep.needs_reference:
+            self._attempt(partial(trainer.fill_reference, model, prep, op.temperature))
+        inputs: list[Tensor] = []  # each layer's input (the last: the final hidden)
+
+        with torch.no_grad():
+            embed = self.sharding.gather(_EMBED, self.shards[_EMBED])
+            rope = self._attempt(partial(_embedding, cfg, prep, embed, inputs))
+            del embed
+            for n in range(cfg.num_layers):
+                layer, _ = self._layer(n)
+                self._attempt(partial(_forward_layer, cfg, layer, n, inputs, rope))
+                del layer
+
+        norm = self.sharding.gather(_NORM, self.shards[_NORM]).requires_grad_(True)
+        head = self.sharding.gather(self.head_name, self.shards[self.head_name])
+        head.requires_grad_(True)
+        tied = self.head_name == _EMBED
+        head_out = self._attempt(partial(_head, model, op, prep, norm, head, tied, inputs))
+        outcome, grad, g_norm, g_head = head_out if head_out else (None, None, None, None)
+        del norm, head
+        self._reduce(_NORM, g_norm)
+        self._reduce(self.head_name, g_head)
+        del g_norm, g_head
+
+        for n in reversed(range(cfg.num_layers)):
+            layer, tensors = self._layer(n)
+            back = self._attempt(
+                partial(_backward_layer, cfg, layer, tensors, n, inputs, rope, grad)
+            )
+            grad, layer_grads = back if back else (None, {})
+            del layer, tensors
+            for name in [k for k in self.shards if k.startswith(f"model.layers.{n}.")]:
+                self._reduce(name, layer_grads.pop(name, None))
+
+        with torch.no_grad():
+            shape = self.sharding.shapes[_EMBED]
+            self._reduce(_EMBED, self._attempt(partial(_embedding_grad, shape, prep, grad)))
+            if self.failed is not None:
+                return self.failed
+            for name, part in self.parts.items():
+                shard = self.shards[name]
+                shard.grad = part if shard.grad is None else shard.grad.add_(part)
+        return outcome
+
+
+# ---- one rank's compute of a layer-wise pass (``_LayerwisePass``) -----------------------
+
+Rope = tuple[Tensor, Tensor]
+
+
+def _embedding(
+    cfg: ModelConfig, prep: PreparedForwardBackward | None, embed: Tensor, inputs: list[Tensor]
+) -> Rope:
+    assert prep is not None
+    tokens_B_T = prep.batch.tokens_B_T
+    B, T = tokens_B_T.shape
+    positions_B_T = torch.arange(T, device=tokens_B_T.device).expand(B, T)
+    x_B_T_H = F.embedding(tokens_B_T, embed)
+    inputs.append(x_B_T_H)
+    return rope_cos_sin(cfg, positions_B_T, x_B_T_H.dtype)
+
+
+def _forward_layer(
+    cfg: ModelConfig, layer: LayerParams, n: int, inputs: list[Tensor], rope: Rope | None
+) -> None:
+    assert rope is not None
+    inputs.append(decoder_layer(cfg, layer, n, inputs[-1], *rope))
+
+
+def _head(
+    model: TrainingModel,
+    op: ForwardBackwardOp,
+    prep: PreparedForwardBackward | None,
+    norm: Tensor,
+    head: Tensor,
+    tied: bool,
+    inputs: list[Tensor],
+) -> tuple[ForwardResult, Tensor | None, Tensor | None, Tensor | None]:
+    """The final norm, the head and the loss, and their gradients (the final
+    hidden's, the norm's, the head's)."""
+    assert prep is not None
+    h_B_T_H = inputs.pop().requires_grad_(True)
+    hidden_B_T_H = rms_norm(h_B_T_H, norm, model.cfg.rms_norm_eps)
+    params = LlamaParams(embed_tokens=head, layers=[], norm=norm, lm_head=None if tied else head)
+    lp_B_T, entropy_B_T = trainer.logprobs_of_hidden(
+        model.cfg, params, hidden_B_T_H, prep.batch.targets_B_T, op.temperature, with_entropy=True
+    )
+    loss, result = trainer.finish_forward_backward(model, op, prep, lp_B_T, entropy_B_T)
+    with record_function("treadle.backward"):
+        g_h, g_norm, g_head = torch.autograd.grad(loss, [h_B_T_H, norm, head], allow_unused=True)
+    return result, g_h, g_norm, g_head
+
+
+def _backward_layer(
+    cfg: ModelConfig,
+    layer: LayerParams,
+    tensors: dict[str, Tensor],
+    n: int,
+    inputs: list[Tensor],
+    rope: Rope | None,
+    grad: Tensor | None,
+) -> tuple[Tensor, dict[str, Tensor | None]]:
+    """Layer ``n`` recomputed from its input and differentiated: the gradient of its
+    input and of its weights."""
+    assert rope is not None and grad is not None
+    x_B_T_H = inputs.pop().requires_grad_(True)
+    for t in tensors.values():
+        t.requires_grad_(True)
+    y_B_T_H = decoder_layer(cfg, layer, n, x_B_T_H, *rope)
+    with record_function("treadle.backward"):
+        out = torch.autograd.grad(y_B_T_H, [x_B_T_H, *tensors.values()], grad, allow_unused=True)
+    assert out[0] is not None
+    return out[0], dict(zip(tensors, out[1:], strict=True))
+
+
+def _embedding_grad(
+    shape: tuple[int, ...], prep: PreparedForwardBackward | None, grad: Tensor | None
+) -> Tensor:
+    """The embedding's gradient: each position's gradient added to its token's row."""
+    assert prep is not None and grad is not None
+    whole = grad.new_zeros(shape)
+    return whole.index_add_(0, prep.batch.tokens_B_T.reshape(-1), grad.reshape(-1, shape[1]))
 
 
 def _sharding(model: TrainingModel) -> FlatShards:
