@@ -4,15 +4,17 @@
 
 A tensor's shard is a flat slice: the tensor flattened, padded with zeros to a
 multiple of N, rank r's N-th part. Between calls a rank holds only its shards
-(``TrainingModel.params`` then holds flat shards, never run by a forward). A
-call that needs the whole weights gathers them (``whole``: an all-gather per
-tensor), runs on them and drops them; a ``ForwardBackward`` (``forward_backward``)
-gathers the weights, runs the rank's share of the datums on them, and
-reduce-scatters the whole gradient into the shard's (the sum over ranks, as the
-data-parallel step's). AdamW steps each rank's shards (the update is
-elementwise; the padding stays zero), with the clip and update norms summed
-over the group, so every rank's shard moves as the same slice of a one-rank
-model would.
+(``TrainingModel.params`` then holds flat shards, never run by a forward).
+
+A ``ForwardBackward`` (``forward_backward``) runs layer by layer, as FSDP does:
+each layer's weights all-gathered, run on the rank's share of the datums, and
+freed; gathered again in the backward, the layer recomputed, its gradient
+reduce-scattered into the shards' (the sum over ranks, as the data-parallel
+step's). AdamW steps each rank's shards (the update is elementwise; the
+padding stays zero), with the clip and update norms summed over the group, so
+every rank's shard moves as the same slice of a one-rank model would. A call
+that reads the whole weights on rank 0 (``whole``: ``forward_logprobs``, a
+published version, a checkpoint, an export) gathers them for its duration.
 
 Every function here is a collective: each rank calls it in the same order.
 """
@@ -50,9 +52,9 @@ class FlatShards(Sharding):
         self.size = dist.get_world_size()
         #: each tensor's whole shape, by name
         self.shapes = shapes
-        sizes: dict[str, int] = {}  # "embed", "head" or a layer's prefix: its elements
+        sizes: dict[str, int] = {}  # elements: of each layer ("model.layers.<n>"), or tensor
         for name, shape in shapes.items():
-            key = name.rsplit(".", 3)[0] if name.startswith("model.layers.") else name
+            key = ".".join(name.split(".")[:3]) if name.startswith("model.layers.") else name
             sizes[key] = sizes.get(key, 0) + math.prod(shape)
         layer = max((v for k, v in sizes.items() if k.startswith("model.layers.")), default=0)
         others = sum(v for k, v in sizes.items() if not k.startswith("model.layers."))
