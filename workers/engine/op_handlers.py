@@ -61,12 +61,11 @@ def _forward_logprobs(
 ) -> OpResult:
     ex.check_size(op.data)
     if op.reference_weights is None:
-        batch = trainer.prepare_forward_logprobs(model, op)  # bad data fails before any read
         if op.reference:  # the base's weights: the model's own are not read
-            return trainer.logprobs_of_batch(model, op, batch)
-        with ex.peers.whole(model):
-            return trainer.logprobs_of_batch(model, op, batch)
-    batch = trainer.prepare_forward_logprobs(model, op)
+            return trainer.forward_logprobs(model, op)
+        with ex.peers.whole(model):  # a sharded model's weights, gathered
+            return trainer.forward_logprobs(model, op)
+    batch = trainer.prepare_forward_logprobs(model, op)  # bad data fails before any read
     weights = reference.resolve(model, op.reference_weights, ex.versions)
     return trainer.logprobs_of_batch(model, op, batch, weights)
 
