@@ -18,12 +18,13 @@ same sizes).
 
 What to expect: on 2 ranks a full fine-tune is sharded (``workers.trainer.sharding``:
 each rank keeps half of every weight, of its gradient and of its Adam moments),
-so parameters + gradients + Adam per rank are half of 1 rank's. The peak RSS
-is not halved: a call gathers the whole weights for its duration (and their
-whole gradient in a ``forward_backward``), and each rank also holds the base
-model and its share of the activations. On a 2-core machine 2 ranks of 1
-thread do the work of 1 rank of 2 threads, plus the all-gathers and
-reduce-scatters and a second process: expect no speed-up.
+so parameters + gradients + Adam per rank are half of 1 rank's. Each rank's
+peak RSS is lower too: a ``forward_backward`` gathers the weights one layer
+at a time (with the embedding and the head), and keeps the activations of half
+the datums, as activation checkpointing does (each layer is recomputed in the
+backward), where the one-rank row keeps every activation. On a 2-core machine
+2 ranks of 1 thread do the work of 1 rank of 2 threads, plus the all-gathers,
+reduce-scatters and recompute, and a second process: expect no speed-up.
 
     python benchmarks/ranks.py                      # 110m, 4 x 256, 3 steps
     python benchmarks/ranks.py --preset 5m --steps 2   # quick
