@@ -87,8 +87,7 @@ class Replicas:
                 sharding.unshard(model)
                 collectives.made(model)
         elif isinstance(command, ReplicaGather):
-            with sharding.whole(self.models[command.model_id], moments=command.moments):
-                pass
+            sharding.send_whole(self.models[command.model_id], moments=command.moments)
         return True
 
 

@@ -14,7 +14,8 @@ step's). AdamW steps each rank's shards (the update is elementwise; the
 padding stays zero), with the clip and update norms summed over the group, so
 every rank's shard moves as the same slice of a one-rank model would. A call
 that reads the whole weights on rank 0 (``whole``: ``forward_logprobs``, a
-published version, a checkpoint, an export) gathers them for its duration.
+published version, a checkpoint, an export) gathers them there for its duration
+(``dist.gather``: the other ranks send their shards, ``send_whole``).
 
 Every function here is a collective: each rank calls it in the same order.
 """
@@ -80,6 +81,16 @@ class FlatShards(Sharding):
         shape = self.shapes[name]
         return whole[: math.prod(shape)].view(shape)
 
+    def gather_to_root(self, name: str, shard: Tensor) -> Tensor | None:
+        """The whole tensor ``name`` on rank 0 (None on the others, which only send)."""
+        if self.rank != 0:
+            dist.gather(shard.detach(), None, dst=0)
+            return None
+        whole = shard.new_empty(shard.numel() * self.size)
+        dist.gather(shard.detach(), list(whole.view(self.size, -1).unbind(0)), dst=0)
+        shape = self.shapes[name]
+        return whole[: math.prod(shape)].view(shape)
+
     def reduce(self, whole: Tensor | None, shard: Tensor) -> Tensor:
         """This rank's slice of the sum over ranks of ``whole`` (None: zeros here)."""
         padded = shard.new_zeros(shard.numel() * self.size)
@@ -122,20 +133,44 @@ def unshard(model: TrainingModel) -> None:
 
 @contextmanager
 def whole(model: TrainingModel, *, moments: bool) -> Iterator[None]:
-    """Every rank: the whole weights (and with ``moments`` the Adam moments) in the
-    model for the duration, its shards back after (what the body changed is dropped)."""
+    """Rank 0: the whole weights (and with ``moments`` the Adam moments) in the model
+    for the duration, its shards back after (what the body changed is dropped).
+    Every other rank calls ``send_whole`` at the same time."""
     sharding = _sharding(model)
     opt = model.optimizer
     kept = (model.params, opt.params, opt.exp_avg, opt.exp_avg_sq)
     with torch.no_grad():
-        _gather_weights(model, sharding)
+        tensors = _to_root(sharding, opt.params)
+        model.params = LlamaParams.from_state_dict(model.cfg, tensors)
+        opt.params = dict(model.params.named_tensors())
         if moments:
-            opt.exp_avg = {n: sharding.gather(n, t) for n, t in opt.exp_avg.items()}
-            opt.exp_avg_sq = {n: sharding.gather(n, t) for n, t in opt.exp_avg_sq.items()}
+            opt.exp_avg = _to_root(sharding, opt.exp_avg)
+            opt.exp_avg_sq = _to_root(sharding, opt.exp_avg_sq)
     try:
         yield
     finally:
         model.params, opt.params, opt.exp_avg, opt.exp_avg_sq = kept
+
+
+@torch.no_grad()
+def send_whole(model: TrainingModel, *, moments: bool) -> None:
+    """A rank other than 0: its shards to rank 0's ``whole``."""
+    sharding = _sharding(model)
+    opt = model.optimizer
+    _to_root(sharding, opt.params)
+    if moments:
+        _to_root(sharding, opt.exp_avg)
+        _to_root(sharding, opt.exp_avg_sq)
+
+
+def _to_root(sharding: FlatShards, shards: dict[str, Tensor]) -> dict[str, Tensor]:
+    """The whole tensors on rank 0, by name (empty on the others)."""
+    out: dict[str, Tensor] = {}
+    for name, shard in shards.items():
+        whole_tensor = sharding.gather_to_root(name, shard)
+        if whole_tensor is not None:
+            out[name] = whole_tensor
+    return out
 
 
 _EMBED = "model.embed_tokens.weight"
