@@ -11,17 +11,20 @@ threads, each of 2 ranks ``THREADS / 2``, so both rows use the same cores.
 
 Columns: the median step time; each rank's peak RSS (``VmHWM``: rank 0 is the
 process that runs the engine, the others its rank processes); and the bytes of
-the model's parameters + gradients + Adam moments on a rank, counted on rank 0
-from its tensors (the other ranks hold the same replica).
+the model's parameters + gradients + Adam moments a rank holds between calls,
+counted on rank 0 from its tensors after the last ``forward_backward`` (its
+gradients accumulated, before the step; the other ranks hold shards of the
+same sizes).
 
-What to expect: the group is data parallel with the weights replicated (each
-rank holds the whole model, its optimizer state and a gradient; datums are
-split, gradients summed at the step), so parameters + gradients + Adam per rank
-are the same on 2 ranks as on 1: the memory of a rank does not shrink, only the
-activations (half the datums each). On a 2-core machine 2 ranks of 1 thread do
-the work of 1 rank of 2 threads, plus the gradient all-reduce and a second
-process: expect no speed-up. Sharding the weights across ranks (FSDP2) is not
-built (docs/scaling.md).
+What to expect: on 2 ranks a full fine-tune is sharded (``workers.trainer.sharding``:
+each rank keeps half of every weight, of its gradient and of its Adam moments),
+so parameters + gradients + Adam per rank are half of 1 rank's. Each rank's
+peak RSS is lower too: a ``forward_backward`` gathers the weights one layer
+at a time (with the embedding and the head), and keeps the activations of half
+the datums, as activation checkpointing does (each layer is recomputed in the
+backward), where the one-rank row keeps every activation. On a 2-core machine
+2 ranks of 1 thread do the work of 1 rank of 2 threads, plus the all-gathers,
+reduce-scatters and recompute, and a second process: expect no speed-up.
 
     python benchmarks/ranks.py                      # 110m, 4 x 256, 3 steps
     python benchmarks/ranks.py --preset 5m --steps 2   # quick
@@ -51,6 +54,14 @@ def _hwm_bytes(pid: int) -> int:
     return 0
 
 
+def _held_bytes(model: object) -> int:
+    """The weights, accumulated gradients and Adam moments ``model`` holds here."""
+    opt = model.optimizer  # type: ignore[attr-defined]
+    grads = [p.grad for p in opt.params.values() if p.grad is not None]
+    tensors = [*opt.params.values(), *grads, *opt.exp_avg.values(), *opt.exp_avg_sq.values()]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
 def one(ranks: int, model: Path, steps: int, batch: int, length: int) -> dict[str, object]:
     import numpy as np
 
@@ -78,24 +89,18 @@ def one(ranks: int, model: Path, steps: int, batch: int, length: int) -> dict[st
         )
         for _ in range(batch)
     )
-    seq, times = 1, []
+    seq, times, per_rank_state = 1, [], 0
     for i in range(steps + 1):
         t0 = time.perf_counter()
         engine.submit("full", seq, ForwardBackwardOp(data, "cross_entropy", {}), f"f{i}").result()
+        if i == steps:  # the gradients held, before the step consumes them
+            per_rank_state = _held_bytes(engine.models["full"])
         engine.submit(
             "full", seq + 1, OptimStepOp(AdamConfig(learning_rate=1e-5)), f"o{i}"
         ).result()
         seq += 2
         if i:
             times.append(time.perf_counter() - t0)
-    model_state = engine.models["full"]
-    opt = model_state.optimizer
-    per_rank_state = sum(
-        p.numel() * p.element_size() * 2  # the weights and a gradient
-        + opt.exp_avg[n].numel() * opt.exp_avg[n].element_size()
-        + opt.exp_avg_sq[n].numel() * opt.exp_avg_sq[n].element_size()
-        for n, p in model_state.trainable.items()
-    )
     peaks = [_hwm_bytes(p.pid) for p in multiprocessing.active_children() if p.pid]
     peaks = [_hwm_bytes(os.getpid()), *peaks]
     engine.stop()

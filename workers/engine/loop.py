@@ -499,18 +499,20 @@ class Engine:
             self.executor.resolve(call, stopping, record=False)
         seq_id = self.registry.clean_seq(model_id, self.scheduler.next_seq_id(model_id) - 1)
         directory.parent.mkdir(parents=True, exist_ok=True)
-        saved = checkpoint.save_state(model, directory, seq_id)
+        with self.peers.whole(model, moments=True):
+            saved = checkpoint.save_state(model, directory, seq_id)
         self.call_stats.checkpoint(saved.size_bytes)
         self._delete_model(model_id)
         return saved
 
     def _export_weights(self, model_id: str, directory: Path, merged: bool) -> list[str]:
         model = self.registry.require(model_id)
-        files = (
-            export.export_merged(model, directory)
-            if merged
-            else export.export_peft(model, directory)
-        )
+        with self.peers.whole(model):
+            files = (
+                export.export_merged(model, directory)
+                if merged
+                else export.export_peft(model, directory)
+            )
         return [f.name for f in files]
 
     # ---- sampling ------------------------------------------------------------------------------

@@ -61,7 +61,10 @@ def _forward_logprobs(
 ) -> OpResult:
     ex.check_size(op.data)
     if op.reference_weights is None:
-        return trainer.forward_logprobs(model, op)
+        if op.reference:  # the base's weights: the model's own are not read
+            return trainer.forward_logprobs(model, op)
+        with ex.peers.whole(model):  # a sharded model's weights, gathered
+            return trainer.forward_logprobs(model, op)
     batch = trainer.prepare_forward_logprobs(model, op)  # bad data fails before any read
     weights = reference.resolve(model, op.reference_weights, ex.versions)
     return trainer.logprobs_of_batch(model, op, batch, weights)
@@ -86,7 +89,8 @@ def _sync_weights(
 def _save_state(
     ex: OrderedExecutor, model: TrainingModel, seq_id: int, op: SaveStateOp
 ) -> OpResult:
-    result = checkpoint.save_state(model, op.directory, seq_id)
+    with ex.peers.whole(model, moments=True):
+        result = checkpoint.save_state(model, op.directory, seq_id)
     model.last_checkpoint_seq_id = seq_id
     ex.call_stats.checkpoint(result.size_bytes)
     return result

@@ -232,7 +232,8 @@ class OrderedExecutor:
         backend reads them: e.g. into shared memory for a sampler process, one
         copy, not a clone and then a shared one), and tell the backend; with
         ``inflight`` (PipelineRL) its latest requests continue under them."""
-        published = model.published(self.sampler.copy_weights())
+        with self.peers.whole(model):
+            published = model.published(self.sampler.copy_weights())
         released = self.versions.publish(published)
         if inflight or isinstance(published, WeightSnapshot):  # else: read when asked
             snapshot = self.versions.get(model.spec.model_id, model.version)
@@ -250,7 +251,8 @@ class OrderedExecutor:
             return result
         directory = Path(root) / model.spec.tenant_id / model.spec.model_id / "auto"
         directory.parent.mkdir(parents=True, exist_ok=True)
-        saved = checkpoint.save_state(model, directory, seq_id)
+        with self.peers.whole(model, moments=True):
+            saved = checkpoint.save_state(model, directory, seq_id)
         model.last_checkpoint_seq_id = seq_id
         self.call_stats.checkpoint(saved.size_bytes)
         auto = AutoCheckpoint(str(directory), seq_id, saved.step, saved.size_bytes)

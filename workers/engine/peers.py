@@ -3,7 +3,7 @@
 A worker may be several processes on torch.distributed (``workers.group``): rank 0
 runs this engine, and with it everything that decides (scheduler, ordering,
 dedupe, fair share, the broker and database connections); the other ranks hold
-a replica of every training model and execute, in the same order, each call that
+a replica of every LoRA model, a shard of every full fine-tune, and execute, in the same order, each call that
 changes one. ``Peers`` is the seam: the engine calls it for every such call and
 never asks how many ranks there are. ``Alone`` is a worker of one process: it
 runs each call here, with no torch.distributed in the path.
@@ -11,6 +11,8 @@ runs each call here, with no torch.distributed in the path.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from treadle.common.engine.domain import (
@@ -53,6 +55,14 @@ class Peers:
         self, model: TrainingModel, directory: str | Path, optimizer: bool
     ) -> LoadResult:
         raise NotImplementedError
+
+    @contextmanager
+    def whole(self, model: TrainingModel, *, moments: bool = False) -> Iterator[None]:
+        """``model``'s whole weights here (and its Adam moments with ``moments``) for a
+        call that reads them on this rank alone: ``forward_logprobs``, publishing a
+        version, ``save_state``, exports. A full fine-tune sharded over the group is
+        gathered for the duration; a model held whole is as it is."""
+        yield
 
     def close(self) -> None:
         """The engine stopped: stop the other ranks."""

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from treadle.common.engine.domain import ForwardResult
+from treadle.workers.trainer import sharding
 from treadle.workers.trainer.trainer import TrainingModel
 
 
@@ -34,6 +35,15 @@ def broadcast_state(model: TrainingModel) -> None:
     meta: list[Any] = [opt.step_count, opt.weights_moved, model.version]
     dist.broadcast_object_list(meta, src=0)
     opt.step_count, opt.weights_moved, model.version = int(meta[0]), bool(meta[1]), int(meta[2])
+
+
+def made(model: TrainingModel) -> None:
+    """A model was just created on every rank: rank 0's state everywhere, then a full
+    fine-tune sharded over the group (LoRA adapters stay replicated: a few MB, whose
+    sharding would save nothing and add collectives to every pass)."""
+    broadcast_state(model)
+    if model.adapter is None:
+        sharding.shard(model)
 
 
 @torch.no_grad()

@@ -47,6 +47,14 @@ class ReplicaLoadState:
 
 
 @dataclass(frozen=True)
+class ReplicaGather:
+    """Rank 0 reads a sharded model whole: join the all-gather of its shards."""
+
+    model_id: str
+    moments: bool
+
+
+@dataclass(frozen=True)
 class RankStop:
     """The engine stopped: exit."""
 
@@ -57,5 +65,6 @@ RankCommand = (
     | ReplicaForwardBackward
     | ReplicaOptimStep
     | ReplicaLoadState
+    | ReplicaGather
     | RankStop
 )

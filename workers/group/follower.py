@@ -1,6 +1,7 @@
-"""A rank other than 0: replicas of the engine's training models, and a loop that
-executes rank 0's commands in order (``channel``), joining each call's
-collectives. It decides nothing and talks to nobody but its group."""
+"""A rank other than 0: its copies of the engine's training models (a LoRA model's
+replica, a full fine-tune's shards), and a loop that executes rank 0's commands
+in order (``channel``), joining each call's collectives. It decides nothing and
+talks to nobody but its group."""
 
 from __future__ import annotations
 
@@ -21,10 +22,11 @@ from treadle.workers.group.commands import (
     ReplicaCreate,
     ReplicaDelete,
     ReplicaForwardBackward,
+    ReplicaGather,
     ReplicaLoadState,
     ReplicaOptimStep,
 )
-from treadle.workers.trainer import trainer
+from treadle.workers.trainer import sharding, trainer
 from treadle.workers.trainer.trainer import TrainingModel
 
 log = logging.getLogger("treadle.group")
@@ -51,21 +53,25 @@ class Replicas:
                 memory_limit_bytes=command.memory_limit_bytes,
             )
             self.models[command.spec.model_id] = model
-            collectives.broadcast_state(model)
+            collectives.made(model)
         elif isinstance(command, ReplicaDelete):
             self.models.pop(command.model_id, None)
         elif isinstance(command, ReplicaForwardBackward):
             outcome: ForwardResult | Exception | None = None
-            try:
-                model = self.models[command.model_id]
-                if command.op.data:
-                    outcome = trainer.forward_backward(model, command.op)
-            except Exception as err:  # rank 0 reports it (and breaks the group)
-                outcome = err
+            model = self.models[command.model_id]
+            if model.sharding is not None:  # joins the gathers even with no datums
+                outcome = sharding.forward_backward(model, command.op)
+            else:
+                try:
+                    if command.op.data:
+                        outcome = trainer.forward_backward(model, command.op)
+                except Exception as err:  # rank 0 reports it (and breaks the group)
+                    outcome = err
             dist.gather_object(outcome, None, dst=0)
         elif isinstance(command, ReplicaOptimStep):
             model = self.models[command.model_id]
-            collectives.sum_gradients(model)
+            if model.sharding is None:  # a sharded model's were reduce-scattered
+                collectives.sum_gradients(model)
             try:
                 model.optim_step(command.adam)
                 ok = True
@@ -74,7 +80,14 @@ class Replicas:
                 ok = False
             collectives.all_ok(ok, model.params.device)
         elif isinstance(command, ReplicaLoadState):
-            collectives.broadcast_state(self.models[command.model_id])
+            model = self.models[command.model_id]
+            if model.sharding is None:
+                collectives.broadcast_state(model)
+            else:  # whole while rank 0's state arrives, then sharded again
+                sharding.unshard(model)
+                collectives.made(model)
+        elif isinstance(command, ReplicaGather):
+            sharding.send_whole(self.models[command.model_id], moments=command.moments)
         return True
 
 

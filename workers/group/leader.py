@@ -2,10 +2,13 @@
 handed to every other rank (``channel``), then run here and on them alike
 (SPMD), the collectives joining the ranks' parts (``collectives``).
 
-A training model is replicated on every rank; a ``ForwardBackward``'s datums are
-split across the ranks (data parallel) and the gradients summed at the
-optimizer step, so every rank takes the same step. Only rank 0 samples, saves
-and exports: its model is whole. What a call is checked for (data, loss
+A ``ForwardBackward``'s datums are split across the ranks (data parallel). A
+LoRA model is replicated on every rank, its gradients summed at the optimizer
+step, so every rank takes the same step. A full fine-tune is sharded
+(``trainer.sharding``): each rank holds 1/N of its weights, gradients and Adam
+moments, gathers the weights for a ``ForwardBackward`` and reduce-scatters the
+gradient. Only rank 0 samples, saves and exports; a sharded model is gathered
+whole for those reads (``whole``). What a call is checked for (data, loss
 inputs, the memory of each rank's share) is checked here, for every share,
 before any rank starts, so a refused call changes no rank.
 
@@ -19,7 +22,8 @@ worker restart).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import replace
 from pathlib import Path
 from typing import TypeVar
@@ -43,10 +47,11 @@ from treadle.workers.group.commands import (
     ReplicaCreate,
     ReplicaDelete,
     ReplicaForwardBackward,
+    ReplicaGather,
     ReplicaLoadState,
     ReplicaOptimStep,
 )
-from treadle.workers.trainer import checkpoint, trainer
+from treadle.workers.trainer import checkpoint, sharding, trainer
 from treadle.workers.trainer.trainer import TrainingModel
 from treadle.workers.trainer.validation import check_adam
 
@@ -77,7 +82,7 @@ class GroupPeers(Peers):
             model.checkpoint_activations,
             model.memory_limit_bytes,
         )
-        self._all(command, lambda: collectives.broadcast_state(model))
+        self._all(command, lambda: collectives.made(model))
 
     def deleted(self, model_id: str) -> None:
         if not self.broken:
@@ -95,10 +100,17 @@ class GroupPeers(Peers):
         self.channel.post([ReplicaForwardBackward(model.spec.model_id, s) for s in shares[1:]])
         mine: ForwardResult | None = None
         failed: Exception | None = None
-        try:
-            mine = trainer.forward_backward(model, shares[0]) if shares[0].data else None
-        except Exception as err:  # reported after the gather: the others wait on it
-            failed = err
+        if model.sharding is not None:
+            outcome = self._collective(lambda: sharding.forward_backward(model, shares[0]))
+            if isinstance(outcome, Exception):
+                failed = outcome
+            else:
+                mine = outcome
+        else:
+            try:
+                mine = trainer.forward_backward(model, shares[0]) if shares[0].data else None
+            except Exception as err:  # reported after the gather: the others wait on it
+                failed = err
         gathered: list[object] = [None] * self.size
         self._collective(lambda: dist.gather_object(mine, gathered, dst=0))
         if failed is not None:
@@ -117,7 +129,8 @@ class GroupPeers(Peers):
         failed: list[BaseException] = []
 
         def step() -> None:
-            collectives.sum_gradients(model)
+            if model.sharding is None:  # a sharded model's were reduce-scattered
+                collectives.sum_gradients(model)
             try:
                 result.append(model.optim_step(adam))
             except Exception as err:  # e.g. out of memory here only: told to every rank
@@ -133,9 +146,34 @@ class GroupPeers(Peers):
         self, model: TrainingModel, directory: str | Path, optimizer: bool
     ) -> LoadResult:
         self._check()
-        loaded = checkpoint.load_state(model, directory, optimizer=optimizer)
-        self._all(ReplicaLoadState(model.spec.model_id), lambda: collectives.broadcast_state(model))
-        return loaded
+        state = checkpoint.read_state(model, directory, optimizer=optimizer)  # every check
+        if model.sharding is None:
+            loaded = checkpoint.apply_state(model, state)
+            self._all(
+                ReplicaLoadState(model.spec.model_id), lambda: collectives.broadcast_state(model)
+            )
+            return loaded
+        result: list[LoadResult] = []
+
+        def load() -> None:  # every rank: whole, rank 0's state everywhere, sharded again
+            sharding.unshard(model)
+            result.append(checkpoint.apply_state(model, state))
+            collectives.made(model)
+
+        self._all(ReplicaLoadState(model.spec.model_id), load)
+        return result[0]
+
+    @contextmanager
+    def whole(self, model: TrainingModel, *, moments: bool = False) -> Iterator[None]:
+        if model.sharding is None:
+            yield
+            return
+        with ExitStack() as stack:
+            self._all(
+                ReplicaGather(model.spec.model_id, moments),
+                lambda: stack.enter_context(sharding.whole(model, moments=moments)),
+            )
+            yield
 
     def close(self) -> None:
         if not self.broken:

@@ -277,6 +277,15 @@ def forward_hidden(
     return rms_norm(x_B_T_H, params.norm, cfg.rms_norm_eps)
 
 
+def decoder_layer(
+    cfg: ModelConfig, layer: LayerParams, n: int, x_B_T_H: Tensor, cos: Tensor, sin: Tensor
+) -> Tensor:
+    """Decoder layer ``n`` of a plain causal forward (no cache, no LoRA): what
+    ``forward_hidden`` runs per layer, for a caller that runs the layers one at a
+    time (a sharded full fine-tune, ``workers.trainer.sharding``)."""
+    return _layer(cfg, layer, n, x_B_T_H, cos, sin, None, None)
+
+
 def _layer(
     cfg: ModelConfig,
     layer: LayerParams,

@@ -36,6 +36,11 @@ _LAYER_HF_NAMES: dict[str, str] = {
 }
 
 
+def layer_tensor_name(n: int, field: str) -> str:
+    """The HF name of layer ``n``'s tensor ``field`` (a ``LayerParams`` field)."""
+    return f"model.layers.{n}.{_LAYER_HF_NAMES[field]}"
+
+
 def projection_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
     """(out_features, in_features) of each projection of a decoder layer."""
     h, i, q, kv = cfg.hidden_size, cfg.intermediate_size, cfg.q_size, cfg.kv_size

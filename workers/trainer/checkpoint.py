@@ -13,7 +13,9 @@ import json
 import os
 import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -66,7 +68,6 @@ def save_state(model: TrainingModel, directory: str | Path, seq_id: int) -> Save
     return SaveResult(step=model.version, seq_id=seq_id, size_bytes=size)
 
 
-@torch.no_grad()
 def load_state(
     model: TrainingModel, directory: str | Path, *, optimizer: bool = True
 ) -> LoadResult:
@@ -76,6 +77,20 @@ def load_state(
     ``optimizer.safetensors``) the weights and step are loaded and the Adam
     moments start fresh, as the tinker SDK's ``load_state`` documents.
     """
+    return apply_state(model, read_state(model, directory, optimizer=optimizer))
+
+
+@dataclass(frozen=True)
+class ReadState:
+    """A checkpoint read and checked against a model, not yet applied."""
+
+    manifest: dict[str, Any]
+    weights: dict[str, torch.Tensor]
+    optim: dict[str, torch.Tensor] | None
+
+
+def read_state(model: TrainingModel, directory: str | Path, *, optimizer: bool) -> ReadState:
+    """``load_state``'s reading and every check, changing nothing."""
     manifest = read_manifest(directory)
     spec = model.spec
     if manifest["base_model"] != spec.base_model or int(manifest["lora_rank"]) != spec.lora_rank:
@@ -95,12 +110,18 @@ def load_state(
         )
     if missing:
         raise FailedPreconditionError(f"path: checkpoint lacks tensors {missing[:3]}")
+    return ReadState(manifest, weights, optim)
+
+
+@torch.no_grad()
+def apply_state(model: TrainingModel, state: ReadState) -> LoadResult:
+    """Put a ``read_state`` into the model (held whole)."""
     for name, param in model.trainable.items():
-        param.copy_(weights[name].to(dtype=param.dtype))
+        param.copy_(state.weights[name].to(dtype=param.dtype))
         param.grad = None
-    if optim is None:
+    if state.optim is None:
         model.optimizer.reset_moments()
     else:
-        model.optimizer.load_state_tensors(optim, int(manifest["optimizer_step"]))
-    model.version = int(manifest["step"])
+        model.optimizer.load_state_tensors(state.optim, int(state.manifest["optimizer_step"]))
+    model.version = int(state.manifest["step"])
     return LoadResult(step=model.version)

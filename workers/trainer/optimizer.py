@@ -20,7 +20,7 @@ the SDK warns, so it is never silent.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 from torch.autograd.graph import increment_version
@@ -52,11 +52,14 @@ class AdamW:
         self.weights_moved = False
         self.exp_avg = {n: torch.zeros_like(p) for n, p in self.params.items()}
         self.exp_avg_sq = {n: torch.zeros_like(p) for n, p in self.params.items()}
+        #: sums a float64 scalar over a group of ranks when the tensors are shards of a
+        #: sharded model (``workers.trainer.sharding``): the norms are the whole model's
+        self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     @torch.no_grad()
     def grad_norm(self) -> float:
         grads = [p.grad for p in self.params.values() if p.grad is not None]
-        return _global_norm(grads)
+        return _global_norm(grads, self.reduce)
 
     @torch.no_grad()
     def step(self, cfg: AdamConfig) -> dict[str, float]:
@@ -71,7 +74,7 @@ class AdamW:
         # step count as they were, and the model at its last applied step.
         scratch = _scratch([[self.params[names[i]] for i in idx] for idx in chunks])
         with record_function("treadle.grad_norm"):  # named: benchmarks/train_step.py --profile
-            pre_clip = _global_norm(grads)
+            pre_clip = _global_norm(grads, self.reduce)
         if cfg.grad_clip_norm > 0:
             scale = min(1.0, cfg.grad_clip_norm / (pre_clip + 1e-6))
             if scale != 1.0:
@@ -112,6 +115,8 @@ class AdamW:
                 update_sq_t = update_sq_t + (moved.double() ** 2).sum()
             del before
         self.zero_grad()
+        if self.reduce is not None:
+            update_sq_t = self.reduce(update_sq_t)
         return {
             "grad_norm:value": pre_clip,
             "update_norm:value": math.sqrt(float(update_sq_t)),
@@ -154,12 +159,20 @@ class AdamW:
         self.weights_moved = True  # checkpoint.load_state replaces the weights with it
 
 
-def _global_norm(tensors: list[torch.Tensor]) -> float:
-    """``sqrt(sum ||t||^2)``: one read of each tensor (``_foreach_norm``), summed in float64."""
-    if not tensors:
-        return 0.0
-    norms = torch.stack(torch._foreach_norm(tensors)).double()
-    return math.sqrt(float((norms * norms).sum()))
+def _global_norm(
+    tensors: list[torch.Tensor],
+    reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> float:
+    """``sqrt(sum ||t||^2)``: one read of each tensor (``_foreach_norm``), summed in
+    float64 (and over the group's ranks with ``reduce``: every rank calls it)."""
+    if tensors:
+        norms = torch.stack(torch._foreach_norm(tensors)).double()
+        sq = (norms * norms).sum()
+    else:
+        sq = torch.zeros((), dtype=torch.float64)
+    if reduce is not None:
+        sq = reduce(sq)
+    return math.sqrt(float(sq))
 
 
 def _scratch(chunks: list[list[torch.Tensor]]) -> torch.Tensor | None:

@@ -49,6 +49,15 @@ LOGITS_CHUNK_BYTES = 256 * 2**20
 TensorsCopy = Callable[[dict[str, Tensor]], dict[str, Tensor]]
 
 
+class Sharding:
+    """How a full fine-tune's weights, gradients and Adam moments are split over a
+    group of ranks (``workers.trainer.sharding``); None on a model held whole."""
+
+    #: the most bytes of whole weights a ``ForwardBackward`` gathers at once (the
+    #: embedding, the head and one layer), and as much again of their gradients
+    gathered_bytes: int = 0
+
+
 class TrainingModel:
     """A tenant's model: a LoRA adapter on the shared frozen base, or a full copy."""
 
@@ -100,6 +109,9 @@ class TrainingModel:
             self.adapter = None
             trainable = dict(self.params.named_tensors())
         self.optimizer = AdamW(trainable)
+        #: set while the model is sharded over a group of ranks: ``params`` and
+        #: ``trainable`` then hold this rank's flat shards (``workers.trainer.sharding``)
+        self.sharding: Sharding | None = None
         self.version = 0
         self.last_checkpoint_seq_id = 0
         #: references ``ForwardLogprobs`` loaded from checkpoints (``workers.trainer.reference``)
@@ -333,22 +345,34 @@ def _check_memory(model: TrainingModel, data: Sequence[DatumData]) -> None:
     """RESOURCE_EXHAUSTED before any compute when the batch would not fit."""
     rows, length = len(data), max(int(d.tokens.size) for d in data)
     element = model.params.embed_tokens.element_size()
+    # a sharded model runs layer by layer, each layer recomputed in the backward
+    checkpointing = model.checkpoint_activations or model.sharding is not None
     need = train_memory.activation_bytes(
         model.cfg,
         rows,
         length,
         element,
-        checkpointing=model.checkpoint_activations,
+        checkpointing=checkpointing,
         chunked_logits=not _adapts_head(model.adapter)
         and rows * length * model.cfg.vocab_size * 4 > LOGITS_CHUNK_BYTES,
     )
-    need += sum(p.numel() * p.element_size() for p in model.trainable.values())
+    if model.sharding is not None:  # the weights gathered at once, and their gradients
+        need += 2 * model.sharding.gathered_bytes
+    else:
+        need += sum(p.numel() * p.element_size() for p in model.trainable.values())
     train_memory.check_fits(
         need,
         model.memory_limit_bytes,
         model.params.device,
-        checkpointing=model.checkpoint_activations,
+        checkpointing=checkpointing,
     )
+
+
+def fill_reference(model: TrainingModel, prep: PreparedForwardBackward, temperature: float) -> None:
+    """The reference logprobs a loss wants and the client did not send: the base's."""
+    with torch.no_grad():
+        ref_B_T, _ = _logprobs(model, prep.batch, temperature, reference=True, with_entropy=False)
+    set_reference(model, prep, ref_B_T)
 
 
 def set_reference(model: TrainingModel, prep: PreparedForwardBackward, ref_B_T: Tensor) -> None:
@@ -413,11 +437,7 @@ def forward_backward(model: TrainingModel, op: ForwardBackwardOp) -> ForwardResu
     """Add the gradient of the summed loss to the accumulated gradients."""
     prep = prepare_forward_backward(model, op)
     if prep.needs_reference:
-        with torch.no_grad():
-            ref_B_T, _ = _logprobs(
-                model, prep.batch, op.temperature, reference=True, with_entropy=False
-            )
-        set_reference(model, prep, ref_B_T)
+        fill_reference(model, prep, op.temperature)
     lp_B_T, entropy_B_T = _logprobs(
         model, prep.batch, op.temperature, reference=False, with_entropy=True
     )

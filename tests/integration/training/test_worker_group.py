@@ -4,7 +4,9 @@ The same training through the SDK on a 2-rank embedded server and on a 1-rank
 one gives the same numbers: five steps of a full fine-tune and of LoRA (losses,
 ``forward_logprobs``, sampled tokens and logprobs under a fixed seed). A state
 saved by the 2-rank worker loads on the 1-rank one and the reverse, and the next
-step is the same on either. float64, so the comparison is of the arithmetic,
+step is the same on either. On 2 ranks the full fine-tune is sharded (each rank
+holds half of its weights and Adam moments; the LoRA adapters are replicated):
+what rank 0 holds is checked against the 1-rank worker's. float64, so the comparison is of the arithmetic,
 not of float32 rounding in Adam (``test_remote_equals_local``'s ``ADAM_EPS``).
 
 Multi-process: the 2-rank server spawns a second process that joins the first
@@ -26,6 +28,7 @@ import treadle
 from tests.helpers import char_ids, next_token_datum
 from treadle.server.config import ServerConfig
 from treadle.server.embedded import EmbeddedServer
+from treadle.workers.engine.loop import Engine
 
 pytestmark = pytest.mark.slow
 
@@ -48,16 +51,22 @@ class Run:
     saved: str
     next_loss: float
     after_next: list[np.ndarray]
+    #: bytes of the weights and Adam moments rank 0 holds after training
+    held: int
+    sharded: bool
 
 
 @contextmanager
-def _server(data: Path, model_dir: Path, ranks: int) -> Iterator[treadle.ServiceClient]:
+def _server(
+    data: Path, model_dir: Path, ranks: int
+) -> Iterator[tuple[treadle.ServiceClient, Engine]]:
     config = ServerConfig(data_dir=data, models={BASE: model_dir}, port=0, threads=1, ranks=ranks)
     srv = EmbeddedServer(config).start()
-    assert srv.ctx.dispatcher.engine.peers.size == ranks  # type: ignore[attr-defined]
+    engine: Engine = srv.ctx.dispatcher.engine  # type: ignore[attr-defined]
+    assert engine.peers.size == ranks
     client = treadle.ServiceClient(srv.address, api_key=srv.api_key)
     try:
-        yield client
+        yield client, engine
     finally:
         client.close()
         srv.stop()
@@ -80,16 +89,24 @@ def _probe(tc: treadle.TrainingClient) -> list[np.ndarray]:
     return [np.asarray(o.logprobs) for o in out.loss_fn_outputs]
 
 
-def _train(service: treadle.ServiceClient, kind: str) -> Run:
+def _held(engine: Engine, model_id: str) -> tuple[int, bool]:
+    model = engine.models[model_id]
+    opt = model.optimizer
+    tensors = [*opt.params.values(), *opt.exp_avg.values(), *opt.exp_avg_sq.values()]
+    return sum(t.numel() * t.element_size() for t in tensors), model.sharding is not None
+
+
+def _train(service: treadle.ServiceClient, engine: Engine, kind: str) -> Run:
     tc = _new(service, kind)
     losses = [_step(tc, kind) for _ in range(STEPS)]
+    held, sharded = _held(engine, tc.model_id)
     probe = _probe(tc)
     params = treadle.SamplingParams(max_tokens=6, temperature=1.0, seed=3)
     result = tc.sync_weights().sample(PROMPT, 2, params).result(TIMEOUT)
     sampled = [(list(s.tokens), list(s.logprobs)) for s in result.sequences]
     saved = tc.save_state(f"{kind}-{STEPS}").result(TIMEOUT).path
     next_loss = _step(tc, kind)
-    return Run(losses, probe, sampled, saved, next_loss, _probe(tc))
+    return Run(losses, probe, sampled, saved, next_loss, _probe(tc), held, sharded)
 
 
 def _resume(service: treadle.ServiceClient, kind: str, path: str) -> tuple[float, list]:
@@ -104,13 +121,21 @@ def _close(a: list[np.ndarray], b: list[np.ndarray]) -> None:
 
 def test_two_ranks_train_sample_and_checkpoint_as_one(tmp_path: Path, tiny_model_dir: Path) -> None:
     data = tmp_path / "data"
-    with _server(data, tiny_model_dir, ranks=2) as service:
-        two = {kind: _train(service, kind) for kind in ("full", "lora")}
-    with _server(data, tiny_model_dir, ranks=1) as service:
-        one = {kind: _train(service, kind) for kind in ("full", "lora")}
+    with _server(data, tiny_model_dir, ranks=2) as (service, engine):
+        two = {kind: _train(service, engine, kind) for kind in ("full", "lora")}
+    with _server(data, tiny_model_dir, ranks=1) as (service, engine):
+        one = {kind: _train(service, engine, kind) for kind in ("full", "lora")}
         from_two = {kind: _resume(service, kind, two[kind].saved) for kind in two}
-    with _server(data, tiny_model_dir, ranks=2) as service:
+    with _server(data, tiny_model_dir, ranks=2) as (service, engine):
         from_one = {kind: _resume(service, kind, one[kind].saved) for kind in one}
+
+    # the full fine-tune is sharded: rank 0 holds half (a tensor's shard is padded to
+    # an even size: at most one element more each); LoRA is replicated
+    full_two, full_one = two["full"], one["full"]
+    print(f"weights + Adam on rank 0: 2 ranks {full_two.held} B, 1 rank {full_one.held} B")
+    assert full_two.sharded and not full_one.sharded
+    assert full_one.held / 2 <= full_two.held < full_one.held / 2 + full_one.held / 1000
+    assert not two["lora"].sharded and two["lora"].held == one["lora"].held
 
     for kind in ("full", "lora"):
         a, b = two[kind], one[kind]
