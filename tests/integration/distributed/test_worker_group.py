@@ -16,7 +16,12 @@ import numpy as np
 import pytest
 
 import treadle
-from tests.integration.faults.test_group_rank_killed import _alive, _ranks_of
+from tests.integration.faults.test_group_rank_killed import (
+    _alive,
+    _cpu_s,
+    _ranks_of,
+    wait_computing,
+)
 
 from ..services import wait_for_workers
 from .cluster import BASE, Cluster, datum, placed_on, start_worker
@@ -62,9 +67,10 @@ def test_a_worker_of_two_ranks(cluster: Cluster, tmp_path: Path) -> None:
     applied = _logprobs(tc, probe)
     np.testing.assert_allclose(applied, _logprobs(twin, probe), rtol=0, atol=1e-5)
 
-    big = [datum(list(np.random.default_rng(0).integers(3, 60, 121)))] * 256
+    big = [datum(list(np.random.default_rng(0).integers(3, 60, 121)))] * 1024
+    before = _cpu_s(ranks[0])
     fut = tc.forward_backward(big, "cross_entropy")
-    time.sleep(0.5)  # the worker has it, and is computing
+    wait_computing(ranks[0], since=before)  # the rank has it, and is computing
     os.kill(ranks[0], signal.SIGKILL)
     with pytest.raises(treadle.UnavailableError):
         fut.result(timeout=60)

@@ -36,6 +36,22 @@ def _ranks_of(pid: int) -> list[int]:
     return out
 
 
+def _cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def wait_computing(pid: int, since: float, cpu_s: float = 0.2, timeout_s: float = 60.0) -> None:
+    """Until the process ``pid`` has spent ``cpu_s`` more CPU seconds than ``since``
+    (its CPU time before the call was sent): the call is running there (a fixed
+    sleep let a quiet machine finish the call before the kill landed, and would let
+    a busy one kill it before it started)."""
+    start, deadline = since, time.monotonic() + timeout_s
+    while _cpu_s(pid) - start < cpu_s:
+        assert time.monotonic() < deadline, f"process {pid} never started computing"
+        time.sleep(0.02)
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -60,8 +76,9 @@ def test_a_rank_killed_mid_forward_backward(tmp_path: Path, tiny_model_dir: Path
         # long enough (seconds) for the kill to land while the ranks compute
         tokens = [int(t) for t in np.random.default_rng(0).integers(3, 60, 122)]
         big = [next_token_datum(tokens)] * 512
+        before = _cpu_s(ranks[0])
         fb = tc.forward_backward(big, "cross_entropy")
-        time.sleep(0.5)
+        wait_computing(ranks[0], since=before)
         os.kill(ranks[0], signal.SIGKILL)
         t0 = time.monotonic()
         with pytest.raises(treadle.UnavailableError):
