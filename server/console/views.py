@@ -202,6 +202,7 @@ def operator(ctx: ServerContext) -> dict[str, Any]:
     worker_rows = [
         {
             "id": w.id,
+            "role": w.role,  # both, trainer or sampler (``treadle worker --role``)
             "host": w.hostname,
             "device": "",
             "models": ", ".join(json.loads(w.base_models or "[]")),
@@ -217,6 +218,7 @@ def operator(ctx: ServerContext) -> dict[str, Any]:
             0,
             {
                 "id": "in-process engine",
+                "role": "both",
                 "host": platform.node(),
                 "device": ctx.config.device,
                 "models": ", ".join(ctx.catalog.base_model_names()),

@@ -210,6 +210,7 @@ def test_operator_page_is_the_admin_tenants_only(
                 base_models='["tiny"]',
                 capacity=8,
                 status="draining",
+                role="sampler",
             )
         )
         s.commit()
@@ -220,6 +221,7 @@ def test_operator_page_is_the_admin_tenants_only(
         assert "in-process engine" in r.text
         row = r.text.split('data-worker="gpu-host-1:0"', 1)[1].split("</tr>", 1)[0]
         assert "gpu-host-1" in row and "draining" in row and "tiny" in row
+        assert "<td>sampler</td>" in row  # its role (`treadle worker --role`)
         assert srv.api_key not in r.text and str(runs["alice_key"]) not in r.text
 
 
