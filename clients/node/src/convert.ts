@@ -332,6 +332,12 @@ export function serverInfoFromWire(msg: serverPb.ServerInfo): ServerInfo {
     maxTokensPerRequest: msg.maxTokensPerRequest,
     maxModels: msg.maxModels,
     liveModels: msg.liveModels,
+    workers: msg.workers.map((w) => ({
+      workerId: w.workerId,
+      role: w.role,
+      status: w.status,
+      baseModels: [...w.baseModels],
+    })),
     features: [...msg.features],
     samplerMetrics: msg.samplerMetrics.map((m) => ({
       baseModel: m.baseModel,

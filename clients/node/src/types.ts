@@ -177,6 +177,18 @@ export interface ServerInfo {
   maxModels: number;
   /** The tenant's models that count against maxModels now. */
   liveModels: number;
+  /** A distributed server's workers and their roles (empty when the server is embedded). */
+  workers: WorkerInfo[];
+}
+
+/** A worker of a distributed server (the proto's WorkerInfo). */
+export interface WorkerInfo {
+  workerId: string;
+  /** "both" (trains and samples), "trainer" or "sampler" (`treadle worker --role`). */
+  role: string;
+  /** "live" or "draining". */
+  status: string;
+  baseModels: string[];
 }
 
 /** A sampler's progress (the proto's SamplerMetrics). */

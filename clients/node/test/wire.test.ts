@@ -141,10 +141,14 @@ test("server info carries sampler and training-pass metrics as plain objects", (
     trainingPassMetrics: [pass],
     maxModels: 4,
     liveModels: 1,
+    workers: [{ workerId: "w1", role: "sampler", status: "live", baseModels: ["tiny"] }],
   });
   assert.deepEqual(info.trainingPassMetrics, [pass]);
   assert.equal(info.maxModels, 4); // the tenant's model quota and its models now
   assert.equal(info.liveModels, 1);
   assert.notEqual(info.trainingPassMetrics[0], pass); // a copy, not the wire message
   assert.deepEqual(info.samplerMetrics, []);
+  assert.deepEqual(info.workers, [
+    { workerId: "w1", role: "sampler", status: "live", baseModels: ["tiny"] },
+  ]);
 });
