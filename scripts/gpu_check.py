@@ -29,6 +29,12 @@ Rows of the table:
 * ``ranks``: ``--ranks 2`` (one GPU a rank, NCCL) against one rank, a full
   fine-tune of the train model at its longest case: step time, losses, rank
   0's peak; skipped with the reason on a host with fewer than two GPUs;
+* ``episodes``: three turns of an agent episode on the sweep's model, each
+  turn's history kept (``cache_completion``): the share of turns 2-3's prompt
+  reused (target: >= 0.9; FAIL below it or when a turn's tokens differ from a
+  fresh prefill of its history), and the logprobs' largest difference
+  (``scripts/gpu_episodes.py``); the sampler pool (issue 37) needs several
+  workers and is not a row of a one-host check;
 * ``peak memory`` of each part, engine vs reference
   (``torch.cuda.max_memory_allocated``).
 
@@ -67,7 +73,8 @@ def _map_package() -> None:
 
 _map_package()
 
-import gpu_sweep  # noqa: E402  (scripts/, beside this file)
+import gpu_episodes  # noqa: E402  (scripts/, beside this file)
+import gpu_sweep  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from gpu_plain_torch import add_lora  # noqa: E402
@@ -492,6 +499,24 @@ class Run:
         )
         self.peak_row("sweep (in flight vs one after another)", out.peaks[0], out.peaks[1])
 
+    # ---- agent episodes: a turn prefills only its observation ------------------------------------
+
+    def episodes(self) -> None:
+        name = self.args.sizes.sweep_model
+        out = gpu_episodes.probe(self.model(name), self.device, self.dtype)
+        ok = out.reused >= 0.9 and out.tokens_equal
+        self.rows.append(
+            Row(
+                "episodes",
+                f"{gpu_episodes.TURNS} turns on {name}, history kept (cache_completion)",
+                f"reused {out.reused:.2f} of turns 2+" if ok else "FAIL",
+                "fresh prefill of each history",
+                "",
+                f"prefill reused {out.reused:.3f} (target >= 0.9); tokens equal: "
+                f"{out.tokens_equal}; logprobs max |diff| {out.logprob_diff:.1e}",
+            )
+        )
+
     def table(self) -> str:
         head = Row("part", "case", "engine", "reference", "ratio", "note")
         rows = [head, *self.rows, *self.peaks]
@@ -521,7 +546,7 @@ def main() -> int:
     parser.add_argument(
         "--skip",
         default="",
-        help="comma-separated parts to skip: tests,decode,train,tenants,sweep,ranks",
+        help="comma-separated parts to skip: tests,decode,train,tenants,sweep,ranks,episodes",
     )
     args = parser.parse_args()
     args.sizes = SMOKE if args.smoke else FULL
@@ -558,6 +583,8 @@ def main() -> int:
             run.guarded("sweep", str(args.sizes.sweep_runs), run.sweep)
         if "ranks" not in skip:
             run.guarded("ranks", "2", run.ranks)
+        if "episodes" not in skip:
+            run.guarded("episodes", "3 turns", run.episodes)
         print(
             f"\ntreadle GPU check: {gpu}, torch {torch.__version__}, {str(dtype).removeprefix('torch.')}, "
             f"{time.strftime('%Y-%m-%d')}, {time.perf_counter() - t0:.0f}s{' (smoke sizes)' if args.smoke else ''}\n"
