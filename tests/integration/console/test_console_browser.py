@@ -138,7 +138,8 @@ def test_tenant_pages_in_chromium(browser: Any, srv: EmbeddedServer, tmp_path: P
     mine, theirs = _train(srv, alice), _train(srv, bob)
 
     _sign_in(browser, base, "tdl-" + "w" * 43)  # a wrong key
-    assert "not valid" in browser.find_element(By.ID, "error").text
+    error = _wait(lambda: browser.find_elements(By.ID, "error"), "the sign-in error")
+    assert "not valid" in error[0].text  # (the click returns before the answer is drawn)
     assert browser.get_cookies() == []
 
     _sign_in(browser, base, alice)

@@ -117,14 +117,14 @@ def test_temperature_zero_is_greedy_with_logprobs_at_t1(
 def test_rl_loops_refuse_greedy_rollouts(service: treadle.ServiceClient) -> None:
     trainer = service.create_lora_training_client(BASE, rank=4, seed=2)
     prompts = iter([rl.Prompt([5, 6, 7])] * 4)
-    loop = rl.sync_loop(
-        trainer,
-        prompts,
-        lambda task, seq: 1.0,
-        steps=1,
-        groups_per_step=1,
-        group_size=2,
-        sampling_params=P(max_tokens=2, temperature=0),
-    )
+    # refused when the loop is made (before anything is sampled)
     with pytest.raises(treadle.InvalidArgumentError, match="sampling_params.temperature"):
-        next(loop)
+        rl.sync_loop(
+            trainer,
+            prompts,
+            lambda task, seq: 1.0,
+            steps=1,
+            groups_per_step=1,
+            group_size=2,
+            sampling_params=P(max_tokens=2, temperature=0),
+        )
