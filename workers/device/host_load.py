@@ -10,8 +10,8 @@ two threads there to find out costs seconds per try, so the engine looks first
 (``pass_threads``): where fewer cores are spare than its threads, it runs on as
 many threads as there are spare cores, without trying more.
 
-Read from ``/proc`` (Linux): the busy time of all cores since the last look,
-less this process's own (every thread of it, which the engine's choices already
+Read from ``/proc`` (Linux): the busy time of the cores this process may run on
+(its affinity: a container's cpuset) since the last look, less this process's own (every thread of it, which the engine's choices already
 account for). Elsewhere, or before two looks, nothing is known (``None``).
 """
 
@@ -26,25 +26,33 @@ MIN_WINDOW_S = 0.25
 _CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
-def _cores() -> int:
+def _cpus() -> frozenset[int]:
+    """The CPUs this process may run on (a container's cpuset, ``taskset``)."""
     try:
-        return len(os.sched_getaffinity(0))
+        return frozenset(os.sched_getaffinity(0))
     except (AttributeError, OSError):
-        return os.cpu_count() or 1
+        return frozenset(range(os.cpu_count() or 1))
 
 
-def _host_busy_s() -> float | None:
-    """Seconds every core of the host has spent busy since boot."""
+def _host_busy_s(cpus: frozenset[int]) -> float | None:
+    """Seconds the CPUs ``cpus`` have spent busy since boot (only those: on a
+    shared node, a container's cores are what its threads would share, not the
+    node's others)."""
     try:
         with open("/proc/stat") as f:
-            fields = f.readline().split()
+            lines = f.read().splitlines()
     except OSError:
         return None
-    if not fields or fields[0] != "cpu":
-        return None
-    # user nice system idle iowait irq softirq steal ...: busy = all but idle and iowait
-    ticks = [int(x) for x in fields[1:9]]
-    return (sum(ticks) - ticks[3] - ticks[4]) / _CLOCK_TICKS
+    busy, seen = 0, False
+    for line in lines:
+        name, _, rest = line.partition(" ")
+        if not name.startswith("cpu") or name == "cpu" or int(name[3:]) not in cpus:
+            continue
+        # user nice system idle iowait irq softirq steal ...: busy = all but idle and iowait
+        ticks = [int(x) for x in rest.split()[:8]]
+        busy += sum(ticks) - ticks[3] - ticks[4]
+        seen = True
+    return busy / _CLOCK_TICKS if seen else None
 
 
 def _own_busy_s() -> float:
@@ -58,7 +66,8 @@ class HostLoad:
     (at least ``MIN_WINDOW_S`` ago); thread-safe."""
 
     def __init__(self) -> None:
-        self.cores = _cores()
+        self.cpus = _cpus()
+        self.cores = len(self.cpus)
         self._lock = threading.Lock()
         self._last: tuple[float, float, float] | None = None
         self._others: float | None = None
@@ -68,7 +77,7 @@ class HostLoad:
         now = time.monotonic()
         if self._last is not None and now - self._last[0] < MIN_WINDOW_S:
             return  # too short a window: the last reading stands (and /proc is not read)
-        host = _host_busy_s()
+        host = _host_busy_s(self.cpus)
         if host is None:
             return
         own = _own_busy_s()

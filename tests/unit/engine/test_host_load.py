@@ -48,7 +48,7 @@ def test_this_processs_own_work_is_not_the_others(monkeypatch: pytest.MonkeyPatc
 
     clock = {"t": 100.0, "host": 50.0, "own": 10.0}
     monkeypatch.setattr(host_load.time, "monotonic", lambda: clock["t"])
-    monkeypatch.setattr(host_load, "_host_busy_s", lambda: clock["host"])
+    monkeypatch.setattr(host_load, "_host_busy_s", lambda cpus: clock["host"])
     monkeypatch.setattr(host_load, "_own_busy_s", lambda: clock["own"])
     load = HostLoad()
     assert load.others_busy() is None  # one look: nothing to compare with yet
@@ -56,7 +56,7 @@ def test_this_processs_own_work_is_not_the_others(monkeypatch: pytest.MonkeyPatc
     assert load.others_busy() == pytest.approx(0.5)
     clock.update(t=101.0 + MIN_WINDOW_S / 2, host=60.0)  # too short a window: kept
     assert load.others_busy() == pytest.approx(0.5)
-    monkeypatch.setattr(host_load, "_host_busy_s", lambda: None)  # no /proc: unknown
+    monkeypatch.setattr(host_load, "_host_busy_s", lambda cpus: None)  # no /proc: unknown
     assert HostLoad().spare_cores() is None
 
 
@@ -84,3 +84,14 @@ def test_a_measured_pass_runs_on_the_spare_cores_only() -> None:
         assert seen == [1, 2, 2, 2]
     finally:
         torch.set_num_threads(before)
+
+
+def test_only_the_cpus_this_process_may_use_are_read() -> None:
+    """On a shared node a container's cpuset is what a second thread would share:
+    the other CPUs' load is not counted (``/proc/stat``'s per-CPU lines)."""
+    from treadle.workers.device import host_load
+
+    every = host_load._host_busy_s(host_load._cpus())
+    one = host_load._host_busy_s(frozenset({min(host_load._cpus())}))
+    assert every is not None and one is not None and 0 < one <= every
+    assert host_load._host_busy_s(frozenset({10**6})) is None  # no such CPU
