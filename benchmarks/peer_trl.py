@@ -190,13 +190,15 @@ def warm_start(work: Path, seed: int) -> Path:
 
 
 def prompt_stream(seed: int, g: Grpo, tok: treadle.Tokenizer) -> Iterator[rl.Prompt]:
+    """The problems in a new shuffled order each pass over them, as TRL's sampler
+    draws its dataset (without replacement within an epoch)."""
     rng = random.Random(seed)
     while True:
-        p = rng.choice(PROBLEMS)
-        params = treadle.SamplingParams(
-            max_tokens=g.max_tokens, temperature=g.temperature, seed=rng.getrandbits(31)
-        )
-        yield rl.Prompt(prompt_tokens(tok, p), p, params)
+        for p in rng.sample(PROBLEMS, len(PROBLEMS)):
+            params = treadle.SamplingParams(
+                max_tokens=g.max_tokens, temperature=g.temperature, seed=rng.getrandbits(31)
+            )
+            yield rl.Prompt(prompt_tokens(tok, p), p, params)
 
 
 Loop = Callable[..., Iterator[rl.StepStats]]
