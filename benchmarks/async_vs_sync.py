@@ -67,6 +67,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import numpy as np  # noqa: E402
 from _procs import treadle_serve  # noqa: E402
+from tqdm import tqdm  # noqa: E402
 
 import treadle  # noqa: E402
 from treadle import rl  # noqa: E402
@@ -268,7 +269,7 @@ def main() -> int:
             # one warm-up per seed, every variant starts from its saved state
             trainer = service.create_training_client("demo", seed=seed)
             t0 = time.perf_counter()
-            warm_up(trainer, task.tok, Plan(), random.Random(seed), _NoBar())
+            warm_up(trainer, task.tok, Plan(), random.Random(seed), tqdm(disable=True))
             start = trainer.save_state(f"warm-{seed}").result(300).path
             before = task.evaluate(trainer.sync_weights())
             print(
@@ -403,10 +404,6 @@ def _prefix(r: rl.Rollout, n: int) -> rl.Rollout:
     return rl.Rollout(
         r.prompt_tokens, r.completion_tokens[:n], r.completion_logprobs[:n], r.reward, versions
     )
-
-
-class _NoBar:
-    def update(self, n: int = 1) -> None: ...
 
     def set_postfix(self, **kw: object) -> None: ...
 

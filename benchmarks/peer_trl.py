@@ -60,13 +60,14 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import closing
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 from _procs import peak_rss_mb, treadle_serve
+from tqdm import tqdm
 
 import treadle
 from treadle import rl
@@ -178,7 +179,7 @@ def warm_start(work: Path, seed: int) -> Path:
     ):
         tok = service.get_tokenizer("demo")
         trainer = service.create_training_client("demo", seed=seed)
-        steps, accuracy = sft_warm_up(trainer, tok, plan, random.Random(seed), _NoBar())
+        steps, accuracy = sft_warm_up(trainer, tok, plan, random.Random(seed), tqdm(disable=True))
         trainer.export_weights(out, merged=True)
     print(
         f"seed {seed}: warm-up {steps} SFT steps, sampled accuracy {accuracy:.2f}", file=sys.stderr
@@ -199,9 +200,6 @@ def prompt_stream(seed: int, g: Grpo, tok: treadle.Tokenizer) -> Iterator[rl.Pro
                 max_tokens=g.max_tokens, temperature=g.temperature, seed=rng.getrandbits(31)
             )
             yield rl.Prompt(prompt_tokens(tok, p), p, params)
-
-
-Loop = Callable[..., Iterator[rl.StepStats]]
 
 
 def run_treadle(
@@ -308,11 +306,6 @@ def run_trl(
 
 
 # ---- the table ------------------------------------------------------------------------
-
-
-class _NoBar:
-    def update(self, n: int = 1) -> None: ...
-    def set_postfix(self, **kw: object) -> None: ...
 
 
 def _fmt(x: float | None, spec: str = ".1f") -> str:

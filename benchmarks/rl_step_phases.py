@@ -41,6 +41,7 @@ from pathlib import Path
 
 import numpy as np
 from _procs import busy_processes, cpu_share_slowdown, treadle_serve
+from tqdm import tqdm
 
 import treadle
 from treadle.rl import Rollout, build_datums, group_advantages, informative_groups
@@ -132,7 +133,7 @@ def run(
         tok = service.get_tokenizer("demo")
         trainer = service.create_training_client("demo", seed=seed)
         rng = random.Random(seed)
-        sft_warm_up(trainer, tok, plan, rng, _NoBar())
+        sft_warm_up(trainer, tok, plan, rng, tqdm(disable=True))
         sampler = trainer.sync_weights()
         for _ in range(args.warmup_steps):  # not timed: the engine's first calls
             sampler = rl_step(trainer, sampler, tok, plan, rng, defaultdict(float))
@@ -146,11 +147,6 @@ def run(
     out["median wall"] = statistics.median(walls)
     out["waits"] = out["wall"] - sum(out.get(p, 0.0) for p in PHASES)
     return out
-
-
-class _NoBar:
-    def update(self, n: int = 1) -> None: ...
-    def set_postfix(self, **kw: object) -> None: ...
 
 
 def main() -> int:
