@@ -19,6 +19,7 @@ import contextlib
 import io
 import itertools
 import os
+import re
 import signal
 import subprocess
 import threading
@@ -119,6 +120,13 @@ def _calls_served(p: Pool, worker_id: str, kind: str) -> int:
     return p.logs[worker_id].read_text(errors="replace").count(f": {kind} answered OK")
 
 
+def _calls_received(p: Pool, worker_id: str, kind: str) -> int:
+    """Calls of ``kind`` the worker has admitted (logged once started, before answered)."""
+    return len(
+        re.findall(rf"call \S+: {kind}$", p.logs[worker_id].read_text(errors="replace"), re.M)
+    )
+
+
 def prompts() -> Iterator[Prompt]:
     for i in itertools.count():
         yield Prompt(tokens=[1, 5 + i % 7, 9], task=None)
@@ -163,10 +171,18 @@ def test_an_inflight_sync_moves_pool_sequences_to_the_new_version(pool: Pool) ->
         tc.sync_weights().sampler_id  # noqa: B018 - v0 on the pool
         latest = service.create_sampling_client(weights=f"treadle://{tc.model_id}/latest")
         prompt = tok.encode("abc")
+        samplers = [w for w in pool.procs if "-sampler" in w]
+        admitted = sum(_calls_received(pool, w, "SampleCall") for w in samplers)
         # 16 samples of up to 600 tokens: most are still generating when v1 lands
         running = latest.sample(prompt, 16, treadle.SamplingParams(max_tokens=600, seed=4))
         tc.forward_backward([next_token_datum(tok.encode("abcabcabc"))], "cross_entropy")
         tc.optim_step(treadle.AdamParams(learning_rate=5e-2))
+        # the sync must find the sample admitted under v0 (on a busy host the pool
+        # worker may not have taken it off the queue yet)
+        deadline = time.monotonic() + 60
+        while sum(_calls_received(pool, w, "SampleCall") for w in samplers) == admitted:
+            assert time.monotonic() < deadline, pool.tail()
+            time.sleep(0.05)
         assert tc.sync_weights(inflight=True).version == 1
         res = running.result(timeout=240)
         for seq in res.sequences:  # contiguous spans, v0 first, never back to v0
