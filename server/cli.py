@@ -37,13 +37,15 @@ def _serve(args: argparse.Namespace) -> int:
         return run_node(engine_config(config))
     prepare_process(config)
 
+    from treadle.common.db.engine import shown_url
+
     async def main() -> None:
         server, port, ctx = await create_server(config)
         await server.start()
         print(
             f"treadle: serving {', '.join(config.models)} on {config.host}:{port}"
             f"{' (TLS)' if config.tls else ''} "
-            f"(data in {config.data_dir.resolve()}, database {ctx.config.resolved_database_url})",
+            f"(data in {config.data_dir.resolve()}, database {shown_url(ctx.config.resolved_database_url)})",
             flush=True,
         )
         if ctx.http is not None:

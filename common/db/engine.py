@@ -19,6 +19,14 @@ from treadle.errors import InvalidArgumentError
 SUPPORTED_DRIVERS = ("sqlite", "sqlite+pysqlite", "postgresql+psycopg")
 
 
+def shown_url(url: str | URL) -> str:
+    """``url`` as it may be printed or logged: its password replaced by ``***``."""
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except ArgumentError:
+        return "(a database URL that does not parse)"
+
+
 def parse_database_url(url: str | URL) -> URL:
     """Parse and check a database URL, naming what to write instead when it is wrong."""
     try:
