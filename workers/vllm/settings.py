@@ -31,6 +31,11 @@ class VllmSettings:
     ``max_full_models``: full fine-tune models sampled at once, each on a vLLM
     engine of its own (its versions take turns in that engine's weights); an idle
     one is closed to make room for another.
+    ``tensor_parallel_size``: devices one engine is split over (vLLM's
+    tensor parallelism; a worker group's default is its ``--ranks``): on GPUs
+    the first N of the host's, the ones the group's ranks train on; on a CPU
+    host N vLLM workers, each bound to an equal share of this process's cores
+    (``VLLM_CPU_OMP_THREADS_BIND``; ``reserved_cpus`` does not apply).
     ``sleep_during_training``: GPU hosts where trainer and sampler share the
     device: vLLM's sleep mode is on, an idle engine sleeps (level 1: weights
     offloaded to host memory, KV cache dropped) before each round of training
@@ -46,6 +51,7 @@ class VllmSettings:
     reserved_cpus: int = 1
     max_full_models: int = 2
     sleep_during_training: bool = False
+    tensor_parallel_size: int = 1
 
     @staticmethod
     def from_options(options: dict[str, Any]) -> VllmSettings:
@@ -70,6 +76,10 @@ class VllmSettings:
         if s.max_full_models < 1:
             raise InvalidArgumentError(
                 f"vllm_max_full_models: must be >= 1, got {s.max_full_models}"
+            )
+        if s.tensor_parallel_size < 1:
+            raise InvalidArgumentError(
+                f"vllm_tensor_parallel_size: must be >= 1, got {s.tensor_parallel_size}"
             )
         if s.max_loras < 1:
             raise InvalidArgumentError(f"vllm_max_loras: must be >= 1, got {s.max_loras}")

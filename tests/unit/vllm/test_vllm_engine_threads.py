@@ -55,3 +55,41 @@ def test_a_gpu_host_keeps_the_environment(monkeypatch: pytest.MonkeyPatch) -> No
     with vllm_engine.cpu_worker_threads(1):
         assert "OMP_NUM_THREADS" in os.environ
     assert "OMP_NUM_THREADS" not in os.environ  # unset before: unset after
+
+
+@pytest.mark.skipif(not vllm_imports(), reason="vllm does not import here")
+@pytest.mark.parametrize(
+    ("cores", "tp", "bind", "threads"),
+    [(2, 2, "0|1", "1"), (8, 2, "0,1,2,3|4,5,6,7", "4"), (5, 2, "0,1|2,3", "2")],
+)
+def test_tensor_parallel_cpu_workers_get_equal_shares_of_the_cores(
+    monkeypatch: pytest.MonkeyPatch, cores: int, tp: int, bind: str, threads: str
+) -> None:
+    import vllm
+
+    seen: dict[str, Any] = {}
+
+    def from_engine_args(args: Any, stat_loggers: Any = None) -> str:
+        seen.update(
+            tp=args.tensor_parallel_size,
+            bind=os.environ.get("VLLM_CPU_OMP_THREADS_BIND"),
+            omp=os.environ.get("OMP_NUM_THREADS"),
+        )
+        return "engine"
+
+    monkeypatch.setattr(vllm.LLMEngine, "from_engine_args", staticmethod(from_engine_args))
+    monkeypatch.setattr(vllm_engine, "on_gpu", lambda: False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)))
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    settings = VllmSettings(tensor_parallel_size=tp)
+    vllm_engine.start_engine(_Base(), settings, max_len=64, max_seqs=4)  # type: ignore[arg-type]
+    assert seen == {"tp": tp, "bind": bind, "omp": threads}
+
+
+def test_more_tensor_parallel_workers_than_cores_is_refused_naming_the_setting() -> None:
+    from treadle.errors import InvalidArgumentError
+
+    with pytest.raises(InvalidArgumentError, match="vllm_tensor_parallel_size: 3 CPU workers"):
+        vllm_engine.cpu_binding([0, 1], 3)
+    with pytest.raises(InvalidArgumentError, match="vllm_tensor_parallel_size: must be >= 1"):
+        VllmSettings.from_options({"tensor_parallel_size": 0})
