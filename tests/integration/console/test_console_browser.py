@@ -284,7 +284,7 @@ def test_operator_sees_the_worker_and_a_backlogged_tenants_waiting_calls(
             for tr in browser.find_elements(By.CSS_SELECTOR, "#tenants tr[data-tenant]")
         ]
         assert {"default", "carol"} <= set(tenants)
-        browser.save_screenshot(str(_shots(tmp_path) / "console-operator.png"))
+        _whole_page_screenshot(browser, _shots(tmp_path) / "console-operator.png")
 
         browser.set_window_size(390, 844)  # a phone: only the tables scroll sideways
         try:
@@ -302,6 +302,17 @@ def test_operator_sees_the_worker_and_a_backlogged_tenants_waiting_calls(
         for f in waiting:
             f.result()
         channel.close()
+
+
+def _whole_page_screenshot(driver: Any, path: Path) -> None:
+    """The page at 1280 px wide, as tall as it is (the queue is below an 800 px fold)."""
+    chrome = driver.execute_script("return window.outerHeight - window.innerHeight")
+    height = driver.execute_script("return document.documentElement.scrollHeight")
+    driver.set_window_size(1280, max(800, height + chrome))
+    try:
+        driver.save_screenshot(str(path))
+    finally:
+        driver.set_window_size(1280, 800)
 
 
 def carol_id(srv: EmbeddedServer) -> str:
