@@ -220,8 +220,9 @@ def operator(ctx: ServerContext) -> dict[str, Any]:
             )
         )
     for w in workers:
-        report = wq.report_of(w)  # as of the worker's last heartbeat
-        if report is not None and w.status in wq.SERVING:
+        # as of the worker's last heartbeat; a stopped or dead worker holds nothing now
+        report = wq.report_of(w) if w.status in wq.SERVING else None
+        if report is not None:
             reports.append((w.id, report))
         worker_rows.append(
             _worker_row(

@@ -226,15 +226,21 @@ def test_operator_page_is_the_admin_tenants_only(
         for worker_id, report in (
             ("gpu-host-1:0", _report(bob, waiting=2, deficit=-250, served=1)),
             ("gpu-host-2:0", _report(bob, waiting=1, deficit=120, served=0)),
+            ("gpu-host-3:0", _report(bob, waiting=5, deficit=7, served=0)),
         ):
+            if worker_id == "gpu-host-3:0":
+                wq.register_worker(
+                    s, worker_id, hostname="gpu-host-3", base_models=["tiny"], capacity=8
+                )
             assert wq.heartbeat(s, worker_id, report) in wq.SERVING
+        wq.set_worker_status(s, "gpu-host-3:0", "dead")  # its last report is no queue now
         s.commit()
     try:
         with _sign_in(srv, srv.api_key) as c:
             r = c.get("/console/operator")
     finally:
         with srv.ctx.sessions() as s:  # gone again: the other tests see the engine alone
-            s.execute(delete(db.Worker).where(db.Worker.id.in_(["gpu-host-1:0", "gpu-host-2:0"])))
+            s.execute(delete(db.Worker).where(db.Worker.id.like("gpu-host-%")))
             s.commit()
     assert r.status_code == 200
     assert 'data-tenant="alice"' in r.text and 'data-tenant="bob"' in r.text
@@ -246,6 +252,8 @@ def test_operator_page_is_the_admin_tenants_only(
     assert '<td class="memory">3.0 GiB used, 60.0 GiB free of 80.0 GiB</td>' in row
     assert re.search(r'class="loaded">3 <span class="muted">\(0 placed\)</span>', row)
     assert re.search(r'class="adapters">2 <span class="muted">\+ 1 served</span>', row)
+    dead = _row(r.text, 'data-worker="gpu-host-3:0"')
+    assert "dead" in dead and '<td class="device"></td>' in dead
     queue = _row(r.text, '<tr data-tenant="bob"><td>bob</td><td class="in-flight">')
     assert '<td class="waiting">3</td>' in queue and '<td class="running">0</td>' in queue
     deficits = re.findall(r'data-worker="([^"]+)">([^<]+)</span>', queue)
