@@ -274,11 +274,6 @@ class Engine:
         """How the training passes were shared so far, per base model (thread-safe)."""
         return self.passes.snapshot()
 
-    def queue_metrics(self) -> list[TenantQueue]:
-        """The scheduler's queue per tenant as of the engine's latest round
-        (thread-safe: a snapshot the engine thread replaces)."""
-        return list(self._queue)
-
     def report(self) -> EngineReport:
         """The device, its memory now, the models held and the scheduler's queue per
         tenant as of the engine's latest round (thread-safe: the operator's view,
