@@ -23,10 +23,10 @@ from treadle.common.engine.domain import (
     SamplerTarget,
     SequenceResult,
     StreamedSequence,
-    TenantQueue,
 )
 from treadle.common.engine.messages import EngineCall, ExportCall, SampleStreamCall
 from treadle.common.engine.model_config import ModelConfig
+from treadle.common.engine.report import EngineReport
 from treadle.common.engine.stats import PassStats, SamplerStats
 from treadle.errors import UnavailableError
 
@@ -76,7 +76,7 @@ class LocalEngine(EngineAPI, Protocol):
 
     def sampler_metrics(self) -> list[SamplerStats]: ...
     def pass_metrics(self) -> list[PassStats]: ...
-    def queue_metrics(self) -> list[TenantQueue]: ...
+    def report(self) -> EngineReport: ...
     def stop(self, timeout: float = 10.0) -> None: ...
 
 
@@ -104,8 +104,10 @@ class EngineMetrics(Protocol):
         """How the training passes of the engines reached directly were shared."""
         ...
 
-    def queue_metrics(self) -> list[TenantQueue]:
-        """The scheduler's queue per tenant in the engines reached directly."""
+    def engine_report(self) -> EngineReport | None:
+        """What the engine in this process reports (device, memory, models held, its
+        scheduler's queue per tenant); None without one: a ``treadle worker``
+        writes its report with its heartbeat (``common.db.workers``)."""
         ...
 
 
@@ -216,8 +218,8 @@ class InProcessDispatcher:
     def pass_metrics(self) -> list[PassStats]:
         return self.engine.pass_metrics()
 
-    def queue_metrics(self) -> list[TenantQueue]:
-        return self.engine.queue_metrics()
+    def engine_report(self) -> EngineReport | None:
+        return self.engine.report()
 
     def draining_models(self) -> set[str]:
         return set()  # the engine stops with the server

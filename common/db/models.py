@@ -283,6 +283,9 @@ class Worker(Base):
     role: Mapped[str] = mapped_column(String(16), default="both", server_default=text("'both'"))
     started_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
     heartbeat_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+    #: what the worker's engine reported with its last heartbeat (JSON of
+    #: ``common.engine.report.EngineReport``: device, memory, models, queue); None: nothing yet
+    report: Mapped[str | None] = mapped_column(Text, default=None)
 
 
 class Usage(Base):

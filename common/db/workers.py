@@ -20,6 +20,9 @@ from typing import Any
 from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session
 
+from treadle.common.engine import report as engine_report
+from treadle.common.engine.report import EngineReport
+
 from .models import Model, Worker, utcnow
 
 #: statuses of a worker that still answers its queue
@@ -48,19 +51,33 @@ def register_worker(
     row.status = "live"
     row.started_at = now
     row.heartbeat_at = now
+    row.report = None
     s.flush()
     return row
 
 
-def heartbeat(s: Session, worker_id: str) -> str | None:
-    """Record a heartbeat of a serving worker; the worker's status (None: unknown).
-    A worker declared dead is not revived: it must stop serving."""
+def heartbeat(s: Session, worker_id: str, report: EngineReport | None = None) -> str | None:
+    """Record a heartbeat of a serving worker, with what its engine reports (kept
+    when None); the worker's status (None: unknown). A worker declared dead is not
+    revived: it must stop serving."""
+    values: dict[str, Any] = {"heartbeat_at": utcnow()}
+    if report is not None:
+        values["report"] = json.dumps(engine_report.to_json(report), separators=(",", ":"))
     s.execute(
-        update(Worker)
-        .where(Worker.id == worker_id, Worker.status.in_(SERVING))
-        .values(heartbeat_at=utcnow())
+        update(Worker).where(Worker.id == worker_id, Worker.status.in_(SERVING)).values(**values)
     )
     return s.scalar(select(Worker.status).where(Worker.id == worker_id))
+
+
+def report_of(row: Worker) -> EngineReport | None:
+    """The report of the worker's last heartbeat (None: none yet, or unreadable:
+    a worker of another release may write another form)."""
+    if not row.report:
+        return None
+    try:
+        return engine_report.from_json(json.loads(row.report))
+    except (ValueError, KeyError, TypeError):
+        return None
 
 
 def set_worker_status(s: Session, worker_id: str, status: str) -> None:

@@ -57,7 +57,6 @@ from treadle.common.engine.domain import (
     StreamedSequence,
     SyncResult,
     SyncWeightsOp,
-    TenantQueue,
 )
 from treadle.common.engine.messages import (
     CreateModelCall,
@@ -71,6 +70,7 @@ from treadle.common.engine.messages import (
     UnloadModelCall,
 )
 from treadle.common.engine.model_config import ModelConfig
+from treadle.common.engine.report import EngineReport
 from treadle.common.engine.stats import PassStats, SamplerStats
 from treadle.common.store import Store
 from treadle.errors import (
@@ -309,9 +309,9 @@ class CeleryDispatcher:
         """None here, as for the samplers: each worker's engine runs in its process."""
         return []
 
-    def queue_metrics(self) -> list[TenantQueue]:
-        """None here: each worker's scheduler runs in its process."""
-        return []
+    def engine_report(self) -> EngineReport | None:
+        """None here: each worker reports with its heartbeat (``common.db.workers``)."""
+        return None
 
     def draining_models(self) -> set[str]:
         with self.placement.lock:

@@ -11,12 +11,15 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import hashlib
-import json
 import platform
 import sys
 from dataclasses import dataclass
 from typing import Any
 
+from treadle.common.db import workers as wq
+from treadle.common.db.models import Tenant
+from treadle.common.engine.domain import TenantQueue
+from treadle.common.engine.report import EngineReport, MemoryReading
 from treadle.common.store import state_uri
 from treadle.errors import NotFoundError, UnauthenticatedError
 from treadle.server.console.cookies import ConsoleSession
@@ -199,50 +202,130 @@ def operator(ctx: ServerContext) -> dict[str, Any]:
                 ),
             }
         )
-    worker_rows = [
-        {
-            "id": w.id,
-            "role": w.role,  # both, trainer or sampler (``treadle worker --role``)
-            "host": w.hostname,
-            "device": "",
-            "models": ", ".join(json.loads(w.base_models or "[]")),
-            "loaded": per_worker.get(w.id, 0),
-            "capacity": w.capacity,
-            "status": w.status,
-            "heartbeat": _when(w.heartbeat_at),
-        }
-        for w in workers
-    ]
-    if ctx.dispatcher.engine_in_process:
-        worker_rows.insert(
-            0,
-            {
-                "id": "in-process engine",
-                "role": "both",
-                "host": platform.node(),
-                "device": ctx.config.device,
-                "models": ", ".join(ctx.catalog.base_model_names()),
-                "loaded": len(ctx.owners),
-                "capacity": "",  # the engine takes models until its memory refuses
-                "status": "live",
-                "heartbeat": "",
-            },
+    reports: list[tuple[str, EngineReport]] = []  # (worker, its engine's report)
+    worker_rows = []
+    local = ctx.engine_metrics.engine_report()
+    if local is not None:  # the embedded server's engine: asked now
+        reports.append((IN_PROCESS, local))
+        worker_rows.append(
+            _worker_row(
+                IN_PROCESS,
+                role="both",
+                host=platform.node(),
+                base_models=ctx.catalog.base_model_names(),
+                capacity="",  # the engine takes models until its memory refuses
+                status="live",
+                heartbeat="",
+                report=local,
+            )
         )
-    engine_queue = {q.tenant_id: q for q in ctx.engine_metrics.queue_metrics()}
+    for w in workers:
+        # as of the worker's last heartbeat; a stopped or dead worker holds nothing now
+        report = wq.report_of(w) if w.status in wq.SERVING else None
+        if report is not None:
+            reports.append((w.id, report))
+        worker_rows.append(
+            _worker_row(
+                w.id,
+                role=w.role,  # both, trainer or sampler (``treadle worker --role``)
+                host=w.hostname,
+                base_models=wq.base_models_of(w),
+                capacity=w.capacity,
+                status=w.status,
+                heartbeat=_when(w.heartbeat_at),
+                report=report,
+                placed=per_worker.get(w.id, 0),
+            )
+        )
+    return {
+        "tenants": rows,
+        "workers": worker_rows,
+        "queue": _queue(tenants, rows, reports),
+        "build": _build(ctx),
+        "config": _config(ctx),
+    }
+
+
+IN_PROCESS = "in-process engine"
+
+
+def _worker_row(
+    worker_id: str,
+    *,
+    role: str,
+    host: str,
+    base_models: list[str],
+    capacity: int | str,
+    status: str,
+    heartbeat: str,
+    report: EngineReport | None,
+    placed: int | None = None,
+) -> dict[str, Any]:
+    """A worker as the page shows it: what the server keeps (role, status, the
+    models placed on it) and what its engine reported (device, memory, the models
+    and adapters it holds); "" where it reported nothing yet."""
+    return {
+        "id": worker_id,
+        "role": role,
+        "host": host,
+        "device": report.device if report else "",
+        "memory": _memory(report.memory) if report else "",
+        "models": ", ".join(base_models),
+        "loaded": report.models if report else "",
+        "placed": "" if placed is None else placed,
+        "adapters": report.adapters if report else "",
+        "served": report.served if report and report.served else "",
+        "capacity": capacity,
+        "status": status,
+        "heartbeat": heartbeat,
+    }
+
+
+def _memory(m: MemoryReading) -> str:
+    used = f"{human_bytes(m.used_bytes)} used"
+    if not m.total_bytes:
+        return used
+    return f"{used}, {human_bytes(m.free_bytes)} free of {human_bytes(m.total_bytes)}"
+
+
+def _queue(
+    tenants: list[Tenant], rows: list[dict[str, Any]], reports: list[tuple[str, EngineReport]]
+) -> list[dict[str, Any]]:
+    """Per tenant: its calls in flight (this server's admission count), the calls
+    waiting and running in the engines' schedulers (summed over the workers that
+    reported), and each engine's fair-share deficit: every worker runs its own
+    scheduler, so deficits are per worker and never added up."""
+    by_tenant: dict[str, list[tuple[str, TenantQueue]]] = {}
+    for worker_id, report in reports:
+        for q in report.queue:
+            by_tenant.setdefault(q.tenant_id, []).append((worker_id, q))
     queue = []
     for t, r in zip(tenants, rows, strict=True):
-        q = engine_queue.get(t.id)
-        if r["in_flight"] == 0 and q is None:
+        engines = by_tenant.get(t.id, [])
+        if r["in_flight"] == 0 and not engines:
             continue
         queue.append(
             {
                 "tenant": r["name"],
                 "in_flight": r["in_flight"],
-                "waiting": q.waiting if q else "",
-                "running": q.running if q else "",
-                "deficit": q.deficit if q else "",
+                "waiting": sum(q.waiting for _, q in engines) if engines else "",
+                "running": sum(q.running for _, q in engines) if engines else "",
+                "deficits": [{"worker": w, "value": q.deficit} for w, q in engines],
             }
         )
+    return queue
+
+
+def _build(ctx: ServerContext) -> dict[str, str]:
+    return {
+        "treadle": _version(),
+        "python": sys.version.split()[0],
+        "instance": ctx.instance_id,
+        "engine": "in-process" if ctx.dispatcher.engine_in_process else "Celery workers",
+    }
+
+
+def _config(ctx: ServerContext) -> dict[str, str]:
     config = {
         k: v
         for k, v in dataclasses.asdict(ctx.config).items()
@@ -251,18 +334,7 @@ def operator(ctx: ServerContext) -> dict[str, Any]:
     for secretive in ("database_url", "broker"):
         if config.get(secretive):
             config[secretive] = _hide_password(str(config[secretive]))
-    return {
-        "tenants": rows,
-        "workers": worker_rows,
-        "queue": queue,
-        "build": {
-            "treadle": _version(),
-            "python": sys.version.split()[0],
-            "instance": ctx.instance_id,
-            "engine": "in-process" if ctx.dispatcher.engine_in_process else "Celery workers",
-        },
-        "config": {k: str(v) for k, v in sorted(config.items())},
-    }
+    return {k: str(v) for k, v in sorted(config.items())}
 
 
 def _hide_password(url: str) -> str:

@@ -78,8 +78,13 @@ def insert_op(conn: Connection, model_id: str, seq_id: int, kind: str, digest: s
     conn.execute(_OP_INSERT, {**row, "status": "pending", "created_at": utcnow()})
 
 
+#: RETURNING tells an insert from a conflict: psycopg 3's ``rowcount`` is -1 for this
+#: statement, which read as "recorded already" for every call on PostgreSQL (no call
+#: was admitted against the quota)
 _OP_INSERT_NEW = {
-    name: dialect_insert(Op).on_conflict_do_nothing(index_elements=["model_id", "seq_id"])
+    name: dialect_insert(Op)
+    .on_conflict_do_nothing(index_elements=["model_id", "seq_id"])
+    .returning(Op.seq_id)
     for name, dialect_insert in (("sqlite", sqlite_insert), ("postgresql", postgresql_insert))
 }
 
@@ -95,7 +100,7 @@ def insert_op_if_new(conn: Connection, model_id: str, seq_id: int, kind: str, di
         insert_op(conn, model_id, seq_id, kind, digest)
         return True
     result = conn.execute(statement, {**row, "status": "pending", "created_at": utcnow()})
-    return getattr(result, "rowcount", 0) == 1
+    return result.first() is not None
 
 
 #: error codes of calls the engine refused in their turn (they took their seq_id)

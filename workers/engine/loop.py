@@ -44,6 +44,7 @@ from treadle.common.engine.domain import (
     token_cost,
 )
 from treadle.common.engine.messages import EngineCall, SampleStreamCall, StreamEnd
+from treadle.common.engine.report import EngineReport
 from treadle.common.engine.stats import PassStats, SamplerStats
 from treadle.errors import (
     AbortedError,
@@ -53,7 +54,7 @@ from treadle.errors import (
     TreadleError,
     UnavailableError,
 )
-from treadle.workers.device import device, host_allocator, memory_budget
+from treadle.workers.device import device, host_allocator, memory_budget, memory_reading
 from treadle.workers.engine import calls, shipping
 from treadle.workers.engine.base_models import BaseModel, BaseModelRegistry, parse_dtype
 from treadle.workers.engine.config import EngineConfig
@@ -130,6 +131,9 @@ class Engine:
         self.passes = self.executor.passes
         #: the scheduler's queue per tenant, replaced by the engine thread each round
         self._queue: tuple[TenantQueue, ...] = ()
+        #: (training models, of them LoRA, models served from shipped versions), as
+        #: of the engine's latest round (replaced whole by the engine thread)
+        self._holds = (0, 0, 0)
         self.call_stats = self.executor.call_stats
 
     # ---- lifecycle ---------------------------------------------------------------------
@@ -270,10 +274,19 @@ class Engine:
         """How the training passes were shared so far, per base model (thread-safe)."""
         return self.passes.snapshot()
 
-    def queue_metrics(self) -> list[TenantQueue]:
-        """The scheduler's queue per tenant as of the engine's latest round
-        (thread-safe: a snapshot the engine thread replaces)."""
-        return list(self._queue)
+    def report(self) -> EngineReport:
+        """The device, its memory now, the models held and the scheduler's queue per
+        tenant as of the engine's latest round (thread-safe: the operator's view,
+        written with each heartbeat of a Celery worker)."""
+        models, adapters, served = self._holds
+        return EngineReport(
+            device=str(self.device),
+            memory=memory_reading.read(self.device),
+            models=models,
+            adapters=adapters,
+            served=served,
+            queue=self._queue,
+        )
 
     def model_count(self) -> int:
         """Training models on this engine now (thread-safe)."""
@@ -389,6 +402,11 @@ class Engine:
                     except Exception:  # a backend handles its own failures; this is a bug
                         log.exception("engine: a sampler task failed")
         self._queue = tuple(self.scheduler.queue_by_tenant())
+        self._holds = (
+            len(self.models),
+            sum(1 for m in self.models.values() if m.spec.is_lora),
+            len(self.shipped),
+        )
         return StepReport(tuple(self.executor.take_applied()), inbox, sampled)
 
     def _gap_error(self, call: QueuedCall) -> AbortedError:

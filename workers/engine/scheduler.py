@@ -307,16 +307,16 @@ class Scheduler:
         return {t: self._tenants[t].deficit for t in (*self._new, *self._old)}
 
     def queue_by_tenant(self) -> list[TenantQueue]:
-        """Each tenant with calls queued or running: how many, and its deficit."""
+        """Each tenant with calls queued or running: how many, and its deficit (the
+        tenant's own, backlogged or not: a debt it owes outside the backlog counts)."""
         counts: dict[str, list[int]] = {}
         for q in self._models.values():
             if q.waiting or q.running:
                 row = counts.setdefault(q.tenant_id, [0, 0])
                 row[0] += len(q.waiting)
                 row[1] += len(q.running)
-        deficits = self.deficits()
         return [
-            TenantQueue(t, waiting, running, deficits.get(t, 0))
+            TenantQueue(t, waiting, running, self._tenants[t].deficit)
             for t, (waiting, running) in sorted(counts.items())
         ]
 

@@ -81,6 +81,10 @@ class VersionStore:
     def drop(self, model_id: str) -> None:
         self._by_model.pop(model_id, None)
 
+    def __len__(self) -> int:
+        """Models with versions kept here."""
+        return len(self._by_model)
+
 
 class ReferenceCache:
     """The last few reference weights a model's ``ForwardLogprobs`` loaded from checkpoints.

@@ -11,7 +11,9 @@ Threads, and why:
 - store I/O: checkpoint uploads and downloads (``treadle.workers.engine.staging``).
 - replies: publishes each resolved call to the reply queue of the server that
   sent it, so neither the engine nor the task thread waits on the broker.
-- heartbeat: ``workers.heartbeat_at`` every ``heartbeat_s``; a worker the server has
+- heartbeat: ``workers.heartbeat_at`` every ``heartbeat_s``, with the engine's report
+  (device, memory, models and adapters held, its scheduler's queue per tenant: the
+  console's operator page, ``common.engine.report``); a worker the server has
   declared dead stops serving (its models have been marked lost, and may already
   be restored elsewhere).
 - drain (on SIGTERM): the worker turns ``draining`` and keeps serving while the
@@ -312,8 +314,13 @@ class WorkerProcess:
 
         while not self._stopping.wait(self.config.heartbeat_s):
             try:
+                report = self.engine.report()  # for the console's operator page
+            except Exception as err:  # a reading failed: the heartbeat still goes
+                log.warning("engine report failed: %s", err)
+                report = None
+            try:
                 with self.sessions() as s:
-                    status = wq.heartbeat(s, self.worker_id)
+                    status = wq.heartbeat(s, self.worker_id, report)
                     s.commit()
             except Exception as err:
                 log.warning("heartbeat failed: %s", err)

@@ -13,6 +13,7 @@ the test's temporary directory.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import time
 from collections.abc import Callable, Iterator
@@ -21,11 +22,13 @@ from typing import Any
 
 import grpc
 import pytest
+from sqlalchemy import func, select
 
 import treadle
 from tests.conftest import make_server
 from tests.helpers import char_ids, next_token_datum, tenant_key
 from treadle import _convert
+from treadle.common.db import models as db
 from treadle.server.embedded import EmbeddedServer
 from treadle.v1 import training_pb2, training_pb2_grpc
 
@@ -257,19 +260,80 @@ def test_operator_sees_the_worker_and_a_backlogged_tenants_waiting_calls(
             return in_flight == "3" and waiting == "3"  # all three wait in the scheduler
 
         _wait(queue_row, "carol's three waiting calls")
-        workers = browser.find_element(By.ID, "workers").text
-        assert "in-process engine" in workers and "tiny" in workers
+        # her fair-share deficit: the in-process engine's own figure (she has had no
+        # round yet: she earned nothing and owes nothing)
+        deficit = browser.find_element(
+            By.CSS_SELECTOR, "#queue tr[data-tenant='carol'] .deficit .per-worker"
+        )
+        assert deficit.get_attribute("data-worker") == "in-process engine"
+        assert deficit.text == str(_engine_deficit(srv, carol_id(srv)))
+        engine = browser.find_element(
+            By.CSS_SELECTOR, "#workers tr[data-worker='in-process engine']"
+        )
+        assert "tiny" in engine.text
+        cell = lambda name: engine.find_element(By.CSS_SELECTOR, f".{name}").text  # noqa: E731
+        assert cell("role") == "both" and cell("device") == "cpu"
+        size = r"[\d.]+ (B|KiB|MiB|GiB)"
+        assert re.fullmatch(rf"{size} used, {size} free of {size}", cell("memory"))
+        # every run of this module is a LoRA run the engine holds: as many adapters as
+        # the server has models active (its database, not the engine, counts them)
+        active = _active_models(srv)
+        assert active >= 1 and cell("loaded") == cell("adapters") == str(active)
         tenants = [
             tr.get_attribute("data-tenant")
             for tr in browser.find_elements(By.CSS_SELECTOR, "#tenants tr[data-tenant]")
         ]
         assert {"default", "carol"} <= set(tenants)
-        browser.save_screenshot(str(_shots(tmp_path) / "console-operator.png"))
+        _whole_page_screenshot(browser, _shots(tmp_path) / "console-operator.png")
+
+        browser.set_window_size(390, 844)  # a phone: only the tables scroll sideways
+        try:
+            browser.refresh()
+            _wait(lambda: browser.find_element(By.ID, "queue"), "the queue")
+            overflow = browser.execute_script(
+                "return document.documentElement.scrollWidth - document.documentElement.clientWidth"
+            )
+            assert overflow <= 1, overflow
+            browser.save_screenshot(str(tmp_path / "console-operator-phone.png"))
+        finally:
+            browser.set_window_size(1280, 800)
     finally:
         fb(1).result()  # the gap closes: every waiting call runs
         for f in waiting:
             f.result()
         channel.close()
+
+
+def _whole_page_screenshot(driver: Any, path: Path) -> None:
+    """The page at 1280 px wide, as tall as it is (the queue is below an 800 px fold)."""
+    chrome = driver.execute_script("return window.outerHeight - window.innerHeight")
+    height = driver.execute_script("return document.documentElement.scrollHeight")
+    driver.set_window_size(1280, max(800, height + chrome))
+    try:
+        driver.save_screenshot(str(path))
+    finally:
+        driver.set_window_size(1280, 800)
+
+
+def carol_id(srv: EmbeddedServer) -> str:
+    assert srv.ctx is not None
+    with srv.ctx.sessions() as s:
+        return str(s.scalars(select(db.Tenant.id).where(db.Tenant.name == "carol")).one())
+
+
+def _active_models(srv: EmbeddedServer) -> int:
+    assert srv.ctx is not None
+    with srv.ctx.sessions() as s:
+        return int(s.scalar(select(func.count()).where(db.Model.status == "active")) or 0)
+
+
+def _engine_deficit(srv: EmbeddedServer, tenant_id: str) -> int:
+    """The tenant's deficit as the in-process engine reports it now."""
+    assert srv.ctx is not None
+    report = srv.ctx.engine_metrics.engine_report()
+    assert report is not None
+    [q] = [q for q in report.queue if q.tenant_id == tenant_id]
+    return q.deficit
 
 
 class _Bearer(grpc.UnaryUnaryClientInterceptor):

@@ -14,11 +14,15 @@ from pathlib import Path
 
 import httpx
 import pytest
+from sqlalchemy import delete, select
 
 import treadle
 from tests.conftest import make_server
 from tests.helpers import char_ids, next_token_datum, tenant_key
 from treadle.common.db import models as db
+from treadle.common.db import workers as wq
+from treadle.common.engine.domain import TenantQueue
+from treadle.common.engine.report import EngineReport, MemoryReading
 from treadle.server.console.cookies import COOKIE
 from treadle.server.embedded import EmbeddedServer
 
@@ -213,16 +217,66 @@ def test_operator_page_is_the_admin_tenants_only(
                 role="sampler",
             )
         )
+        # two workers report with their heartbeats: bob's calls wait on both, and
+        # each has its own scheduler, so its own deficit for him
+        wq.register_worker(
+            s, "gpu-host-2:0", hostname="gpu-host-2", base_models=["tiny"], capacity=8
+        )
+        bob = s.scalars(select(db.Tenant.id).where(db.Tenant.name == "bob")).one()
+        for worker_id, report in (
+            ("gpu-host-1:0", _report(bob, waiting=2, deficit=-250, served=1)),
+            ("gpu-host-2:0", _report(bob, waiting=1, deficit=120, served=0)),
+            ("gpu-host-3:0", _report(bob, waiting=5, deficit=7, served=0)),
+        ):
+            if worker_id == "gpu-host-3:0":
+                wq.register_worker(
+                    s, worker_id, hostname="gpu-host-3", base_models=["tiny"], capacity=8
+                )
+            assert wq.heartbeat(s, worker_id, report) in wq.SERVING
+        wq.set_worker_status(s, "gpu-host-3:0", "dead")  # its last report is no queue now
         s.commit()
-    with _sign_in(srv, srv.api_key) as c:
-        r = c.get("/console/operator")
-        assert r.status_code == 200
-        assert 'data-tenant="alice"' in r.text and 'data-tenant="bob"' in r.text
-        assert "in-process engine" in r.text
-        row = r.text.split('data-worker="gpu-host-1:0"', 1)[1].split("</tr>", 1)[0]
-        assert "gpu-host-1" in row and "draining" in row and "tiny" in row
-        assert "<td>sampler</td>" in row  # its role (`treadle worker --role`)
-        assert srv.api_key not in r.text and str(runs["alice_key"]) not in r.text
+    try:
+        with _sign_in(srv, srv.api_key) as c:
+            r = c.get("/console/operator")
+    finally:
+        with srv.ctx.sessions() as s:  # gone again: the other tests see the engine alone
+            s.execute(delete(db.Worker).where(db.Worker.id.like("gpu-host-%")))
+            s.commit()
+    assert r.status_code == 200
+    assert 'data-tenant="alice"' in r.text and 'data-tenant="bob"' in r.text
+    assert "in-process engine" in r.text
+    row = _row(r.text, 'data-worker="gpu-host-1:0"')
+    assert "gpu-host-1" in row and "draining" in row and "tiny" in row
+    assert '<td class="role">sampler</td>' in row  # its role (`treadle worker --role`)
+    assert '<td class="device">cuda:1</td>' in row
+    assert '<td class="memory">3.0 GiB used, 60.0 GiB free of 80.0 GiB</td>' in row
+    assert re.search(r'class="loaded">3 <span class="muted">\(0 placed\)</span>', row)
+    assert re.search(r'class="adapters">2 <span class="muted">\+ 1 served</span>', row)
+    dead = _row(r.text, 'data-worker="gpu-host-3:0"')
+    assert "dead" in dead and '<td class="device"></td>' in dead
+    queue = _row(r.text, '<tr data-tenant="bob"><td>bob</td><td class="in-flight">')
+    assert '<td class="waiting">3</td>' in queue and '<td class="running">0</td>' in queue
+    deficits = re.findall(r'data-worker="([^"]+)">([^<]+)</span>', queue)
+    assert deficits == [
+        ("gpu-host-1:0", "gpu-host-1:0: -250"),
+        ("gpu-host-2:0", "gpu-host-2:0: 120"),
+    ]
+    assert srv.api_key not in r.text and str(runs["alice_key"]) not in r.text
+
+
+def _report(tenant_id: str, *, waiting: int, deficit: int, served: int) -> EngineReport:
+    return EngineReport(
+        device="cuda:1",
+        memory=MemoryReading(used_bytes=3 << 30, free_bytes=60 << 30, total_bytes=80 << 30),
+        models=3,
+        adapters=2,
+        served=served,
+        queue=(TenantQueue(tenant_id, waiting, 0, deficit),),
+    )
+
+
+def _row(html: str, start: str) -> str:
+    return html.split(start, 1)[1].split("</tr>", 1)[0]
 
 
 def test_usage_over_http_agrees_with_grpc_and_the_page(

@@ -50,7 +50,7 @@ def test_implements_each_interface(impl: type, protocol: type) -> None:
 def test_the_interfaces_are_small_and_apart() -> None:
     members = {p: set(_members(p)) for p in INTERFACES}
     assert members[Catalog] == {"base_model_config", "base_model_path", "base_model_names"}
-    assert members[EngineMetrics] == {"sampler_metrics", "pass_metrics", "queue_metrics"}
+    assert members[EngineMetrics] == {"sampler_metrics", "pass_metrics", "engine_report"}
     assert members[Draining] == {"draining_models"}
     others = members[Catalog] | members[EngineMetrics] | members[Draining]
     assert not members[Dispatcher] & others

@@ -288,3 +288,20 @@ def test_wait_for_a_call_that_shares_the_pass() -> None:
     assert s.schedule(clock).units == ()  # nothing comes this time
     clock += 0.3
     assert run(s.schedule(clock).units) == ["heavy/m"]  # the wait is over
+
+
+def test_the_operators_queue_shows_a_borrowers_debt_while_its_calls_wait() -> None:
+    """A tenant that borrowed (two models' calls in one round on one call's quantum)
+    owes the second call; its debt stays when its queue empties, and the operator's
+    view reports it beside the calls it has waiting on a gap, not a 0."""
+    sim = Sim()
+    for m in ("d/m1", "d/m2", "d/m3"):
+        sim.model(m, "d")
+    sim.send("d/m1", cost=100)
+    sim.send("d/m2", cost=100)
+    assert sorted(u.model_id for u in sim.round()) == ["d/m1", "d/m2"]  # one borrowed
+    sim.next_seq["d/m3"] = 2  # seq 1 of m3 never came: seq 2 waits on the gap
+    sim.send("d/m3", cost=100)
+    assert sim.round() == []  # nothing runnable: the tenant leaves the backlog
+    [queue] = sim.s.queue_by_tenant()
+    assert (queue.tenant_id, queue.waiting, queue.running, queue.deficit) == ("d", 1, 0, -100)

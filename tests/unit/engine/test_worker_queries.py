@@ -4,11 +4,14 @@ their models lost, and placement loads."""
 from __future__ import annotations
 
 import datetime as dt
+from dataclasses import replace
 
 from sqlalchemy.orm import Session
 
 from treadle.common.db import workers as wq
 from treadle.common.db.models import Model, Worker, utcnow
+from treadle.common.engine.domain import TenantQueue
+from treadle.common.engine.report import EngineReport, MemoryReading
 from treadle.server.db import queries as q
 
 
@@ -94,3 +97,35 @@ def test_a_draining_worker_serves_but_takes_no_new_models(session: Session) -> N
     s.get(Worker, "w-2").heartbeat_at = utcnow() - dt.timedelta(seconds=60)  # type: ignore[union-attr]
     s.flush()
     assert wq.declare_dead(s, utcnow() - dt.timedelta(seconds=15)) == ["w-2"]
+
+
+def test_a_heartbeat_carries_the_engines_report(session: Session) -> None:
+    """The report a heartbeat writes reads back as it was sent; a heartbeat without
+    one keeps the last; a dead worker's late heartbeat writes nothing; a worker that
+    registers again (a restart) has reported nothing yet."""
+    s = session
+    wq.register_worker(s, "w-1", hostname="h", base_models=["tiny"], capacity=4)
+    row = s.get(Worker, "w-1")
+    assert row is not None and wq.report_of(row) is None
+    sent = EngineReport(
+        device="cuda:1",
+        memory=MemoryReading(used_bytes=3 << 30, free_bytes=60 << 30, total_bytes=80 << 30),
+        models=3,
+        adapters=2,
+        served=1,
+        queue=(TenantQueue("t-a", 4, 1, -250), TenantQueue("t-b", 0, 2, 120)),
+    )
+    assert wq.heartbeat(s, "w-1", sent) == "live"
+    s.refresh(row)
+    assert wq.report_of(row) == sent
+    wq.heartbeat(s, "w-1")  # a reading failed on the worker: the last report stays
+    s.refresh(row)
+    assert wq.report_of(row) == sent
+    wq.set_worker_status(s, "w-1", "dead")
+    wq.heartbeat(s, "w-1", replace(sent, models=9))
+    s.refresh(row)
+    assert wq.report_of(row) == sent
+    wq.register_worker(s, "w-1", hostname="h", base_models=["tiny"], capacity=4)
+    assert wq.report_of(row) is None
+    row.report = '{"device": "cpu"}'  # another release's form: not read as a report
+    assert wq.report_of(row) is None

@@ -1,0 +1,29 @@
+"""A worker's report with each heartbeat: its device, memory, models and adapters
+held and its scheduler's queue per tenant (JSON; the console's operator page).
+
+Revision ID: 0014
+Revises: 0012 (renumber to 0013 at merge if another 0013 lands first)
+Create Date: 2026-12-04
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import sqlalchemy as sa
+from alembic import op
+
+revision: str = "0014"
+down_revision: str | Sequence[str] | None = "0012"
+branch_labels: str | Sequence[str] | None = None
+depends_on: str | Sequence[str] | None = None
+
+
+def upgrade() -> None:
+    with op.batch_alter_table("workers") as batch:
+        batch.add_column(sa.Column("report", sa.Text(), nullable=True))
+
+
+def downgrade() -> None:
+    with op.batch_alter_table("workers") as batch:
+        batch.drop_column("report")
