@@ -21,7 +21,9 @@ older checkout, say), so a before/after pair is measured in one run; and
 ``--contended`` runs every row twice, alone and with as many busy processes
 beside it as the host has cores (a contended host: tokenizers, reward code,
 other workers), and prints the contended/idle ratio of the step time (the
-defaults' target: within 1.5x).
+defaults' target: within 1.5x); ``--one-thread`` adds the server pinned to one
+thread (``--threads 1``) as a labelled tuned row, the best fixed choice on a
+busy host, so the defaults' contended time can be read against it.
 
     python benchmarks/rl_step_phases.py [--steps 20] [--seeds 0] [--contended]
         [--serve-python OLD/.venv/bin/python]
@@ -126,8 +128,9 @@ def run(
     plan = Plan()
     totals: dict[str, float] = defaultdict(float)
     serve_python = args.serve_python if name == "before" else None
+    data = work / f"{name.replace(' ', '').replace(',', '-')}-{seed}"
     with (
-        treadle_serve(warm_flags, work / f"{name}-{seed}", python=serve_python) as (addr, key, _),
+        treadle_serve(warm_flags, data, python=serve_python) as (addr, key, _),
         treadle.ServiceClient(addr, api_key=key) as service,
     ):
         tok = service.get_tokenizer("demo")
@@ -165,6 +168,12 @@ def main() -> int:
         help="a python whose treadle serves the 'before' rows (e.g. an older checkout's venv)",
     )
     ap.add_argument("--flags", nargs="*", default=[], help="more `treadle serve` flags")
+    ap.add_argument(
+        "--one-thread",
+        action="store_true",
+        help="also a tuned row: the server pinned to one thread (--threads 1), the best "
+        "fixed choice on a busy host, beside the defaults",
+    )
     args = ap.parse_args()
     from _common import scratch
 
@@ -172,6 +181,8 @@ def main() -> int:
 
     work = scratch("treadle-phases-")
     names = ["before", "after"] if args.serve_python else ["after"]
+    tuned = {"after, --threads 1": ["--threads", "1"]} if args.one_thread else {}
+    names += list(tuned)
     loads = [0, os.cpu_count() or 2] if args.contended else [0]
     rows = []
     for seed in args.seeds:
@@ -180,7 +191,7 @@ def main() -> int:
         for name in names:
             for busy in loads:
                 with busy_processes(busy):
-                    r = run([*flags, *args.flags], work, name, args, seed)
+                    r = run([*flags, *args.flags, *tuned.get(name, [])], work, name, args, seed)
                 rows.append((seed, name, busy, r))
                 print(f"seed {seed} {name} busy {busy}: {r['wall']:.3f} s/step", file=sys.stderr)
     print(
@@ -194,7 +205,8 @@ def main() -> int:
         bound = cpu_share_slowdown(loads[-1])
         print(
             f"bound: one thread's fixed work ran {bound:.2f}x as long with {loads[-1]} busy "
-            "processes beside it as alone (measured in this run)\n"
+            "processes beside it as alone (measured in this run); a step that ran on more "
+            "than one thread alone has a higher bound: its one-thread idle time times this\n"
         )
     idle = {(seed, name): r["wall"] for seed, name, busy, r in rows if busy == 0}
     for seed, name, busy, r in rows:

@@ -21,6 +21,7 @@ from pathlib import Path
 from sqlalchemy.orm import Session
 
 from treadle.common.db import models as db
+from treadle.common.engine.report import EngineReport
 from treadle.errors import AlreadyExistsError, InvalidArgumentError
 from treadle.server.auth import generate_key, hash_key, key_prefix
 from treadle.server.db import make_engine, make_session_factory, queries, tenancy, upgrade_to_head
@@ -169,19 +170,31 @@ def _list_workers(args: argparse.Namespace) -> int:
 
     with _session(args) as s:
         loads = wq.worker_loads(s)
-        rows = [
-            (
-                w.id,
-                w.role,
-                w.status,
-                ",".join(wq.base_models_of(w)),
-                f"{loads.get(w.id, 0)}/{w.capacity}",
-                w.heartbeat_at.strftime("%Y-%m-%d %H:%M:%S"),
+        rows = []
+        for w in s.scalars(select(db.Worker).order_by(db.Worker.id)):
+            report = wq.report_of(w) if w.status == "live" else None
+            rows.append(
+                (
+                    w.id,
+                    w.role,
+                    w.status,
+                    ",".join(wq.base_models_of(w)),
+                    f"{loads.get(w.id, 0)}/{w.capacity}",
+                    *(_reported(report) if report is not None else ("-", "-", "-", "-")),
+                    w.heartbeat_at.strftime("%Y-%m-%d %H:%M:%S"),
+                )
             )
-            for w in s.scalars(select(db.Worker).order_by(db.Worker.id))
-        ]
-    _table(("worker", "role", "status", "base models", "models", "last heartbeat"), rows)
+    head = ("worker", "role", "status", "base models", "models")
+    _table((*head, "device", "memory", "adapters", "waiting", "last heartbeat"), rows)
     return 0
+
+
+def _reported(report: EngineReport) -> tuple[str, str, str, str]:
+    """The last heartbeat's device, memory held / total, adapters and waiting calls."""
+    m = report.memory
+    memory = f"{m.used_bytes / 2**30:.2f}/{m.total_bytes / 2**30:.1f} GiB"
+    waiting = sum(q.waiting for q in report.queue)
+    return report.device, memory, str(report.adapters), str(waiting)
 
 
 def _set_quota(args: argparse.Namespace) -> int:

@@ -6,6 +6,8 @@ fair-share deficit; the server's operator page shows them."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import time
 from typing import Any
 
@@ -62,6 +64,17 @@ def test_the_workers_heartbeats_carry_the_queue_and_what_they_hold(cluster: Clus
                 break
             assert time.monotonic() < deadline, (worker, page["queue"], c.log_tail())
             time.sleep(0.25)
+        table = _admin_workers(c.database_url)  # the admin CLI reads the same reports
+        (line,) = [ln.split() for ln in table.splitlines() if ln.startswith(host)]
+        header = table.splitlines()[0].split()
+        assert [h for h in header if h in ("device", "memory", "adapters", "waiting")] == [
+            "device",
+            "memory",
+            "adapters",
+            "waiting",
+        ]
+        assert "cpu" in line and "GiB" in line, line
+        assert line[-3] == "3", line  # waiting, then the heartbeat's date and time
     finally:
         fb(1).result()  # the gap closes: every waiting call runs
         for f in waiting:
@@ -83,3 +96,12 @@ def test_the_workers_heartbeats_carry_the_queue_and_what_they_hold(cluster: Clus
     # call of carol's
     others = [w for w in page["workers"] if w["id"] != host and w["status"] == "live"]
     assert others and all(w["device"] == "cpu" and w["memory"] for w in others)
+
+
+def _admin_workers(database_url: str) -> str:
+    from treadle.server.cli import main
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(["admin", "--database-url", database_url, "list-workers"]) == 0
+    return out.getvalue()
