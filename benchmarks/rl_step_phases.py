@@ -198,9 +198,6 @@ def main() -> int:
         f"\nthe demo's GRPO step split by phase, mean seconds over {args.steps} steps; "
         "busy: processes spinning beside the server\n"
     )
-    cols = [*PHASES, "waits", "wall", "median wall"]
-    print("| seed | server | busy | " + " | ".join(cols) + " | phases / wall | x idle |")
-    print("|---" * (len(cols) + 5) + "|")
     if args.contended:
         bound = cpu_share_slowdown(loads[-1])
         print(
@@ -208,6 +205,9 @@ def main() -> int:
             "processes beside it as alone (measured in this run); a step that ran on more "
             "than one thread alone has a higher bound: its one-thread idle time times this\n"
         )
+    cols = [*PHASES, "waits", "wall", "median wall"]
+    print("| seed | server | busy | " + " | ".join(cols) + " | phases / wall | x idle |")
+    print("|---" * (len(cols) + 5) + "|")
     idle = {(seed, name): r["wall"] for seed, name, busy, r in rows if busy == 0}
     for seed, name, busy, r in rows:
         phases = sum(r.get(p, 0.0) for p in PHASES)
