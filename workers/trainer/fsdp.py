@@ -237,15 +237,20 @@ def forward_backward(
                 trainer.fill_reference(model, prep, op.temperature)
         except Exception as err:  # returned once the pass's collectives ran
             failed, prep = err, None
-    if prep is not None:
-        finish = _Finish(model, op, prep)
-        loss = sharding.root(prep.batch.tokens_B_T, finish)
-        outcome: ForwardResult | Exception | None = finish.result
-    else:
-        tokens = torch.zeros((1, 1), dtype=torch.int64, device=model.params.device)
-        loss = sharding.root(tokens, _NoLoss(model.cfg))
-        outcome = failed
-    loss.backward()
+    try:
+        if prep is not None:
+            finish = _Finish(model, op, prep)
+            loss = sharding.root(prep.batch.tokens_B_T, finish)
+            outcome: ForwardResult | Exception | None = finish.result
+        else:
+            tokens = torch.zeros((1, 1), dtype=torch.int64, device=model.params.device)
+            loss = sharding.root(tokens, _NoLoss(model.cfg))
+            outcome = failed
+        loss.backward()
+    except RuntimeError:  # a collective's failure, or out of memory: the group breaks
+        raise
+    except Exception as err:  # any other: the ranks' collectives are out of step all the same
+        raise RuntimeError(f"the FSDP pass failed: {type(err).__name__}: {err}") from err
     _take_gradients(model)
     return outcome
 
