@@ -16,13 +16,15 @@ counted on rank 0 from its tensors after the last ``forward_backward`` (its
 gradients accumulated, before the step; the other ranks hold shards of the
 same sizes).
 
-What to expect: on 2 ranks a full fine-tune is sharded (``workers.trainer.sharding``:
-each rank keeps half of every weight, of its gradient and of its Adam moments),
-so parameters + gradients + Adam per rank are half of 1 rank's. Each rank's
-peak RSS is lower too: a ``forward_backward`` gathers the weights one layer
-at a time (with the embedding and the head), and keeps the activations of half
-the datums, as activation checkpointing does (each layer is recomputed in the
-backward), where the one-rank row keeps every activation. On a 2-core machine
+What to expect: on 2 ranks a full fine-tune is sharded with FSDP2
+(``workers.trainer.fsdp``, ``fully_shard``: each rank keeps half of every
+weight, of its gradient and of its Adam moments), so parameters + gradients +
+Adam per rank are half of 1 rank's. Each rank's peak RSS is lower too: FSDP
+gathers the weights one layer at a time (two in the backward, which prefetches
+the next; the embedding, norm and head for the whole pass), and each rank keeps
+the activations of half the datums, as activation checkpointing does (each
+layer is recomputed in the backward), where the one-rank row keeps every
+activation. On a 2-core machine
 2 ranks of 1 thread do the work of 1 rank of 2 threads, plus the all-gathers,
 reduce-scatters and recompute, and a second process: expect no speed-up.
 

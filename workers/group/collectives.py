@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from treadle.common.engine.domain import ForwardResult
-from treadle.workers.trainer import sharding
+from treadle.workers.trainer import fsdp
 from treadle.workers.trainer.trainer import TrainingModel
 
 
@@ -43,7 +43,7 @@ def made(model: TrainingModel) -> None:
     sharding would save nothing and add collectives to every pass)."""
     broadcast_state(model)
     if model.adapter is None:
-        sharding.shard(model)
+        fsdp.shard(model)
 
 
 @torch.no_grad()

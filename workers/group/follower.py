@@ -26,7 +26,7 @@ from treadle.workers.group.commands import (
     ReplicaLoadState,
     ReplicaOptimStep,
 )
-from treadle.workers.trainer import sharding, trainer
+from treadle.workers.trainer import fsdp, trainer
 from treadle.workers.trainer.trainer import TrainingModel
 
 log = logging.getLogger("treadle.group")
@@ -60,7 +60,7 @@ class Replicas:
             outcome: ForwardResult | Exception | None = None
             model = self.models[command.model_id]
             if model.sharding is not None:  # joins the gathers even with no datums
-                outcome = sharding.forward_backward(model, command.op)
+                outcome = fsdp.forward_backward(model, command.op)
             else:
                 try:
                     if command.op.data:
@@ -84,10 +84,10 @@ class Replicas:
             if model.sharding is None:
                 collectives.broadcast_state(model)
             else:  # whole while rank 0's state arrives, then sharded again
-                sharding.unshard(model)
+                fsdp.unshard(model)
                 collectives.made(model)
         elif isinstance(command, ReplicaGather):
-            sharding.send_whole(self.models[command.model_id], moments=command.moments)
+            fsdp.send_whole(self.models[command.model_id], moments=command.moments)
         return True
 
 

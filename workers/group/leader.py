@@ -4,10 +4,10 @@ handed to every other rank (``channel``), then run here and on them alike
 
 A ``ForwardBackward``'s datums are split across the ranks (data parallel). A
 LoRA model is replicated on every rank, its gradients summed at the optimizer
-step, so every rank takes the same step. A full fine-tune is sharded
-(``trainer.sharding``): each rank holds 1/N of its weights, gradients and Adam
-moments, gathers the weights for a ``ForwardBackward`` and reduce-scatters the
-gradient. Only rank 0 samples, saves and exports; a sharded model is gathered
+step, so every rank takes the same step. A full fine-tune is sharded with
+FSDP2 (``trainer.fsdp``): each rank holds 1/N of its weights, gradients and Adam
+moments; FSDP all-gathers each layer's weights for a ``ForwardBackward`` and
+reduce-scatters the gradient. Only rank 0 samples, saves and exports; a sharded model is gathered
 whole for those reads (``whole``). What a call is checked for (data, loss
 inputs, the memory of each rank's share) is checked here, for every share,
 before any rank starts, so a refused call changes no rank.
@@ -51,7 +51,7 @@ from treadle.workers.group.commands import (
     ReplicaLoadState,
     ReplicaOptimStep,
 )
-from treadle.workers.trainer import checkpoint, sharding, trainer
+from treadle.workers.trainer import checkpoint, fsdp, trainer
 from treadle.workers.trainer.trainer import TrainingModel
 from treadle.workers.trainer.validation import check_adam
 
@@ -101,7 +101,7 @@ class GroupPeers(Peers):
         mine: ForwardResult | None = None
         failed: Exception | None = None
         if model.sharding is not None:
-            outcome = self._collective(lambda: sharding.forward_backward(model, shares[0]))
+            outcome = self._collective(lambda: fsdp.forward_backward(model, shares[0]))
             if isinstance(outcome, Exception):
                 failed = outcome
             else:
@@ -156,7 +156,7 @@ class GroupPeers(Peers):
         result: list[LoadResult] = []
 
         def load() -> None:  # every rank: whole, rank 0's state everywhere, sharded again
-            sharding.unshard(model)
+            fsdp.unshard(model)
             result.append(checkpoint.apply_state(model, state))
             collectives.made(model)
 
@@ -171,7 +171,7 @@ class GroupPeers(Peers):
         with ExitStack() as stack:
             self._all(
                 ReplicaGather(model.spec.model_id, moments),
-                lambda: stack.enter_context(sharding.whole(model, moments=moments)),
+                lambda: stack.enter_context(fsdp.whole(model, moments=moments)),
             )
             yield
 

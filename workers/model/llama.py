@@ -282,7 +282,7 @@ def decoder_layer(
 ) -> Tensor:
     """Decoder layer ``n`` of a plain causal forward (no cache, no LoRA): what
     ``forward_hidden`` runs per layer, for a caller that runs the layers one at a
-    time (a sharded full fine-tune, ``workers.trainer.sharding``)."""
+    time (a sharded full fine-tune's FSDP layers, ``workers.trainer.fsdp``)."""
     return _layer(cfg, layer, n, x_B_T_H, cos, sin, None, None)
 
 

@@ -53,7 +53,7 @@ class AdamW:
         self.exp_avg = {n: torch.zeros_like(p) for n, p in self.params.items()}
         self.exp_avg_sq = {n: torch.zeros_like(p) for n, p in self.params.items()}
         #: sums a float64 scalar over a group of ranks when the tensors are shards of a
-        #: sharded model (``workers.trainer.sharding``): the norms are the whole model's
+        #: sharded model (``workers.trainer.fsdp``): the norms are the whole model's
         self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     @torch.no_grad()

@@ -51,10 +51,12 @@ TensorsCopy = Callable[[dict[str, Tensor]], dict[str, Tensor]]
 
 class Sharding:
     """How a full fine-tune's weights, gradients and Adam moments are split over a
-    group of ranks (``workers.trainer.sharding``); None on a model held whole."""
+    group of ranks (FSDP2, ``workers.trainer.fsdp``); None on a model held whole."""
 
-    #: the most bytes of whole weights a ``ForwardBackward`` gathers at once (the
-    #: embedding, the head and one layer), and as much again of their gradients
+    #: the most bytes of whole weights a ``ForwardBackward`` holds at once (the
+    #: embedding, norm and head, and two layers: the one running and the one FSDP
+    #: prefetches in the backward); their whole gradients (the root's, a layer's and
+    #: its reduce-scatter buffer) are counted as as much again
     gathered_bytes: int = 0
 
 
@@ -109,8 +111,9 @@ class TrainingModel:
             self.adapter = None
             trainable = dict(self.params.named_tensors())
         self.optimizer = AdamW(trainable)
-        #: set while the model is sharded over a group of ranks: ``params`` and
-        #: ``trainable`` then hold this rank's flat shards (``workers.trainer.sharding``)
+        #: set while the model is sharded over a group of ranks: ``params`` then holds
+        #: FSDP's sharded parameters (DTensors) and ``trainable`` this rank's local
+        #: shards of them (``workers.trainer.fsdp``)
         self.sharding: Sharding | None = None
         self.version = 0
         self.last_checkpoint_seq_id = 0
@@ -345,7 +348,7 @@ def _check_memory(model: TrainingModel, data: Sequence[DatumData]) -> None:
     """RESOURCE_EXHAUSTED before any compute when the batch would not fit."""
     rows, length = len(data), max(int(d.tokens.size) for d in data)
     element = model.params.embed_tokens.element_size()
-    # a sharded model runs layer by layer, each layer recomputed in the backward
+    # a sharded model runs one FSDP layer at a time, each recomputed in the backward
     checkpointing = model.checkpoint_activations or model.sharding is not None
     need = train_memory.activation_bytes(
         model.cfg,

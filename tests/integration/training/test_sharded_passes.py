@@ -1,10 +1,10 @@
-"""A sharded full fine-tune's layer-by-layer pass (``workers.trainer.sharding``) on 2
-ranks equals one rank's pass where the SDK test does not look: tied embeddings
-(the head's gradient and the embedding's added in one shard), q/k norms and
-q/k/v biases (qwen3, qwen2), a call of one datum (rank 1 has none and joins the
-gathers with zeros), and a loss with a KL penalty (the base's reference
-logprobs filled in on each rank). Losses, metrics, gradient norms and the
-logprobs after the steps, float64, through the engine a worker runs
+"""A full fine-tune sharded with FSDP2 (``workers.trainer.fsdp``) on 2 ranks equals
+one rank's pass where the SDK test does not look: tied embeddings (the head's
+gradient and the embedding's added in one parameter), q/k norms and q/k/v
+biases (qwen3, qwen2), a call of one datum (rank 1 has none and joins FSDP's
+all-gathers and reduce-scatters with a zero loss), and a loss with a KL
+penalty (the base's reference logprobs filled in on each rank). Losses,
+metrics, gradient norms and the logprobs after the steps, float64, through the engine a worker runs
 (``build_engine``); the 2-rank engine spawns a second process on gloo.
 """
 

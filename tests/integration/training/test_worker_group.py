@@ -129,8 +129,8 @@ def test_two_ranks_train_sample_and_checkpoint_as_one(tmp_path: Path, tiny_model
     with _server(data, tiny_model_dir, ranks=2) as (service, engine):
         from_one = {kind: _resume(service, kind, one[kind].saved) for kind in one}
 
-    # the full fine-tune is sharded: rank 0 holds half (a tensor's shard is padded to
-    # an even size: at most one element more each); LoRA is replicated
+    # the full fine-tune is sharded (FSDP2): rank 0 holds half (its rows of each
+    # tensor, at most one row more than half where the rows are odd); LoRA is replicated
     full_two, full_one = two["full"], one["full"]
     print(f"weights + Adam on rank 0: 2 ranks {full_two.held} B, 1 rank {full_one.held} B")
     assert full_two.sharded and not full_one.sharded

@@ -1,0 +1,160 @@
+"""A full fine-tune sharded over 2 ranks with FSDP2 (``workers.trainer.fsdp``, issue
+36) equals the same model whole on one rank.
+
+Each of two real processes on gloo holds the model twice: whole (the one-rank
+reference, fed every datum) and sharded with ``fully_shard`` (fed the rank's
+share of the datums). Three steps of two calls each (one of them a single
+datum, so rank 1 has none and joins FSDP's collectives with zeros), clipped
+AdamW: the ranks' losses add up to the one rank's, the step's metrics are equal,
+each rank's local shards are its rows of the one rank's weights and Adam moments
+(FSDP's ``Shard(0)``, uneven here: a vocabulary and an MLP of odd sizes), so a
+rank holds half of the model; ``whole`` on rank 0 and ``unshard`` on every
+rank give the one rank's tensors back. float64: agreement to rounding.
+"""
+
+from __future__ import annotations
+
+import math
+import multiprocessing as mp
+import socket
+from dataclasses import replace
+from datetime import timedelta
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+from treadle.common.engine.domain import AdamConfig, DatumData, ForwardBackwardOp, ModelSpec
+from treadle.workers.engine.base_models import BaseModelRegistry
+from treadle.workers.model.tiny import build_tiny_model
+from treadle.workers.trainer import fsdp, trainer
+from treadle.workers.trainer.trainer import TrainingModel
+
+pytestmark = pytest.mark.slow
+
+STEPS = 3
+ADAM = AdamConfig(learning_rate=1e-2, weight_decay=0.1, grad_clip_norm=0.5)
+SPEC = ModelSpec("m", "t", "tiny", 0, 0.0, 1, "float64")
+TOLERANCE = 1e-10
+
+
+def _datum(rng: np.random.Generator, length: int) -> DatumData:
+    inputs = {"target_tokens": rng.integers(3, 60, length), "weights": rng.random(length)}
+    return DatumData(rng.integers(3, 60, length), inputs)
+
+
+def _calls() -> list[ForwardBackwardOp]:
+    rng = np.random.default_rng(0)
+    three = tuple(_datum(rng, n) for n in (7, 12, 5))  # shares of 2 and 1
+    one = (_datum(rng, 9),)  # rank 1's share is empty
+    return [
+        ForwardBackwardOp(three, "cross_entropy", {}),
+        ForwardBackwardOp(one, "cross_entropy", {}),
+    ]
+
+
+def _share(op: ForwardBackwardOp, rank: int) -> ForwardBackwardOp:
+    first = -(-len(op.data) // 2)  # rank 0 takes the larger share
+    return replace(op, data=op.data[:first] if rank == 0 else op.data[first:])
+
+
+def _rows(whole: torch.Tensor, rank: int) -> torch.Tensor:
+    chunks = torch.chunk(whole, 2, dim=0)
+    return chunks[rank] if rank < len(chunks) else whole[:0]
+
+
+def _bytes(tensors: list[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _held(model: TrainingModel) -> int:
+    opt = model.optimizer
+    return _bytes([*opt.params.values(), *opt.exp_avg.values(), *opt.exp_avg_sq.values()])
+
+
+def _rank(rank: int, port: int, model_dir: Path) -> None:
+    store = dist.TCPStore("127.0.0.1", port, 2, is_master=rank == 0, timeout=timedelta(60))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
+    torch.set_num_threads(1)
+    try:
+        base = BaseModelRegistry({"tiny": model_dir}).get("tiny", torch.float64)
+        one, mine = TrainingModel(SPEC, base), TrainingModel(SPEC, base)
+        fsdp.shard(mine)
+        assert mine.sharding is not None
+        # FSDP's Shard(0): this rank's rows of each tensor, half of the model
+        for name, whole in one.trainable.items():
+            assert mine.trainable[name].shape == _rows(whole, rank).shape, name
+        assert any(w.shape[0] % 2 for w in one.trainable.values())  # uneven rows are used
+        held = torch.tensor([_held(mine)], dtype=torch.int64)
+        dist.all_reduce(held)
+        assert int(held) == _held(one)
+
+        for _ in range(STEPS):
+            for op in _calls():
+                got = fsdp.forward_backward(mine, _share(op, rank))
+                want = trainer.forward_backward(one, op)
+                assert not isinstance(got, Exception)
+                mine_loss = 0.0 if got is None else got.metrics["loss:sum"]
+                loss = torch.tensor(mine_loss, dtype=torch.float64)
+                dist.all_reduce(loss)  # losses are sums: the ranks' add up to the call's
+                assert math.isclose(float(loss), want.metrics["loss:sum"], rel_tol=TOLERANCE)
+            got_step, want_step = mine.optim_step(ADAM), one.optim_step(ADAM)
+            for key, value in want_step.metrics.items():
+                assert math.isclose(got_step.metrics[key], value, rel_tol=TOLERANCE), key
+            assert want_step.metrics["grad_norm:value"] > ADAM.grad_clip_norm  # clipped
+
+        opt_one, opt_mine = one.optimizer, mine.optimizer
+        for state_one, state_mine in (
+            (opt_one.params, opt_mine.params),
+            (opt_one.exp_avg, opt_mine.exp_avg),
+            (opt_one.exp_avg_sq, opt_mine.exp_avg_sq),
+        ):
+            for name, whole in state_one.items():
+                torch.testing.assert_close(
+                    state_mine[name], _rows(whole.detach(), rank), rtol=0, atol=TOLERANCE
+                )
+        if rank == 0:
+            with fsdp.whole(mine, moments=True):
+                for name, whole in opt_one.params.items():
+                    torch.testing.assert_close(
+                        mine.params.state_dict()[name], whole.detach(), rtol=0, atol=TOLERANCE
+                    )
+                    torch.testing.assert_close(
+                        opt_mine.exp_avg_sq[name], opt_one.exp_avg_sq[name], rtol=0, atol=TOLERANCE
+                    )
+        else:
+            fsdp.send_whole(mine, moments=True)
+        fsdp.unshard(mine)
+        assert mine.sharding is None
+        for name, whole in opt_one.params.items():
+            torch.testing.assert_close(
+                opt_mine.params[name], whole.detach(), rtol=0, atol=TOLERANCE
+            )
+            torch.testing.assert_close(
+                opt_mine.exp_avg[name], opt_one.exp_avg[name], rtol=0, atol=TOLERANCE
+            )
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fsdp_on_two_ranks_equals_one(tmp_path: Path) -> None:
+    # odd sizes: FSDP's rows split unevenly (50 and 49 of the MLP's 99, say)
+    model_dir = build_tiny_model(
+        tmp_path / "tiny", "tiny", 0, overrides={"vocab_size": 97, "intermediate_size": 99}
+    )
+    port = _free_port()
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_rank, args=(r, port, model_dir)) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(240)
+    assert [p.exitcode for p in procs] == [0, 0]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])

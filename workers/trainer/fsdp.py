@@ -1,0 +1,356 @@
+"""A full fine-tune sharded over a group of ranks (``--ranks N``) with FSDP2
+(``torch.distributed.fsdp.fully_shard``): each rank keeps 1/N of every trainable
+tensor (a DTensor, ``Shard(0)``: its rows split as ``torch.chunk`` splits them),
+of its gradient and of its two AdamW moments.
+
+treadle's forward is functional (``workers.model.llama``), so the model is put in
+thin ``nn.Module`` wrappers for FSDP: one module per decoder layer, holding the
+layer's tensors as parameters and running the same ``decoder_layer``, and a root
+holding the embedding, the final norm and the head. Each layer is a
+``fully_shard`` unit (resharded after its forward, so one layer is whole at a
+time, plus the next one FSDP prefetches in the backward), the root another (its
+embedding, norm and head stay whole for the pass). A layer's forward runs under
+activation checkpointing (``torch.utils.checkpoint``): only its input is kept,
+and the backward recomputes it with the weights FSDP gathered again.
+
+FSDP all-gathers the weights and reduce-scatters the gradients; it is told to
+sum them (``set_gradient_divide_factor(1.0)``): losses are sums, so the
+gradient of the step is the sum over ranks, as on one rank. treadle's AdamW
+steps each rank's local shards (``DTensor.to_local()``: views of FSDP's own
+storage, so the step moves FSDP's parameters in place), with the clip and update
+norms summed over the group (``AdamW.reduce``): every metric is the whole
+model's. A call that reads the whole weights on rank 0 (``forward_logprobs``, a
+published version, a checkpoint, an export) gathers them there for its duration
+(``DTensor.full_tensor()``, one tensor at a time; the other ranks drop theirs).
+
+Every function here is a collective: each rank calls it in the same order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import fields
+from typing import TypeVar
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor
+from torch.utils.checkpoint import checkpoint
+
+from treadle.common.engine.domain import ForwardBackwardOp, ForwardResult
+from treadle.common.engine.model_config import ModelConfig
+from treadle.workers.model.llama import decoder_layer, lm_logits, rms_norm, rope_cos_sin
+from treadle.workers.model.params import LayerParams, LlamaParams
+from treadle.workers.trainer import trainer
+from treadle.workers.trainer.trainer import PreparedForwardBackward, Sharding, TrainingModel
+
+_R = TypeVar("_R")
+
+#: what the root's forward hands its final hidden states and head weights to
+Head = Callable[[Tensor, LlamaParams], _R]
+
+
+class _Layer(nn.Module):
+    """Decoder layer ``n``'s tensors as parameters (FSDP's unit), run by the same
+    functional ``decoder_layer`` as one rank runs, under activation checkpointing."""
+
+    def __init__(self, cfg: ModelConfig, n: int, layer: LayerParams) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.n = n
+        self.names = [f.name for f in fields(layer) if getattr(layer, f.name) is not None]
+        for name in self.names:
+            self.register_parameter(name, nn.Parameter(getattr(layer, name).detach()))
+
+    def params(self) -> LayerParams:
+        """The layer's tensors now: whole inside FSDP's forward, shards outside it."""
+        return LayerParams(**{name: getattr(self, name) for name in self.names})
+
+    def forward(self, x_B_T_H: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        # read the weights inside the checkpointed function: the recompute in the
+        # backward then uses those FSDP gathered again
+        out: Tensor = checkpoint(self._run, x_B_T_H, cos, sin, use_reentrant=False)
+        return out
+
+    def _run(self, x_B_T_H: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        return decoder_layer(self.cfg, self.params(), self.n, x_B_T_H, cos, sin)
+
+
+class _Model(nn.Module):
+    """The root: embedding, layers, final norm and head (``None`` when tied)."""
+
+    def __init__(self, cfg: ModelConfig, params: LlamaParams) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Parameter(params.embed_tokens.detach())
+        self.layers = nn.ModuleList(_Layer(cfg, n, p) for n, p in enumerate(params.layers))
+        self.norm = nn.Parameter(params.norm.detach())
+        self.lm_head = None if params.lm_head is None else nn.Parameter(params.lm_head.detach())
+
+    def params(self) -> LlamaParams:
+        """Every tensor, as ``LlamaParams`` (HF names through ``named_tensors``)."""
+        layers = [layer.params() for layer in self.layers if isinstance(layer, _Layer)]
+        return LlamaParams(self.embed_tokens, layers, self.norm, self.lm_head)
+
+    def forward(self, tokens_B_T: Tensor, head: Head[_R]) -> _R:
+        """``head`` of the final-norm hidden states of ``tokens_B_T``: what
+        ``forward_hidden`` computes, one FSDP layer at a time."""
+        cfg = self.cfg
+        B, T = tokens_B_T.shape
+        positions_B_T = torch.arange(T, device=tokens_B_T.device).expand(B, T)
+        x_B_T_H = F.embedding(tokens_B_T, self.embed_tokens)
+        cos, sin = rope_cos_sin(cfg, positions_B_T, x_B_T_H.dtype)
+        for layer in self.layers:
+            x_B_T_H = layer(x_B_T_H, cos, sin)
+        hidden_B_T_H = rms_norm(x_B_T_H, self.norm, cfg.rms_norm_eps)
+        whole = LlamaParams(self.embed_tokens, [], self.norm, self.lm_head)
+        return head(hidden_B_T_H, whole)
+
+
+class FsdpShards(Sharding):
+    """A model's FSDP2 root (every layer a ``fully_shard`` unit) over the default
+    process group."""
+
+    def __init__(self, root: _Model, mesh: DeviceMesh, gathered_bytes: int) -> None:
+        self.root = root
+        self.mesh = mesh
+        self.gathered_bytes = gathered_bytes
+
+
+def _gathered_bytes(params: LlamaParams) -> int:
+    """The whole weights a pass holds at once: the root's (embedding, norm, head)
+    and two layers (the one running and the one FSDP prefetches in the backward)."""
+    element = params.embed_tokens.element_size()
+    root = sum(
+        t.numel() for t in (params.embed_tokens, params.norm, params.lm_head) if t is not None
+    )
+    layer = max(
+        (sum(t.numel() for t in vars(p).values() if t is not None) for p in params.layers),
+        default=0,
+    )
+    return (root + 2 * layer) * element
+
+
+@torch.no_grad()
+def shard(model: TrainingModel) -> None:
+    """Every rank: a whole model (the same on every rank) becomes this rank's shards;
+    accumulated gradients are dropped."""
+    opt = model.optimizer
+    where = model.params.device
+    mesh = init_device_mesh(where.type, (dist.get_world_size(),))
+    gathered = _gathered_bytes(model.params)
+    root = _Model(model.cfg, model.params)
+    for layer in root.layers:
+        fully_shard(layer, mesh=mesh, reshard_after_forward=True)
+    fully_shard(root, mesh=mesh)
+    for module in root.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)  # the sum over ranks: losses are sums
+            module.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
+            module.set_reduce_scatter_unused_params(True, recurse=False)
+    model.params = root.params()
+    opt.params = _locals(model)
+    opt.exp_avg = {n: _my_rows(t, opt.params[n]) for n, t in opt.exp_avg.items()}
+    opt.exp_avg_sq = {n: _my_rows(t, opt.params[n]) for n, t in opt.exp_avg_sq.items()}
+    opt.reduce = _all_sum
+    model.sharding = FsdpShards(root, mesh, gathered)
+
+
+@torch.no_grad()
+def unshard(model: TrainingModel) -> None:
+    """Every rank: the model becomes whole again (weights and moments gathered)."""
+    _sharding(model)
+    opt = model.optimizer
+    dtensors = dict(model.params.named_tensors())
+    tensors = {n: _full(p) for n, p in dtensors.items()}
+    opt.exp_avg = {n: _full_of(dtensors[n], t) for n, t in opt.exp_avg.items()}
+    opt.exp_avg_sq = {n: _full_of(dtensors[n], t) for n, t in opt.exp_avg_sq.items()}
+    model.params = LlamaParams.from_state_dict(model.cfg, tensors).requires_grad_(True)
+    opt.params = dict(model.params.named_tensors())
+    opt.reduce = None
+    model.sharding = None  # the FSDP modules go with it
+
+
+@contextmanager
+def whole(model: TrainingModel, *, moments: bool) -> Iterator[None]:
+    """Rank 0: the whole weights (and with ``moments`` the Adam moments) in the model
+    for the duration, its shards back after (what the body changed is dropped).
+    Every other rank calls ``send_whole`` at the same time."""
+    _sharding(model)
+    opt = model.optimizer
+    kept = (model.params, opt.params, opt.exp_avg, opt.exp_avg_sq)
+    with torch.no_grad():
+        dtensors = dict(model.params.named_tensors())
+        model.params = LlamaParams.from_state_dict(
+            model.cfg, {n: _full(p) for n, p in dtensors.items()}
+        )
+        opt.params = dict(model.params.named_tensors())
+        if moments:
+            opt.exp_avg = {n: _full_of(dtensors[n], t) for n, t in opt.exp_avg.items()}
+            opt.exp_avg_sq = {n: _full_of(dtensors[n], t) for n, t in opt.exp_avg_sq.items()}
+    try:
+        yield
+    finally:
+        model.params, opt.params, opt.exp_avg, opt.exp_avg_sq = kept
+
+
+@torch.no_grad()
+def send_whole(model: TrainingModel, *, moments: bool) -> None:
+    """A rank other than 0: joins rank 0's ``whole`` (each tensor's all-gather; the
+    whole tensor is dropped here at once)."""
+    _sharding(model)
+    opt = model.optimizer
+    dtensors = dict(model.params.named_tensors())
+    for p in dtensors.values():
+        _full(p)
+    if moments:
+        for state in (opt.exp_avg, opt.exp_avg_sq):
+            for name, t in state.items():
+                _full_of(dtensors[name], t)
+
+
+def forward_backward(
+    model: TrainingModel, op: ForwardBackwardOp
+) -> ForwardResult | Exception | None:
+    """Every rank: its share of a ``ForwardBackward`` (possibly none: None) through the
+    FSDP root, the gradient of its summed loss reduce-scattered (summed over ranks)
+    and added to its shards' accumulated gradients.
+
+    A rank with no datums, or whose share failed its preparation (the base's
+    reference logprobs out of memory, say), runs the pass on one token with a
+    zero loss, so it joins every all-gather and reduce-scatter (adding zeros);
+    that failure is returned, not raised. A failure inside the pass raises: the
+    ranks' collectives are then out of step, and the group is not used again
+    (``GroupPeers``)."""
+    sharding = _sharding(model)
+    failed: Exception | None = None
+    prep: PreparedForwardBackward | None = None
+    if op.data:
+        try:
+            prep = trainer.prepare_forward_backward(model, op)
+            if prep.needs_reference:
+                trainer.fill_reference(model, prep, op.temperature)
+        except Exception as err:  # returned once the pass's collectives ran
+            failed, prep = err, None
+    try:
+        if prep is not None:
+            finish = _Finish(model, op, prep)
+            loss = sharding.root(prep.batch.tokens_B_T, finish)
+            outcome: ForwardResult | Exception | None = finish.result
+        else:
+            tokens = torch.zeros((1, 1), dtype=torch.int64, device=model.params.device)
+            loss = sharding.root(tokens, _NoLoss(model.cfg))
+            outcome = failed
+        loss.backward()
+    except RuntimeError:  # a collective's failure, or out of memory: the group breaks
+        raise
+    except Exception as err:  # any other: the ranks' collectives are out of step all the same
+        raise RuntimeError(f"the FSDP pass failed: {type(err).__name__}: {err}") from err
+    _take_gradients(model)
+    return outcome
+
+
+class _Finish:
+    """The head of a real share: the target logprobs, the loss and the call's result."""
+
+    def __init__(
+        self, model: TrainingModel, op: ForwardBackwardOp, prep: PreparedForwardBackward
+    ) -> None:
+        self.model, self.op, self.prep = model, op, prep
+        self.result: ForwardResult | None = None
+
+    def __call__(self, hidden_B_T_H: Tensor, params: LlamaParams) -> Tensor:
+        model, op, prep = self.model, self.op, self.prep
+        lp_B_T, entropy_B_T = trainer.logprobs_of_hidden(
+            model.cfg,
+            params,
+            hidden_B_T_H,
+            prep.batch.targets_B_T,
+            op.temperature,
+            with_entropy=True,
+        )
+        loss, self.result = trainer.finish_forward_backward(model, op, prep, lp_B_T, entropy_B_T)
+        return loss
+
+
+class _NoLoss:
+    """The head of an empty share: zero, through every weight (the head's included),
+    so each of them gets a (zero) gradient to reduce-scatter."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        self.cfg = cfg
+
+    def __call__(self, hidden_B_T_H: Tensor, params: LlamaParams) -> Tensor:
+        return lm_logits(self.cfg, params, hidden_B_T_H).sum() * 0.0
+
+
+@torch.no_grad()
+def _take_gradients(model: TrainingModel) -> None:
+    """FSDP's sharded gradients (DTensors) added to the local shards' ``grad``, which
+    the optimizer reads; the DTensors' are dropped, so the next pass starts at zero."""
+    opt = model.optimizer
+    # FSDP may re-lay its shards out at its first forward (lazy init): the optimizer
+    # steps the shards it holds now (no gradient exists before a first pass)
+    current = _locals(model)
+    for name, t in current.items():
+        if t is not opt.params[name]:
+            t.grad = opt.params[name].grad
+    opt.params = current
+    for name, p in model.params.named_tensors():
+        if p.grad is None:
+            continue
+        g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+        p.grad = None
+        mine = current[name]
+        mine.grad = g if mine.grad is None else mine.grad.add_(g)
+
+
+def _locals(model: TrainingModel) -> dict[str, Tensor]:
+    """This rank's shard of each parameter, by HF name: views of FSDP's storage."""
+    out: dict[str, Tensor] = {}
+    for name, p in model.params.named_tensors():
+        assert isinstance(p, DTensor)
+        out[name] = p.to_local()
+    return out
+
+
+def _my_rows(whole_tensor: Tensor, mine: Tensor) -> Tensor:
+    """This rank's rows of ``whole_tensor``, as FSDP shards a parameter (``torch.chunk``
+    over dim 0; a rank past the last chunk has none)."""
+    chunks = torch.chunk(whole_tensor.detach(), dist.get_world_size(), dim=0)
+    rank = dist.get_rank()
+    out = chunks[rank].clone() if rank < len(chunks) else whole_tensor.new_empty(mine.shape)
+    if out.shape != mine.shape:
+        raise AssertionError(f"shard of shape {tuple(out.shape)}, FSDP's is {tuple(mine.shape)}")
+    return out
+
+
+def _full(p: Tensor) -> Tensor:
+    """The whole tensor of a sharded parameter (an all-gather)."""
+    assert isinstance(p, DTensor)
+    return p.full_tensor()
+
+
+def _full_of(p: Tensor, local: Tensor) -> Tensor:
+    """The whole tensor of ``local``, a shard laid out as parameter ``p``'s."""
+    assert isinstance(p, DTensor)
+    sharded = DTensor.from_local(
+        local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
+    )
+    return sharded.full_tensor()
+
+
+def _all_sum(value: Tensor) -> Tensor:
+    dist.all_reduce(value, op=dist.ReduceOp.SUM)
+    return value
+
+
+def _sharding(model: TrainingModel) -> FsdpShards:
+    if not isinstance(model.sharding, FsdpShards):
+        raise TypeError(f"model {model.spec.model_id} is not sharded")
+    return model.sharding
