@@ -121,9 +121,13 @@ def _floats(values: Sequence[float] | Any, n: int, name: str) -> tuple[float, ..
         out = tuple(arr.tolist())
     if len(out) != n:
         raise InvalidArgumentError(f"rollout.{name}: {len(out)} values for {n} completion tokens")
-    if not all(map(math.isfinite, out)):
+    # a NaN or inf makes the sum one; a finite sum needs no look at each value
+    if not math.isfinite(sum(out)) and not all(map(math.isfinite, out)):
         raise InvalidArgumentError(f"rollout.{name}: contains NaN or inf")
     return out
+
+
+_PLAIN_NUMBERS = frozenset({float, int})
 
 
 def _plain_floats(values: Any) -> tuple[float, ...] | None:
@@ -132,7 +136,7 @@ def _plain_floats(values: Any) -> tuple[float, ...] | None:
     None for anything else, which goes through ``to_numpy``."""
     if type(values) is not list and type(values) is not tuple:
         return None
-    if not all(type(v) is float or type(v) is int for v in values):
+    if not _PLAIN_NUMBERS.issuperset(map(type, values)):
         return None
     try:
         return tuple(map(float, values))

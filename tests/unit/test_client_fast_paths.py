@@ -142,3 +142,10 @@ def test_datum_keeps_a_float64_or_converts_other_inputs() -> None:
     assert datum.loss_fn_inputs["x"].dtype == np.float32
     with pytest.raises(InvalidArgumentError, match="loss_fn_inputs.x: expected a 1-D"):
         Datum(ModelInput((1,)), {"x": np.zeros((1, 2), dtype=np.float32)})
+
+
+def test_rollout_takes_finite_values_whose_sum_overflows() -> None:
+    rollout = Rollout([1], [2, 3], [-1e308, -1e308], ref_logprobs=[1e308, 1e308])
+    assert rollout.completion_logprobs == (-1e308, -1e308)
+    with pytest.raises(InvalidArgumentError, match="ref_logprobs: contains NaN or inf"):
+        Rollout([1], [2, 3], [0.0, 0.0], ref_logprobs=[1e308, float("inf")])
