@@ -7,6 +7,7 @@ import math
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -36,7 +37,7 @@ from treadle.types import (
     WorkerInfo,
 )
 from treadle.v1 import common_pb2, sampling_pb2, server_pb2, session_pb2, training_pb2
-from treadle.wire.tensors import from_wire, to_wire
+from treadle.wire.tensors import from_wire, ints_to_wire, to_wire
 
 #: wire StopReason -> (``stop_reason``, ``stopped_by``): the SDK keeps tinker's coarse
 #: "stop" for the three ways a sequence stops and says which in ``stopped_by``.
@@ -61,14 +62,30 @@ def loss_fn_to_wire(name: str) -> int:
 def datums_to_wire(data: Sequence[Datum]) -> list[common_pb2.Datum]:
     msgs = []
     for datum in data:
-        if not isinstance(datum, Datum):
-            raise InvalidArgumentError(f"data: expected treadle.Datum, got {type(datum).__name__}")
         msg = common_pb2.Datum()
-        to_wire(np.asarray(datum.model_input.tokens, dtype=np.int64), msg.model_input)
-        for key, value in datum.loss_fn_inputs.items():
-            to_wire(value, msg.loss_fn_inputs[key])
+        _datum_to_wire(_checked(datum), msg)
         msgs.append(msg)
     return msgs
+
+
+def _add_datums(out: Any, data: Sequence[Datum]) -> None:
+    """``out.extend(datums_to_wire(data))`` for a request's repeated ``data`` field,
+    each datum written in place (extend would copy every message)."""
+    for datum in data:
+        _datum_to_wire(_checked(datum), out.add())
+
+
+def _checked(datum: Datum) -> Datum:
+    if not isinstance(datum, Datum):
+        raise InvalidArgumentError(f"data: expected treadle.Datum, got {type(datum).__name__}")
+    return datum
+
+
+def _datum_to_wire(datum: Datum, msg: common_pb2.Datum) -> None:
+    ints_to_wire(datum.model_input.tokens, msg.model_input)
+    inputs = msg.loss_fn_inputs
+    for key, value in datum.loss_fn_inputs.items():
+        to_wire(value, inputs[key])
 
 
 def forward_output_from_wire(msg: training_pb2.ForwardOutput) -> ForwardBackwardOutput:
@@ -154,7 +171,7 @@ def stops(stop: str | Sequence[str | int] | None) -> tuple[list[str], list[int]]
 
 
 def prompt_to_wire(prompt: ModelInput, out: common_pb2.Tensor) -> None:
-    to_wire(np.asarray(prompt.tokens, dtype=np.int64), out)
+    ints_to_wire(prompt.tokens, out)
 
 
 def sample_response_from_wire(msg: sampling_pb2.SampleResponse) -> SampleResponse:
@@ -185,13 +202,22 @@ def sequence_from_wire(seq: sampling_pb2.SampledSequence, name: str) -> SampledS
     # a reason newer than this SDK still reads as a stop
     reason, stopped_by = _STOP_REASONS.get(seq.stop_reason, ("stop", None))
     return SampledSequence(
-        tokens=[int(t) for t in from_wire(seq.tokens, f"{name}.tokens")],
-        logprobs=[float(x) for x in from_wire(seq.logprobs, f"{name}.logprobs")],
+        # tolist: Python ints and floats (the same values), one call instead of one a token
+        tokens=_python_list(from_wire(seq.tokens, f"{name}.tokens"), int),
+        logprobs=_python_list(from_wire(seq.logprobs, f"{name}.logprobs"), float),
         stop_reason=reason,
         stopped_by=stopped_by,
         versions=[VersionSpan(s.start, s.length, s.version) for s in seq.versions],
         resume_handle=seq.resume_handle or None,
     )
+
+
+def _python_list(arr: np.ndarray, kind: type) -> list:
+    """``[kind(x) for x in arr]`` for a 1-D array: ``tolist`` when it gives the same
+    Python values (an int array's ints, a float array's floats)."""
+    if arr.ndim == 1 and (arr.dtype.kind == "i" if kind is int else arr.dtype.kind == "f"):
+        return arr.tolist()
+    return [kind(x) for x in arr]
 
 
 def streamed_sample_from_wire(msg: sampling_pb2.SampleStreamResponse) -> StreamedSample:
@@ -351,7 +377,7 @@ def forward_backward_request(
         loss_fn_config={k: float(v) for k, v in (loss_fn_config or {}).items()},
         temperature=temperature,
     )
-    request.data.extend(datums_to_wire(data))
+    _add_datums(request.data, data)
     return request
 
 
@@ -363,7 +389,7 @@ def forward_logprobs_request(
     request = training_pb2.ForwardLogprobsRequest(
         model_id=model_id, reference=flag, temperature=temperature, reference_path=path
     )
-    request.data.extend(datums_to_wire(data))
+    _add_datums(request.data, data)
     return request
 
 

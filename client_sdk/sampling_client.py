@@ -127,6 +127,16 @@ class SamplingClient:
 
     def _send(self, method: Any, request: Any, *, retry: bool) -> APIFuture[SampleResponse]:
         """Send ``request`` once the sampler exists (with its id); its response."""
+        info = self._info
+        if info.done() and not info.cancelled() and info.exception() is None:
+            # the sampler exists (every call after the first): send now, and hand
+            # back the call's own future rather than one chained to it
+            request.sampler_id = info.result().sampler_id
+            return APIFuture(
+                self._service._caller.call(
+                    method, request, _convert.sample_response_from_wire, retry=retry
+                )
+            )
         out: Future[SampleResponse] = Future()
 
         def send(info: Future[_convert.SamplerRef]) -> None:

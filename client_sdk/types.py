@@ -94,7 +94,10 @@ class Datum:
                 and key not in INT_INPUT_KEYS
             ):
                 dtype = np.float64  # keep float64 inputs for float64 models
-            converted[key] = to_numpy(value, dtype=dtype, field_name=f"loss_fn_inputs.{key}")
+            if type(value) is np.ndarray and value.dtype == dtype and value.ndim == 1:
+                converted[key] = value  # what to_numpy returns for it, without its checks' cost
+            else:
+                converted[key] = to_numpy(value, dtype=dtype, field_name=f"loss_fn_inputs.{key}")
         object.__setattr__(self, "loss_fn_inputs", converted)
 
 

@@ -28,7 +28,7 @@ from typing import Any, Literal
 import numpy as np
 
 from treadle.errors import InvalidArgumentError
-from treadle.rl.staleness import Versions, expand_versions
+from treadle.rl.staleness import Versions, count_versions, expand_versions
 from treadle.types import Datum, ModelInput, SampledSequence, to_numpy
 
 Aggregation = Literal["token_mean", "seq_mean_token_mean", "token_sum_constant", "sum"]
@@ -67,16 +67,13 @@ class Rollout:
             else self.prompt_tokens
         )
         n = len(self.completion_tokens)
-        object.__setattr__(self, "prompt_tokens", tuple(int(t) for t in prompt))
-        object.__setattr__(self, "completion_tokens", tuple(int(t) for t in self.completion_tokens))
+        object.__setattr__(self, "prompt_tokens", tuple(map(int, prompt)))
+        object.__setattr__(self, "completion_tokens", tuple(map(int, self.completion_tokens)))
         object.__setattr__(
             self, "completion_logprobs", _floats(self.completion_logprobs, n, "completion_logprobs")
         )
         object.__setattr__(self, "versions", tuple(self.versions))
-        if (
-            self.versions
-            and len(expand_versions(self.versions, field_name="rollout.versions")) != n
-        ):
+        if self.versions and count_versions(self.versions, field_name="rollout.versions") != n:
             raise InvalidArgumentError(f"rollout.versions: must cover the {n} completion tokens")
         if self.ref_logprobs is not None:
             object.__setattr__(self, "ref_logprobs", _floats(self.ref_logprobs, n, "ref_logprobs"))
@@ -118,12 +115,33 @@ class Rollout:
 
 
 def _floats(values: Sequence[float] | Any, n: int, name: str) -> tuple[float, ...]:
-    arr = to_numpy(values, dtype=np.float64, field_name=f"rollout.{name}")
-    if arr.size != n:
-        raise InvalidArgumentError(f"rollout.{name}: {arr.size} values for {n} completion tokens")
-    if not np.isfinite(arr).all():
+    out = _plain_floats(values)
+    if out is None:
+        arr = to_numpy(values, dtype=np.float64, field_name=f"rollout.{name}")
+        out = tuple(arr.tolist())
+    if len(out) != n:
+        raise InvalidArgumentError(f"rollout.{name}: {len(out)} values for {n} completion tokens")
+    # a NaN or inf makes the sum one; a finite sum needs no look at each value
+    if not math.isfinite(sum(out)) and not all(map(math.isfinite, out)):
         raise InvalidArgumentError(f"rollout.{name}: contains NaN or inf")
-    return tuple(float(v) for v in arr)
+    return out
+
+
+_PLAIN_NUMBERS = frozenset({float, int})
+
+
+def _plain_floats(values: Any) -> tuple[float, ...] | None:
+    """A list or tuple of Python floats and ints as floats, without numpy (the
+    sampler's lists: a few values each, where numpy's per-call cost dominates);
+    None for anything else, which goes through ``to_numpy``."""
+    if type(values) is not list and type(values) is not tuple:
+        return None
+    if not _PLAIN_NUMBERS.issuperset(map(type, values)):
+        return None
+    try:
+        return tuple(map(float, values))
+    except OverflowError:  # an int past float64: numpy's error, as before
+        return None
 
 
 def _weight_scales(
@@ -222,15 +240,26 @@ def _datum(
         )
     first = n_prompt - 1  # the position whose target is the first completion token
 
-    mask_C = np.ones(len(rollout.completion_tokens)) if rollout.mask is None else rollout.mask
+    mask = rollout.mask
+    if mask is None:
+        # every value times a mask of ones is itself: no product to take
 
-    def per_position(completion_values: Sequence[float] | float) -> np.ndarray:
-        out = np.zeros(n_positions, dtype=np.float32)
-        out[first:] = np.asarray(completion_values, dtype=np.float64) * mask_C
-        return out
+        def per_position(completion_values: Sequence[float] | float) -> np.ndarray:
+            out = np.zeros(n_positions, dtype=np.float32)
+            out[first:] = completion_values
+            return out
+
+    else:
+        mask_C = np.asarray(mask, dtype=np.float64)
+
+        def per_position(completion_values: Sequence[float] | float) -> np.ndarray:
+            out = np.zeros(n_positions, dtype=np.float32)
+            # the product keeps a masked token's sign (-0.0 for a negative advantage)
+            out[first:] = np.asarray(completion_values, dtype=np.float64) * mask_C
+            return out
 
     inputs: dict[str, np.ndarray] = {
-        "target_tokens": np.asarray(full[1:], dtype=np.int64),
+        "target_tokens": np.array(full[1:], dtype=np.int64),
         "weights": per_position(scale),
         "advantages": per_position(advantage),
     }

@@ -56,6 +56,26 @@ def expand_versions(versions: Versions | Any, *, field_name: str = "versions") -
     )
 
 
+def count_versions(versions: Versions | Any, *, field_name: str = "versions") -> int:
+    """``len(expand_versions(versions))``, with the same checks and errors, without
+    building the per-token array for the common case (spans with int fields)."""
+    items = versions if isinstance(versions, tuple | list) else list(versions)
+    if not items or not all(
+        type(item) is VersionSpan and type(item.start) is int and type(item.length) is int
+        for item in items
+    ):
+        return len(expand_versions(items, field_name=field_name))
+    total = 0
+    for i, span in enumerate(items):
+        if span.start != total or span.length < 0:
+            raise InvalidArgumentError(
+                f"{field_name}[{i}]: span starts at {span.start} (length {span.length}), "
+                f"expected a contiguous span starting at {total}"
+            )
+        total += span.length
+    return total
+
+
 def token_staleness(versions: Versions | Any, current_version: int) -> np.ndarray:
     """``current_version - version`` for every token (int64, >= 0)."""
     current = _check_int(current_version, "current_version")
