@@ -60,6 +60,7 @@ from treadle.common.engine.domain import (
     TenantQueue,
 )
 from treadle.common.engine.messages import (
+    CheckTargetCall,
     CreateModelCall,
     DeleteModelCall,
     EngineCall,
@@ -155,6 +156,8 @@ class CeleryDispatcher:
             return cast(R, await self._unload_model(call))
         if isinstance(call, ExportCall):
             return cast(R, await self._export(call))
+        if isinstance(call, CheckTargetCall) and call.target.placement:
+            self.pool.check(call.target)  # a new sampler that chose where it samples
         if isinstance(call, SampleCall):
             routed = await self.pool.route(call.target)
             if routed is not None:  # straight to a sampler worker, never the trainer's queue

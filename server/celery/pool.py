@@ -4,7 +4,8 @@ A worker started with ``--role sampler`` serves samplers only. Where a model's
 samplers sample is the server's ``--sampler-placement``: ``colocated`` (on the
 model's trainer worker, as an embedded server does), ``pool`` (on the sampler
 workers serving its base) or ``auto`` (the pool when a sampler worker serves
-the base, else colocated).
+the base, else colocated); a sampler may choose its own at creation
+(``SamplerTarget.placement``), which wins (the rule: ``server.sampler_placement``).
 
 Weights shipped per version. A model's trainer writes a published version once
 to the store (``ShipVersionCall``: safetensors, a LoRA adapter's few MB or a
@@ -51,6 +52,7 @@ from treadle.common.engine.messages import (
 from treadle.common.store import Store
 from treadle.errors import NotFoundError, TreadleError, UnavailableError
 from treadle.server.celery.placement import Placement
+from treadle.server.sampler_placement import samples_on_pool
 
 log = logging.getLogger("treadle.server")
 R = TypeVar("R")
@@ -83,6 +85,9 @@ class SamplerPool:
         #: (worker, model, version, path) each pool worker acknowledged
         self._served: set[tuple[str, str, int, str]] = set()
         self._shipping: dict[tuple[str, int], asyncio.Lock] = {}
+        #: models with a sampler that chose the pool (or auto) itself: their versions
+        #: are published to the pool whatever the server's placement
+        self._chosen: set[str] = set()
 
     # ---- which workers -------------------------------------------------------------------
 
@@ -101,20 +106,21 @@ class SamplerPool:
         with self.placement.lock:
             return any(w.role == "sampler" for w in self.placement.live)
 
-    def places(self, base_model: str) -> bool:
-        """Whether samplers of ``base_model`` sample on the pool now; under ``pool``
-        with no pool worker, UNAVAILABLE naming the base."""
-        if self.mode == "colocated":
+    def places(self, base_model: str, chosen: str = "") -> bool:
+        """Whether a sampler of ``base_model`` (that chose ``chosen``; "" = the
+        server's) samples on the pool now; placed on the pool with no pool worker,
+        UNAVAILABLE naming the base."""
+        if (chosen or self.mode) == "colocated":
             return False
-        if self.workers(base_model):
-            return True
-        if self.mode == "pool":
-            raise UnavailableError(
-                f"no sampler worker serves base model {base_model!r} "
-                "(--sampler-placement pool); start one: "
-                f"treadle worker --role sampler --model {base_model}=DIR --broker ..."
-            )
-        return False
+        return samples_on_pool(self.mode, chosen, base_model, bool(self.workers(base_model)))
+
+    def check(self, target: SamplerTarget) -> None:
+        """A new sampler that chose its placement: UNAVAILABLE now if it cannot be
+        served (``pool`` with no pool worker of its base); a model's sampler that
+        chose the pool has the model's later versions published there."""
+        self.places(target.base_model, target.placement)
+        if target.model_id is not None and target.placement in ("pool", "auto"):
+            self._chosen.add(target.model_id)
 
     # ---- versions --------------------------------------------------------------------------
 
@@ -122,11 +128,14 @@ class SamplerPool:
         """After ``sync_weights`` made ``version``: ship it and have the pool serve it
         (returns once one pool worker does). A version that cannot be shipped fails
         UNAVAILABLE; the pool keeps what it served."""
-        if self.mode == "colocated" or (self.mode == "auto" and not self._any_sampler_worker()):
+        chosen = model_id in self._chosen
+        if not chosen and (
+            self.mode == "colocated" or (self.mode == "auto" and not self._any_sampler_worker())
+        ):
             self._latest.pop(model_id, None)  # resolved again from the trainer if a pool comes
             return
         base_model, tenant_id = self._model(model_id)
-        if not self.places(base_model):
+        if not self.places(base_model, "auto" if chosen and self.mode == "colocated" else ""):
             self._latest.pop(model_id, None)  # resolved again from the trainer if a pool comes
             return
         path = await self._ship(model_id, base_model, tenant_id, version)
@@ -152,8 +161,10 @@ class SamplerPool:
         reads, loaded first if it lacked it), and the target as sent there; None:
         colocated. A ``latest`` target stays one: the worker samples its latest
         version, and an in-flight publish moves its running sequences on."""
-        if not self.places(target.base_model):
+        if not self.places(target.base_model, target.placement):
             return None
+        if target.model_id is not None and target.placement:
+            self._chosen.add(target.model_id)
         if target.model_id is None:
             return self.workers(target.base_model)[0], target
         model_id = target.model_id
@@ -174,7 +185,7 @@ class SamplerPool:
                 last = err
                 continue
             return worker_id, target
-        if self.mode == "pool":
+        if (target.placement or self.mode) == "pool":
             raise UnavailableError(
                 f"no sampler worker of base model {target.base_model!r} could serve "
                 f"treadle://{model_id}/v/{version}" + (f": {last.message}" if last else "")
@@ -185,6 +196,7 @@ class SamplerPool:
         """A deleted model: its versions leave the store (off the event loop) and the
         pool workers that served them let them go (in the background)."""
         self._latest.pop(model_id, None)
+        self._chosen.discard(model_id)
         for path in self._shipped.pop(model_id, {}).values():
             self._delete_later(path)
         workers = {w for w, m, _, _ in self._served if m == model_id}
