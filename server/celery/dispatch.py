@@ -239,7 +239,10 @@ class CeleryDispatcher:
             worker_id = self.placement.worker_of(model_id)
         except AbortedError:
             if isinstance(op, LoadStateOp):
-                return await self._restore(model_id, seq_id, op, digest)
+                restored_at = await self._restore(model_id, seq_id, op, digest)
+                if isinstance(restored_at, LoadResult):
+                    self.pool.rewound(model_id, restored_at.step)
+                return restored_at
             worker_id = await self._recover(model_id)
         try:
             result = await self._call(worker_id, call)
@@ -251,6 +254,8 @@ class CeleryDispatcher:
         if isinstance(op, SyncWeightsOp) and isinstance(result, SyncResult):
             # UNAVAILABLE if not shipped
             await self.pool.publish(model_id, result.version, inflight=op.inflight)
+        if isinstance(op, LoadStateOp) and isinstance(result, LoadResult):
+            self.pool.rewound(model_id, result.step)  # its next versions are new weights
         return result
 
     async def _keep(self, model_id: str, seq_id: int, op: OrderedOp) -> None:

@@ -15,6 +15,10 @@ version to every pool worker of the base and returns once one serves it; a
 version that cannot be shipped (store unreachable) fails ``sync_weights``
 UNAVAILABLE and the pool keeps serving the versions it had. A pool worker that
 missed a publish (started later) loads the version on the first request for it.
+A model rewound by ``load_state`` publishes its version numbers again with other
+weights: the files shipped from that step on are dropped (``rewound``), so the
+next sync ships the loaded weights, and a pool worker's ``latest`` is the version
+last published to it as latest (``LoadVersionCall.latest``), not the highest.
 
 Routing. A sample goes straight to the pool worker with the fewest calls in
 flight (a request, with its G samples, stays on one worker, so its prefill is
@@ -84,6 +88,8 @@ class SamplerPool:
         self._shipped: dict[str, OrderedDict[int, str]] = {}
         #: (worker, model, version, path) each pool worker acknowledged
         self._served: set[tuple[str, str, int, str]] = set()
+        #: (worker, model) -> the version acknowledged as the model's latest there
+        self._latest_on: dict[tuple[str, str], int] = {}
         self._shipping: dict[tuple[str, int], asyncio.Lock] = {}
         #: models with a sampler that chose the pool (or auto) itself: their versions
         #: are published to the pool whatever the server's placement
@@ -142,7 +148,8 @@ class SamplerPool:
         target = SamplerTarget(base_model, model_id, version, tenant_id)
         workers = self.workers(base_model)
         acks = await asyncio.gather(
-            *(self._load(w, target, path, inflight) for w in workers), return_exceptions=True
+            *(self._load(w, target, path, inflight, latest=True) for w in workers),
+            return_exceptions=True,
         )
         served = [w for w, a in zip(workers, acks, strict=True) if not isinstance(a, BaseException)]
         if not served:
@@ -180,7 +187,7 @@ class SamplerPool:
         last: TreadleError | None = None
         for worker_id in self.workers(target.base_model):
             try:
-                await self._load(worker_id, pinned, path)
+                await self._load(worker_id, pinned, path, latest=target.follows_latest)
             except UnavailableError as err:  # gone meanwhile: the next one
                 last = err
                 continue
@@ -192,6 +199,21 @@ class SamplerPool:
             )
         return None  # auto: back to the model's own worker
 
+    def rewound(self, model_id: str, step: int) -> None:
+        """``load_state`` put the model at ``step``: the versions shipped from ``step``
+        on name weights it will publish again under the same numbers (its next sync
+        is ``step``), so they are shipped again when asked for, never served from
+        the old files. The pool's ``latest`` stays what it was until that sync, as a
+        trainer's samplers do."""
+        shipped = self._shipped.get(model_id)
+        if not shipped:
+            return
+        for version in [v for v in shipped if v >= step]:
+            self._delete_later(shipped.pop(version))
+            self._shipping.pop((model_id, version), None)
+        self._served = {s for s in self._served if s[1] != model_id or s[2] < step}
+        self._latest_on = {k: v for k, v in self._latest_on.items() if k[1] != model_id}
+
     def forget(self, model_id: str) -> None:
         """A deleted model: its versions leave the store (off the event loop) and the
         pool workers that served them let them go (in the background)."""
@@ -201,6 +223,7 @@ class SamplerPool:
             self._delete_later(path)
         workers = {w for w, m, _, _ in self._served if m == model_id}
         self._served = {s for s in self._served if s[1] != model_id}
+        self._latest_on = {k: v for k, v in self._latest_on.items() if k[1] != model_id}
         self._shipping = {k: v for k, v in self._shipping.items() if k[0] != model_id}
         for worker_id in workers:
             task = asyncio.ensure_future(self._call(worker_id, DeleteModelCall(model_id)))
@@ -239,14 +262,24 @@ class SamplerPool:
             return path
 
     async def _load(
-        self, worker_id: str, target: SamplerTarget, path: str, inflight: bool = False
+        self,
+        worker_id: str,
+        target: SamplerTarget,
+        path: str,
+        inflight: bool = False,
+        *,
+        latest: bool = False,
     ) -> None:
+        """``worker_id`` serves ``target``'s version (``latest``: as the model's latest
+        there); a load this server saw acknowledged is not sent again."""
         assert target.model_id is not None and target.version is not None
         key = (worker_id, target.model_id, target.version, path)
-        if key in self._served:
+        if key in self._served and (not latest or self._latest_on.get(key[:2]) == key[2]):
             return
-        await self._call(worker_id, LoadVersionCall(target, path, inflight))
+        await self._call(worker_id, LoadVersionCall(target, path, inflight, latest))
         self._served.add(key)
+        if latest:
+            self._latest_on[key[:2]] = target.version
 
     def _delete_later(self, path: str) -> None:
         store = self.store
