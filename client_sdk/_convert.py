@@ -337,12 +337,25 @@ def synced_sampler_from_wire(
     )
 
 
+#: ``create_sampling_client(placement=...)`` -> ``SamplerPlacement``
+SAMPLER_PLACEMENTS = {
+    "colocated": sampling_pb2.SAMPLER_PLACEMENT_COLOCATED,
+    "pool": sampling_pb2.SAMPLER_PLACEMENT_POOL,
+    "auto": sampling_pb2.SAMPLER_PLACEMENT_AUTO,
+}
+
+
 def create_sampler_request(
-    base_model: str | None, weights: str | None
+    base_model: str | None, weights: str | None, placement: str | None = None
 ) -> sampling_pb2.CreateSamplerRequest:
+    if placement is not None and placement not in SAMPLER_PLACEMENTS:
+        raise InvalidArgumentError(
+            f"placement: {placement!r} is not one of {', '.join(SAMPLER_PLACEMENTS)}"
+        )
+    where = SAMPLER_PLACEMENTS[placement] if placement is not None else None
     if base_model is not None:
-        return sampling_pb2.CreateSamplerRequest(base_model=base_model)
-    return sampling_pb2.CreateSamplerRequest(weights=weights)
+        return sampling_pb2.CreateSamplerRequest(base_model=base_model, placement=where)
+    return sampling_pb2.CreateSamplerRequest(weights=weights, placement=where)
 
 
 def sample_request(

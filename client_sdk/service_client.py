@@ -233,17 +233,23 @@ class ServiceClient:
         *,
         weights: str | None = None,
         model_path: str | None = None,
+        placement: str | None = None,
     ) -> SamplingClient:
         """A sampler on ``base_model`` (no adapter), or on ``weights``: a
         ``treadle://<model_id>/v/<version>`` path (pinned) or
         ``treadle://<model_id>/latest`` (follows every ``sync_weights``).
-        ``model_path`` is the tinker name for ``weights``."""
+        ``model_path`` is the tinker name for ``weights``.
+
+        ``placement`` (a distributed server, docs/topologies.md): ``"colocated"``
+        samples on the model's own worker, ``"pool"`` on the sampler workers of its
+        base (UNAVAILABLE naming the base when none serves it), ``"auto"`` on the
+        pool when there is one; None: the server's ``--sampler-placement``."""
         weights = weights or model_path
         if (base_model is None) == (weights is None):
             raise InvalidArgumentError(
                 "create_sampling_client: give exactly one of base_model or weights"
             )
-        request = _convert.create_sampler_request(base_model, weights)
+        request = _convert.create_sampler_request(base_model, weights, placement)
         info = self._caller.call(self._sampling.CreateSampler, request, _convert.sampler_from_wire)
         info.result()  # surface NOT_FOUND etc. here, where the user asked
         return SamplingClient(self, info)

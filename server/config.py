@@ -10,6 +10,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from treadle.common.engine.domain import SAMPLER_PLACEMENTS
 from treadle.common.logs import add_observe_flags, metrics_port_of
 from treadle.errors import InvalidArgumentError
 from treadle.server.accounting.prices import Prices, parse_prices
@@ -26,8 +27,6 @@ from treadle.workers.engine.flags import (
 from treadle.workers.engine.options import EngineOptions
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1", "[::1]")
-#: ``--sampler-placement`` (``server.celery.pool``)
-SAMPLER_PLACEMENTS = ("colocated", "pool", "auto")
 
 
 @dataclass(frozen=True)

@@ -24,11 +24,18 @@ from treadle.common.engine.domain import (
     SequenceResult,
     StreamedSequence,
 )
-from treadle.common.engine.messages import EngineCall, ExportCall, SampleStreamCall
+from treadle.common.engine.messages import (
+    CheckTargetCall,
+    EngineCall,
+    ExportCall,
+    SampleCall,
+    SampleStreamCall,
+)
 from treadle.common.engine.model_config import ModelConfig
 from treadle.common.engine.report import EngineReport
 from treadle.common.engine.stats import PassStats, SamplerStats
 from treadle.errors import UnavailableError
+from treadle.server.sampler_placement import samples_on_pool
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -175,6 +182,8 @@ class InProcessDispatcher:
         self.api: EngineAPI = staged or engine
 
     async def call(self, call: EngineCall[R]) -> R:
+        if isinstance(call, CheckTargetCall | SampleCall):  # no pool here: colocated
+            samples_on_pool("colocated", call.target.placement, call.target.base_model, False)
         # an export writes straight into the local directory the server reads it from
         api = self.engine if isinstance(call, ExportCall) else self.api
         return await _await(api.call(call))
@@ -182,6 +191,7 @@ class InProcessDispatcher:
     async def sample_stream(
         self, target: SamplerTarget, op: SampleOp
     ) -> AsyncIterator[StreamedSequence]:
+        samples_on_pool("colocated", target.placement, target.base_model, False)
         loop = asyncio.get_running_loop()
         items: asyncio.Queue[StreamedSequence] = asyncio.Queue()
 

@@ -26,29 +26,31 @@ _sym_db = _symbol_database.Default()
 from treadle.v1 import common_pb2 as treadle_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19treadle/v1/sampling.proto\x12\ntreadle.v1\x1a\x17treadle/v1/common.proto\"I\n\x14\x43reateSamplerRequest\x12\x14\n\nbase_model\x18\x01 \x01(\tH\x00\x12\x11\n\x07weights\x18\x02 \x01(\tH\x00\x42\x08\n\x06target\"p\n\x0bSamplerInfo\x12\x12\n\nsampler_id\x18\x01 \x01(\t\x12\x12\n\nbase_model\x18\x02 \x01(\t\x12\x10\n\x08model_id\x18\x03 \x01(\t\x12\x0f\n\x07version\x18\x04 \x01(\x03\x12\x16\n\x0e\x66ollows_latest\x18\x05 \x01(\x08\"\x90\x02\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\x05\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x02\x88\x01\x01\x12\x0c\n\x04stop\x18\x05 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x03\x12\x11\n\x04seed\x18\x07 \x01(\x03H\x03\x88\x01\x01\x12\x14\n\x0ctoken_budget\x18\x08 \x01(\x05\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x18\n\x10\x63\x61\x63he_completion\x18\n \x01(\x08\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seed\"\xcf\x01\n\rSampleRequest\x12\x12\n\nsampler_id\x18\x01 \x01(\t\x12\x0e\n\x06seq_id\x18\x02 \x01(\x03\x12\"\n\x06prompt\x18\x03 \x01(\x0b\x32\x12.treadle.v1.Tensor\x12\x13\n\x0bnum_samples\x18\x04 \x01(\x05\x12*\n\x06params\x18\x05 \x01(\x0b\x32\x1a.treadle.v1.SamplingParams\x12\x17\n\x0fprompt_logprobs\x18\x06 \x01(\x08\x12\x1c\n\x14topk_prompt_logprobs\x18\x07 \x01(\x05\"\xca\x01\n\x0fSampledSequence\x12\"\n\x06tokens\x18\x01 \x01(\x0b\x32\x12.treadle.v1.Tensor\x12$\n\x08logprobs\x18\x02 \x01(\x0b\x32\x12.treadle.v1.Tensor\x12+\n\x0bstop_reason\x18\x03 \x01(\x0e\x32\x16.treadle.v1.StopReason\x12)\n\x08versions\x18\x04 \x03(\x0b\x32\x17.treadle.v1.VersionSpan\x12\x15\n\rresume_handle\x18\x05 \x01(\t\"\xd2\x01\n\x0eSampleResponse\x12.\n\tsequences\x18\x01 \x03(\x0b\x32\x1b.treadle.v1.SampledSequence\x12+\n\x0fprompt_logprobs\x18\x02 \x01(\x0b\x32\x12.treadle.v1.Tensor\x12\x31\n\x15topk_prompt_token_ids\x18\x03 \x01(\x0b\x32\x12.treadle.v1.Tensor\x12\x30\n\x14topk_prompt_logprobs\x18\x04 \x01(\x0b\x32\x12.treadle.v1.Tensor\"T\n\x14SampleStreamResponse\x12\r\n\x05index\x18\x01 \x01(\x05\x12-\n\x08sequence\x18\x02 \x01(\x0b\x32\x1b.treadle.v1.SampledSequence\"g\n\rResumeRequest\x12\x12\n\nsampler_id\x18\x01 \x01(\t\x12\x16\n\x0eresume_handles\x18\x02 \x03(\t\x12*\n\x06params\x18\x03 \x01(\x0b\x32\x1a.treadle.v1.SamplingParams2\xae\x02\n\x0fSamplingService\x12J\n\rCreateSampler\x12 .treadle.v1.CreateSamplerRequest\x1a\x17.treadle.v1.SamplerInfo\x12?\n\x06Sample\x12\x19.treadle.v1.SampleRequest\x1a\x1a.treadle.v1.SampleResponse\x12M\n\x0cSampleStream\x12\x19.treadle.v1.SampleRequest\x1a .treadle.v1.SampleStreamResponse0\x01\x12?\n\x06Resume\x12\x19.treadle.v1.ResumeRequest\x1a\x1a.treadle.v1.SampleResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19treadle/v1/sampling.proto\x12\ntreadle.v1\x1a\x17treadle/v1/common.proto\"z\n\x14\x43reateSamplerRequest\x12\x14\n\nbase_model\x18\x01 \x01(\tH\x00\x12\x11\n\x07weights\x18\x02 \x01(\tH\x00\x12/\n\tplacement\x18\x03 \x01(\x0e\x32\x1c.treadle.v1.SamplerPlacementB\x08\n\x06target\"p\n\x0bSamplerInfo\x12\x12\n\nsampler_id\x18\x01 \x01(\t\x12\x12\n\nbase_model\x18\x02 \x01(\t\x12\x10\n\x08model_id\x18\x03 \x01(\t\x12\x0f\n\x07version\x18\x04 \x01(\x03\x12\x16\n\x0e\x66ollows_latest\x18\x05 \x01(\x08\"\x90\x02\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\x05\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x02\x88\x01\x01\x12\x0c\n\x04stop\x18\x05 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x03\x12\x11\n\x04seed\x18\x07 \x01(\x03H\x03\x88\x01\x01\x12\x14\n\x0ctoken_budget\x18\x08 \x01(\x05\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x18\n\x10\x63\x61\x63he_completion\x18\n \x01(\x08\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seed\"\xcf\x01\n\rSampleRequest\x12\x12\n\nsampler_id\x18\x01 \x01(\t\x12\x0e\n\x06seq_id\x18\x02 \x01(\x03\x12\"\n\x06prompt\x18\x03 \x01(\x0b\x32\x12.treadle.v1.Tensor\x12\x13\n\x0bnum_samples\x18\x04 \x01(\x05\x12*\n\x06params\x18\x05 \x01(\x0b\x32\x1a.treadle.v1.SamplingParams\x12\x17\n\x0fprompt_logprobs\x18\x06 \x01(\x08\x12\x1c\n\x14topk_prompt_logprobs\x18\x07 \x01(\x05\"\xca\x01\n\x0fSampledSequence\x12\"\n\x06tokens\x18\x01 \x01(\x0b\x32\x12.treadle.v1.Tensor\x12$\n\x08logprobs\x18\x02 \x01(\x0b\x32\x12.treadle.v1.Tensor\x12+\n\x0bstop_reason\x18\x03 \x01(\x0e\x32\x16.treadle.v1.StopReason\x12)\n\x08versions\x18\x04 \x03(\x0b\x32\x17.treadle.v1.VersionSpan\x12\x15\n\rresume_handle\x18\x05 \x01(\t\"\xd2\x01\n\x0eSampleResponse\x12.\n\tsequences\x18\x01 \x03(\x0b\x32\x1b.treadle.v1.SampledSequence\x12+\n\x0fprompt_logprobs\x18\x02 \x01(\x0b\x32\x12.treadle.v1.Tensor\x12\x31\n\x15topk_prompt_token_ids\x18\x03 \x01(\x0b\x32\x12.treadle.v1.Tensor\x12\x30\n\x14topk_prompt_logprobs\x18\x04 \x01(\x0b\x32\x12.treadle.v1.Tensor\"T\n\x14SampleStreamResponse\x12\r\n\x05index\x18\x01 \x01(\x05\x12-\n\x08sequence\x18\x02 \x01(\x0b\x32\x1b.treadle.v1.SampledSequence\"g\n\rResumeRequest\x12\x12\n\nsampler_id\x18\x01 \x01(\t\x12\x16\n\x0eresume_handles\x18\x02 \x03(\t\x12*\n\x06params\x18\x03 \x01(\x0b\x32\x1a.treadle.v1.SamplingParams*\x8e\x01\n\x10SamplerPlacement\x12!\n\x1dSAMPLER_PLACEMENT_UNSPECIFIED\x10\x00\x12\x1f\n\x1bSAMPLER_PLACEMENT_COLOCATED\x10\x01\x12\x1a\n\x16SAMPLER_PLACEMENT_POOL\x10\x02\x12\x1a\n\x16SAMPLER_PLACEMENT_AUTO\x10\x03\x32\xae\x02\n\x0fSamplingService\x12J\n\rCreateSampler\x12 .treadle.v1.CreateSamplerRequest\x1a\x17.treadle.v1.SamplerInfo\x12?\n\x06Sample\x12\x19.treadle.v1.SampleRequest\x1a\x1a.treadle.v1.SampleResponse\x12M\n\x0cSampleStream\x12\x19.treadle.v1.SampleRequest\x1a .treadle.v1.SampleStreamResponse0\x01\x12?\n\x06Resume\x12\x19.treadle.v1.ResumeRequest\x1a\x1a.treadle.v1.SampleResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'treadle.v1.sampling_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_SAMPLERPLACEMENT']._serialized_start=1399
+  _globals['_SAMPLERPLACEMENT']._serialized_end=1541
   _globals['_CREATESAMPLERREQUEST']._serialized_start=66
-  _globals['_CREATESAMPLERREQUEST']._serialized_end=139
-  _globals['_SAMPLERINFO']._serialized_start=141
-  _globals['_SAMPLERINFO']._serialized_end=253
-  _globals['_SAMPLINGPARAMS']._serialized_start=256
-  _globals['_SAMPLINGPARAMS']._serialized_end=528
-  _globals['_SAMPLEREQUEST']._serialized_start=531
-  _globals['_SAMPLEREQUEST']._serialized_end=738
-  _globals['_SAMPLEDSEQUENCE']._serialized_start=741
-  _globals['_SAMPLEDSEQUENCE']._serialized_end=943
-  _globals['_SAMPLERESPONSE']._serialized_start=946
-  _globals['_SAMPLERESPONSE']._serialized_end=1156
-  _globals['_SAMPLESTREAMRESPONSE']._serialized_start=1158
-  _globals['_SAMPLESTREAMRESPONSE']._serialized_end=1242
-  _globals['_RESUMEREQUEST']._serialized_start=1244
-  _globals['_RESUMEREQUEST']._serialized_end=1347
-  _globals['_SAMPLINGSERVICE']._serialized_start=1350
-  _globals['_SAMPLINGSERVICE']._serialized_end=1652
+  _globals['_CREATESAMPLERREQUEST']._serialized_end=188
+  _globals['_SAMPLERINFO']._serialized_start=190
+  _globals['_SAMPLERINFO']._serialized_end=302
+  _globals['_SAMPLINGPARAMS']._serialized_start=305
+  _globals['_SAMPLINGPARAMS']._serialized_end=577
+  _globals['_SAMPLEREQUEST']._serialized_start=580
+  _globals['_SAMPLEREQUEST']._serialized_end=787
+  _globals['_SAMPLEDSEQUENCE']._serialized_start=790
+  _globals['_SAMPLEDSEQUENCE']._serialized_end=992
+  _globals['_SAMPLERESPONSE']._serialized_start=995
+  _globals['_SAMPLERESPONSE']._serialized_end=1205
+  _globals['_SAMPLESTREAMRESPONSE']._serialized_start=1207
+  _globals['_SAMPLESTREAMRESPONSE']._serialized_end=1291
+  _globals['_RESUMEREQUEST']._serialized_start=1293
+  _globals['_RESUMEREQUEST']._serialized_end=1396
+  _globals['_SAMPLINGSERVICE']._serialized_start=1544
+  _globals['_SAMPLINGSERVICE']._serialized_end=1846
 # @@protoc_insertion_point(module_scope)

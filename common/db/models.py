@@ -30,6 +30,8 @@ from sqlalchemy import (
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 from sqlalchemy.types import TypeDecorator
 
+from treadle.common.engine.domain import SAMPLER_PLACEMENTS
+
 # Deterministic constraint names, so migrations can drop and alter them by name
 # on every backend (SQLite batch mode included).
 NAMING_CONVENTION: dict[str, str] = {
@@ -232,7 +234,10 @@ class WeightVersion(Base):
 
 class Sampler(Base):
     __tablename__ = "samplers"
-    __table_args__ = (CheckConstraint(_in("mode", SAMPLER_MODES), name="mode"),)
+    __table_args__ = (
+        CheckConstraint(_in("mode", SAMPLER_MODES), name="mode"),
+        CheckConstraint(_in("placement", SAMPLER_PLACEMENTS), name="placement"),
+    )
 
     id: Mapped[str] = mapped_column(String(64), primary_key=True)
     tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id"))
@@ -243,6 +248,8 @@ class Sampler(Base):
     created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
     #: the client session it was created in (tinker's get_session lists it)
     session_id: Mapped[str | None] = mapped_column(ForeignKey("sessions.id"))
+    #: where it samples, chosen at creation; None: the server's ``--sampler-placement``
+    placement: Mapped[str | None] = mapped_column(String(16))
 
 
 class Op(Base):

@@ -239,6 +239,13 @@ class SamplingConfig:
     cache_completion: bool = False
 
 
+#: where a sampler samples on a distributed server: on its model's worker
+#: (``colocated``), on the sampler workers of its base (``pool``), or the pool when
+#: one serves the base, else colocated (``auto``); the server's
+#: ``--sampler-placement``, overridable per sampler at creation
+SAMPLER_PLACEMENTS = ("colocated", "pool", "auto")
+
+
 @dataclass(frozen=True)
 class SamplerTarget:
     """Which weights a sampler reads: the base, one version, or a model's latest."""
@@ -247,6 +254,9 @@ class SamplerTarget:
     model_id: str | None = None
     version: int | None = None  # None with a model_id = follow latest
     tenant_id: str = ""  # whose request (the sampler queues tenants fairly)
+    #: one of ``SAMPLER_PLACEMENTS`` chosen for this sampler; "" = the server's. The
+    #: server routes by it; an engine never reads it
+    placement: str = ""
 
     @property
     def follows_latest(self) -> bool:

@@ -42,8 +42,9 @@ from treadle.common.engine.domain import (
 )
 from treadle.errors import TreadleError
 
-#: the message format both ends speak; carried in every message (2: calls named ``*Call``)
-VERSION = 2
+#: the message format both ends speak; carried in every message (2: calls named ``*Call``;
+#: 3: ``SamplerTarget.placement``, ``LoadVersionCall.latest``)
+VERSION = 3
 
 R = TypeVar("R")
 
@@ -277,6 +278,11 @@ class LoadVersionCall(EngineCall[TargetVersion]):
     #: PipelineRL: sequences following the model's latest weights on this worker
     #: continue under this version from their next token (``SyncWeightsOp.inflight``)
     inflight: bool = False
+    #: this version is the model's latest here from now on (a publish, or the
+    #: version a ``latest`` sampler reads), even if a higher one was shipped before
+    #: (a model rewound by ``load_state`` publishes its numbers again); else a
+    #: version loaded for a pinned sampler, which leaves the latest as it was
+    latest: bool = False
 
     @property
     def route(self) -> CallRoute:

@@ -59,6 +59,7 @@ from treadle.common.engine.domain import (
     SyncWeightsOp,
 )
 from treadle.common.engine.messages import (
+    CheckTargetCall,
     CreateModelCall,
     DeleteModelCall,
     EngineCall,
@@ -155,6 +156,8 @@ class CeleryDispatcher:
             return cast(R, await self._unload_model(call))
         if isinstance(call, ExportCall):
             return cast(R, await self._export(call))
+        if isinstance(call, CheckTargetCall) and call.target.placement:
+            self.pool.check(call.target)  # a new sampler that chose where it samples
         if isinstance(call, SampleCall):
             routed = await self.pool.route(call.target)
             if routed is not None:  # straight to a sampler worker, never the trainer's queue
@@ -236,7 +239,10 @@ class CeleryDispatcher:
             worker_id = self.placement.worker_of(model_id)
         except AbortedError:
             if isinstance(op, LoadStateOp):
-                return await self._restore(model_id, seq_id, op, digest)
+                restored_at = await self._restore(model_id, seq_id, op, digest)
+                if isinstance(restored_at, LoadResult):
+                    self.pool.rewound(model_id, restored_at.step)
+                return restored_at
             worker_id = await self._recover(model_id)
         try:
             result = await self._call(worker_id, call)
@@ -248,6 +254,8 @@ class CeleryDispatcher:
         if isinstance(op, SyncWeightsOp) and isinstance(result, SyncResult):
             # UNAVAILABLE if not shipped
             await self.pool.publish(model_id, result.version, inflight=op.inflight)
+        if isinstance(op, LoadStateOp) and isinstance(result, LoadResult):
+            self.pool.rewound(model_id, result.step)  # its next versions are new weights
         return result
 
     async def _keep(self, model_id: str, seq_id: int, op: OrderedOp) -> None:

@@ -4,7 +4,8 @@ A worker started with ``--role sampler`` serves samplers only. Where a model's
 samplers sample is the server's ``--sampler-placement``: ``colocated`` (on the
 model's trainer worker, as an embedded server does), ``pool`` (on the sampler
 workers serving its base) or ``auto`` (the pool when a sampler worker serves
-the base, else colocated).
+the base, else colocated); a sampler may choose its own at creation
+(``SamplerTarget.placement``), which wins (the rule: ``server.sampler_placement``).
 
 Weights shipped per version. A model's trainer writes a published version once
 to the store (``ShipVersionCall``: safetensors, a LoRA adapter's few MB or a
@@ -14,6 +15,10 @@ version to every pool worker of the base and returns once one serves it; a
 version that cannot be shipped (store unreachable) fails ``sync_weights``
 UNAVAILABLE and the pool keeps serving the versions it had. A pool worker that
 missed a publish (started later) loads the version on the first request for it.
+A model rewound by ``load_state`` publishes its version numbers again with other
+weights: the files shipped from that step on are dropped (``rewound``), so the
+next sync ships the loaded weights, and a pool worker's ``latest`` is the version
+last published to it as latest (``LoadVersionCall.latest``), not the highest.
 
 Routing. A sample goes straight to the pool worker with the fewest calls in
 flight (a request, with its G samples, stays on one worker, so its prefill is
@@ -51,6 +56,7 @@ from treadle.common.engine.messages import (
 from treadle.common.store import Store
 from treadle.errors import NotFoundError, TreadleError, UnavailableError
 from treadle.server.celery.placement import Placement
+from treadle.server.sampler_placement import samples_on_pool
 
 log = logging.getLogger("treadle.server")
 R = TypeVar("R")
@@ -82,7 +88,12 @@ class SamplerPool:
         self._shipped: dict[str, OrderedDict[int, str]] = {}
         #: (worker, model, version, path) each pool worker acknowledged
         self._served: set[tuple[str, str, int, str]] = set()
+        #: (worker, model) -> the version acknowledged as the model's latest there
+        self._latest_on: dict[tuple[str, str], int] = {}
         self._shipping: dict[tuple[str, int], asyncio.Lock] = {}
+        #: models with a sampler that chose the pool (or auto) itself: their versions
+        #: are published to the pool whatever the server's placement
+        self._chosen: set[str] = set()
 
     # ---- which workers -------------------------------------------------------------------
 
@@ -101,20 +112,21 @@ class SamplerPool:
         with self.placement.lock:
             return any(w.role == "sampler" for w in self.placement.live)
 
-    def places(self, base_model: str) -> bool:
-        """Whether samplers of ``base_model`` sample on the pool now; under ``pool``
-        with no pool worker, UNAVAILABLE naming the base."""
-        if self.mode == "colocated":
+    def places(self, base_model: str, chosen: str = "") -> bool:
+        """Whether a sampler of ``base_model`` (that chose ``chosen``; "" = the
+        server's) samples on the pool now; placed on the pool with no pool worker,
+        UNAVAILABLE naming the base."""
+        if (chosen or self.mode) == "colocated":
             return False
-        if self.workers(base_model):
-            return True
-        if self.mode == "pool":
-            raise UnavailableError(
-                f"no sampler worker serves base model {base_model!r} "
-                "(--sampler-placement pool); start one: "
-                f"treadle worker --role sampler --model {base_model}=DIR --broker ..."
-            )
-        return False
+        return samples_on_pool(self.mode, chosen, base_model, bool(self.workers(base_model)))
+
+    def check(self, target: SamplerTarget) -> None:
+        """A new sampler that chose its placement: UNAVAILABLE now if it cannot be
+        served (``pool`` with no pool worker of its base); a model's sampler that
+        chose the pool has the model's later versions published there."""
+        self.places(target.base_model, target.placement)
+        if target.model_id is not None and target.placement in ("pool", "auto"):
+            self._chosen.add(target.model_id)
 
     # ---- versions --------------------------------------------------------------------------
 
@@ -122,18 +134,22 @@ class SamplerPool:
         """After ``sync_weights`` made ``version``: ship it and have the pool serve it
         (returns once one pool worker does). A version that cannot be shipped fails
         UNAVAILABLE; the pool keeps what it served."""
-        if self.mode == "colocated" or (self.mode == "auto" and not self._any_sampler_worker()):
+        chosen = model_id in self._chosen
+        if not chosen and (
+            self.mode == "colocated" or (self.mode == "auto" and not self._any_sampler_worker())
+        ):
             self._latest.pop(model_id, None)  # resolved again from the trainer if a pool comes
             return
         base_model, tenant_id = self._model(model_id)
-        if not self.places(base_model):
+        if not self.places(base_model, "auto" if chosen and self.mode == "colocated" else ""):
             self._latest.pop(model_id, None)  # resolved again from the trainer if a pool comes
             return
         path = await self._ship(model_id, base_model, tenant_id, version)
         target = SamplerTarget(base_model, model_id, version, tenant_id)
         workers = self.workers(base_model)
         acks = await asyncio.gather(
-            *(self._load(w, target, path, inflight) for w in workers), return_exceptions=True
+            *(self._load(w, target, path, inflight, latest=True) for w in workers),
+            return_exceptions=True,
         )
         served = [w for w, a in zip(workers, acks, strict=True) if not isinstance(a, BaseException)]
         if not served:
@@ -152,8 +168,10 @@ class SamplerPool:
         reads, loaded first if it lacked it), and the target as sent there; None:
         colocated. A ``latest`` target stays one: the worker samples its latest
         version, and an in-flight publish moves its running sequences on."""
-        if not self.places(target.base_model):
+        if not self.places(target.base_model, target.placement):
             return None
+        if target.model_id is not None and target.placement:
+            self._chosen.add(target.model_id)
         if target.model_id is None:
             return self.workers(target.base_model)[0], target
         model_id = target.model_id
@@ -169,26 +187,43 @@ class SamplerPool:
         last: TreadleError | None = None
         for worker_id in self.workers(target.base_model):
             try:
-                await self._load(worker_id, pinned, path)
+                await self._load(worker_id, pinned, path, latest=target.follows_latest)
             except UnavailableError as err:  # gone meanwhile: the next one
                 last = err
                 continue
             return worker_id, target
-        if self.mode == "pool":
+        if (target.placement or self.mode) == "pool":
             raise UnavailableError(
                 f"no sampler worker of base model {target.base_model!r} could serve "
                 f"treadle://{model_id}/v/{version}" + (f": {last.message}" if last else "")
             )
         return None  # auto: back to the model's own worker
 
+    def rewound(self, model_id: str, step: int) -> None:
+        """``load_state`` put the model at ``step``: the versions shipped from ``step``
+        on name weights it will publish again under the same numbers (its next sync
+        is ``step``), so they are shipped again when asked for, never served from
+        the old files. The pool's ``latest`` stays what it was until that sync, as a
+        trainer's samplers do."""
+        shipped = self._shipped.get(model_id)
+        if not shipped:
+            return
+        for version in [v for v in shipped if v >= step]:
+            self._delete_later(shipped.pop(version))
+            self._shipping.pop((model_id, version), None)
+        self._served = {s for s in self._served if s[1] != model_id or s[2] < step}
+        self._latest_on = {k: v for k, v in self._latest_on.items() if k[1] != model_id}
+
     def forget(self, model_id: str) -> None:
         """A deleted model: its versions leave the store (off the event loop) and the
         pool workers that served them let them go (in the background)."""
         self._latest.pop(model_id, None)
+        self._chosen.discard(model_id)
         for path in self._shipped.pop(model_id, {}).values():
             self._delete_later(path)
         workers = {w for w, m, _, _ in self._served if m == model_id}
         self._served = {s for s in self._served if s[1] != model_id}
+        self._latest_on = {k: v for k, v in self._latest_on.items() if k[1] != model_id}
         self._shipping = {k: v for k, v in self._shipping.items() if k[0] != model_id}
         for worker_id in workers:
             task = asyncio.ensure_future(self._call(worker_id, DeleteModelCall(model_id)))
@@ -227,14 +262,24 @@ class SamplerPool:
             return path
 
     async def _load(
-        self, worker_id: str, target: SamplerTarget, path: str, inflight: bool = False
+        self,
+        worker_id: str,
+        target: SamplerTarget,
+        path: str,
+        inflight: bool = False,
+        *,
+        latest: bool = False,
     ) -> None:
+        """``worker_id`` serves ``target``'s version (``latest``: as the model's latest
+        there); a load this server saw acknowledged is not sent again."""
         assert target.model_id is not None and target.version is not None
         key = (worker_id, target.model_id, target.version, path)
-        if key in self._served:
+        if key in self._served and (not latest or self._latest_on.get(key[:2]) == key[2]):
             return
-        await self._call(worker_id, LoadVersionCall(target, path, inflight))
+        await self._call(worker_id, LoadVersionCall(target, path, inflight, latest))
         self._served.add(key)
+        if latest:
+            self._latest_on[key[:2]] = target.version
 
     def _delete_later(self, path: str) -> None:
         store = self.store

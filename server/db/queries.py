@@ -379,6 +379,7 @@ def create_sampler(
     pinned_version: int | None = None,
     sampler_id: str | None = None,
     session_id: str | None = None,
+    placement: str | None = None,
 ) -> Sampler:
     row = Sampler(
         id=sampler_id or new_id("s"),
@@ -388,6 +389,7 @@ def create_sampler(
         mode=mode,
         pinned_version=pinned_version,
         session_id=session_id,
+        placement=placement,
     )
     return _add(s, row)
 

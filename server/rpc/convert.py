@@ -14,6 +14,7 @@ import numpy as np
 
 from treadle.common.db import models as db
 from treadle.common.engine.domain import (
+    SAMPLER_PLACEMENTS,
     AdamConfig,
     DatumData,
     ForwardBackwardOp,
@@ -121,12 +122,25 @@ def checkpoint(c: CheckpointRecord) -> training_pb2.Checkpoint:
 
 
 def sampler_source(req: sampling_pb2.CreateSamplerRequest) -> SamplerSource:
+    placement = sampler_placement(req.placement)
     which = req.WhichOneof("target")
     if which == "base_model":
-        return SamplerSource(base_model=req.base_model)
+        return SamplerSource(base_model=req.base_model, placement=placement)
     if which == "weights":
-        return SamplerSource(weights=req.weights)
-    return SamplerSource()
+        return SamplerSource(weights=req.weights, placement=placement)
+    return SamplerSource(placement=placement)
+
+
+def sampler_placement(value: int) -> str:
+    """``SamplerPlacement`` -> one of ``SAMPLER_PLACEMENTS``; "" = the server's."""
+    if value == sampling_pb2.SAMPLER_PLACEMENT_UNSPECIFIED:
+        return ""
+    if value not in sampling_pb2.SamplerPlacement.values():
+        raise InvalidArgumentError(
+            f"placement: unknown sampler placement ({value}); one of "
+            f"{', '.join(SAMPLER_PLACEMENTS)}, or unset for the server's"
+        )
+    return sampling_pb2.SamplerPlacement.Name(value).removeprefix("SAMPLER_PLACEMENT_").lower()
 
 
 def sampler_info(info: SamplerInfo) -> sampling_pb2.SamplerInfo:

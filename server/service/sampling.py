@@ -16,6 +16,7 @@ from dataclasses import replace
 import numpy as np
 
 from treadle.common.engine.domain import (
+    SAMPLER_PLACEMENTS,
     SampleOp,
     SampleResult,
     SamplerTarget,
@@ -60,11 +61,16 @@ class SamplingService:
         """A sampler on a base model or published weights; ``session_id`` (optional)
         is the tenant's client session it belongs to."""
         ctx = self.ctx
+        placement = source.placement
+        if placement and placement not in SAMPLER_PLACEMENTS:
+            raise InvalidArgumentError(
+                f"placement: {placement!r} is not one of {', '.join(SAMPLER_PLACEMENTS)}"
+            )
         if source.base_model is not None:
             base_model = ctx.base_model_name(source.base_model)
             if base_model not in ctx.catalog.base_model_names():
                 raise NotFoundError(f"base_model {source.base_model!r} is not served here")
-            target = SamplerTarget(base_model=base_model)
+            target = SamplerTarget(base_model=base_model, placement=placement)
             mode = "base"
         elif source.weights is not None:
             ref = parse_weights_uri(source.weights)
@@ -73,7 +79,10 @@ class SamplingService:
                 if row is None:
                     raise NotFoundError(f"weights {source.weights!r} not found")
                 target = SamplerTarget(
-                    base_model=row.base_model, model_id=row.id, version=ref.version
+                    base_model=row.base_model,
+                    model_id=row.id,
+                    version=ref.version,
+                    placement=placement,
                 )
             mode = "latest" if ref.version is None else "version"
         else:
@@ -94,6 +103,7 @@ class SamplingService:
                 model_id=target.model_id,
                 pinned_version=target.version,
                 session_id=session_id or None,
+                placement=placement or None,
             )
             sampler_id = row_s.id
         self.remember(tenant, sampler_id, target)
@@ -115,7 +125,12 @@ class SamplingService:
                     raise NotFoundError(f"sampler {sampler_id!r} not found")
                 cached = (
                     row.tenant_id,
-                    SamplerTarget(row.base_model, row.model_id, row.pinned_version),
+                    SamplerTarget(
+                        row.base_model,
+                        row.model_id,
+                        row.pinned_version,
+                        placement=row.placement or "",
+                    ),
                 )
         owner, target = cached
         self.remember(owner, sampler_id, target)

@@ -135,6 +135,9 @@ class SamplerSource:
 
     base_model: str | None = None
     weights: str | None = None
+    #: where it samples (one of ``SAMPLER_PLACEMENTS``); "" = the server's
+    #: ``--sampler-placement``
+    placement: str = ""
 
 
 @dataclass(frozen=True)

@@ -107,7 +107,10 @@ def _ship_version(engine: Engine, c: ShipVersionCall) -> Future[Any]:
 
 @handles(LoadVersionCall)
 def _load_version(engine: Engine, c: LoadVersionCall) -> Future[Any]:
-    return mapped(engine.load_version(c.target, c.directory, inflight=c.inflight), TargetVersion)
+    return mapped(
+        engine.load_version(c.target, c.directory, inflight=c.inflight, latest=c.latest),
+        TargetVersion,
+    )
 
 
 def stream(

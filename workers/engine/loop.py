@@ -100,6 +100,9 @@ class Engine:
         #: worker of the pool: ``workers.engine.shipping``)
         self.shipped = VersionStore(config.keep_versions)
         self._shipped_from: dict[tuple[str, int], str] = {}  # (model, version) -> its files
+        #: model -> the version its ``latest`` samplers read here (the last published,
+        #: which a rewound model makes lower than versions shipped before it)
+        self._shipped_latest: dict[str, int] = {}
         self.registry = ModelRegistry()
         #: model id -> the model (engine thread only)
         self.models: dict[str, TrainingModel] = self.registry.models
@@ -305,11 +308,17 @@ class Engine:
         return self._on_engine(ship)
 
     def load_version(
-        self, target: SamplerTarget, directory: str | Path, *, inflight: bool = False
+        self,
+        target: SamplerTarget,
+        directory: str | Path,
+        *,
+        inflight: bool = False,
+        latest: bool = False,
     ) -> Future[int]:
         """Serve a version shipped from the model's trainer (``ship_version``) from now
         on: read it, publish it to the sampler (``inflight``: the requests following
-        the model's latest weights here continue under it); the version (the ack)."""
+        the model's latest weights here continue under it; ``latest``: those requests
+        read it from now on); the version (the ack)."""
         model_id, version = target.model_id, target.version
         assert model_id is not None and version is not None
 
@@ -317,20 +326,22 @@ class Engine:
             return self.bases.get(target.base_model, parse_dtype(dtype))
 
         def load() -> int:
-            if self._shipped_from.get((model_id, version)) == str(directory):
-                return version  # served already (a repeat, or a second server's publish)
-            snapshot = shipping.read_version(Path(directory), base_at, model_id, version)
-            released = self.shipped.publish(snapshot)
-            self._shipped_from[(model_id, version)] = str(directory)
-            for old in released:
-                self._shipped_from.pop((model_id, old), None)
-            self.sampler.publish(
-                self.bases.get(target.base_model, snapshot.params.dtype),
-                snapshot,
-                inflight=inflight,
-            )
-            if released:
-                self.sampler.release(model_id, released)
+            if self._shipped_from.get((model_id, version)) != str(directory):
+                # else served already (a repeat, or a second server's publish)
+                snapshot = shipping.read_version(Path(directory), base_at, model_id, version)
+                released = self.shipped.publish(snapshot)
+                self._shipped_from[(model_id, version)] = str(directory)
+                for old in released:
+                    self._shipped_from.pop((model_id, old), None)
+                self.sampler.publish(
+                    self.bases.get(target.base_model, snapshot.params.dtype),
+                    snapshot,
+                    inflight=inflight,
+                )
+                if released:
+                    self.sampler.release(model_id, released)
+            if latest:
+                self._shipped_latest[model_id] = version
             return version
 
         return self._on_engine(load)
@@ -498,6 +509,7 @@ class Engine:
     def _drop_shipped(self, model_id: str) -> None:
         kept = self.shipped.versions(model_id)
         self.shipped.drop(model_id)
+        self._shipped_latest.pop(model_id, None)
         for version in kept:
             self._shipped_from.pop((model_id, version), None)
         self.sampler.release(model_id, kept)
@@ -542,8 +554,11 @@ class Engine:
             return WeightSnapshot(None, 0, base.params, None)
         if target.model_id not in self.models:
             shipped = self.shipped.versions(target.model_id)
-            if shipped:  # trained elsewhere, shipped here: its latest is the highest
-                version = target.version if target.version is not None else max(shipped)
+            if shipped:  # trained elsewhere, shipped here
+                version = target.version
+                if version is None:  # the last published; the highest if that one went
+                    version = self._shipped_latest.get(target.model_id, -1)
+                    version = version if version in shipped else max(shipped)
                 return self.shipped.get(target.model_id, version)
             raise NotFoundError(f"model {target.model_id} not found")
         return self.versions.get(target.model_id, target.version)

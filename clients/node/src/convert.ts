@@ -4,7 +4,13 @@
  * Tensors are packed little-endian, as `treadle.wire.tensors` packs them: token ids as int64, per-token values as float32
  * (float64 when given a Float64Array).
  */
-import { LOSS_FNS, type LossFnName, stopReasonFromWire } from "./enums.js";
+import {
+  LOSS_FNS,
+  type LossFnName,
+  SAMPLER_PLACEMENTS,
+  type SamplerPlacementName,
+  stopReasonFromWire,
+} from "./enums.js";
 import { InvalidArgumentError } from "./errors.js";
 import * as common from "./gen/treadle/v1/common.js";
 import * as samplingPb from "./gen/treadle/v1/sampling.js";
@@ -105,6 +111,18 @@ export function fromTensor(t: common.Tensor | undefined, field: string): Float32
 function floats(t: common.Tensor | undefined, field: string): Float32Array | Float64Array {
   const arr = fromTensor(t, field);
   return Array.isArray(arr) ? Float64Array.from(arr) : arr;
+}
+
+/** A sampler's placement (`createSamplingClient`); undefined: the server's choice. */
+export function samplerPlacementToWire(name: unknown): samplingPb.SamplerPlacement {
+  if (name === undefined) return samplingPb.SamplerPlacement.SAMPLER_PLACEMENT_UNSPECIFIED;
+  const value = typeof name === "string" ? SAMPLER_PLACEMENTS.get(name as SamplerPlacementName) : undefined;
+  if (value === undefined) {
+    throw new InvalidArgumentError(
+      `placement: unknown placement ${describe(name)}; known: ${[...SAMPLER_PLACEMENTS.keys()].join(", ")}`,
+    );
+  }
+  return value;
 }
 
 // ---- training -----------------------------------------------------------------------

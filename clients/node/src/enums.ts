@@ -6,6 +6,7 @@
  * same enums the same way (`common_pb2.LossFn`).
  */
 import { LossFn, StopReason as WireStopReason } from "./gen/treadle/v1/common.js";
+import { SamplerPlacement } from "./gen/treadle/v1/sampling.js";
 
 /** An enum's member names, less the proto's `*_UNSPECIFIED` and ts-proto's `UNRECOGNIZED`. */
 type Members<E> = Exclude<keyof E, `${string}UNSPECIFIED` | "UNRECOGNIZED">;
@@ -43,3 +44,17 @@ export function stopReasonFromWire(reason: WireStopReason): [StopReason, Stopped
   if (name.startsWith("STOP_")) return ["stop", name.toLowerCase() as StoppedBy];
   return [name.toLowerCase() as StopReason, undefined];
 }
+
+/** Where a sampler samples (a distributed server; docs/topologies.md): the proto's
+ * SamplerPlacement without its prefix, lower-cased (`"colocated"`, `"pool"`, `"auto"`). */
+export type SamplerPlacementName = Lowercase<
+  Members<typeof SamplerPlacement> extends `SAMPLER_PLACEMENT_${infer P}` ? P : never
+>;
+
+/** Every placement the wire knows, by its name. */
+export const SAMPLER_PLACEMENTS: ReadonlyMap<SamplerPlacementName, SamplerPlacement> = new Map(
+  members(SamplerPlacement).map(([name, value]) => [
+    name.replace(/^SAMPLER_PLACEMENT_/, "").toLowerCase() as SamplerPlacementName,
+    value as SamplerPlacement,
+  ]),
+);

@@ -2,6 +2,7 @@
 import type { ChannelCredentials } from "@grpc/grpc-js";
 import * as convert from "./convert.js";
 import { InvalidArgumentError, type TreadleError } from "./errors.js";
+import type { SamplerPlacementName } from "./enums.js";
 import { SamplingServiceClient } from "./gen/treadle/v1/sampling.js";
 import { ServerServiceClient, type TokenizerChunk } from "./gen/treadle/v1/server.js";
 import { TrainingServiceClient, type CreateModelRequest } from "./gen/treadle/v1/training.js";
@@ -174,17 +175,23 @@ export class ServiceClient {
   /**
    * A sampler on a base model (`{baseModel}`), or on `{weights}`: a
    * treadle://<model_id>/v/<version> path (pinned) or treadle://<model_id>/latest
-   * (follows every syncWeights).
+   * (follows every syncWeights). `placement` (a distributed server): "colocated" on
+   * the model's worker, "pool" on the sampler workers of its base (UNAVAILABLE naming
+   * the base when none serves it), "auto" the pool when there is one; unset: the
+   * server's `--sampler-placement`.
    */
-  async createSamplingClient(target: { baseModel: string } | { weights: string }): Promise<SamplingClient> {
-    const t = (target ?? {}) as { baseModel?: unknown; weights?: unknown };
+  async createSamplingClient(
+    target: ({ baseModel: string } | { weights: string }) & { placement?: SamplerPlacementName },
+  ): Promise<SamplingClient> {
+    const t = (target ?? {}) as { baseModel?: unknown; weights?: unknown; placement?: unknown };
     if ((t.baseModel === undefined) === (t.weights === undefined)) {
       throw new InvalidArgumentError("createSamplingClient: give exactly one of baseModel or weights");
     }
+    const placement = convert.samplerPlacementToWire(t.placement);
     const request =
       t.baseModel !== undefined
-        ? { baseModel: nonEmptyString(t.baseModel, "baseModel") }
-        : { weights: nonEmptyString(t.weights, "weights") };
+        ? { baseModel: nonEmptyString(t.baseModel, "baseModel"), placement }
+        : { weights: nonEmptyString(t.weights, "weights"), placement };
     const info = await this.caller.call(this.sampling.createSampler.bind(this.sampling), request, (r) => ({
       samplerId: r.samplerId,
       baseModel: r.baseModel,

@@ -10,7 +10,7 @@ import type { StopReason, StoppedBy } from "./enums.js";
 import type { NumericArray } from "./validate.js";
 
 /** Loss names and stop reasons come from the generated proto code (`src/enums.ts`). */
-export type { LossFnName, StopReason, StoppedBy } from "./enums.js";
+export type { LossFnName, SamplerPlacementName, StopReason, StoppedBy } from "./enums.js";
 
 /** One training example. */
 export interface Datum {

@@ -9,7 +9,7 @@ import assert from "node:assert/strict";
 import { test } from "node:test";
 import * as convert from "../src/convert.js";
 import { LossFn, StopReason } from "../src/gen/treadle/v1/common.js";
-import { SamplingParams as SamplingParamsPb } from "../src/gen/treadle/v1/sampling.js";
+import { SamplerPlacement, SamplingParams as SamplingParamsPb } from "../src/gen/treadle/v1/sampling.js";
 import { InvalidArgumentError, type SamplingParams, type TreadleError } from "../src/index.js";
 
 /** The params as they travel: encoded, then decoded (presence survives the round trip). */
@@ -151,4 +151,13 @@ test("server info carries sampler and training-pass metrics as plain objects", (
   assert.deepEqual(info.workers, [
     { workerId: "w1", role: "sampler", status: "live", baseModels: ["tiny"] },
   ]);
+});
+
+test("a sampler's placement by its name; unset is the server's; another name is refused naming placement", () => {
+  assert.equal(convert.samplerPlacementToWire(undefined), SamplerPlacement.SAMPLER_PLACEMENT_UNSPECIFIED);
+  assert.equal(convert.samplerPlacementToWire("colocated"), SamplerPlacement.SAMPLER_PLACEMENT_COLOCATED);
+  assert.equal(convert.samplerPlacementToWire("pool"), SamplerPlacement.SAMPLER_PLACEMENT_POOL);
+  assert.equal(convert.samplerPlacementToWire("auto"), SamplerPlacement.SAMPLER_PLACEMENT_AUTO);
+  throwsNaming(() => convert.samplerPlacementToWire("pooled"), "placement");
+  throwsNaming(() => convert.samplerPlacementToWire(2), "placement");
 });

@@ -1,7 +1,9 @@
 """A TCP proxy that can freeze an upload half-way: it forwards both ways until,
 once armed, the client has sent a given number of bytes; then it stops reading
 from that client (the bytes after stay unsent, the connection stays open), as a
-process killed in the middle of an upload leaves it."""
+process killed in the middle of an upload leaves it. It can also cut every
+connection and refuse new ones for a while (``cut``, then ``restore``): the
+store unreachable, then back."""
 
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ class FreezingProxy:
         self._budget: int | None = None  # bytes the client may still send; None: no limit
         self.frozen = threading.Event()
         self._closed = threading.Event()
+        self._refusing = threading.Event()
         self._sockets: list[socket.socket] = []
         threading.Thread(target=self._accept, daemon=True).start()
 
@@ -28,6 +31,22 @@ class FreezingProxy:
         with self._lock:
             self._budget = after_bytes
             self.frozen.clear()
+
+    def cut(self) -> None:
+        """Close every connection through the proxy and refuse new ones (each is
+        closed as soon as it is accepted) until ``restore``."""
+        self._refusing.set()
+        with self._lock:
+            sockets, self._sockets = self._sockets, []
+        for sock in sockets:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+            with contextlib.suppress(OSError):
+                sock.close()
+
+    def restore(self) -> None:
+        """Forward new connections again (after ``cut``)."""
+        self._refusing.clear()
 
     def close(self) -> None:
         self._closed.set()
@@ -41,8 +60,13 @@ class FreezingProxy:
                 client, _ = self._listener.accept()
             except OSError:
                 return
+            if self._refusing.is_set():
+                with contextlib.suppress(OSError):
+                    client.close()
+                continue
             server = socket.create_connection(self.target)
-            self._sockets += [client, server]
+            with self._lock:
+                self._sockets += [client, server]
             threading.Thread(target=self._pipe, args=(client, server, True), daemon=True).start()
             threading.Thread(target=self._pipe, args=(server, client, False), daemon=True).start()
 

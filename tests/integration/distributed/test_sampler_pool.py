@@ -8,9 +8,14 @@ version is the trainer's, and the reward rises; an in-flight sync moves the
 sequences still generating on a pool worker to the new version; one sampler worker SIGKILLed
 mid-run and the run goes on, on the other. A version whose upload fails (the
 trainer's store unreachable) fails ``sync_weights`` UNAVAILABLE and the pool
-serves the version it had. With no sampler worker left, a sample answers
-UNAVAILABLE naming the base model under ``pool``, and falls back to the
-model's own worker under ``auto``.
+serves the version it had; once the store is back the next sync publishes the
+trainer's version and the pool serves it. A model rewound by ``load_state`` has
+its pool ``latest`` follow at the next sync, with the loaded weights (never the
+files shipped earlier under the same version number). A sampler may choose its
+placement at creation: ``colocated`` samples on the trainer beside the pool. With
+no sampler worker left, a sample answers UNAVAILABLE naming the base model under
+``pool`` (and a sampler asking for ``pool`` is refused at creation), and one that
+chose ``auto`` falls back to the model's own worker.
 """
 
 from __future__ import annotations
@@ -161,6 +166,91 @@ def test_roles_are_recorded_and_shown(pool: Pool) -> None:
     assert shown == {w: (role, "live", [BASE]) for w, role in roles.items()}
 
 
+def _wait_served(p: Pool, worker_id: str, kind: str, count: int) -> None:
+    """Until the worker's log has ``count`` answers of ``kind`` (written as it answers)."""
+    deadline = time.monotonic() + 30
+    while _calls_served(p, worker_id, kind) < count:
+        assert time.monotonic() < deadline, p.tail()
+        time.sleep(0.05)
+
+
+def test_a_sampler_chooses_its_placement(pool: Pool) -> None:
+    """On a ``--sampler-placement pool`` server, a sampler made with
+    ``placement="colocated"`` samples on its model's trainer, one made with
+    ``placement="pool"`` on the pool; the choice is kept with the sampler."""
+    service = treadle.ServiceClient(pool.server.address, api_key=pool.key)
+    try:
+        tc = service.create_lora_training_client(BASE, rank=4, seed=5)
+        trainer_id = next(w for w in pool.procs if "-trainer-" in w)
+        samplers = [w for w in pool.procs if "-sampler" in w]
+        tc.sync_weights().sampler_id  # noqa: B018 - v0
+        prompt = treadle.ModelInput.from_ints([1, 5, 9])
+        on_trainer = _calls_served(pool, trainer_id, "SampleCall")
+        on_pool = sum(_calls_served(pool, w, "SampleCall") for w in samplers)
+        weights = f"treadle://{tc.model_id}/latest"
+        colocated = service.create_sampling_client(weights=weights, placement="colocated")
+        res = colocated.sample(prompt, num_samples=2, sampling_params=PARAMS).result(120)
+        assert {v for s in res.sequences for v in s.token_versions()} == {0}
+        _wait_served(pool, trainer_id, "SampleCall", on_trainer + 1)
+        assert sum(_calls_served(pool, w, "SampleCall") for w in samplers) == on_pool
+        pooled = service.create_sampling_client(weights=weights, placement="pool")
+        res = pooled.sample(prompt, num_samples=2, sampling_params=PARAMS).result(120)
+        assert {v for s in res.sequences for v in s.token_versions()} == {0}
+        deadline = time.monotonic() + 30
+        while sum(_calls_served(pool, w, "SampleCall") for w in samplers) == on_pool:
+            assert time.monotonic() < deadline, pool.tail()
+            time.sleep(0.05)
+        assert _calls_served(pool, trainer_id, "SampleCall") == on_trainer + 1
+        kept = dict(
+            pool.sql(
+                "SELECT id, placement FROM samplers WHERE id IN (:a, :b)",
+                a=colocated.sampler_id,
+                b=pooled.sampler_id,
+            )
+        )
+        assert kept == {colocated.sampler_id: "colocated", pooled.sampler_id: "pool"}
+    finally:
+        service.close()
+
+
+def test_the_pool_latest_follows_a_model_rewound_by_load_state(pool: Pool) -> None:
+    """Model B ships v0..v3 to the pool, then loads model A's checkpoint of step 2:
+    its next sync is v2 again, with A's weights, and the pool serves those (sampler
+    and trainer logprobs agree), not the v2 files B shipped before."""
+    service = treadle.ServiceClient(pool.server.address, api_key=pool.key)
+    try:
+        tok = service.get_tokenizer(BASE)
+        a = service.create_lora_training_client(BASE, rank=4, seed=11)
+        b = service.create_lora_training_client(BASE, rank=4, seed=12)
+        for tc, text in ((a, "abcabcabc"), (b, "xyzxyzxyz")):
+            for _ in range(2):
+                tc.forward_backward([next_token_datum(tok.encode(text))], "cross_entropy")
+                tc.optim_step(treadle.AdamParams(learning_rate=5e-2))
+        saved = a.save_state("at2").result(120)
+        assert saved.step == 2
+        latest = service.create_sampling_client(weights=f"treadle://{b.model_id}/latest")
+        prompt = [1, 5, 9]
+        for v in (2, 3):  # B's own v2 and v3 on the pool
+            assert b.sync_weights().version == v
+            res = latest.sample(prompt, num_samples=1, sampling_params=PARAMS).result(120)
+            assert set(res.sequences[0].token_versions()) == {v}
+            if v == 2:
+                b.forward_backward([next_token_datum(tok.encode("xyzxyz"))], "cross_entropy")
+                b.optim_step(treadle.AdamParams(learning_rate=5e-2))
+        assert b.load_state(saved.path).result(120) == 2
+        assert b.sync_weights().version == 2
+        params = treadle.SamplingParams(max_tokens=8, temperature=1.0, seed=3)
+        res = latest.sample(prompt, num_samples=4, sampling_params=params).result(120)
+        for seq in res.sequences:
+            assert set(seq.token_versions()) == {2}
+            datum = next_token_datum([*prompt, *seq.tokens])
+            (out,) = b.forward_logprobs([datum]).result(120).loss_fn_outputs
+            trained = np.asarray(out["logprobs"])[-len(seq.tokens) :]
+            assert np.max(np.abs(trained - np.asarray(seq.logprobs))) < 1e-4
+    finally:
+        service.close()
+
+
 def test_an_inflight_sync_moves_pool_sequences_to_the_new_version(pool: Pool) -> None:
     """``sync_weights(inflight=True)``: sequences still generating on a pool worker
     continue under the new version from their next token; versions per token say so."""
@@ -168,6 +258,8 @@ def test_an_inflight_sync_moves_pool_sequences_to_the_new_version(pool: Pool) ->
     try:
         tc = service.create_lora_training_client(BASE, rank=4, seed=3)
         tok = service.get_tokenizer(BASE)
+        trainer_id = next(w for w in pool.procs if "-trainer-" in w)
+        on_trainer = _calls_served(pool, trainer_id, "SampleCall")
         tc.sync_weights().sampler_id  # noqa: B018 - v0 on the pool
         latest = service.create_sampling_client(weights=f"treadle://{tc.model_id}/latest")
         prompt = tok.encode("abc")
@@ -204,8 +296,7 @@ def test_an_inflight_sync_moves_pool_sequences_to_the_new_version(pool: Pool) ->
         assert [s.step for s in stats] == [1, 2, 3]
         assert all(s.rollouts == 8 and max(s.staleness) <= 4 for s in stats), stats
         assert tc.get_info().version == 4
-        trainer_id = next(w for w in pool.procs if "-trainer-" in w)
-        assert _calls_served(pool, trainer_id, "SampleCall") == 0  # all on the pool
+        assert _calls_served(pool, trainer_id, "SampleCall") == on_trainer  # all on the pool
     finally:
         service.close()
 
@@ -216,6 +307,7 @@ def test_grpo_on_the_pool_agrees_learns_and_survives_a_sampler_kill(pool: Pool) 
         tc = service.create_lora_training_client(BASE, rank=8, seed=0)
         trainer_id = next(w for w in pool.procs if "-trainer-" in w)
         samplers = [w for w in pool.procs if "-sampler" in w]
+        on_trainer = _calls_served(pool, trainer_id, "SampleCall")
         assert pool.sql("SELECT worker_id FROM models WHERE id = :m", m=tc.model_id) == [
             (trainer_id,)
         ]
@@ -250,7 +342,7 @@ def test_grpo_on_the_pool_agrees_learns_and_survives_a_sampler_kill(pool: Pool) 
         rewards = [s.reward for s in stats]
         assert np.mean(rewards[-3:]) > np.mean(rewards[:3]) + 0.05, rewards
         # sampled on the pool, never on the trainer; the survivor served after the kill
-        assert _calls_served(pool, trainer_id, "SampleCall") == 0
+        assert _calls_served(pool, trainer_id, "SampleCall") == on_trainer
         assert all(_calls_served(pool, w, "SampleCall") > 0 for w in samplers), pool.tail()
         assert _calls_served(pool, trainer_id, "ShipVersionCall") >= 9
         after = pool.sql("SELECT status FROM workers WHERE id = :w", w=killed)
@@ -263,23 +355,33 @@ def test_grpo_on_the_pool_agrees_learns_and_survives_a_sampler_kill(pool: Pool) 
         assert 0 < counted <= sampled, (counted, sampled)
 
         # a version that cannot be shipped: UNAVAILABLE, and the pool keeps the old one
-        before = pool.sql(
-            "SELECT max(version) FROM weight_versions WHERE model_id = :m", m=tc.model_id
-        )
+        def published() -> list[tuple[Any, ...]]:
+            return pool.sql(
+                "SELECT max(version) FROM weight_versions WHERE model_id = :m", m=tc.model_id
+            )
+
+        before = published()
         latest = service.create_sampling_client(weights=f"treadle://{tc.model_id}/latest")
         assert pool.proxy is not None
-        pool.proxy.close()
+        pool.proxy.cut()
         tc.forward_backward([next_token_datum([1, 5, 9, 2])], "cross_entropy").result(120)
         tc.optim_step(treadle.AdamParams(learning_rate=0.01)).result(120)
         with pytest.raises(treadle.UnavailableError, match="could not be shipped"):
             tc.sync_weights().sampler_id  # noqa: B018 - raises the sync's error
-        assert (
-            pool.sql("SELECT max(version) FROM weight_versions WHERE model_id = :m", m=tc.model_id)
-            == before
-        )
+        assert published() == before
         (old,) = before[0]
         res = latest.sample(prompt, num_samples=1, sampling_params=PARAMS).result(120)
         assert set(res.sequences[0].token_versions()) == {old}
+        # the store back: the next sync publishes the trainer's version (its steps,
+        # one more than the pool served) and the pool serves it
+        pool.proxy.restore()
+        served = sum(_calls_served(pool, w, "SampleCall") for w in samplers[1:])
+        assert tc.sync_weights().version == old + 1
+        assert published() == [(old + 1,)]
+        res = latest.sample(prompt, num_samples=1, sampling_params=PARAMS).result(120)
+        assert set(res.sequences[0].token_versions()) == {old + 1}
+        _wait_served(pool, samplers[1], "SampleCall", served + 1)
+        assert _calls_served(pool, trainer_id, "SampleCall") == on_trainer
 
         # no pool worker left, under --sampler-placement pool: UNAVAILABLE naming the base
         survivor = samplers[1]
@@ -289,15 +391,21 @@ def test_grpo_on_the_pool_agrees_learns_and_survives_a_sampler_kill(pool: Pool) 
             assert time.monotonic() < deadline, pool.tail()
             time.sleep(0.2)
         with pytest.raises(
-            treadle.UnavailableError, match=f"no sampler worker serves base model '{BASE}'"
+            treadle.UnavailableError,
+            match=f"no sampler worker serves base model '{BASE}' \\(--sampler-placement pool",
         ):
             latest.sample(prompt, num_samples=1, sampling_params=PARAMS).result(120)
-        # ...and under auto, the model's own worker serves them again (the operator's
-        # switch): its latest is the version the failed sync applied there, which
-        # neither the pool nor the database took
-        pool.server.ctx.dispatcher.pool.mode = "auto"  # type: ignore[attr-defined]
-        res = latest.sample(prompt, num_samples=2, sampling_params=PARAMS).result(120)
+        # a sampler that asks for the pool itself is refused when it is made
+        weights = f"treadle://{tc.model_id}/latest"
+        with pytest.raises(
+            treadle.UnavailableError,
+            match=f"no sampler worker serves base model '{BASE}' \\(the sampler's placement pool",
+        ):
+            service.create_sampling_client(weights=weights, placement="pool")
+        # ...and one that chose auto samples on the model's own worker
+        auto = service.create_sampling_client(weights=weights, placement="auto")
+        res = auto.sample(prompt, num_samples=2, sampling_params=PARAMS).result(120)
         assert {v for s in res.sequences for v in s.token_versions()} == {old + 1}
-        assert _calls_served(pool, trainer_id, "SampleCall") == 1
+        _wait_served(pool, trainer_id, "SampleCall", on_trainer + 1)
     finally:
         service.close()

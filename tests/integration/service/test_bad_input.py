@@ -357,3 +357,46 @@ def test_bad_sample_names_the_field(service: treadle.ServiceClient, case: str) -
     # the sampler still serves good requests
     ok = sampler.sample(char_ids("ab"), 1, P(max_tokens=2, seed=0)).result(timeout=TIMEOUT)
     assert len(ok.sequences) == 1
+
+
+# ---- a sampler's placement ------------------------------------------------------------------
+
+
+def test_sampler_placement_on_a_server_without_a_pool(
+    server: EmbeddedServer, service: treadle.ServiceClient, channel: grpc.Channel
+) -> None:
+    """An embedded server has no sampler workers: ``pool`` is refused UNAVAILABLE naming
+    the base (and nothing is made), ``colocated`` and ``auto`` sample here; a value
+    outside the enum is INVALID_ARGUMENT naming ``placement``. The choice is kept."""
+    from treadle.common.db import models as db
+
+    tc = service.create_lora_training_client(BASE, rank=2, seed=0)
+    with server.ctx.session() as s:
+        before = s.query(db.Sampler).count()
+    for source in ({"base_model": BASE}, {"weights": f"treadle://{tc.model_id}/latest"}):
+        with pytest.raises(
+            treadle.UnavailableError,
+            match=f"no sampler worker serves base model '{BASE}' \\(the sampler's placement pool",
+        ):
+            service.create_sampling_client(**source, placement="pool")  # type: ignore[arg-type]
+    with server.ctx.session() as s:
+        assert s.query(db.Sampler).count() == before
+    for placement in ("colocated", "auto"):
+        sampler = service.create_sampling_client(
+            weights=f"treadle://{tc.model_id}/latest", placement=placement
+        )
+        res = sampler.sample(char_ids("ab"), 1, P(max_tokens=2, seed=0)).result(timeout=TIMEOUT)
+        assert res.sequences[0].token_versions() == [0, 0]
+        with server.ctx.session() as s:
+            row = s.get(db.Sampler, sampler.sampler_id)
+            assert row is not None and row.placement == placement
+    stub = sampling_pb2_grpc.SamplingServiceStub(channel)
+    with pytest.raises(grpc.RpcError) as err:
+        stub.CreateSampler(
+            sampling_pb2.CreateSamplerRequest(base_model=BASE, placement=7),  # type: ignore[arg-type]
+            timeout=TIMEOUT,
+        )
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.details().startswith("placement: "), err.value.details()
+    with pytest.raises(treadle.InvalidArgumentError, match="placement: 'pooled'"):
+        service.create_sampling_client(base_model=BASE, placement="pooled")

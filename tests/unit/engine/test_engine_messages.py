@@ -66,7 +66,7 @@ EXAMPLES: list[m.EngineCall[Any]] = [
     m.CheckTargetCall(TARGET),
     m.ExportCall("m-1", "s3://b/export", merged=True),
     m.ShipVersionCall("m-1", 3, "s3://b/pool-v3"),
-    m.LoadVersionCall(TARGET, "s3://b/pool-v3", inflight=True),
+    m.LoadVersionCall(TARGET, "s3://b/pool-v3", inflight=True, latest=True),
 ]
 
 ANSWERS: dict[str, Any] = {
@@ -124,7 +124,7 @@ def test_calls_pass_their_fields_to_the_engine() -> None:
         ("check_sampler_target", (TARGET,), {}),
         ("export_weights", ("m-1", "s3://b/export"), {"merged": True}),
         ("ship_version", ("m-1", 3, "s3://b/pool-v3"), {}),
-        ("load_version", (TARGET, "s3://b/pool-v3"), {"inflight": True}),
+        ("load_version", (TARGET, "s3://b/pool-v3"), {"inflight": True, "latest": True}),
     ]
     assert api.call(ship).result() == m.Shipped(3, 1234)
     assert api.call(load).result() == m.TargetVersion(3)

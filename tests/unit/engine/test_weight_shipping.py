@@ -98,3 +98,33 @@ def test_a_file_of_another_version_is_refused(
         pool.call(LoadVersionCall(wrong, str(tmp_path / "v"))).result(30)
     with pytest.raises(NotFoundError):  # nothing half-loaded
         pool.check_sampler_target(wrong).result(10)
+
+
+def test_latest_is_the_version_last_published_not_the_highest(
+    engines: tuple[Engine, Engine], tmp_path: Path
+) -> None:
+    """A model rewound by ``load_state`` publishes lower numbers again: a ``latest``
+    sampler on the pool reads the version last loaded as latest; a version loaded
+    for a pinned sampler leaves the latest as it was."""
+    trainer, pool = engines
+    version = _trained(trainer, "m-rw", 4)
+    paths = {}
+    for v in (0, version):
+        paths[v] = str(tmp_path / f"v{v}")
+        trainer.call(ShipVersionCall("m-rw", v, paths[v])).result(30)
+    latest = SamplerTarget("tiny", "m-rw", None, "t")
+
+    def load(v: int, *, as_latest: bool) -> None:
+        target = SamplerTarget("tiny", "m-rw", v, "t")
+        pool.call(LoadVersionCall(target, paths[v], latest=as_latest)).result(30)
+
+    load(version, as_latest=True)
+    load(0, as_latest=False)  # a pinned sampler's version
+    assert pool.check_sampler_target(latest).result(10) == version
+    load(0, as_latest=True)  # published again after a rewind
+    assert pool.check_sampler_target(latest).result(10) == 0
+    op = SampleOp(np.array([5, 9]), 1, SamplingConfig(max_tokens=3, seed=1, ignore_eos=True))
+    assert pool.sample(latest, op).result(60).sequences[0].versions == ((0, 3, 0),)
+    load(version, as_latest=False)  # already served, loaded for a pinned sampler
+    assert pool.check_sampler_target(latest).result(10) == 0
+    pool.delete_model("m-rw").result(10)

@@ -28,6 +28,22 @@ export const protobufFileName = "treadle/v1/sampling.proto";
 
 /** The sampling service: samplers are tenant resources pinned to weights. */
 
+/** Where a sampler samples on a distributed server (`docs/topologies.md`). */
+export enum SamplerPlacement {
+  /** SAMPLER_PLACEMENT_UNSPECIFIED - the server's `--sampler-placement` */
+  SAMPLER_PLACEMENT_UNSPECIFIED = 0,
+  /** SAMPLER_PLACEMENT_COLOCATED - on its model's worker (a base sampler: any worker of the base) */
+  SAMPLER_PLACEMENT_COLOCATED = 1,
+  /**
+   * SAMPLER_PLACEMENT_POOL - On the sampler workers (`treadle worker --role sampler`) serving its base;
+   * UNAVAILABLE naming the base model when none does.
+   */
+  SAMPLER_PLACEMENT_POOL = 2,
+  /** SAMPLER_PLACEMENT_AUTO - the pool when a sampler worker serves the base, else colocated */
+  SAMPLER_PLACEMENT_AUTO = 3,
+  UNRECOGNIZED = -1,
+}
+
 /** What a new sampler reads; exactly one target is required. */
 export interface CreateSamplerRequest {
   /** the base model, no adapter */
@@ -35,7 +51,14 @@ export interface CreateSamplerRequest {
     | string
     | undefined;
   /** treadle://<model_id>/v/<version> or treadle://<model_id>/latest */
-  weights?: string | undefined;
+  weights?:
+    | string
+    | undefined;
+  /**
+   * Where this sampler samples; unset = the server's choice. A value outside the
+   * enum: INVALID_ARGUMENT naming placement.
+   */
+  placement: SamplerPlacement;
 }
 
 /** A sampler (a tenant resource): what it is and which weights it reads. */
@@ -189,7 +212,7 @@ export interface ResumeRequest {
 }
 
 function createBaseCreateSamplerRequest(): CreateSamplerRequest {
-  return { baseModel: undefined, weights: undefined };
+  return { baseModel: undefined, weights: undefined, placement: 0 };
 }
 
 export const CreateSamplerRequest: MessageFns<CreateSamplerRequest> = {
@@ -199,6 +222,9 @@ export const CreateSamplerRequest: MessageFns<CreateSamplerRequest> = {
     }
     if (message.weights !== undefined) {
       writer.uint32(18).string(message.weights);
+    }
+    if (message.placement !== 0) {
+      writer.uint32(24).int32(message.placement);
     }
     return writer;
   },
@@ -232,6 +258,14 @@ export const CreateSamplerRequest: MessageFns<CreateSamplerRequest> = {
             message.weights = reader.string();
             continue;
           }
+          case 3: {
+            if (tag !== 24) {
+              break;
+            }
+
+            message.placement = reader.int32() as any;
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -251,6 +285,7 @@ export const CreateSamplerRequest: MessageFns<CreateSamplerRequest> = {
     const message = createBaseCreateSamplerRequest();
     message.baseModel = object.baseModel ?? undefined;
     message.weights = object.weights ?? undefined;
+    message.placement = object.placement ?? 0;
     return message;
   },
 };

