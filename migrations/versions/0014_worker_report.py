@@ -2,7 +2,7 @@
 held and its scheduler's queue per tenant (JSON; the console's operator page).
 
 Revision ID: 0014
-Revises: 0012 (renumber to 0013 at merge if another 0013 lands first)
+Revises: 0013
 Create Date: 2026-12-04
 """
 
@@ -14,7 +14,7 @@ import sqlalchemy as sa
 from alembic import op
 
 revision: str = "0014"
-down_revision: str | Sequence[str] | None = "0012"
+down_revision: str | Sequence[str] | None = "0013"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
