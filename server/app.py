@@ -49,7 +49,7 @@ from treadle.workers.engine import flags as engine_flags
 from treadle.workers.engine.collector import EngineCollector
 from treadle.workers.engine.loop import EngineConfig
 from treadle.workers.engine.staging import StagedEngine
-from treadle.workers.group.launch import build_engine, exit_soon
+from treadle.workers.group.launch import build_engine, restart_or_exit
 
 log = logging.getLogger("treadle.server")
 
@@ -162,7 +162,8 @@ async def create_context(config: ServerConfig, dispatcher: Backend | None = None
             keep_versions=config.keep_versions,
         )
     if dispatcher is None:
-        engine = build_engine(engine_config(config), on_lost=exit_soon).start()
+        options = engine_config(config)
+        engine = build_engine(options, on_lost=restart_or_exit(options)).start()
         # with a remote store (S3), checkpoints move through local staging off the
         # engine thread; with a local one, storage paths are the engine's directories
         staged = StagedEngine(engine, store) if not store.is_local else None

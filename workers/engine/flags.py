@@ -211,6 +211,14 @@ def _add_group_flags(parser: argparse.ArgumentParser) -> None:
         default=float(env("TREADLE_COLLECTIVE_TIMEOUT", DEFAULTS.collective_timeout_s)),
         help="seconds a collective waits for every rank before the call fails UNAVAILABLE",
     )
+    group.add_argument(
+        "--group-restarts",
+        type=int,
+        default=int(env("TREADLE_GROUP_RESTARTS", DEFAULTS.group_restarts)),
+        help="times a worker whose group lost a rank restarts with a fresh group (the "
+        "process re-executes itself; its models come back at their last applied step) "
+        "before it exits with status 1 for its supervisor (default 3; 0: exit at once)",
+    )
 
 
 def _add_vllm_flags(parser: argparse.ArgumentParser) -> None:
@@ -329,6 +337,7 @@ def engine_settings(args: argparse.Namespace) -> dict[str, Any]:
         "node_rank": args.node_rank,
         "rdzv_endpoint": args.rdzv_endpoint,
         "collective_timeout_s": args.collective_timeout,
+        "group_restarts": args.group_restarts,
     }
 
 

@@ -76,6 +76,9 @@ class EngineOptions:
     #: seconds a collective of the group waits for every rank before the call fails
     #: UNAVAILABLE (a rank died or hangs)
     collective_timeout_s: float = 300.0
+    #: times a worker process whose group lost a rank restarts it (re-executes itself:
+    #: a fresh group, the same command line) before it exits for its supervisor
+    group_restarts: int = 3
 
 
 #: the operator's options, by name: what a server's or worker's config hands its engine

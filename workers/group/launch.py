@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -218,6 +219,12 @@ def build_engine(config: EngineConfig, on_lost: Callable[[str], None] | None = N
     return Engine(config, peers=WorkerGroup(config, on_lost).peers)
 
 
+def restart_or_exit(config: EngineConfig) -> Callable[[str], None]:
+    """``on_lost`` for a worker process (``treadle serve`` or ``treadle worker``) with
+    ``config``'s ``--group-restarts``: ``exit_soon`` with its allowance."""
+    return lambda why: exit_soon(why, config.group_restarts)
+
+
 def shared_cores(config: EngineConfig) -> EngineConfig:
     """On the CPU, ranks of one host share its cores: with ``--threads 0`` (torch's
     default, every core) each rank takes cores / ranks threads, not all of them
@@ -233,15 +240,47 @@ def shared_cores(config: EngineConfig) -> EngineConfig:
 EXIT_AFTER_S = 2.0
 
 
-def exit_soon(why: str) -> None:
-    """A worker process whose group lost a rank exits (status 1) shortly, the
-    failed call answered first: its supervisor restarts it with a fresh group, and
-    the server brings its models back at their last applied step (checkpoint and
-    ops log), as after any worker crash (docs/scaling.md)."""
-    log.critical("group: a rank was lost (%s); exiting in %.0f s", why, EXIT_AFTER_S)
-    timer = threading.Timer(EXIT_AFTER_S, os._exit, (1,))
+#: how many times this worker process restarted its group so far (set across re-exec)
+RESTARTED_ENV = "TREADLE_GROUP_RESTARTED"
+
+
+def exit_soon(why: str, restarts: int = 0) -> None:
+    """A worker process whose group lost a rank restarts shortly, the failed call
+    answered first: it re-executes itself (the same command line and process id,
+    a fresh group of ranks), at most ``restarts`` times in its life
+    (``--group-restarts``); after that it exits with status 1 for its supervisor
+    to restart it. Either way the server brings its models back at their last
+    applied step (checkpoint and ops log), as after any worker crash
+    (docs/scaling.md)."""
+    done = int(os.environ.get(RESTARTED_ENV, "0") or 0)
+    if done < restarts:
+        log.critical(
+            "group: a rank was lost (%s); restarting with a fresh group in %.0f s "
+            "(restart %d of --group-restarts %d)",
+            why, EXIT_AFTER_S, done + 1, restarts,
+        )  # fmt: skip
+        timer = threading.Timer(EXIT_AFTER_S, _reexec, (done + 1,))
+    else:
+        log.critical(
+            "group: a rank was lost (%s); exiting in %.0f s (restarted %d times, "
+            "--group-restarts %d)",
+            why, EXIT_AFTER_S, done, restarts,
+        )  # fmt: skip
+        timer = threading.Timer(EXIT_AFTER_S, os._exit, (1,))
     timer.daemon = True
     timer.start()
+
+
+def _reexec(count: int) -> None:
+    """This process, started again in place (its ranks are gone already)."""
+    os.environ[RESTARTED_ENV] = str(count)
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    try:
+        os.execv(sys.executable, sys.orig_argv)
+    except OSError:
+        log.exception("group: could not restart this process; exiting")
+        os._exit(1)
 
 
 def run_node(config: EngineConfig) -> int:

@@ -27,6 +27,10 @@ def check_group(options: EngineOptions) -> None:
         raise InvalidArgumentError(
             f"--collective-timeout: {options.collective_timeout_s}; seconds, above 0"
         )
+    if options.group_restarts < 0:
+        raise InvalidArgumentError(
+            f"--group-restarts: {options.group_restarts}; a count, 0 or more"
+        )
     if options.nnodes > 1 and not options.rdzv_endpoint:
         raise InvalidArgumentError(
             "--rdzv-endpoint: several hosts (--nnodes > 1) meet at HOST:PORT, served by node 0"

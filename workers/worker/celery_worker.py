@@ -69,7 +69,7 @@ from treadle.workers.engine.collector import EngineCollector
 from treadle.workers.engine.flags import engine_config
 from treadle.workers.engine.loop import Engine
 from treadle.workers.engine.staging import StagedEngine
-from treadle.workers.group.launch import build_engine, exit_soon
+from treadle.workers.group.launch import build_engine, restart_or_exit
 from treadle.workers.worker.config import WorkerConfig
 
 log = logging.getLogger("treadle.worker")
@@ -159,9 +159,8 @@ class WorkerProcess:
             endpoint_url=config.s3_endpoint_url,
             staging=config.data_dir / "staging",
         )
-        self.engine = build_engine(
-            engine_config(config, config.models, self.store.local_root), on_lost=exit_soon
-        )
+        options = engine_config(config, config.models, self.store.local_root)
+        self.engine = build_engine(options, on_lost=restart_or_exit(options))
         self.staged = StagedEngine(self.engine, self.store)
         self.api: EngineAPI = self.staged
         self.db = make_engine(config.database_url)

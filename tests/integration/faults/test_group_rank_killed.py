@@ -1,9 +1,10 @@
 """A rank of a worker group killed (SIGKILL) in the middle of ``forward_backward``
 (issue 36, "Faults"): the call fails UNAVAILABLE (gloo sees the peer gone; at
-the latest after ``--collective-timeout``), the worker exits so that its
-supervisor restarts it (here: the test), no rank is left running, and the
-restarted worker brings the model back at its last applied step (auto-checkpoint
-every step: the checkpoint is the last applied step)."""
+the latest after ``--collective-timeout``), no rank is left running, the worker
+restarts its group by itself (it re-executes itself, ``--group-restarts``) and
+brings the model back at its last applied step (auto-checkpoint every step: the
+checkpoint is the last applied step); with ``--group-restarts 0`` it exits with
+status 1 for its supervisor instead."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import pytest
 import treadle
 from tests.helpers import next_token_datum
 from tests.integration.faults.test_restarts import DATA, TIMEOUT, _logprobs, _step, serve
+from tests.integration.services import port_open
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -84,11 +86,20 @@ def test_a_rank_killed_mid_forward_backward(tmp_path: Path, tiny_model_dir: Path
         with pytest.raises(treadle.UnavailableError):
             fb.result(TIMEOUT)
         assert time.monotonic() - t0 < 30 + 10  # within --collective-timeout
-        assert srv.proc.wait(60) == 1  # the worker exits for its supervisor to restart it
+        # the worker restarts its group by itself (--group-restarts, default 3): the
+        # same process re-executed, a fresh rank 1, the port served again
+        deadline = time.monotonic() + 120
+        while not (
+            "restart 1 of --group-restarts 3" in srv.log.read_text(errors="replace")
+            and [r for r in _ranks_of(srv.proc.pid) if r not in ranks]
+            and port_open("127.0.0.1", srv.port)
+            and srv.log.read_text(errors="replace").count("treadle: serving") == 2
+        ):
+            assert srv.proc.poll() is None, srv.log.read_text()[-3000:]
+            assert time.monotonic() < deadline, srv.log.read_text()[-3000:]
+            time.sleep(0.2)
         assert not any(_alive(pid) for pid in ranks)
-
-        srv.start()  # the supervisor's restart: a fresh group
-        assert srv.proc is not None and len(_ranks_of(srv.proc.pid)) == 1
+        assert len(_ranks_of(srv.proc.pid)) == 1
         with pytest.raises(treadle.ServerRestartedError):
             tc.forward_backward(DATA).result(TIMEOUT)
         tc.resync()
@@ -103,7 +114,7 @@ def test_a_hung_rank_fails_the_call_after_the_collective_timeout(
 ) -> None:
     """SIGSTOP: the rank neither answers nor closes its sockets; the collective
     gives up after ``--collective-timeout`` and the stopped rank is killed."""
-    flags = ("--ranks", "2", "--collective-timeout", "5")
+    flags = ("--ranks", "2", "--collective-timeout", "5", "--group-restarts", "0")
     with serve(tmp_path, tiny_model_dir, *flags) as srv:
         assert srv.proc is not None
         (rank,) = _ranks_of(srv.proc.pid)
@@ -116,5 +127,5 @@ def test_a_hung_rank_fails_the_call_after_the_collective_timeout(
             tc.forward_backward(DATA, "cross_entropy").result(TIMEOUT)
         waited = time.monotonic() - t0
         assert 4 < waited < 5 + 30, waited
-        assert srv.proc.wait(60) == 1
+        assert srv.proc.wait(60) == 1  # no restart allowed: it exits for its supervisor
         assert not _alive(rank)

@@ -23,7 +23,7 @@ def _declared_by(cls: type) -> set[str]:
 
 
 def test_server_worker_and_engine_configs_extend_the_one_engine_options_class() -> None:
-    assert len(ENGINE_FIELDS) == len(set(ENGINE_FIELDS)) == 25
+    assert len(ENGINE_FIELDS) == len(set(ENGINE_FIELDS)) == 26
     for config in (ServerConfig, WorkerConfig, EngineConfig):
         assert issubclass(config, EngineOptions)
         own = _declared_by(config)
