@@ -28,8 +28,18 @@ activation. On a 2-core machine
 2 ranks of 1 thread do the work of 1 rank of 2 threads, plus the all-gathers,
 reduce-scatters and recompute, and a second process: expect no speed-up.
 
+With ``--lora R``: one LoRA model of rank R instead. On 2 ranks its frozen base
+is sharded (``workers.trainer.sharded_base``); the adapter is replicated. The
+last columns are then the base's bytes each rank holds after the steps: rank 0
+its shard and the whole base (which its sampler and whole reads use), every
+other rank its shard only (counted on rank 0 from the shard's sizes: the other
+ranks' are the same, at most a row more per tensor); and each rank's RSS after
+the steps (``VmRSS``: a rank other than 0 read the whole base once to shard it,
+so its peak is not what it keeps).
+
     python benchmarks/ranks.py                      # 110m, 4 x 256, 3 steps
     python benchmarks/ranks.py --preset 5m --steps 2   # quick
+    python benchmarks/ranks.py --lora 16            # LoRA on a sharded base
 """
 
 from __future__ import annotations
@@ -49,11 +59,28 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import THREADS, model_dir, table  # noqa: E402
 
 
-def _hwm_bytes(pid: int) -> int:
+def _hwm_bytes(pid: int, field: str = "VmHWM") -> int:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
+        if line.startswith(f"{field}:"):
             return int(line.split()[1]) * 1024
     return 0
+
+
+def _base_bytes(model: object) -> list[int]:
+    """A LoRA model's base bytes held by rank 0 and by every other rank."""
+    from torch.distributed.tensor import DTensor
+
+    base = model.base  # type: ignore[attr-defined]
+    whole = sum(t.numel() * t.element_size() for _, t in base.params.named_tensors())
+    sharding = model.sharding  # type: ignore[attr-defined]
+    if sharding is None:
+        return [whole]
+    shard = sum(
+        t.to_local().numel() * t.element_size()
+        for _, t in sharding.params().named_tensors()
+        if isinstance(t, DTensor)
+    )
+    return [whole + shard, shard]
 
 
 def _held_bytes(model: object) -> int:
@@ -64,7 +91,9 @@ def _held_bytes(model: object) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def one(ranks: int, model: Path, steps: int, batch: int, length: int) -> dict[str, object]:
+def one(
+    ranks: int, model: Path, steps: int, batch: int, length: int, lora: int = 0
+) -> dict[str, object]:
     import numpy as np
 
     from treadle.common.engine.domain import (
@@ -80,7 +109,7 @@ def one(ranks: int, model: Path, steps: int, batch: int, length: int) -> dict[st
     threads = max(1, THREADS // ranks)
     config = EngineConfig(base_models={"m": model}, ranks=ranks, threads=threads)
     engine = build_engine(config).start()
-    spec = ModelSpec("full", "t", "m", 0, 0.0, 0, "float32")
+    spec = ModelSpec("full", "t", "m", lora, 0.0, 0, "float32")
     engine.create_model(spec).result()
     rng = np.random.default_rng(0)
     vocab = engine.bases.config("m").vocab_size
@@ -103,15 +132,20 @@ def one(ranks: int, model: Path, steps: int, batch: int, length: int) -> dict[st
         seq += 2
         if i:
             times.append(time.perf_counter() - t0)
-    peaks = [_hwm_bytes(p.pid) for p in multiprocessing.active_children() if p.pid]
-    peaks = [_hwm_bytes(os.getpid()), *peaks]
+    children = [p.pid for p in multiprocessing.active_children() if p.pid]
+    pids = [os.getpid(), *children]
+    peaks = [_hwm_bytes(pid) for pid in pids]
+    rss = [_hwm_bytes(pid, "VmRSS") for pid in pids]
+    base = _base_bytes(engine.models["full"]) if lora else []
     engine.stop()
     return {
         "ranks": ranks,
         "threads": threads,
         "step_s": statistics.median(times),
         "peaks": peaks,
+        "rss": rss,
         "state": per_rank_state,
+        "base": base,
     }
 
 
@@ -122,50 +156,49 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--length", type=int, default=256)
+    parser.add_argument("--lora", type=int, default=0, help="a LoRA model of this rank")
     parser.add_argument("--one", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
     model = model_dir(args.preset, args.model_dir)
     if args.one:
-        print(json.dumps(one(args.one, model, args.steps, args.batch, args.length)))
+        print(json.dumps(one(args.one, model, args.steps, args.batch, args.length, args.lora)))
         return
     rows, base = [], None
     for ranks in (1, 2):
         cmd = [sys.executable, __file__, "--one", str(ranks), "--model-dir", str(model)]
         cmd += ["--steps", str(args.steps), "--batch", str(args.batch)]
-        cmd += ["--length", str(args.length)]
+        cmd += ["--length", str(args.length), "--lora", str(args.lora)]
         out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
         r = json.loads(out.strip().splitlines()[-1])
         base = base or r
         gib = 2**30
-        rows.append(
-            [
-                r["ranks"],
-                r["threads"],
-                r["step_s"] * 1e3,
-                f"{r['step_s'] / base['step_s']:.2f}x",
-                " / ".join(f"{p / gib:.2f}" for p in r["peaks"]),
-                r["state"] / gib,
-                f"{r['state'] / base['state']:.2f}x",
+        row = [
+            r["ranks"],
+            r["threads"],
+            r["step_s"] * 1e3,
+            f"{r['step_s'] / base['step_s']:.2f}x",
+            " / ".join(f"{p / gib:.2f}" for p in r["peaks"]),
+        ]
+        if args.lora:
+            row += [
+                " / ".join(f"{b / gib:.3f}" for b in r["base"]),
+                " / ".join(f"{p / gib:.2f}" for p in r["rss"]),
             ]
-        )
+        else:
+            row += [r["state"] / gib, f"{r['state'] / base['state']:.2f}x"]
+        rows.append(row)
+    kind = f"LoRA rank {args.lora}" if args.lora else "full fine-tune"
     print(
-        f"{args.preset} full fine-tune, {args.batch} x {args.length} tokens, float32, "
+        f"{args.preset} {kind}, {args.batch} x {args.length} tokens, float32, "
         f"median of {args.steps} steps; {THREADS} cores shared out"
     )
-    print(
-        table(
-            [
-                "ranks",
-                "threads/rank",
-                "ms/step",
-                "vs 1 rank",
-                "peak RSS GiB per rank (0 / 1)",
-                "params+grads+Adam GiB/rank",
-                "vs 1 rank",
-            ],
-            rows,
-        )
+    last = (
+        ["base GiB per rank (0 / others)", "RSS after GiB per rank (0 / 1)"]
+        if args.lora
+        else ["params+grads+Adam GiB/rank", "vs 1 rank"]
     )
+    head = ["ranks", "threads/rank", "ms/step", "vs 1 rank", "peak RSS GiB per rank (0 / 1)"]
+    print(table([*head, *last], rows))
 
 
 if __name__ == "__main__":

@@ -65,6 +65,12 @@ class BaseModel:
         """Whether the base weights are in memory now."""
         return self._params is not None
 
+    def unload(self) -> None:
+        """Drop the whole weights (read again on next use): a rank of a group that
+        keeps only its shards of them (``workers.trainer.sharded_base``)."""
+        with self._lock:
+            self._params = None
+
     def holds(self, params: LlamaParams) -> bool:
         """Whether ``params`` are the base weights themselves (never loads them)."""
         return self._params is params

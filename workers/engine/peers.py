@@ -3,9 +3,10 @@
 A worker may be several processes on torch.distributed (``workers.group``): rank 0
 runs this engine, and with it everything that decides (scheduler, ordering,
 dedupe, fair share, the broker and database connections); the other ranks hold
-a replica of every LoRA model, a shard of every full fine-tune, and execute, in the same order, each call that
-changes one. ``Peers`` is the seam: the engine calls it for every such call and
-never asks how many ranks there are. ``Alone`` is a worker of one process: it
+a replica of every LoRA adapter (on a shard of its base), a shard of every full
+fine-tune, and execute, in the same order, each call that changes one.
+``Peers`` is the seam: the engine calls it for every such call and never asks
+how many ranks there are. ``Alone`` is a worker of one process: it
 runs each call here, with no torch.distributed in the path.
 """
 

@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from treadle.common.engine.domain import ForwardResult
 from treadle.workers.trainer import fsdp
+from treadle.workers.trainer.sharded_base import ShardedBases
 from treadle.workers.trainer.trainer import TrainingModel
 
 
@@ -37,13 +38,24 @@ def broadcast_state(model: TrainingModel) -> None:
     opt.step_count, opt.weights_moved, model.version = int(meta[0]), bool(meta[1]), int(meta[2])
 
 
-def made(model: TrainingModel) -> None:
+def made(model: TrainingModel, bases: ShardedBases) -> None:
     """A model was just created on every rank: rank 0's state everywhere, then a full
-    fine-tune sharded over the group (LoRA adapters stay replicated: a few MB, whose
-    sharding would save nothing and add collectives to every pass)."""
+    fine-tune sharded over the group; a LoRA model trains on its base's shards
+    (``bases``: one sharded base for every LoRA model on it), its adapter replicated
+    (a few MB, whose sharding would save nothing and add collectives to every pass)."""
     broadcast_state(model)
     if model.adapter is None:
         fsdp.shard(model)
+    else:
+        bases.shard(model)
+
+
+def replicated(model: TrainingModel) -> bool:
+    """Whether the model's trainable tensors are whole on every rank (a LoRA adapter,
+    its base sharded or not; a model held whole): its gradients are summed over the
+    ranks at the step, its loaded state broadcast from rank 0, and rank 0 reads it
+    as it is. A full fine-tune's are FSDP's shards instead."""
+    return model.sharding is None or model.sharding.frozen
 
 
 @torch.no_grad()

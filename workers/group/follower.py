@@ -1,5 +1,5 @@
 """A rank other than 0: its copies of the engine's training models (a LoRA model's
-replica, a full fine-tune's shards), and a loop that executes rank 0's commands
+adapter replica on its base's shards, a full fine-tune's shards), and a loop that executes rank 0's commands
 in order (``channel``), joining each call's collectives. It decides nothing and
 talks to nobody but its group."""
 
@@ -27,6 +27,7 @@ from treadle.workers.group.commands import (
     ReplicaOptimStep,
 )
 from treadle.workers.trainer import fsdp, trainer
+from treadle.workers.trainer.sharded_base import ShardedBases
 from treadle.workers.trainer.trainer import TrainingModel
 
 log = logging.getLogger("treadle.group")
@@ -38,6 +39,8 @@ class Replicas:
     def __init__(self, config: EngineConfig, where: torch.device) -> None:
         self.bases = BaseModelRegistry(config.base_models, where)
         self.models: dict[str, TrainingModel] = {}
+        #: the LoRA bases sharded over the group (this rank's shards of them)
+        self.sharded = ShardedBases()
 
     def run(self, command: RankCommand) -> bool:
         """Execute one command; False: stop."""
@@ -51,9 +54,10 @@ class Replicas:
                 max_context=command.max_context,
                 checkpoint_activations=command.checkpoint_activations,
                 memory_limit_bytes=command.memory_limit_bytes,
+                base_params=self.sharded.params_of(base),
             )
             self.models[command.spec.model_id] = model
-            collectives.made(model)
+            collectives.made(model, self.sharded)
         elif isinstance(command, ReplicaDelete):
             self.models.pop(command.model_id, None)
         elif isinstance(command, ReplicaForwardBackward):
@@ -70,7 +74,7 @@ class Replicas:
             dist.gather_object(outcome, None, dst=0)
         elif isinstance(command, ReplicaOptimStep):
             model = self.models[command.model_id]
-            if model.sharding is None:  # a sharded model's were reduce-scattered
+            if collectives.replicated(model):  # a sharded model's were reduce-scattered
                 collectives.sum_gradients(model)
             try:
                 model.optim_step(command.adam)
@@ -81,11 +85,11 @@ class Replicas:
             collectives.all_ok(ok, model.params.device)
         elif isinstance(command, ReplicaLoadState):
             model = self.models[command.model_id]
-            if model.sharding is None:
+            if collectives.replicated(model):
                 collectives.broadcast_state(model)
             else:  # whole while rank 0's state arrives, then sharded again
                 fsdp.unshard(model)
-                collectives.made(model)
+                collectives.made(model, self.sharded)
         elif isinstance(command, ReplicaGather):
             fsdp.send_whole(self.models[command.model_id], moments=command.moments)
         return True

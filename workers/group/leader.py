@@ -3,12 +3,14 @@ handed to every other rank (``channel``), then run here and on them alike
 (SPMD), the collectives joining the ranks' parts (``collectives``).
 
 A ``ForwardBackward``'s datums are split across the ranks (data parallel). A
-LoRA model is replicated on every rank, its gradients summed at the optimizer
-step, so every rank takes the same step. A full fine-tune is sharded with
-FSDP2 (``trainer.fsdp``): each rank holds 1/N of its weights, gradients and Adam
-moments; FSDP all-gathers each layer's weights for a ``ForwardBackward`` and
-reduce-scatters the gradient. Only rank 0 samples, saves and exports; a sharded model is gathered
-whole for those reads (``whole``). What a call is checked for (data, loss
+full fine-tune is sharded with FSDP2 (``trainer.fsdp``): each rank holds 1/N of
+its weights, gradients and Adam moments; FSDP all-gathers each layer's weights
+for a ``ForwardBackward`` and reduce-scatters the gradient. A LoRA model's frozen
+base is sharded the same way, once per base for every LoRA model on it
+(``trainer.sharded_base``); its adapter is replicated on every rank, the
+gradients summed at the optimizer step, so every rank takes the same step. Only
+rank 0 samples, saves and exports; a sharded full fine-tune is gathered whole
+for those reads (``whole``); rank 0 keeps a LoRA base whole for them. What a call is checked for (data, loss
 inputs, the memory of each rank's share) is checked here, for every share,
 before any rank starts, so a refused call changes no rank.
 
@@ -52,6 +54,7 @@ from treadle.workers.group.commands import (
     ReplicaOptimStep,
 )
 from treadle.workers.trainer import checkpoint, fsdp, trainer
+from treadle.workers.trainer.sharded_base import ShardedBases
 from treadle.workers.trainer.trainer import TrainingModel
 from treadle.workers.trainer.validation import check_adam
 
@@ -68,6 +71,8 @@ class GroupPeers(Peers):
     ) -> None:
         self.channel = channel
         self.size = channel.world_size
+        #: the LoRA bases sharded over the group, one for every LoRA model on each
+        self.bases = ShardedBases()
         #: why the group cannot run calls any more ("" while it can)
         self.broken = ""
         self._on_broken = on_broken
@@ -82,7 +87,7 @@ class GroupPeers(Peers):
             model.checkpoint_activations,
             model.memory_limit_bytes,
         )
-        self._all(command, lambda: collectives.made(model))
+        self._all(command, lambda: collectives.made(model, self.bases))
 
     def deleted(self, model_id: str) -> None:
         if not self.broken:
@@ -129,7 +134,7 @@ class GroupPeers(Peers):
         failed: list[BaseException] = []
 
         def step() -> None:
-            if model.sharding is None:  # a sharded model's were reduce-scattered
+            if collectives.replicated(model):  # a sharded model's were reduce-scattered
                 collectives.sum_gradients(model)
             try:
                 result.append(model.optim_step(adam))
@@ -147,7 +152,7 @@ class GroupPeers(Peers):
     ) -> LoadResult:
         self._check()
         state = checkpoint.read_state(model, directory, optimizer=optimizer)  # every check
-        if model.sharding is None:
+        if collectives.replicated(model):
             loaded = checkpoint.apply_state(model, state)
             self._all(
                 ReplicaLoadState(model.spec.model_id), lambda: collectives.broadcast_state(model)
@@ -158,14 +163,14 @@ class GroupPeers(Peers):
         def load() -> None:  # every rank: whole, rank 0's state everywhere, sharded again
             fsdp.unshard(model)
             result.append(checkpoint.apply_state(model, state))
-            collectives.made(model)
+            collectives.made(model, self.bases)
 
         self._all(ReplicaLoadState(model.spec.model_id), load)
         return result[0]
 
     @contextmanager
     def whole(self, model: TrainingModel, *, moments: bool = False) -> Iterator[None]:
-        if model.sharding is None:
+        if collectives.replicated(model):  # a LoRA base is whole on rank 0
             yield
             return
         with ExitStack() as stack:

@@ -278,12 +278,19 @@ def forward_hidden(
 
 
 def decoder_layer(
-    cfg: ModelConfig, layer: LayerParams, n: int, x_B_T_H: Tensor, cos: Tensor, sin: Tensor
+    cfg: ModelConfig,
+    layer: LayerParams,
+    n: int,
+    x_B_T_H: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    lora: Lora | None = None,
 ) -> Tensor:
-    """Decoder layer ``n`` of a plain causal forward (no cache, no LoRA): what
+    """Decoder layer ``n`` of a plain causal forward (no cache): what
     ``forward_hidden`` runs per layer, for a caller that runs the layers one at a
-    time (a sharded full fine-tune's FSDP layers, ``workers.trainer.fsdp``)."""
-    return _layer(cfg, layer, n, x_B_T_H, cos, sin, None, None)
+    time (the FSDP layers of a sharded full fine-tune or of a LoRA model's sharded
+    base, ``workers.trainer.fsdp``)."""
+    return _layer(cfg, layer, n, x_B_T_H, cos, sin, lora, None)
 
 
 def _layer(

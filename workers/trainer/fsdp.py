@@ -45,6 +45,7 @@ from torch.utils.checkpoint import checkpoint
 from treadle.common.engine.domain import ForwardBackwardOp, ForwardResult
 from treadle.common.engine.model_config import ModelConfig
 from treadle.workers.model.llama import decoder_layer, lm_logits, rms_norm, rope_cos_sin
+from treadle.workers.model.lora import LoraAdapter
 from treadle.workers.model.params import LayerParams, LlamaParams
 from treadle.workers.trainer import trainer
 from treadle.workers.trainer.trainer import PreparedForwardBackward, Sharding, TrainingModel
@@ -57,56 +58,68 @@ Head = Callable[[Tensor, LlamaParams], _R]
 
 class _Layer(nn.Module):
     """Decoder layer ``n``'s tensors as parameters (FSDP's unit), run by the same
-    functional ``decoder_layer`` as one rank runs, under activation checkpointing."""
+    functional ``decoder_layer`` as one rank runs, under activation checkpointing.
+    ``trainable`` False: a frozen base's (no gradient, so FSDP reduce-scatters
+    nothing for them)."""
 
-    def __init__(self, cfg: ModelConfig, n: int, layer: LayerParams) -> None:
+    def __init__(self, cfg: ModelConfig, n: int, layer: LayerParams, trainable: bool) -> None:
         super().__init__()
         self.cfg = cfg
         self.n = n
         self.names = [f.name for f in fields(layer) if getattr(layer, f.name) is not None]
         for name in self.names:
-            self.register_parameter(name, nn.Parameter(getattr(layer, name).detach()))
+            tensor = getattr(layer, name).detach()
+            self.register_parameter(name, nn.Parameter(tensor, requires_grad=trainable))
 
     def params(self) -> LayerParams:
         """The layer's tensors now: whole inside FSDP's forward, shards outside it."""
         return LayerParams(**{name: getattr(self, name) for name in self.names})
 
-    def forward(self, x_B_T_H: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    def forward(
+        self, x_B_T_H: Tensor, cos: Tensor, sin: Tensor, lora: LoraAdapter | None = None
+    ) -> Tensor:
         # read the weights inside the checkpointed function: the recompute in the
-        # backward then uses those FSDP gathered again
-        out: Tensor = checkpoint(self._run, x_B_T_H, cos, sin, use_reentrant=False)
+        # backward then uses those FSDP gathered again (and the same adapter)
+        out: Tensor = checkpoint(self._run, x_B_T_H, cos, sin, lora, use_reentrant=False)
         return out
 
-    def _run(self, x_B_T_H: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        return decoder_layer(self.cfg, self.params(), self.n, x_B_T_H, cos, sin)
+    def _run(self, x_B_T_H: Tensor, cos: Tensor, sin: Tensor, lora: LoraAdapter | None) -> Tensor:
+        return decoder_layer(self.cfg, self.params(), self.n, x_B_T_H, cos, sin, lora)
 
 
 class _Model(nn.Module):
     """The root: embedding, layers, final norm and head (``None`` when tied)."""
 
-    def __init__(self, cfg: ModelConfig, params: LlamaParams) -> None:
+    def __init__(self, cfg: ModelConfig, params: LlamaParams, trainable: bool) -> None:
         super().__init__()
         self.cfg = cfg
-        self.embed_tokens = nn.Parameter(params.embed_tokens.detach())
-        self.layers = nn.ModuleList(_Layer(cfg, n, p) for n, p in enumerate(params.layers))
-        self.norm = nn.Parameter(params.norm.detach())
-        self.lm_head = None if params.lm_head is None else nn.Parameter(params.lm_head.detach())
+
+        def param(t: Tensor) -> nn.Parameter:
+            return nn.Parameter(t.detach(), requires_grad=trainable)
+
+        self.embed_tokens = param(params.embed_tokens)
+        self.layers = nn.ModuleList(
+            _Layer(cfg, n, p, trainable) for n, p in enumerate(params.layers)
+        )
+        self.norm = param(params.norm)
+        self.lm_head = None if params.lm_head is None else param(params.lm_head)
 
     def params(self) -> LlamaParams:
         """Every tensor, as ``LlamaParams`` (HF names through ``named_tensors``)."""
         layers = [layer.params() for layer in self.layers if isinstance(layer, _Layer)]
         return LlamaParams(self.embed_tokens, layers, self.norm, self.lm_head)
 
-    def forward(self, tokens_B_T: Tensor, head: Head[_R]) -> _R:
+    def forward(self, tokens_B_T: Tensor, head: Head[_R], lora: LoraAdapter | None = None) -> _R:
         """``head`` of the final-norm hidden states of ``tokens_B_T``: what
-        ``forward_hidden`` computes, one FSDP layer at a time."""
+        ``forward_hidden`` computes (with ``lora``: with that adapter on the layers;
+        the head applies its own part), one FSDP layer at a time."""
         cfg = self.cfg
         B, T = tokens_B_T.shape
         positions_B_T = torch.arange(T, device=tokens_B_T.device).expand(B, T)
         x_B_T_H = F.embedding(tokens_B_T, self.embed_tokens)
         cos, sin = rope_cos_sin(cfg, positions_B_T, x_B_T_H.dtype)
         for layer in self.layers:
-            x_B_T_H = layer(x_B_T_H, cos, sin)
+            x_B_T_H = layer(x_B_T_H, cos, sin, lora)
         hidden_B_T_H = rms_norm(x_B_T_H, self.norm, cfg.rms_norm_eps)
         whole = LlamaParams(self.embed_tokens, [], self.norm, self.lm_head)
         return head(hidden_B_T_H, whole)
@@ -114,12 +127,37 @@ class _Model(nn.Module):
 
 class FsdpShards(Sharding):
     """A model's FSDP2 root (every layer a ``fully_shard`` unit) over the default
-    process group."""
+    process group: a full fine-tune's own, or a frozen base's (``frozen``), which
+    every LoRA model on that base shares (``workers.trainer.sharded_base``)."""
 
-    def __init__(self, root: _Model, mesh: DeviceMesh, gathered_bytes: int) -> None:
+    def __init__(self, root: _Model, mesh: DeviceMesh, gathered_bytes: int, frozen: bool) -> None:
         self.root = root
         self.mesh = mesh
         self.gathered_bytes = gathered_bytes
+        self.frozen = frozen
+
+    def params(self) -> LlamaParams:
+        """The sharded parameters (DTensors, this rank's rows of each)."""
+        return self.root.params()
+
+
+def build(params: LlamaParams, cfg: ModelConfig, *, frozen: bool) -> FsdpShards:
+    """Every rank: whole weights (the same on every rank) put in an FSDP2 root over
+    the group, each layer a ``fully_shard`` unit, and sharded; ``params`` themselves
+    are not changed (the shards are copies). ``frozen``: no gradient (a LoRA base)."""
+    mesh = init_device_mesh(params.device.type, (dist.get_world_size(),))
+    gathered = _gathered_bytes(params)
+    root = _Model(cfg, params, trainable=not frozen)
+    for layer in root.layers:
+        fully_shard(layer, mesh=mesh, reshard_after_forward=True)
+    fully_shard(root, mesh=mesh)
+    if not frozen:
+        for module in root.modules():
+            if isinstance(module, FSDPModule):
+                module.set_gradient_divide_factor(1.0)  # the sum over ranks: losses are sums
+                module.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
+                module.set_reduce_scatter_unused_params(True, recurse=False)
+    return FsdpShards(root, mesh, gathered, frozen)
 
 
 def _gathered_bytes(params: LlamaParams) -> int:
@@ -141,24 +179,13 @@ def shard(model: TrainingModel) -> None:
     """Every rank: a whole model (the same on every rank) becomes this rank's shards;
     accumulated gradients are dropped."""
     opt = model.optimizer
-    where = model.params.device
-    mesh = init_device_mesh(where.type, (dist.get_world_size(),))
-    gathered = _gathered_bytes(model.params)
-    root = _Model(model.cfg, model.params)
-    for layer in root.layers:
-        fully_shard(layer, mesh=mesh, reshard_after_forward=True)
-    fully_shard(root, mesh=mesh)
-    for module in root.modules():
-        if isinstance(module, FSDPModule):
-            module.set_gradient_divide_factor(1.0)  # the sum over ranks: losses are sums
-            module.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
-            module.set_reduce_scatter_unused_params(True, recurse=False)
-    model.params = root.params()
+    sharding = build(model.params, model.cfg, frozen=False)
+    model.params = sharding.params()
     opt.params = _locals(model)
     opt.exp_avg = {n: _my_rows(t, opt.params[n]) for n, t in opt.exp_avg.items()}
     opt.exp_avg_sq = {n: _my_rows(t, opt.params[n]) for n, t in opt.exp_avg_sq.items()}
     opt.reduce = _all_sum
-    model.sharding = FsdpShards(root, mesh, gathered)
+    model.sharding = sharding
 
 
 @torch.no_grad()
@@ -218,8 +245,11 @@ def forward_backward(
     model: TrainingModel, op: ForwardBackwardOp
 ) -> ForwardResult | Exception | None:
     """Every rank: its share of a ``ForwardBackward`` (possibly none: None) through the
-    FSDP root, the gradient of its summed loss reduce-scattered (summed over ranks)
-    and added to its shards' accumulated gradients.
+    FSDP root, and the gradient of its summed loss: a full fine-tune's
+    reduce-scattered (summed over ranks) and added to its shards' accumulated
+    gradients; a LoRA model's (on its sharded frozen base) added to this rank's
+    replica of the adapter, as on one rank (summed over ranks at the optimizer
+    step, ``collectives.sum_gradients``).
 
     A rank with no datums, or whose share failed its preparation (the base's
     reference logprobs out of memory, say), runs the pass on one token with a
@@ -233,26 +263,73 @@ def forward_backward(
     if op.data:
         try:
             prep = trainer.prepare_forward_backward(model, op)
-            if prep.needs_reference:
+            if prep.needs_reference and not sharding.frozen:  # the whole base, here
                 trainer.fill_reference(model, prep, op.temperature)
         except Exception as err:  # returned once the pass's collectives ran
             failed, prep = err, None
+    lora = model.adapter  # None on a full fine-tune
     try:
+        wants_reference = prep is not None and prep.needs_reference
+        if sharding.frozen and _on_any_rank(wants_reference, model.params.device):
+            _fill_reference(model, sharding, prep if wants_reference else None, op.temperature)
         if prep is not None:
             finish = _Finish(model, op, prep)
-            loss = sharding.root(prep.batch.tokens_B_T, finish)
+            loss = sharding.root(prep.batch.tokens_B_T, finish, lora)
             outcome: ForwardResult | Exception | None = finish.result
         else:
             tokens = torch.zeros((1, 1), dtype=torch.int64, device=model.params.device)
-            loss = sharding.root(tokens, _NoLoss(model.cfg))
+            loss = sharding.root(tokens, _NoLoss(model.cfg, lora), lora)
             outcome = failed
-        loss.backward()
+        if sharding.frozen:
+            trainer.accumulate_gradients(loss, [model])
+        else:
+            loss.backward()
     except RuntimeError:  # a collective's failure, or out of memory: the group breaks
         raise
     except Exception as err:  # any other: the ranks' collectives are out of step all the same
         raise RuntimeError(f"the FSDP pass failed: {type(err).__name__}: {err}") from err
-    _take_gradients(model)
+    if not sharding.frozen:
+        _take_gradients(model)
     return outcome
+
+
+def _fill_reference(
+    model: TrainingModel,
+    sharding: FsdpShards,
+    prep: PreparedForwardBackward | None,
+    temperature: float,
+) -> None:
+    """Every rank, when any rank's share wants them: the reference logprobs (the base,
+    the adapter off) of its share, through the sharded base with no gradient; a rank
+    whose share does not want them runs one token, joining the all-gathers."""
+    where = model.params.device
+    if prep is None:
+        tokens_B_T = targets_B_T = torch.zeros((1, 1), dtype=torch.int64, device=where)
+    else:
+        tokens_B_T, targets_B_T = prep.batch.tokens_B_T, prep.batch.targets_B_T
+    with torch.no_grad():
+        ref_B_T = sharding.root(tokens_B_T, _Reference(model.cfg, targets_B_T, temperature))
+    if prep is not None:
+        trainer.set_reference(model, prep, ref_B_T)
+
+
+def _on_any_rank(flag: bool, where: torch.device) -> bool:
+    value = torch.tensor([1 if flag else 0], dtype=torch.int64, device=where)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value.item())
+
+
+class _Reference:
+    """The head of a reference pass: the target logprobs under the base alone."""
+
+    def __init__(self, cfg: ModelConfig, targets_B_T: Tensor, temperature: float) -> None:
+        self.cfg, self.targets_B_T, self.temperature = cfg, targets_B_T, temperature
+
+    def __call__(self, hidden_B_T_H: Tensor, params: LlamaParams) -> Tensor:
+        lp_B_T, _ = trainer.logprobs_of_hidden(
+            self.cfg, params, hidden_B_T_H, self.targets_B_T, self.temperature, with_entropy=False
+        )
+        return lp_B_T
 
 
 class _Finish:
@@ -273,20 +350,23 @@ class _Finish:
             prep.batch.targets_B_T,
             op.temperature,
             with_entropy=True,
+            lora=model.adapter,
         )
         loss, self.result = trainer.finish_forward_backward(model, op, prep, lp_B_T, entropy_B_T)
         return loss
 
 
 class _NoLoss:
-    """The head of an empty share: zero, through every weight (the head's included),
-    so each of them gets a (zero) gradient to reduce-scatter."""
+    """The head of an empty share: zero, through every weight (the head's included)
+    and the adapter's, so each of them gets a (zero) gradient to reduce-scatter (or,
+    on a frozen base, the backward recomputes the same layers as the other ranks')."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, lora: LoraAdapter | None) -> None:
         self.cfg = cfg
+        self.lora = lora
 
     def __call__(self, hidden_B_T_H: Tensor, params: LlamaParams) -> Tensor:
-        return lm_logits(self.cfg, params, hidden_B_T_H).sum() * 0.0
+        return lm_logits(self.cfg, params, hidden_B_T_H, lora=self.lora).sum() * 0.0
 
 
 @torch.no_grad()

@@ -50,14 +50,18 @@ TensorsCopy = Callable[[dict[str, Tensor]], dict[str, Tensor]]
 
 
 class Sharding:
-    """How a full fine-tune's weights, gradients and Adam moments are split over a
-    group of ranks (FSDP2, ``workers.trainer.fsdp``); None on a model held whole."""
+    """How a model's weights are split over a group of ranks (FSDP2,
+    ``workers.trainer.fsdp``): a full fine-tune's weights, gradients and Adam
+    moments, or (``frozen``) a LoRA model's frozen base, its adapter replicated on
+    every rank; None on a model held whole."""
 
     #: the most bytes of whole weights a ``ForwardBackward`` holds at once (the
     #: embedding, norm and head, and two layers: the one running and the one FSDP
-    #: prefetches in the backward); their whole gradients (the root's, a layer's and
-    #: its reduce-scatter buffer) are counted as as much again
+    #: prefetches in the backward); a full fine-tune's whole gradients (the root's,
+    #: a layer's and its reduce-scatter buffer) are counted as as much again
     gathered_bytes: int = 0
+    #: the sharded weights are a frozen base: gathered, never given a gradient
+    frozen: bool = False
 
 
 class TrainingModel:
@@ -71,6 +75,7 @@ class TrainingModel:
         max_context: int | None = None,
         checkpoint_activations: bool = False,
         memory_limit_bytes: int = 0,
+        base_params: LlamaParams | None = None,
     ) -> None:
         self.spec = spec
         #: recompute each layer in the backward instead of keeping its activations
@@ -87,7 +92,9 @@ class TrainingModel:
         )
         self.adapter: LoraAdapter | None
         if spec.is_lora:
-            self.params = base.params
+            #: ``base_params``: what a LoRA model reads for the base where not the whole
+            #: ``base.params`` (a group rank's shards of it: ``workers.trainer.sharded_base``)
+            self.params = base.params if base_params is None else base_params
             alpha = spec.lora_alpha or float(spec.lora_rank)
             self.adapter = LoraAdapter(
                 self.cfg,
@@ -100,7 +107,7 @@ class TrainingModel:
                     train_unembed=spec.train_unembed,
                 ),
                 dtype=base.dtype,
-                device=base.params.device,
+                device=self.params.device,
                 requires_grad=True,
             )
             trainable = dict(self.adapter.named_tensors())
@@ -111,9 +118,11 @@ class TrainingModel:
             self.adapter = None
             trainable = dict(self.params.named_tensors())
         self.optimizer = AdamW(trainable)
-        #: set while the model is sharded over a group of ranks: ``params`` then holds
-        #: FSDP's sharded parameters (DTensors) and ``trainable`` this rank's local
-        #: shards of them (``workers.trainer.fsdp``)
+        #: set while the model is sharded over a group of ranks: a full fine-tune's
+        #: ``params`` then holds FSDP's sharded parameters (DTensors) and ``trainable``
+        #: this rank's local shards of them (``workers.trainer.fsdp``); a LoRA model's
+        #: base is sharded and shared by every LoRA model on it, its adapter whole
+        #: (``workers.trainer.sharded_base``)
         self.sharding: Sharding | None = None
         self.version = 0
         self.last_checkpoint_seq_id = 0
@@ -359,9 +368,9 @@ def _check_memory(model: TrainingModel, data: Sequence[DatumData]) -> None:
         chunked_logits=not _adapts_head(model.adapter)
         and rows * length * model.cfg.vocab_size * 4 > LOGITS_CHUNK_BYTES,
     )
-    if model.sharding is not None:  # the weights gathered at once, and their gradients
-        need += 2 * model.sharding.gathered_bytes
-    else:
+    if model.sharding is not None:  # the weights gathered at once (and their gradients)
+        need += (1 if model.sharding.frozen else 2) * model.sharding.gathered_bytes
+    if model.sharding is None or model.sharding.frozen:  # whole gradients: an adapter's
         need += sum(p.numel() * p.element_size() for p in model.trainable.values())
     train_memory.check_fits(
         need,

@@ -63,14 +63,21 @@ def _alive(pid: int) -> bool:
     return bool(stat) and stat.split()[2] != "Z"
 
 
-def test_a_rank_killed_mid_forward_backward(tmp_path: Path, tiny_model_dir: Path) -> None:
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_a_rank_killed_mid_forward_backward(
+    tmp_path: Path, tiny_model_dir: Path, lora: bool
+) -> None:
+    """A full fine-tune's FSDP pass, or a LoRA model's on its sharded base."""
     flags = ("--ranks", "2", "--auto-checkpoint-steps", "1", "--collective-timeout", "30")
     with serve(tmp_path, tiny_model_dir, *flags) as srv:
         assert srv.proc is not None
         ranks = _ranks_of(srv.proc.pid)
         assert len(ranks) == 1, ranks  # rank 1; rank 0 is the server process
         service = treadle.ServiceClient(srv.address, max_retries=0)
-        tc = service.create_training_client("tiny", seed=0)
+        if lora:
+            tc = service.create_lora_training_client("tiny", rank=4, seed=0)
+        else:
+            tc = service.create_training_client("tiny", seed=0)
         assert _step(tc) == 1
         assert _step(tc) == 2
         applied = _logprobs(tc)

@@ -5,8 +5,9 @@ one gives the same numbers: five steps of a full fine-tune and of LoRA (losses,
 ``forward_logprobs``, sampled tokens and logprobs under a fixed seed). A state
 saved by the 2-rank worker loads on the 1-rank one and the reverse, and the next
 step is the same on either. On 2 ranks the full fine-tune is sharded (each rank
-holds half of its weights and Adam moments; the LoRA adapters are replicated):
-what rank 0 holds is checked against the 1-rank worker's. float64, so the comparison is of the arithmetic,
+holds half of its weights and Adam moments), and so is the LoRA model's frozen
+base (its adapters are replicated): what rank 0 holds is checked against the
+1-rank worker's. float64, so the comparison is of the arithmetic,
 not of float32 rounding in Adam (``test_remote_equals_local``'s ``ADAM_EPS``).
 
 Multi-process: the 2-rank server spawns a second process that joins the first
@@ -130,12 +131,15 @@ def test_two_ranks_train_sample_and_checkpoint_as_one(tmp_path: Path, tiny_model
         from_one = {kind: _resume(service, kind, one[kind].saved) for kind in one}
 
     # the full fine-tune is sharded (FSDP2): rank 0 holds half (its rows of each
-    # tensor, at most one row more than half where the rows are odd); LoRA is replicated
+    # tensor, at most one row more than half where the rows are odd); a LoRA model's
+    # base is sharded (``tests/unit/trainer/test_fsdp_lora.py`` counts its shards), its
+    # adapter and moments replicated
     full_two, full_one = two["full"], one["full"]
     print(f"weights + Adam on rank 0: 2 ranks {full_two.held} B, 1 rank {full_one.held} B")
     assert full_two.sharded and not full_one.sharded
     assert full_one.held / 2 <= full_two.held < full_one.held / 2 + full_one.held / 1000
-    assert not two["lora"].sharded and two["lora"].held == one["lora"].held
+    assert two["lora"].sharded and not one["lora"].sharded
+    assert two["lora"].held == one["lora"].held
 
     for kind in ("full", "lora"):
         a, b = two[kind], one[kind]
