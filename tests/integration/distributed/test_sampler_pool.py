@@ -56,6 +56,8 @@ class Pool:
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.logs: dict[str, Path] = {}
         self.proxy: FreezingProxy | None = None
+        #: what ``start_worker`` needs after the worker's id (another sampler worker)
+        self.worker_args: tuple[Any, ...] = ()
 
     def tail(self) -> str:
         return "\n".join(
@@ -89,6 +91,7 @@ def pool(
         )  # fmt: skip
         server = EmbeddedServer(config).start()
         p = Pool(server, database_url, "")
+        p.worker_args = (tiny_model_dir, REDIS_URL, database_url, store, s3_endpoint, tmp)
         # the trainer reaches the store through a proxy the last test closes
         p.proxy = FreezingProxy(int(s3_endpoint.rsplit(":", 1)[1]))
         try:
@@ -407,5 +410,40 @@ def test_grpo_on_the_pool_agrees_learns_and_survives_a_sampler_kill(pool: Pool) 
         res = auto.sample(prompt, num_samples=2, sampling_params=PARAMS).result(120)
         assert {v for s in res.sequences for v in s.token_versions()} == {old + 1}
         _wait_served(pool, trainer_id, "SampleCall", on_trainer + 1)
+    finally:
+        service.close()
+
+
+def test_a_draining_sampler_worker_finishes_its_samples(pool: Pool) -> None:
+    """SIGTERM to a pool worker with ``--drain-timeout``: it turns ``draining``,
+    the samples it is generating finish and are answered, and then it exits 0."""
+    worker_id = f"pool-sampler3-{os.getpid()}"
+    pool.procs[worker_id], pool.logs[worker_id] = start_worker(
+        worker_id, *pool.worker_args, drain_timeout_s=120.0,
+        flags=("--role", "sampler"), verbose=True,
+    )  # fmt: skip
+    wait_for_workers(pool.database_url, [worker_id], timeout_s=120)
+    service = treadle.ServiceClient(pool.server.address, api_key=pool.key)
+    try:
+        tc = service.create_lora_training_client(BASE, rank=4, seed=11)
+        sampler = tc.sync_weights()  # the only live pool worker is the new one
+        prompt = service.get_tokenizer(BASE).encode("abc")
+        running = sampler.sample(prompt, 8, treadle.SamplingParams(max_tokens=600, seed=2))
+        deadline = time.monotonic() + 60
+        while _calls_received(pool, worker_id, "SampleCall") == 0:
+            assert time.monotonic() < deadline, pool.tail()
+            time.sleep(0.05)
+        assert _calls_served(pool, worker_id, "SampleCall") == 0  # still generating
+        pool.procs[worker_id].send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 30
+        while pool.sql("SELECT status FROM workers WHERE id = :w", w=worker_id) != [("draining",)]:
+            assert pool.procs[worker_id].poll() is None, pool.tail()
+            assert time.monotonic() < deadline, pool.tail()
+            time.sleep(0.05)
+        res = running.result(timeout=180)
+        assert len(res.sequences) == 8
+        assert all(s.tokens and set(s.token_versions()) == {0} for s in res.sequences)
+        assert _calls_served(pool, worker_id, "SampleCall") == 1  # answered by the drainer
+        assert pool.procs[worker_id].wait(120) == 0, pool.tail()
     finally:
         service.close()
