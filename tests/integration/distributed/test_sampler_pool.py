@@ -12,8 +12,9 @@ serves the version it had; once the store is back the next sync publishes the
 trainer's version and the pool serves it. A model rewound by ``load_state`` has
 its pool ``latest`` follow at the next sync, with the loaded weights (never the
 files shipped earlier under the same version number). A sampler may choose its
-placement at creation: ``colocated`` samples on the trainer beside the pool. With
-no sampler worker left, a sample answers UNAVAILABLE naming the base model under
+placement at creation: ``colocated`` samples on the trainer beside the pool. A
+sampler worker drained with SIGTERM answers the sample it is generating, then
+exits. With no sampler worker left, a sample answers UNAVAILABLE naming the base model under
 ``pool`` (and a sampler asking for ``pool`` is refused at creation), and one that
 chose ``auto`` falls back to the model's own worker.
 """
