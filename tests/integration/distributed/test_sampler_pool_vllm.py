@@ -3,7 +3,8 @@
 server. A LoRA model's versions are shipped to it through the store and sampled
 there with vLLM: sampler and trainer logprobs agree within 1e-4, every token
 carries the version that wrote it, a ``latest`` sampler follows each sync, and
-the trainer never samples.
+the trainer never samples; an in-flight sync moves the sequences vLLM is
+generating there to the new version, and the async loop runs on it.
 
 Slow (a vLLM engine takes from 15 s to minutes to start on 2 busy cores) and
 skipped where the vLLM backend cannot run (``vllm_skip_reason``).
@@ -12,7 +13,9 @@ skipped where the vLLM backend cannot run (``vllm_skip_reason``).
 from __future__ import annotations
 
 import os
+import re
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,6 +25,7 @@ import pytest
 import treadle
 from tests.conftest import vllm_skip_reason
 from tests.helpers import next_token_datum
+from treadle.rl import Prompt, async_loop
 from treadle.server.embedded import EmbeddedServer
 
 from ..services import REDIS_URL, fresh_postgres, port_open, wait_for_workers
@@ -128,5 +132,57 @@ def test_vllm_on_the_pool_serves_shipped_lora_versions(vllm_pool: VllmPool) -> N
         started = "vllm: starting an engine for"
         assert started in p.logs[sampler_worker].read_text(errors="replace"), p.tail()
         assert started not in p.logs[trainer].read_text(errors="replace")
+    finally:
+        service.close()
+
+
+def _received(p: VllmPool, worker_id: str, kind: str) -> int:
+    """Calls of ``kind`` the worker has admitted (logged once started)."""
+    text = p.logs[worker_id].read_text(errors="replace")
+    return len(re.findall(rf"call \S+: {kind}$", text, re.M))
+
+
+def test_an_inflight_sync_and_the_async_loop_on_a_vllm_pool_worker(vllm_pool: VllmPool) -> None:
+    """``sync_weights(inflight=True)`` moves the sequences a vLLM pool worker is
+    generating to the new version from their next token (contiguous spans, v0
+    then v1), and ``treadle.rl.async_loop`` with in-flight syncs runs on it."""
+    p = vllm_pool
+    sampler_worker = next(w for w in p.procs if "-sampler-" in w)
+    service = treadle.ServiceClient(p.server.address, api_key=p.key)
+    try:
+        tc = service.create_lora_training_client(BASE, rank=4, seed=2)
+        tc.sync_weights().sampler_id  # noqa: B018 - v0 on the pool
+        latest = service.create_sampling_client(weights=f"treadle://{tc.model_id}/latest")
+        latest.sample([1, 5, 9], 1, PARAMS).result(900)  # the adapter loaded in vLLM
+        admitted = _received(p, sampler_worker, "SampleCall")
+        running = latest.sample(
+            [1, 5, 9], 8, treadle.SamplingParams(max_tokens=500, seed=4, ignore_eos=True)
+        )
+        tc.forward_backward([next_token_datum([1, 5, 9, 7, 3])], "cross_entropy")
+        tc.optim_step(treadle.AdamParams(learning_rate=5e-2))
+        deadline = time.monotonic() + 120
+        while _received(p, sampler_worker, "SampleCall") == admitted:
+            assert time.monotonic() < deadline, p.tail()
+            time.sleep(0.05)
+        assert tc.sync_weights(inflight=True).version == 1
+        res = running.result(timeout=600)
+        for seq in res.sequences:  # contiguous spans, v0 first, never back to v0
+            assert [v.version for v in seq.versions] in ([0], [0, 1]), seq.versions
+            assert sum(v.length for v in seq.versions) == len(seq.tokens) == 500
+        assert [s for s in res.sequences if len(s.versions) == 2], "no sequence moved to v1"
+
+        def reward(task: object, seq: treadle.SampledSequence) -> float:
+            return float(np.mean([t % 2 == 0 for t in seq.tokens])) if seq.tokens else 0.0
+
+        stats = list(
+            async_loop(
+                tc, latest, (Prompt(tokens=[1, 5 + i % 7, 9], task=None) for i in range(10**6)),
+                reward, steps=2, groups_per_step=2, group_size=4, buffer_groups=2,
+                max_staleness=4, inflight=True, sampling_params=PARAMS, timeout=600.0,
+            )
+        )  # fmt: skip
+        assert [s.step for s in stats] == [1, 2]
+        assert all(s.rollouts == 8 and max(s.staleness) <= 4 for s in stats), stats
+        assert tc.get_info().version == 3
     finally:
         service.close()
