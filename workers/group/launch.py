@@ -130,8 +130,8 @@ class WorkerGroup:
     ``on_lost`` is called (with the reason) once a collective failed: a rank died
     or hung. The ranks this process started are killed at once, so none is left
     waiting on a rank that is gone; what happens to the worker is the caller's
-    (``exit_soon``: a server or Celery worker exits, and its supervisor restarts
-    it, as after a worker crash)."""
+    (``restart_or_exit``: a server or Celery worker re-executes itself with a
+    fresh group, or exits for its supervisor, as after a worker crash)."""
 
     def __init__(self, config: EngineConfig, on_lost: Callable[[str], None] | None = None) -> None:
         check_group(config)
