@@ -4,6 +4,7 @@ the sum of what the run's calls report, at the operator's prices."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -55,9 +56,20 @@ def test_curves_have_one_point_per_step_and_the_logged_metrics(srv: EmbeddedServ
             tc.log_metrics(step, {"reward/mean": step * 0.25, "eval/acc": 1.0 / step})
         tc.log_metrics(3, {"reward/mean": 0.9})  # a second log of a step replaces it
         tc.forward_backward([next_token_datum(char_ids("in progress"))]).result(TIMEOUT)
-        _flush(srv)
-        curves = srv.ctx.service.runs.curves(srv.ctx.default_key.tenant_id, tc.model_id)  # type: ignore[union-attr]
-        points = srv.ctx.service.runs.metric_points([tc.model_id])  # the session trace's
+        # the ends of calls are written behind their answers, by a flush on the
+        # server's loop that may be writing while this thread's flush finds the
+        # queue empty (seen once in CI): flush until the last step's metrics are in
+        deadline = time.monotonic() + 30
+        while True:
+            _flush(srv)
+            curves = srv.ctx.service.runs.curves(srv.ctx.default_key.tenant_id, tc.model_id)  # type: ignore[union-attr]
+            points = srv.ctx.service.runs.metric_points([tc.model_id])  # the session trace's
+            done = len(curves.steps.get("loss:sum", [])) >= 3 and len(curves.logged) >= 2
+            if done and sum(1 for p in points if p.name == "loss:sum") >= 7:
+                break
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
     loss = curves.steps["loss:sum"]
     assert [s for s, _ in loss] == [1, 2, 3]  # the call after the last step is left out
     assert [v for _, v in loss] == pytest.approx(losses, rel=1e-6)
