@@ -26,7 +26,7 @@ MIN_WINDOW_S = 0.25
 _CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
-def _cpus() -> frozenset[int]:
+def usable_cpus() -> frozenset[int]:
     """The CPUs this process may run on (a container's cpuset, ``taskset``)."""
     try:
         return frozenset(os.sched_getaffinity(0))
@@ -66,7 +66,7 @@ class HostLoad:
     (at least ``MIN_WINDOW_S`` ago); thread-safe."""
 
     def __init__(self) -> None:
-        self.cpus = _cpus()
+        self.cpus = usable_cpus()
         self.cores = len(self.cpus)
         self._lock = threading.Lock()
         self._last: tuple[float, float, float] | None = None

@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from treadle.errors import InvalidArgumentError, UnavailableError
 from treadle.workers.device import device
+from treadle.workers.device.host_load import usable_cpus
 from treadle.workers.engine.base_models import BaseModelRegistry
 from treadle.workers.engine.config import EngineConfig
 from treadle.workers.engine.loop import Engine
@@ -231,7 +232,7 @@ def shared_cores(config: EngineConfig) -> EngineConfig:
     (N ranks each spinning on every core run slower than one)."""
     if config.threads > 0 or device.resolve(config.device).type != "cpu":
         return config
-    cores = len(os.sched_getaffinity(0))
+    cores = len(usable_cpus())
     return replace(config, threads=max(1, cores // config.ranks))
 
 

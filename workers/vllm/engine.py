@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from treadle.errors import FailedPreconditionError, InvalidArgumentError
+from treadle.workers.device.host_load import usable_cpus
 from treadle.workers.engine.base_models import BaseModel
 from treadle.workers.vllm import orphan_guard
 from treadle.workers.vllm.params import LOGPROBS_MODE
@@ -74,7 +75,7 @@ def start_engine(
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, round(kv)))
         os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] = str(settings.reserved_cpus)
         if tp > 1:
-            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_binding(usable_cores(), tp)
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_binding(sorted(usable_cpus()), tp)
     from vllm import EngineArgs, LLMEngine
 
     dtype = _DTYPES.get(base.dtype)
@@ -126,13 +127,6 @@ def start_engine(
         return LLMEngine.from_engine_args(args, stat_loggers=loggers)
 
 
-def usable_cores() -> list[int]:
-    """The CPU cores this process may run on."""
-    if hasattr(os, "sched_getaffinity"):
-        return sorted(os.sched_getaffinity(0))
-    return list(range(os.cpu_count() or 1))
-
-
 def cpu_binding(cores: list[int], tp: int) -> str:
     """``VLLM_CPU_OMP_THREADS_BIND`` for ``tp`` CPU workers: ``cores`` cut into ``tp``
     equal runs, one per worker (``"0,1|2,3"``); the cores left over by the
@@ -161,7 +155,7 @@ def cpu_worker_threads(reserved: int | None, tp: int = 1) -> Iterator[None]:
     if reserved is None:
         yield
         return
-    cores = len(usable_cores())
+    cores = len(usable_cpus())
     threads = str(max(1, cores // tp if tp > 1 else cores - reserved))
     before = os.environ.get("OMP_NUM_THREADS")
     os.environ["OMP_NUM_THREADS"] = threads

@@ -91,7 +91,7 @@ def test_only_the_cpus_this_process_may_use_are_read() -> None:
     the other CPUs' load is not counted (``/proc/stat``'s per-CPU lines)."""
     from treadle.workers.device import host_load
 
-    every = host_load._host_busy_s(host_load._cpus())
-    one = host_load._host_busy_s(frozenset({min(host_load._cpus())}))
+    every = host_load._host_busy_s(host_load.usable_cpus())
+    one = host_load._host_busy_s(frozenset({min(host_load.usable_cpus())}))
     assert every is not None and one is not None and 0 < one <= every
     assert host_load._host_busy_s(frozenset({10**6})) is None  # no such CPU
