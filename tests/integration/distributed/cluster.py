@@ -7,6 +7,7 @@ import contextlib
 import hashlib
 import io
 import os
+import re
 import subprocess
 import sys
 import time
@@ -126,6 +127,16 @@ def start_worker(
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
     return proc, log
+
+
+def calls_served(log: Path, kind: str) -> int:
+    """Calls of ``kind`` a ``start_worker(..., verbose=True)`` worker answered OK."""
+    return log.read_text(errors="replace").count(f": {kind} answered OK")
+
+
+def calls_received(log: Path, kind: str) -> int:
+    """Calls of ``kind`` the same worker admitted (logged once started, before answered)."""
+    return len(re.findall(rf"call \S+: {kind}$", log.read_text(errors="replace"), re.M))
 
 
 def stop_worker(proc: subprocess.Popen[bytes]) -> None:

@@ -25,7 +25,6 @@ import contextlib
 import io
 import itertools
 import os
-import re
 import signal
 import subprocess
 import threading
@@ -43,7 +42,15 @@ from treadle.rl import Prompt, async_loop, grpo_train_step, sync_loop
 from treadle.server.embedded import EmbeddedServer
 
 from ..services import REDIS_URL, fresh_postgres, port_open, wait_for_workers
-from .cluster import BASE, BUCKET, create_tenant, server_config, start_worker
+from .cluster import (
+    BASE,
+    BUCKET,
+    calls_received,
+    calls_served,
+    create_tenant,
+    server_config,
+    start_worker,
+)
 from .freezing_proxy import FreezingProxy
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
@@ -126,14 +133,11 @@ def pool(
 
 
 def _calls_served(p: Pool, worker_id: str, kind: str) -> int:
-    return p.logs[worker_id].read_text(errors="replace").count(f": {kind} answered OK")
+    return calls_served(p.logs[worker_id], kind)
 
 
 def _calls_received(p: Pool, worker_id: str, kind: str) -> int:
-    """Calls of ``kind`` the worker has admitted (logged once started, before answered)."""
-    return len(
-        re.findall(rf"call \S+: {kind}$", p.logs[worker_id].read_text(errors="replace"), re.M)
-    )
+    return calls_received(p.logs[worker_id], kind)
 
 
 def prompts() -> Iterator[Prompt]:

@@ -13,7 +13,6 @@ skipped where the vLLM backend cannot run (``vllm_skip_reason``).
 from __future__ import annotations
 
 import os
-import re
 import subprocess
 import time
 from collections.abc import Iterator
@@ -29,7 +28,15 @@ from treadle.rl import Prompt, async_loop
 from treadle.server.embedded import EmbeddedServer
 
 from ..services import REDIS_URL, fresh_postgres, port_open, wait_for_workers
-from .cluster import BASE, BUCKET, create_tenant, server_config, start_worker
+from .cluster import (
+    BASE,
+    BUCKET,
+    calls_received,
+    calls_served,
+    create_tenant,
+    server_config,
+    start_worker,
+)
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -53,7 +60,7 @@ class VllmPool:
         )
 
     def served(self, worker_id: str, kind: str) -> int:
-        return self.logs[worker_id].read_text(errors="replace").count(f": {kind} answered OK")
+        return calls_served(self.logs[worker_id], kind)
 
 
 @pytest.fixture(scope="module")
@@ -137,9 +144,7 @@ def test_vllm_on_the_pool_serves_shipped_lora_versions(vllm_pool: VllmPool) -> N
 
 
 def _received(p: VllmPool, worker_id: str, kind: str) -> int:
-    """Calls of ``kind`` the worker has admitted (logged once started)."""
-    text = p.logs[worker_id].read_text(errors="replace")
-    return len(re.findall(rf"call \S+: {kind}$", text, re.M))
+    return calls_received(p.logs[worker_id], kind)
 
 
 def test_an_inflight_sync_and_the_async_loop_on_a_vllm_pool_worker(vllm_pool: VllmPool) -> None:
