@@ -15,10 +15,7 @@ rank give the one rank's tensors back. float64: agreement to rounding.
 from __future__ import annotations
 
 import math
-import multiprocessing as mp
-import socket
 from dataclasses import replace
-from datetime import timedelta
 from pathlib import Path
 
 import numpy as np
@@ -26,6 +23,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from tests.unit.trainer.two_ranks import on_two_ranks
 from treadle.common.engine.domain import AdamConfig, DatumData, ForwardBackwardOp, ModelSpec
 from treadle.workers.engine.base_models import BaseModelRegistry
 from treadle.workers.model.tiny import build_tiny_model
@@ -74,69 +72,61 @@ def _held(model: TrainingModel) -> int:
     return _bytes([*opt.params.values(), *opt.exp_avg.values(), *opt.exp_avg_sq.values()])
 
 
-def _rank(rank: int, port: int, model_dir: Path) -> None:
-    store = dist.TCPStore("127.0.0.1", port, 2, is_master=rank == 0, timeout=timedelta(60))
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
-    torch.set_num_threads(1)
-    try:
-        base = BaseModelRegistry({"tiny": model_dir}).get("tiny", torch.float64)
-        one, mine = TrainingModel(SPEC, base), TrainingModel(SPEC, base)
-        fsdp.shard(mine)
-        assert mine.sharding is not None
-        # FSDP's Shard(0): this rank's rows of each tensor, half of the model
-        for name, whole in one.trainable.items():
-            assert mine.trainable[name].shape == _rows(whole, rank).shape, name
-        assert any(w.shape[0] % 2 for w in one.trainable.values())  # uneven rows are used
-        held = torch.tensor([_held(mine)], dtype=torch.int64)
-        dist.all_reduce(held)
-        assert int(held) == _held(one)
+def _rank(rank: int, model_dir: Path) -> None:
+    base = BaseModelRegistry({"tiny": model_dir}).get("tiny", torch.float64)
+    one, mine = TrainingModel(SPEC, base), TrainingModel(SPEC, base)
+    fsdp.shard(mine)
+    assert mine.sharding is not None
+    # FSDP's Shard(0): this rank's rows of each tensor, half of the model
+    for name, whole in one.trainable.items():
+        assert mine.trainable[name].shape == _rows(whole, rank).shape, name
+    assert any(w.shape[0] % 2 for w in one.trainable.values())  # uneven rows are used
+    held = torch.tensor([_held(mine)], dtype=torch.int64)
+    dist.all_reduce(held)
+    assert int(held) == _held(one)
 
-        for _ in range(STEPS):
-            for op in _calls():
-                got = fsdp.forward_backward(mine, _share(op, rank))
-                want = trainer.forward_backward(one, op)
-                assert not isinstance(got, Exception)
-                mine_loss = 0.0 if got is None else got.metrics["loss:sum"]
-                loss = torch.tensor(mine_loss, dtype=torch.float64)
-                dist.all_reduce(loss)  # losses are sums: the ranks' add up to the call's
-                assert math.isclose(float(loss), want.metrics["loss:sum"], rel_tol=TOLERANCE)
-            got_step, want_step = mine.optim_step(ADAM), one.optim_step(ADAM)
-            for key, value in want_step.metrics.items():
-                assert math.isclose(got_step.metrics[key], value, rel_tol=TOLERANCE), key
-            assert want_step.metrics["grad_norm:value"] > ADAM.grad_clip_norm  # clipped
+    for _ in range(STEPS):
+        for op in _calls():
+            got = fsdp.forward_backward(mine, _share(op, rank))
+            want = trainer.forward_backward(one, op)
+            assert not isinstance(got, Exception)
+            mine_loss = 0.0 if got is None else got.metrics["loss:sum"]
+            loss = torch.tensor(mine_loss, dtype=torch.float64)
+            dist.all_reduce(loss)  # losses are sums: the ranks' add up to the call's
+            assert math.isclose(float(loss), want.metrics["loss:sum"], rel_tol=TOLERANCE)
+        got_step, want_step = mine.optim_step(ADAM), one.optim_step(ADAM)
+        for key, value in want_step.metrics.items():
+            assert math.isclose(got_step.metrics[key], value, rel_tol=TOLERANCE), key
+        assert want_step.metrics["grad_norm:value"] > ADAM.grad_clip_norm  # clipped
 
-        opt_one, opt_mine = one.optimizer, mine.optimizer
-        for state_one, state_mine in (
-            (opt_one.params, opt_mine.params),
-            (opt_one.exp_avg, opt_mine.exp_avg),
-            (opt_one.exp_avg_sq, opt_mine.exp_avg_sq),
-        ):
-            for name, whole in state_one.items():
+    opt_one, opt_mine = one.optimizer, mine.optimizer
+    for state_one, state_mine in (
+        (opt_one.params, opt_mine.params),
+        (opt_one.exp_avg, opt_mine.exp_avg),
+        (opt_one.exp_avg_sq, opt_mine.exp_avg_sq),
+    ):
+        for name, whole in state_one.items():
+            torch.testing.assert_close(
+                state_mine[name], _rows(whole.detach(), rank), rtol=0, atol=TOLERANCE
+            )
+    if rank == 0:
+        with fsdp.whole(mine, moments=True):
+            for name, whole in opt_one.params.items():
                 torch.testing.assert_close(
-                    state_mine[name], _rows(whole.detach(), rank), rtol=0, atol=TOLERANCE
+                    mine.params.state_dict()[name], whole.detach(), rtol=0, atol=TOLERANCE
                 )
-        if rank == 0:
-            with fsdp.whole(mine, moments=True):
-                for name, whole in opt_one.params.items():
-                    torch.testing.assert_close(
-                        mine.params.state_dict()[name], whole.detach(), rtol=0, atol=TOLERANCE
-                    )
-                    torch.testing.assert_close(
-                        opt_mine.exp_avg_sq[name], opt_one.exp_avg_sq[name], rtol=0, atol=TOLERANCE
-                    )
-        else:
-            fsdp.send_whole(mine, moments=True)
-        fsdp.unshard(mine)
-        assert mine.sharding is None
-        for name, whole in opt_one.params.items():
-            torch.testing.assert_close(
-                opt_mine.params[name], whole.detach(), rtol=0, atol=TOLERANCE
-            )
-            torch.testing.assert_close(
-                opt_mine.exp_avg[name], opt_one.exp_avg[name], rtol=0, atol=TOLERANCE
-            )
-    finally:
-        dist.destroy_process_group()
+                torch.testing.assert_close(
+                    opt_mine.exp_avg_sq[name], opt_one.exp_avg_sq[name], rtol=0, atol=TOLERANCE
+                )
+    else:
+        fsdp.send_whole(mine, moments=True)
+    fsdp.unshard(mine)
+    assert mine.sharding is None
+    for name, whole in opt_one.params.items():
+        torch.testing.assert_close(opt_mine.params[name], whole.detach(), rtol=0, atol=TOLERANCE)
+        torch.testing.assert_close(
+            opt_mine.exp_avg[name], opt_one.exp_avg[name], rtol=0, atol=TOLERANCE
+        )
 
 
 def test_fsdp_on_two_ranks_equals_one(tmp_path: Path) -> None:
@@ -144,17 +134,4 @@ def test_fsdp_on_two_ranks_equals_one(tmp_path: Path) -> None:
     model_dir = build_tiny_model(
         tmp_path / "tiny", "tiny", 0, overrides={"vocab_size": 97, "intermediate_size": 99}
     )
-    port = _free_port()
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_rank, args=(r, port, model_dir)) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(240)
-    assert [p.exitcode for p in procs] == [0, 0]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    on_two_ranks(_rank, model_dir)

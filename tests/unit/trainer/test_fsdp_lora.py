@@ -18,10 +18,7 @@ adapter and Adam moment equals its twin's. float64: agreement to rounding.
 from __future__ import annotations
 
 import math
-import multiprocessing as mp
-import socket
 from dataclasses import replace
-from datetime import timedelta
 from pathlib import Path
 
 import numpy as np
@@ -30,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from tests.unit.trainer.two_ranks import on_two_ranks
 from treadle.common.engine.domain import AdamConfig, DatumData, ForwardBackwardOp, ModelSpec
 from treadle.workers.engine.base_models import BaseModelRegistry
 from treadle.workers.group import collectives
@@ -76,89 +74,68 @@ def _share(op: ForwardBackwardOp, rank: int) -> ForwardBackwardOp:
     return replace(op, data=op.data[:first] if rank == 0 else op.data[first:])
 
 
-def _rank(rank: int, port: int, model_dir: Path) -> None:
-    store = dist.TCPStore("127.0.0.1", port, 2, is_master=rank == 0, timeout=timedelta(60))
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
-    torch.set_num_threads(1)
-    try:
-        base = BaseModelRegistry({"tiny": model_dir}).get("tiny", torch.float64)
-        whole_base = {n: t.clone() for n, t in base.params.named_tensors()}
-        twins = [TrainingModel(spec, base) for spec in SPECS]
-        bases = ShardedBases()
-        mine: list[TrainingModel] = []
-        for spec in SPECS:
-            model = TrainingModel(spec, base, base_params=bases.params_of(base))
-            collectives.made(model, bases)
-            mine.append(model)
+def _rank(rank: int, model_dir: Path) -> None:
+    base = BaseModelRegistry({"tiny": model_dir}).get("tiny", torch.float64)
+    whole_base = {n: t.clone() for n, t in base.params.named_tensors()}
+    twins = [TrainingModel(spec, base) for spec in SPECS]
+    bases = ShardedBases()
+    mine: list[TrainingModel] = []
+    for spec in SPECS:
+        model = TrainingModel(spec, base, base_params=bases.params_of(base))
+        collectives.made(model, bases)
+        mine.append(model)
 
-        # one sharded base for both models: DTensors, this rank's rows, frozen
-        sharding = mine[0].sharding
-        assert isinstance(sharding, fsdp.FsdpShards) and sharding.frozen
-        assert mine[1].sharding is sharding
-        held = 0
-        for name, p in sharding.params().named_tensors():
-            assert isinstance(p, DTensor) and not p.requires_grad, name
-            rows = torch.chunk(whole_base[name], 2, dim=0)[rank]
-            torch.testing.assert_close(p.to_local(), rows, rtol=0, atol=0)
-            held += p.to_local().numel()
-        total = sum(t.numel() for t in whole_base.values())
-        assert total / 2 - 64 * 8 <= held <= total / 2 + 64 * 8  # at most a row more a tensor
-        # rank 0 keeps the whole base (sampler, whole reads); rank 1 only its shards
-        assert base.loaded == (rank == 0)
-        assert all(isinstance(t, DTensor) for _, t in mine[1].params.named_tensors()) == (rank == 1)
+    # one sharded base for both models: DTensors, this rank's rows, frozen
+    sharding = mine[0].sharding
+    assert isinstance(sharding, fsdp.FsdpShards) and sharding.frozen
+    assert mine[1].sharding is sharding
+    held = 0
+    for name, p in sharding.params().named_tensors():
+        assert isinstance(p, DTensor) and not p.requires_grad, name
+        rows = torch.chunk(whole_base[name], 2, dim=0)[rank]
+        torch.testing.assert_close(p.to_local(), rows, rtol=0, atol=0)
+        held += p.to_local().numel()
+    total = sum(t.numel() for t in whole_base.values())
+    assert total / 2 - 64 * 8 <= held <= total / 2 + 64 * 8  # at most a row more a tensor
+    # rank 0 keeps the whole base (sampler, whole reads); rank 1 only its shards
+    assert base.loaded == (rank == 0)
+    assert all(isinstance(t, DTensor) for _, t in mine[1].params.named_tensors()) == (rank == 1)
 
-        for r in range(ROUNDS):
-            for i in range(len(SPECS)):  # the two tenants' models alternate on one base
-                for op in _calls(seed=10 * r + i):
-                    got = fsdp.forward_backward(mine[i], _share(op, rank))
-                    want = trainer.forward_backward(twins[i], op)
-                    assert not isinstance(got, Exception), got
-                    mine_loss = 0.0 if got is None else got.metrics["loss:sum"]
-                    loss = torch.tensor(mine_loss, dtype=torch.float64)
-                    dist.all_reduce(loss)  # losses are sums: the ranks' add up to the call's
-                    assert math.isclose(float(loss), want.metrics["loss:sum"], rel_tol=TOLERANCE)
-            for model, twin in zip(mine, twins, strict=True):
-                collectives.sum_gradients(model)
-                got_step, want_step = model.optim_step(ADAM), twin.optim_step(ADAM)
-                for key, value in want_step.metrics.items():
-                    assert math.isclose(got_step.metrics[key], value, rel_tol=TOLERANCE), key
-
+    for r in range(ROUNDS):
+        for i in range(len(SPECS)):  # the two tenants' models alternate on one base
+            for op in _calls(seed=10 * r + i):
+                got = fsdp.forward_backward(mine[i], _share(op, rank))
+                want = trainer.forward_backward(twins[i], op)
+                assert not isinstance(got, Exception), got
+                mine_loss = 0.0 if got is None else got.metrics["loss:sum"]
+                loss = torch.tensor(mine_loss, dtype=torch.float64)
+                dist.all_reduce(loss)  # losses are sums: the ranks' add up to the call's
+                assert math.isclose(float(loss), want.metrics["loss:sum"], rel_tol=TOLERANCE)
         for model, twin in zip(mine, twins, strict=True):
-            opt, opt_twin = model.optimizer, twin.optimizer
-            assert opt.params.keys() == opt_twin.params.keys()
-            for state, state_twin in (
-                (opt.params, opt_twin.params),
-                (opt.exp_avg, opt_twin.exp_avg),
-                (opt.exp_avg_sq, opt_twin.exp_avg_sq),
-            ):
-                for name, t in state_twin.items():
-                    torch.testing.assert_close(
-                        state[name].detach(), t.detach(), rtol=0, atol=TOLERANCE
-                    )
-        # the frozen base did not move (rank 0's whole copy and the shards alike)
-        for name, p in sharding.params().named_tensors():
-            rows = torch.chunk(whole_base[name], 2, dim=0)[rank]
-            torch.testing.assert_close(p.to_local(), rows, rtol=0, atol=0)
-        if rank == 0:
-            for name, t in base.params.named_tensors():
-                torch.testing.assert_close(t, whole_base[name], rtol=0, atol=0)
-    finally:
-        dist.destroy_process_group()
+            collectives.sum_gradients(model)
+            got_step, want_step = model.optim_step(ADAM), twin.optim_step(ADAM)
+            for key, value in want_step.metrics.items():
+                assert math.isclose(got_step.metrics[key], value, rel_tol=TOLERANCE), key
+
+    for model, twin in zip(mine, twins, strict=True):
+        opt, opt_twin = model.optimizer, twin.optimizer
+        assert opt.params.keys() == opt_twin.params.keys()
+        for state, state_twin in (
+            (opt.params, opt_twin.params),
+            (opt.exp_avg, opt_twin.exp_avg),
+            (opt.exp_avg_sq, opt_twin.exp_avg_sq),
+        ):
+            for name, t in state_twin.items():
+                torch.testing.assert_close(state[name].detach(), t.detach(), rtol=0, atol=TOLERANCE)
+    # the frozen base did not move (rank 0's whole copy and the shards alike)
+    for name, p in sharding.params().named_tensors():
+        rows = torch.chunk(whole_base[name], 2, dim=0)[rank]
+        torch.testing.assert_close(p.to_local(), rows, rtol=0, atol=0)
+    if rank == 0:
+        for name, t in base.params.named_tensors():
+            torch.testing.assert_close(t, whole_base[name], rtol=0, atol=0)
 
 
 def test_lora_on_a_sharded_base_on_two_ranks_equals_one(tmp_path: Path) -> None:
     model_dir = build_tiny_model(tmp_path / "tiny", "tiny", 0)
-    port = _free_port()
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_rank, args=(r, port, model_dir)) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(240)
-    assert [p.exitcode for p in procs] == [0, 0]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    on_two_ranks(_rank, model_dir)
