@@ -4,7 +4,6 @@ the sum of what the run's calls report, at the operator's prices."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -31,14 +30,17 @@ def srv(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Itera
 
 
 def _flush(srv: EmbeddedServer) -> None:
+    """Write the queued ends of calls and the step metrics they add, on the server's
+    loop, which owns both queues (its own timed flush runs there too; from this
+    thread a flush could find the queue taken by one still writing, seen once in CI)."""
     assert srv.ctx is not None and srv.ctx.step_metrics is not None
-    srv._run(_noop())  # the queued ends of calls are written on the loop
+    srv._run(_flush_on_loop(srv))
+
+
+async def _flush_on_loop(srv: EmbeddedServer) -> None:
+    assert srv.ctx is not None and srv.ctx.step_metrics is not None
     srv.ctx.service.op_endings.flush()
     srv.ctx.step_metrics.flush()
-
-
-async def _noop() -> None:
-    pass
 
 
 def test_curves_have_one_point_per_step_and_the_logged_metrics(srv: EmbeddedServer) -> None:
@@ -56,20 +58,9 @@ def test_curves_have_one_point_per_step_and_the_logged_metrics(srv: EmbeddedServ
             tc.log_metrics(step, {"reward/mean": step * 0.25, "eval/acc": 1.0 / step})
         tc.log_metrics(3, {"reward/mean": 0.9})  # a second log of a step replaces it
         tc.forward_backward([next_token_datum(char_ids("in progress"))]).result(TIMEOUT)
-        # the ends of calls are written behind their answers, by a flush on the
-        # server's loop that may be writing while this thread's flush finds the
-        # queue empty (seen once in CI): flush until the last step's metrics are in
-        deadline = time.monotonic() + 30
-        while True:
-            _flush(srv)
-            curves = srv.ctx.service.runs.curves(srv.ctx.default_key.tenant_id, tc.model_id)  # type: ignore[union-attr]
-            points = srv.ctx.service.runs.metric_points([tc.model_id])  # the session trace's
-            done = len(curves.steps.get("loss:sum", [])) >= 3 and len(curves.logged) >= 2
-            if done and sum(1 for p in points if p.name == "loss:sum") >= 7:
-                break
-            if time.monotonic() > deadline:
-                break
-            time.sleep(0.1)
+        _flush(srv)
+        curves = srv.ctx.service.runs.curves(srv.ctx.default_key.tenant_id, tc.model_id)  # type: ignore[union-attr]
+        points = srv.ctx.service.runs.metric_points([tc.model_id])  # the session trace's
     loss = curves.steps["loss:sum"]
     assert [s for s, _ in loss] == [1, 2, 3]  # the call after the last step is left out
     assert [v for _, v in loss] == pytest.approx(losses, rel=1e-6)
