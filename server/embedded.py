@@ -81,6 +81,23 @@ class EmbeddedServer:
             os.environ["TREADLE_API_KEY"] = self.api_key
         return self
 
+    def flush_records(self) -> None:
+        """Write now what the server writes behind its answers, every few seconds
+        (the ends of calls, then the step metrics and usage they add): on the
+        server's loop, which owns those queues and runs their timed flushes, so a
+        flush from here never finds a queue taken by one still writing."""
+
+        async def flush() -> None:
+            if self.ctx is None:
+                return
+            self.ctx.service.op_endings.flush()
+            if self.ctx.step_metrics is not None:
+                self.ctx.step_metrics.flush()
+            if self.ctx.usage is not None:
+                self.ctx.usage.flush()
+
+        self._run(flush())
+
     def stop(self, *, checkpoint: bool = False) -> None:
         """Stop the server. By default as a crash would, for the engine's state (the
         models come back at their last checkpoint); ``checkpoint=True`` stops as

@@ -29,20 +29,6 @@ def srv(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Itera
     s.stop()
 
 
-def _flush(srv: EmbeddedServer) -> None:
-    """Write the queued ends of calls and the step metrics they add, on the server's
-    loop, which owns both queues (its own timed flush runs there too; from this
-    thread a flush could find the queue taken by one still writing, seen once in CI)."""
-    assert srv.ctx is not None and srv.ctx.step_metrics is not None
-    srv._run(_flush_on_loop(srv))
-
-
-async def _flush_on_loop(srv: EmbeddedServer) -> None:
-    assert srv.ctx is not None and srv.ctx.step_metrics is not None
-    srv.ctx.service.op_endings.flush()
-    srv.ctx.step_metrics.flush()
-
-
 def test_curves_have_one_point_per_step_and_the_logged_metrics(srv: EmbeddedServer) -> None:
     with treadle.ServiceClient(srv.address, api_key=srv.api_key) as service:
         tc = service.create_lora_training_client("tiny", rank=4, seed=0)
@@ -58,7 +44,7 @@ def test_curves_have_one_point_per_step_and_the_logged_metrics(srv: EmbeddedServ
             tc.log_metrics(step, {"reward/mean": step * 0.25, "eval/acc": 1.0 / step})
         tc.log_metrics(3, {"reward/mean": 0.9})  # a second log of a step replaces it
         tc.forward_backward([next_token_datum(char_ids("in progress"))]).result(TIMEOUT)
-        _flush(srv)
+        srv.flush_records()
         curves = srv.ctx.service.runs.curves(srv.ctx.default_key.tenant_id, tc.model_id)  # type: ignore[union-attr]
         points = srv.ctx.service.runs.metric_points([tc.model_id])  # the session trace's
     loss = curves.steps["loss:sum"]
@@ -111,8 +97,7 @@ def test_usage_is_the_sum_of_the_runs_calls_and_priced(srv: EmbeddedServer) -> N
         ).result(TIMEOUT)
         sampled = sum(len(s.tokens) for s in out.sequences)
         before = tc.get_usage()  # counted, not yet written: read with the pending counts
-        _flush(srv)
-        srv.ctx.usage.flush()  # type: ignore[union-attr]
+        srv.flush_records()
         usage = tc.get_usage()
     assert before == usage
     assert usage.tokens_trained == 2 * trained

@@ -356,8 +356,7 @@ def test_export_session_trace_is_a_keyless_link_to_the_sessions_calls(
     made = [e for e in events if e["name"] == f"sampler {sampler._sampling_session_id}"]
     assert [e["pid"] for e in made] == [pid]
     # the run's metrics are counter tracks: what the calls returned, at their ends
-    assert world.server.ctx is not None and world.server.ctx.step_metrics is not None
-    world.server.ctx.step_metrics.flush()  # written every 2 s; now, for the test
+    world.server.flush_records()  # written every 2 s; now, for the test
     events = httpx.get(url, timeout=60).json()["traceEvents"]
     loss = [e for e in events if e["ph"] == "C" and e["name"] == "loss:sum" and e["pid"] == pid]
     assert len(loss) == 1 and loss[0]["args"]["loss:sum"] > 0, loss
