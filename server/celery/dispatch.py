@@ -156,8 +156,8 @@ class CeleryDispatcher:
             return cast(R, await self._unload_model(call))
         if isinstance(call, ExportCall):
             return cast(R, await self._export(call))
-        if isinstance(call, CheckTargetCall) and call.target.placement:
-            self.pool.check(call.target)  # a new sampler that chose where it samples
+        if isinstance(call, CheckTargetCall):
+            self.check_placement(call.target)
         if isinstance(call, SampleCall):
             routed = await self.pool.route(call.target)
             if routed is not None:  # straight to a sampler worker, never the trainer's queue
@@ -295,6 +295,10 @@ class CeleryDispatcher:
         finally:
             if not call.done():
                 call.cancel()
+
+    def check_placement(self, target: SamplerTarget) -> None:
+        if target.placement:  # a new sampler that chose where it samples
+            self.pool.check(target)
 
     def model_status(self, model_id: str) -> ModelStatus:
         return self.placement.model_status(model_id)

@@ -133,7 +133,11 @@ class SamplerPool:
     async def publish(self, model_id: str, version: int, *, inflight: bool = False) -> None:
         """After ``sync_weights`` made ``version``: ship it and have the pool serve it
         (returns once one pool worker does). A version that cannot be shipped fails
-        UNAVAILABLE; the pool keeps what it served."""
+        UNAVAILABLE; the pool keeps what it served. With no pool worker of the base
+        there is nothing to publish to, under any placement: the sync stands (the
+        sampler it makes may have chosen ``colocated`` or ``auto``), a sampler placed
+        on the pool answers UNAVAILABLE naming the base when it samples, and a pool
+        worker that comes later loads the version at its first request."""
         chosen = model_id in self._chosen
         if not chosen and (
             self.mode == "colocated" or (self.mode == "auto" and not self._any_sampler_worker())
@@ -141,7 +145,7 @@ class SamplerPool:
             self._latest.pop(model_id, None)  # resolved again from the trainer if a pool comes
             return
         base_model, tenant_id = self._model(model_id)
-        if not self.places(base_model, "auto" if chosen and self.mode == "colocated" else ""):
+        if not self.workers(base_model):
             self._latest.pop(model_id, None)  # resolved again from the trainer if a pool comes
             return
         path = await self._ship(model_id, base_model, tenant_id, version)

@@ -12,11 +12,12 @@ serves the version it had; once the store is back the next sync publishes the
 trainer's version and the pool serves it. A model rewound by ``load_state`` has
 its pool ``latest`` follow at the next sync, with the loaded weights (never the
 files shipped earlier under the same version number). A sampler may choose its
-placement at creation: ``colocated`` samples on the trainer beside the pool. A
+placement at creation (``create_sampling_client`` or ``sync_weights``):
+``colocated`` samples on the trainer beside the pool. A
 sampler worker drained with SIGTERM answers the sample it is generating, then
 exits. With no sampler worker left, a sample answers UNAVAILABLE naming the base model under
-``pool`` (and a sampler asking for ``pool`` is refused at creation), and one that
-chose ``auto`` falls back to the model's own worker.
+``pool`` (and a sampler asking for ``pool`` is refused at creation, a sync making one
+FAILED_PRECONDITION), and one that chose ``auto`` falls back to the model's own worker.
 """
 
 from __future__ import annotations
@@ -217,6 +218,29 @@ def test_a_sampler_chooses_its_placement(pool: Pool) -> None:
             )
         )
         assert kept == {colocated.sampler_id: "colocated", pooled.sampler_id: "pool"}
+        # the sampler a sync makes chooses the same way (tinker's name too)
+        on_pool = sum(_calls_served(pool, w, "SampleCall") for w in samplers)
+        synced = tc.sync_weights(placement="colocated")
+        res = synced.sample(prompt, num_samples=2, sampling_params=PARAMS).result(120)
+        assert {v for s in res.sequences for v in s.token_versions()} == {0}
+        _wait_served(pool, trainer_id, "SampleCall", on_trainer + 2)
+        assert sum(_calls_served(pool, w, "SampleCall") for w in samplers) == on_pool
+        saved = tc.save_weights_and_get_sampling_client(placement="pool")
+        res = saved.sample(prompt, num_samples=2, sampling_params=PARAMS).result(120)
+        assert {v for s in res.sequences for v in s.token_versions()} == {0}
+        deadline = time.monotonic() + 30
+        while sum(_calls_served(pool, w, "SampleCall") for w in samplers) == on_pool:
+            assert time.monotonic() < deadline, pool.tail()
+            time.sleep(0.05)
+        assert _calls_served(pool, trainer_id, "SampleCall") == on_trainer + 2
+        kept = dict(
+            pool.sql(
+                "SELECT id, placement FROM samplers WHERE id IN (:a, :b)",
+                a=synced.sampler_id,
+                b=saved.sampler_id,
+            )
+        )
+        assert kept == {synced.sampler_id: "colocated", saved.sampler_id: "pool"}
     finally:
         service.close()
 
@@ -410,11 +434,34 @@ def test_grpo_on_the_pool_agrees_learns_and_survives_a_sampler_kill(pool: Pool) 
             match=f"no sampler worker serves base model '{BASE}' \\(the sampler's placement pool",
         ):
             service.create_sampling_client(weights=weights, placement="pool")
+        # ...as is a sync whose sampler asks for it (FAILED_PRECONDITION: refused in
+        # its turn, it takes its seq_id and makes no sampler)
+        count = "SELECT count(*) FROM samplers WHERE model_id = :m"
+        made = pool.sql(count, m=tc.model_id)
+        with pytest.raises(
+            treadle.FailedPreconditionError,
+            match=f"no sampler worker serves base model '{BASE}' \\(the sampler's placement pool",
+        ):
+            tc.sync_weights(placement="pool").sampler_id  # noqa: B018 - raises the sync's error
+        assert pool.sql(count, m=tc.model_id) == made
         # ...and one that chose auto samples on the model's own worker
         auto = service.create_sampling_client(weights=weights, placement="auto")
         res = auto.sample(prompt, num_samples=2, sampling_params=PARAMS).result(120)
         assert {v for s in res.sequences for v in s.token_versions()} == {old + 1}
         _wait_served(pool, trainer_id, "SampleCall", on_trainer + 1)
+        synced = tc.sync_weights(placement="auto")  # the next seq_id: no gap
+        res = synced.sample(prompt, num_samples=2, sampling_params=PARAMS).result(120)
+        assert {v for s in res.sequences for v in s.token_versions()} == {old + 1}
+        _wait_served(pool, trainer_id, "SampleCall", on_trainer + 2)
+        # a sync with no pool worker to publish to stands; its sampler, placed on the
+        # pool by the server, answers UNAVAILABLE naming the base when it samples
+        plain = tc.sync_weights()
+        assert plain.version == old + 1
+        with pytest.raises(
+            treadle.UnavailableError,
+            match=f"no sampler worker serves base model '{BASE}' \\(--sampler-placement pool",
+        ):
+            plain.sample(prompt, num_samples=1, sampling_params=PARAMS).result(120)
     finally:
         service.close()
 
