@@ -7,7 +7,8 @@ the trainer never samples; an in-flight sync moves the sequences vLLM is
 generating there to the new version, and the async loop runs on it. A full
 fine-tune's versions (whole weights, shipped the same way) are sampled there in
 the model's own vLLM engine, with the same checks, an older version sampled again
-after a newer one, and an in-flight sync.
+after a newer one, and an in-flight sync. Partial rollouts vLLM sampled there
+resume there after a sync.
 
 Slow (a vLLM engine takes from 15 s to minutes to start on 2 busy cores) and
 skipped where the vLLM backend cannot run (``vllm_skip_reason``).
@@ -275,5 +276,50 @@ def test_a_full_fine_tunes_versions_on_a_vllm_pool_worker(vllm_pool: VllmPool) -
         log = p.logs[sampler_worker].read_text(errors="replace")
         for version in (1, 2, 3):  # swapped into the model's own engine there
             assert f"vllm: {tc.model_id} v{version} loaded into its engine" in log, p.tail()
+    finally:
+        service.close()
+
+
+def test_partial_rollouts_resume_on_the_vllm_pool_worker(vllm_pool: VllmPool) -> None:
+    """Partial rollouts vLLM sampled on the pool worker resume there after a sync:
+    each sequence comes back whole, v0 then v1, each part's logprobs within 1e-4 of
+    the trainer's at its version; the trainer never sees the resume."""
+    p = vllm_pool
+    trainer = next(w for w in p.procs if "-trainer-" in w)
+    sampler_worker = next(w for w in p.procs if "-sampler-" in w)
+    resumes = p.served(sampler_worker, "ResumeCall")
+    service = treadle.ServiceClient(p.server.address, api_key=p.key)
+    try:
+        tc = service.create_lora_training_client(BASE, rank=4, seed=5)
+        tc.sync_weights().sampler_id  # noqa: B018 - v0 on the pool
+        latest = service.create_sampling_client(weights=f"treadle://{tc.model_id}/latest")
+        prompt = [1, 5, 9]
+        budget = treadle.SamplingParams(max_tokens=8, token_budget=3, ignore_eos=True, seed=6)
+        first = latest.sample(prompt, 2, budget).result(900)
+        assert all(s.stop_reason == "partial" and s.resume_handle for s in first.sequences)
+        tc.forward_backward([next_token_datum([1, 5, 9, 7, 3])], "cross_entropy")
+        tc.optim_step(treadle.AdamParams(learning_rate=5e-2))
+        assert tc.sync_weights().version == 1
+        handles = [s.resume_handle or "" for s in first.sequences]
+        more = treadle.SamplingParams(max_tokens=8, ignore_eos=True)
+        resumed = latest.resume(handles, more).result(600)
+        for seq, part in zip(resumed.sequences, first.sequences, strict=True):
+            assert list(seq.tokens[:3]) == list(part.tokens)
+            spans = [(v.start, v.length, v.version) for v in seq.versions]
+            assert spans == [(0, 3, 0), (3, 5, 1)], spans
+            datum = next_token_datum([*prompt, *seq.tokens])
+            now, then = (
+                np.asarray(
+                    tc.forward_logprobs([datum], reference=ref)
+                    .result(120)
+                    .loss_fn_outputs[0]["logprobs"]
+                )[-8:]
+                for ref in (False, f"treadle://{tc.model_id}/v/0")
+            )
+            sampled = np.asarray(seq.logprobs)
+            assert np.max(np.abs(then[:3] - sampled[:3])) < 1e-4
+            assert np.max(np.abs(now[3:] - sampled[3:])) < 1e-4
+        assert p.served(sampler_worker, "ResumeCall") == resumes + 1, p.tail()
+        assert p.served(trainer, "ResumeCall") == 0, p.tail()
     finally:
         service.close()
