@@ -157,7 +157,7 @@ class TrainingService:
 
         def build() -> SyncWeightsOp:
             mode = unwrap(sampler)
-            self.samplers.check_placement(tenant, call.model_id, unwrap(placement), bool(mode))
+            following = False
             if inflight:
                 with self.ctx.session() as s:
                     following = queries.has_latest_sampler(s, tenant, call.model_id)
@@ -168,8 +168,9 @@ class TrainingService:
                         f"flight; create one from treadle://{call.model_id}/latest "
                         "first, or sync without inflight"
                     )
-                return SyncWeightsOp(inflight=following)
-            return SyncWeightsOp(inflight=False)
+            # last: a pool sampler's check has the model's next versions published there
+            self.samplers.check_placement(tenant, call.model_id, unwrap(placement), bool(mode))
+            return SyncWeightsOp(inflight=following)
 
         result = cast(
             SyncResult, await self.calls.run(tenant, call, build, "sync_weights", admitted=admitted)
