@@ -337,7 +337,8 @@ def synced_sampler_from_wire(
     )
 
 
-#: ``create_sampling_client(placement=...)`` -> ``SamplerPlacement``
+#: a sampler's ``placement=`` (``create_sampling_client``, ``sync_weights``) ->
+#: ``SamplerPlacement``
 SAMPLER_PLACEMENTS = {
     "colocated": sampling_pb2.SAMPLER_PLACEMENT_COLOCATED,
     "pool": sampling_pb2.SAMPLER_PLACEMENT_POOL,
@@ -345,14 +346,22 @@ SAMPLER_PLACEMENTS = {
 }
 
 
-def create_sampler_request(
-    base_model: str | None, weights: str | None, placement: str | None = None
-) -> sampling_pb2.CreateSamplerRequest:
-    if placement is not None and placement not in SAMPLER_PLACEMENTS:
+def sampler_placement_to_wire(placement: str | None) -> sampling_pb2.SamplerPlacement.ValueType:
+    """A sampler's ``placement`` on the wire (None: unset, the server's choice); the
+    one conversion for every request that makes a sampler."""
+    if placement is None:
+        return sampling_pb2.SAMPLER_PLACEMENT_UNSPECIFIED
+    if placement not in SAMPLER_PLACEMENTS:
         raise InvalidArgumentError(
             f"placement: {placement!r} is not one of {', '.join(SAMPLER_PLACEMENTS)}"
         )
-    where = SAMPLER_PLACEMENTS[placement] if placement is not None else None
+    return SAMPLER_PLACEMENTS[placement]
+
+
+def create_sampler_request(
+    base_model: str | None, weights: str | None, placement: str | None = None
+) -> sampling_pb2.CreateSamplerRequest:
+    where = sampler_placement_to_wire(placement)
     if base_model is not None:
         return sampling_pb2.CreateSamplerRequest(base_model=base_model, placement=where)
     return sampling_pb2.CreateSamplerRequest(weights=weights, placement=where)
@@ -410,9 +419,14 @@ def optim_step_request(model_id: str, params: AdamParams) -> training_pb2.OptimS
     return training_pb2.OptimStepRequest(model_id=model_id, adam_params=adam_to_wire(params))
 
 
-def sync_weights_request(model_id: str, inflight: bool) -> training_pb2.SyncWeightsRequest:
+def sync_weights_request(
+    model_id: str, inflight: bool, placement: str | None = None
+) -> training_pb2.SyncWeightsRequest:
     return training_pb2.SyncWeightsRequest(
-        model_id=model_id, create_sampler=True, inflight=inflight
+        model_id=model_id,
+        create_sampler=True,
+        inflight=inflight,
+        placement=sampler_placement_to_wire(placement),
     )
 
 

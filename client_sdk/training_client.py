@@ -161,7 +161,9 @@ class TrainingClient:
             lambda r: _convert.optim_step_from_wire(r, self.model_id),
         )
 
-    def sync_weights(self, *, inflight: bool = False) -> SamplingClient:
+    def sync_weights(
+        self, *, inflight: bool = False, placement: str | None = None
+    ) -> SamplingClient:
         """Publish the current weights as version v (= optimizer steps applied) and
         return a sampler pinned to it. Returns at once; sampling calls made on the
         client wait for the sync to land.
@@ -171,8 +173,14 @@ class TrainingClient:
         from their next decode step (their later tokens carry the new version;
         their KV cache is kept, docs/engine.md). The model needs such a sampler
         (``create_sampling_client(weights=f"treadle://{model_id}/latest")``),
-        else the sync fails with INVALID_ARGUMENT."""
-        request = _convert.sync_weights_request(self.model_id, inflight)
+        else the sync fails with INVALID_ARGUMENT.
+
+        ``placement``: where the returned sampler samples, as for
+        ``ServiceClient.create_sampling_client`` (``"colocated"``, ``"pool"``,
+        ``"auto"``; None: the server's ``--sampler-placement``). ``"pool"`` with no
+        sampler worker of the model's base fails the sync (UNAVAILABLE naming the
+        base model; nothing is published) when the sampler is first used."""
+        request = _convert.sync_weights_request(self.model_id, inflight, placement)
         request.seq_id = self._take_seq()
         info: Future[_convert.SamplerRef] = self._seqs.send(
             self._service._training.SyncWeights,
@@ -300,14 +308,17 @@ class TrainingClient:
             )
         return self.forward_logprobs(data, temperature=temperature)
 
-    def save_weights_and_get_sampling_client(self, name: str | None = None) -> SamplingClient:
+    def save_weights_and_get_sampling_client(
+        self, name: str | None = None, *, placement: str | None = None
+    ) -> SamplingClient:
         """tinker's name for ``sync_weights``. The published weights are named by the
         server (``treadle://<model_id>/v/<version>``), so a ``name`` is refused: to keep
-        the weights under a name of yours, call ``save_state(name)``."""
+        the weights under a name of yours, call ``save_state(name)``. ``placement``:
+        as for ``sync_weights``."""
         if name is not None:
             raise TypeError(
                 f"save_weights_and_get_sampling_client(name={name!r}): treadle names the "
                 "published weights treadle://<model_id>/v/<version> itself; call "
                 "save_state(name) to keep them under a name, then sync_weights()"
             )
-        return self.sync_weights()
+        return self.sync_weights(placement=placement)

@@ -64,6 +64,14 @@ class Dispatcher(Protocol):
         ends the stream); closing the iterator early cancels the rest."""
         ...
 
+    def check_placement(self, target: SamplerTarget) -> None:
+        """A new sampler of ``target`` that chose where it samples
+        (``target.placement``): UNAVAILABLE now, naming the base model, if it cannot
+        sample there (the rule: ``server.sampler_placement``). Synchronous, so an
+        ordered call that makes a sampler (``sync_weights``) checks it while building
+        its op and a refusal takes the call's ``seq_id``."""
+        ...
+
     def model_status(self, model_id: str) -> ModelStatus: ...
     def close(self) -> None: ...
 
@@ -182,8 +190,8 @@ class InProcessDispatcher:
         self.api: EngineAPI = staged or engine
 
     async def call(self, call: EngineCall[R]) -> R:
-        if isinstance(call, CheckTargetCall | SampleCall):  # no pool here: colocated
-            samples_on_pool("colocated", call.target.placement, call.target.base_model, False)
+        if isinstance(call, CheckTargetCall | SampleCall):
+            self.check_placement(call.target)
         # an export writes straight into the local directory the server reads it from
         api = self.engine if isinstance(call, ExportCall) else self.api
         return await _await(api.call(call))
@@ -191,7 +199,7 @@ class InProcessDispatcher:
     async def sample_stream(
         self, target: SamplerTarget, op: SampleOp
     ) -> AsyncIterator[StreamedSequence]:
-        samples_on_pool("colocated", target.placement, target.base_model, False)
+        self.check_placement(target)
         loop = asyncio.get_running_loop()
         items: asyncio.Queue[StreamedSequence] = asyncio.Queue()
 
@@ -209,6 +217,11 @@ class InProcessDispatcher:
         finally:
             if not fut.done():
                 fut.cancel()  # the engine frees the remaining rows at its next step
+
+    def check_placement(self, target: SamplerTarget) -> None:
+        """No pool here: every sampler is colocated, and one that asked for ``pool``
+        is refused."""
+        samples_on_pool("colocated", target.placement, target.base_model, False)
 
     def model_status(self, model_id: str) -> ModelStatus:
         return self.api.model_status(model_id)

@@ -65,6 +65,7 @@ from treadle.common.engine.messages import (
     EngineCall,
     ExportCall,
     Exported,
+    ResumeCall,
     SampleCall,
     SampleStreamCall,
     SubmitCall,
@@ -156,13 +157,23 @@ class CeleryDispatcher:
             return cast(R, await self._unload_model(call))
         if isinstance(call, ExportCall):
             return cast(R, await self._export(call))
-        if isinstance(call, CheckTargetCall) and call.target.placement:
-            self.pool.check(call.target)  # a new sampler that chose where it samples
+        if isinstance(call, CheckTargetCall):
+            self.check_placement(call.target)
         if isinstance(call, SampleCall):
             routed = await self.pool.route(call.target)
             if routed is not None:  # straight to a sampler worker, never the trainer's queue
                 worker_id, pinned = routed
-                return cast(R, await self._call(worker_id, replace(call, target=pinned)))
+                sampled = await self._call(worker_id, replace(call, target=pinned))
+                self.pool.partials.note(worker_id, sampled.sequences)
+                return cast(R, sampled)
+        if isinstance(call, ResumeCall):
+            routed = await self.pool.route_resume(call.target, call.handles)
+            if routed is not None:  # to the pool worker that keeps the partial rollouts
+                worker_id, target = routed
+                resumed = await self._call(worker_id, replace(call, target=target))
+                self.pool.partials.consumed(call.handles)
+                self.pool.partials.note(worker_id, resumed.sequences)
+                return cast(R, resumed)
         route = call.route
         if route.target is not None:
             worker_id = await self._route(route.target, route.sampler_key)
@@ -285,8 +296,14 @@ class CeleryDispatcher:
         else:
             worker_id = await self._route(target, None)
         items: asyncio.Queue[StreamedSequence] = asyncio.Queue()
+
+        def on_item(item: StreamedSequence) -> None:
+            if routed is not None:  # a partial one is kept there
+                self.pool.partials.note(worker_id, (item.sequence,))
+            items.put_nowait(item)
+
         call = asyncio.ensure_future(
-            self._call(worker_id, SampleStreamCall(target, op), on_item=items.put_nowait)
+            self._call(worker_id, SampleStreamCall(target, op), on_item=on_item)
         )
         try:
             async with contextlib.aclosing(stream_items(items, call, op.num_samples)) as stream:
@@ -295,6 +312,10 @@ class CeleryDispatcher:
         finally:
             if not call.done():
                 call.cancel()
+
+    def check_placement(self, target: SamplerTarget) -> None:
+        if target.placement:  # a new sampler that chose where it samples
+            self.pool.check(target)
 
     def model_status(self, model_id: str) -> ModelStatus:
         return self.placement.model_status(model_id)

@@ -29,6 +29,11 @@ version is the one that wrote it. A pool worker that dies fails its in-flight sa
 (the liveness watchdog; the SDK retries them, and they land on another); with
 no pool worker left a sampler falls back to its model's worker under ``auto``,
 and answers UNAVAILABLE naming the base under ``pool``.
+
+Partial rollouts. A pool worker keeps the partial rollouts it sampled (stopped by
+a ``token_budget``); the server notes which worker answered each resume handle
+(``KeptPartials``) and sends a resume there, once that worker serves the version
+the resuming sampler reads (``route_resume``).
 """
 
 from __future__ import annotations
@@ -56,6 +61,7 @@ from treadle.common.engine.messages import (
 from treadle.common.store import Store
 from treadle.errors import NotFoundError, TreadleError, UnavailableError
 from treadle.server.celery.placement import Placement
+from treadle.server.celery.pool_partials import KeptPartials
 from treadle.server.sampler_placement import samples_on_pool
 
 log = logging.getLogger("treadle.server")
@@ -94,6 +100,8 @@ class SamplerPool:
         #: models with a sampler that chose the pool (or auto) itself: their versions
         #: are published to the pool whatever the server's placement
         self._chosen: set[str] = set()
+        #: which pool worker keeps each partial rollout sampled there
+        self.partials = KeptPartials()
 
     # ---- which workers -------------------------------------------------------------------
 
@@ -133,7 +141,11 @@ class SamplerPool:
     async def publish(self, model_id: str, version: int, *, inflight: bool = False) -> None:
         """After ``sync_weights`` made ``version``: ship it and have the pool serve it
         (returns once one pool worker does). A version that cannot be shipped fails
-        UNAVAILABLE; the pool keeps what it served."""
+        UNAVAILABLE; the pool keeps what it served. With no pool worker of the base
+        there is nothing to publish to, under any placement: the sync stands (the
+        sampler it makes may have chosen ``colocated`` or ``auto``), a sampler placed
+        on the pool answers UNAVAILABLE naming the base when it samples, and a pool
+        worker that comes later loads the version at its first request."""
         chosen = model_id in self._chosen
         if not chosen and (
             self.mode == "colocated" or (self.mode == "auto" and not self._any_sampler_worker())
@@ -141,7 +153,7 @@ class SamplerPool:
             self._latest.pop(model_id, None)  # resolved again from the trainer if a pool comes
             return
         base_model, tenant_id = self._model(model_id)
-        if not self.places(base_model, "auto" if chosen and self.mode == "colocated" else ""):
+        if not self.workers(base_model):
             self._latest.pop(model_id, None)  # resolved again from the trainer if a pool comes
             return
         path = await self._ship(model_id, base_model, tenant_id, version)
@@ -175,15 +187,8 @@ class SamplerPool:
         if target.model_id is None:
             return self.workers(target.base_model)[0], target
         model_id = target.model_id
-        version = target.version
-        if version is None:
-            version = self._latest.get(model_id)
-        if version is None:  # not published to the pool yet (or a restarted server)
-            trainer = self.placement.worker_of(model_id)
-            version = (await self._call(trainer, CheckTargetCall(target))).version
-        _, tenant_id = self._model(model_id)
-        path = await self._ship(model_id, target.base_model, tenant_id, version)
-        pinned = replace(target, version=version)
+        pinned, path = await self._version_on_pool(target)
+        version = pinned.version
         last: TreadleError | None = None
         for worker_id in self.workers(target.base_model):
             try:
@@ -198,6 +203,22 @@ class SamplerPool:
                 f"treadle://{model_id}/v/{version}" + (f": {last.message}" if last else "")
             )
         return None  # auto: back to the model's own worker
+
+    async def route_resume(
+        self, target: SamplerTarget, handles: tuple[str, ...]
+    ) -> tuple[str, SamplerTarget] | None:
+        """The pool worker that keeps the partial rollouts of ``handles``, once it
+        serves the version ``target`` reads (loaded first if it lacked it): a resume
+        continues them there under the weights the sampler reads now, whatever the
+        sampler's placement, since no other worker has them. None: none of them came
+        from the pool (``KeptPartials.keeper`` for handles it cannot resume)."""
+        worker_id = self.partials.keeper(handles, set(self.workers(target.base_model)))
+        if worker_id is None:
+            return None
+        if target.model_id is not None:
+            pinned, path = await self._version_on_pool(target)
+            await self._load(worker_id, pinned, path, latest=target.follows_latest)
+        return worker_id, target
 
     def rewound(self, model_id: str, step: int) -> None:
         """``load_state`` put the model at ``step``: the versions shipped from ``step``
@@ -230,6 +251,22 @@ class SamplerPool:
             task.add_done_callback(_quiet)
 
     # ---- shipping ---------------------------------------------------------------------------
+
+    async def _version_on_pool(self, target: SamplerTarget) -> tuple[SamplerTarget, str]:
+        """``target`` pinned to the version it reads on the pool (a ``latest`` one:
+        the version last published there, else the trainer's), and the storage path
+        that version was shipped to (shipped now if it was not)."""
+        assert target.model_id is not None
+        model_id = target.model_id
+        version = target.version
+        if version is None:
+            version = self._latest.get(model_id)
+        if version is None:  # not published to the pool yet (or a restarted server)
+            trainer = self.placement.worker_of(model_id)
+            version = (await self._call(trainer, CheckTargetCall(target))).version
+        _, tenant_id = self._model(model_id)
+        path = await self._ship(model_id, target.base_model, tenant_id, version)
+        return replace(target, version=version), path
 
     async def _ship(self, model_id: str, base_model: str, tenant_id: str, version: int) -> str:
         """The storage path of ``version`` (written by the trainer once)."""

@@ -124,6 +124,7 @@ class TrainingServicer(training_pb2_grpc.TrainingServiceServicer):
             _call(request, context),
             inflight=request.inflight,
             sampler="version" if request.create_sampler else "",
+            placement=parse(lambda: convert.sampler_placement(request.placement)),
         )
         return convert.sync_weights(out)
 

@@ -26,7 +26,12 @@ from treadle.common.engine.domain import (
 )
 from treadle.common.engine.messages import CheckTargetCall, ResumeCall, SampleCall
 from treadle.common.store import parse_weights_uri
-from treadle.errors import InvalidArgumentError, NotFoundError
+from treadle.errors import (
+    FailedPreconditionError,
+    InvalidArgumentError,
+    NotFoundError,
+    UnavailableError,
+)
 from treadle.server.accounting.metering import CallMeter
 from treadle.server.context import ServerContext
 from treadle.server.db import queries, session_queries
@@ -61,11 +66,7 @@ class SamplingService:
         """A sampler on a base model or published weights; ``session_id`` (optional)
         is the tenant's client session it belongs to."""
         ctx = self.ctx
-        placement = source.placement
-        if placement and placement not in SAMPLER_PLACEMENTS:
-            raise InvalidArgumentError(
-                f"placement: {placement!r} is not one of {', '.join(SAMPLER_PLACEMENTS)}"
-            )
+        placement = _checked(source.placement)
         if source.base_model is not None:
             base_model = ctx.base_model_name(source.base_model)
             if base_model not in ctx.catalog.base_model_names():
@@ -114,6 +115,32 @@ class SamplingService:
             version=-1 if target.follows_latest else version,
             follows_latest=target.follows_latest,
         )
+
+    def check_placement(self, tenant: str, model_id: str, placement: str, made: bool) -> None:
+        """The placement chosen for the sampler an ordered call makes on the tenant's
+        model (``sync_weights``; ``made``: whether it makes one), checked as
+        ``create_sampler`` checks its own, with the same message naming the base
+        model where it cannot sample (``pool`` with no sampler worker of the base),
+        but FAILED_PRECONDITION: the call is refused in its turn and takes its
+        ``seq_id``, and an UNAVAILABLE answer would say it may never have arrived
+        (the SDK sends such a call again before the model's next one, and the
+        replay log does not count it as taken)."""
+        if not placement:
+            return
+        if not made:
+            raise InvalidArgumentError(
+                "placement: chooses where the sampler a sync makes samples; this sync "
+                "makes none (create_sampler is not set)"
+            )
+        with self.ctx.session() as s:
+            base_model = self.ctx.model_row(s, tenant, model_id).base_model
+        target = SamplerTarget(
+            base_model, model_id, tenant_id=tenant, placement=_checked(placement)
+        )
+        try:
+            self.ctx.dispatcher.check_placement(target)
+        except UnavailableError as err:
+            raise FailedPreconditionError(err.message) from None
 
     def target(self, tenant: str, sampler_id: str) -> SamplerTarget:
         """What the tenant's sampler reads (NOT_FOUND for another tenant's)."""
@@ -240,3 +267,13 @@ class SamplingService:
                 # Usage counts what was generated and delivered, cancelled or not.
                 result = SampleResult(tuple(done), compute_s=compute_s) if done else None
                 self.meter.end_sample(tenant, target, parsed, ticket, result)
+
+
+def _checked(placement: str) -> str:
+    """A sampler's placement as the service takes it: one of ``SAMPLER_PLACEMENTS``,
+    or "" for the server's."""
+    if placement and placement not in SAMPLER_PLACEMENTS:
+        raise InvalidArgumentError(
+            f"placement: {placement!r} is not one of {', '.join(SAMPLER_PLACEMENTS)}"
+        )
+    return placement

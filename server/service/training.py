@@ -140,6 +140,7 @@ class TrainingService:
         call: OrderedCall,
         inflight: bool = False,
         sampler: Parsed[str] = "",
+        placement: Parsed[str] = "",
         *,
         admitted: Admission | None = None,
     ) -> SyncOutcome:
@@ -150,10 +151,13 @@ class TrainingService:
         version, "latest" following the model's latest weights (tinker's
         ``kind="inflight"``: every such sampler of the model reads the one target
         that each later sync moves; sequences in flight take this sync's weights
-        when the model has such samplers already); "" none."""
+        when the model has such samplers already); "" none. ``placement``: where
+        that sampler samples, as ``create_sampler``'s (checked before the sync is
+        applied: a sampler that cannot sample there refuses the whole call)."""
 
         def build() -> SyncWeightsOp:
             mode = unwrap(sampler)
+            following = False
             if inflight:
                 with self.ctx.session() as s:
                     following = queries.has_latest_sampler(s, tenant, call.model_id)
@@ -164,14 +168,15 @@ class TrainingService:
                         f"flight; create one from treadle://{call.model_id}/latest "
                         "first, or sync without inflight"
                     )
-                return SyncWeightsOp(inflight=following)
-            return SyncWeightsOp(inflight=False)
+            # last: a pool sampler's check has the model's next versions published there
+            self.samplers.check_placement(tenant, call.model_id, unwrap(placement), bool(mode))
+            return SyncWeightsOp(inflight=following)
 
         result = cast(
             SyncResult, await self.calls.run(tenant, call, build, "sync_weights", admitted=admitted)
         )
         uri = weights_uri(call.model_id, result.version)
-        mode = unwrap(sampler)
+        mode, where = unwrap(sampler), unwrap(placement)
         sampler_id, made = "", None
         with self.ctx.session() as s:
             if s.get(db.WeightVersion, (call.model_id, result.version)) is None:
@@ -187,9 +192,10 @@ class TrainingService:
                     mode=mode,
                     model_id=call.model_id,
                     pinned_version=pinned,
+                    placement=where or None,
                 )
                 sampler_id = created.id
-                made = SamplerTarget(row.base_model, call.model_id, pinned)
+                made = SamplerTarget(row.base_model, call.model_id, pinned, placement=where)
         if made is not None:  # committed: its first sample finds it without a database read
             self.samplers.remember(tenant, sampler_id, made)
         return SyncOutcome(result.version, uri, sampler_id)

@@ -10,6 +10,7 @@
 import * as convert from "./convert.js";
 import type { TrainingServiceClient } from "./gen/treadle/v1/training.js";
 import type { SamplingServiceClient } from "./gen/treadle/v1/sampling.js";
+import type { SamplerPlacementName } from "./enums.js";
 import type { Caller } from "./rpc.js";
 import { SamplingClient } from "./sampling-client.js";
 import type {
@@ -136,10 +137,20 @@ export class TrainingClient {
    * with a sampler pinned to it. `inflight: true` (PipelineRL): sequences still
    * generating on a sampler following this model's `latest` weights continue under
    * the new ones (the model needs such a sampler, else INVALID_ARGUMENT).
+   * `placement`: where that sampler samples, as `ServiceClient.createSamplingClient`'s
+   * ("colocated", "pool", "auto"; undefined: the server's `--sampler-placement`);
+   * "pool" with no sampler worker of the base refuses the sync (FAILED_PRECONDITION
+   * naming the base model).
    */
-  syncWeights(options: { inflight?: boolean } = {}): Promise<SamplingClient> {
+  syncWeights(options: { inflight?: boolean; placement?: SamplerPlacementName } = {}): Promise<SamplingClient> {
     return this.ordered(() => ({
-      request: { modelId: this.modelId, seqId: 0, createSampler: true, inflight: Boolean(options.inflight) },
+      request: {
+        modelId: this.modelId,
+        seqId: 0,
+        createSampler: true,
+        inflight: Boolean(options.inflight),
+        placement: convert.samplerPlacementToWire(options.placement),
+      },
       send: (req) =>
         this.caller.call(this.stub.syncWeights.bind(this.stub), req, (r) =>
           new SamplingClient(this.sampling, this.caller, {

@@ -2,7 +2,14 @@
  * through @treadle/client against a live `treadle serve`. */
 import assert from "node:assert/strict";
 import { after, before, describe, test } from "node:test";
-import { type Datum, ServiceClient, type TrainingClient } from "../src/index.js";
+import {
+  type Datum,
+  FailedPreconditionError,
+  InvalidArgumentError,
+  ServiceClient,
+  type TrainingClient,
+  UnavailableError,
+} from "../src/index.js";
 import { TINY, type TestServer, testServer } from "./harness.js";
 
 let server: TestServer;
@@ -91,6 +98,30 @@ describe("primitives", () => {
     }
     assert.deepEqual([...streamed.keys()].sort(), [0, 1, 2]);
     for (const [i, tokens] of streamed) assert.deepEqual(tokens, res.sequences[i]!.tokens);
+  });
+
+  test("a sampler's placement: createSamplingClient and syncWeights on a server without a pool", async () => {
+    const other = await service.createLoraTrainingClient(TINY, { rank: 2, seed: 4 });
+    const noPool = new RegExp(`no sampler worker serves base model '${TINY}' \\(the sampler's placement pool`);
+    // no sampler workers here: "pool" refuses the sync (it takes its seq_id, nothing is published)
+    await assert.rejects(other.syncWeights({ placement: "pool" }), (err: Error) => {
+      assert.ok(err instanceof FailedPreconditionError, String(err));
+      assert.match(err.message, noPool);
+      return true;
+    });
+    await assert.rejects(
+      service.createSamplingClient({ weights: `treadle://${other.modelId}/latest`, placement: "pool" }),
+      (err: Error) => err instanceof UnavailableError && noPool.test(err.message),
+    );
+    // a name outside the enum is refused here, before the call takes a seq_id
+    await assert.rejects(
+      other.syncWeights({ placement: "pooled" as never }),
+      (err: Error) => err instanceof InvalidArgumentError && /\bplacement: /.test(err.message),
+    );
+    const sampler = await other.syncWeights({ placement: "colocated" });
+    const res = await sampler.sample([1, 5, 9], 1, { maxTokens: 2, seed: 0 });
+    assert.deepEqual(res.sequences[0]!.versions, [{ start: 0, length: res.sequences[0]!.tokens.length, version: 0 }]);
+    assert.equal((await other.getInfo()).nextSeqId, 3);
   });
 
   test("checkpoint round trip: saveState, train on, loadState; and a new model from the state", async () => {

@@ -12,11 +12,12 @@ serves the version it had; once the store is back the next sync publishes the
 trainer's version and the pool serves it. A model rewound by ``load_state`` has
 its pool ``latest`` follow at the next sync, with the loaded weights (never the
 files shipped earlier under the same version number). A sampler may choose its
-placement at creation: ``colocated`` samples on the trainer beside the pool. A
+placement at creation (``create_sampling_client`` or ``sync_weights``):
+``colocated`` samples on the trainer beside the pool. A
 sampler worker drained with SIGTERM answers the sample it is generating, then
 exits. With no sampler worker left, a sample answers UNAVAILABLE naming the base model under
-``pool`` (and a sampler asking for ``pool`` is refused at creation), and one that
-chose ``auto`` falls back to the model's own worker.
+``pool`` (and a sampler asking for ``pool`` is refused at creation, a sync making one
+FAILED_PRECONDITION), and one that chose ``auto`` falls back to the model's own worker.
 """
 
 from __future__ import annotations
@@ -217,6 +218,29 @@ def test_a_sampler_chooses_its_placement(pool: Pool) -> None:
             )
         )
         assert kept == {colocated.sampler_id: "colocated", pooled.sampler_id: "pool"}
+        # the sampler a sync makes chooses the same way (tinker's name too)
+        on_pool = sum(_calls_served(pool, w, "SampleCall") for w in samplers)
+        synced = tc.sync_weights(placement="colocated")
+        res = synced.sample(prompt, num_samples=2, sampling_params=PARAMS).result(120)
+        assert {v for s in res.sequences for v in s.token_versions()} == {0}
+        _wait_served(pool, trainer_id, "SampleCall", on_trainer + 2)
+        assert sum(_calls_served(pool, w, "SampleCall") for w in samplers) == on_pool
+        saved = tc.save_weights_and_get_sampling_client(placement="pool")
+        res = saved.sample(prompt, num_samples=2, sampling_params=PARAMS).result(120)
+        assert {v for s in res.sequences for v in s.token_versions()} == {0}
+        deadline = time.monotonic() + 30
+        while sum(_calls_served(pool, w, "SampleCall") for w in samplers) == on_pool:
+            assert time.monotonic() < deadline, pool.tail()
+            time.sleep(0.05)
+        assert _calls_served(pool, trainer_id, "SampleCall") == on_trainer + 2
+        kept = dict(
+            pool.sql(
+                "SELECT id, placement FROM samplers WHERE id IN (:a, :b)",
+                a=synced.sampler_id,
+                b=saved.sampler_id,
+            )
+        )
+        assert kept == {synced.sampler_id: "colocated", saved.sampler_id: "pool"}
     finally:
         service.close()
 
@@ -309,6 +333,99 @@ def test_an_inflight_sync_moves_pool_sequences_to_the_new_version(pool: Pool) ->
         service.close()
 
 
+def _received_by(p: Pool, workers: list[str]) -> dict[str, int]:
+    return {w: _calls_received(p, w, "SampleCall") for w in workers}
+
+
+def _spans(seq: treadle.SampledSequence) -> list[tuple[int, int, int]]:
+    return [(v.start, v.length, v.version) for v in seq.versions]
+
+
+def test_partial_rollouts_resume_on_the_pool_worker_that_keeps_them(pool: Pool) -> None:
+    """Partial rollouts (``token_budget``) sampled on the pool resume on the worker
+    that keeps them, under the weights the sampler reads now: after a sync, a
+    ``latest`` sampler's resumed sequences carry v0 then v1, and each part's
+    logprobs agree with the trainer's at its version within 1e-4. Handles kept on
+    two pool workers (two sample calls, routed by load) are refused in one resume
+    (INVALID_ARGUMENT naming ``resume_handles``, none consumed) and resume one call
+    at a time; a handle resumes once."""
+    service = treadle.ServiceClient(pool.server.address, api_key=pool.key)
+    try:
+        tc = service.create_lora_training_client(BASE, rank=4, seed=21)
+        trainer_id = next(w for w in pool.procs if "-trainer-" in w)
+        samplers = [w for w in pool.procs if "-sampler" in w and pool.procs[w].poll() is None]
+        assert len(samplers) == 2, samplers
+        routes = pool.server.ctx.dispatcher.pool  # type: ignore[attr-defined]
+        deadline = time.monotonic() + 30
+        while len(routes.workers(BASE)) < 2:  # the server routes to both (a fresh fixture)
+            assert time.monotonic() < deadline, pool.tail()
+            time.sleep(0.1)
+        on_trainer = _calls_served(pool, trainer_id, "ResumeCall")
+        tc.sync_weights().sampler_id  # noqa: B018 - v0 on the pool
+        latest = service.create_sampling_client(weights=f"treadle://{tc.model_id}/latest")
+        prompt = [1, 5, 9]
+        # a long partial sample holds one pool worker...
+        before = _received_by(pool, samplers)
+        long = latest.sample(
+            prompt, 8, treadle.SamplingParams(max_tokens=800, token_budget=400, ignore_eos=True)
+        )
+        deadline = time.monotonic() + 60
+        while _received_by(pool, samplers) == before:
+            assert time.monotonic() < deadline, pool.tail()
+            time.sleep(0.02)
+        (held,) = [w for w, n in _received_by(pool, samplers).items() if n > before[w]]
+        # ...so a short one, routed by load, goes to the other
+        before = _received_by(pool, samplers)
+        budget = treadle.SamplingParams(max_tokens=12, token_budget=4, ignore_eos=True, seed=2)
+        short = latest.sample(prompt, 2, budget).result(120)
+        (other,) = [w for w, n in _received_by(pool, samplers).items() if n > before[w]]
+        assert other != held
+        long_res = long.result(240)
+        for seq in [*long_res.sequences, *short.sequences]:
+            assert seq.stop_reason == "partial" and seq.resume_handle, seq
+        mixed = [long_res.sequences[0].resume_handle, short.sequences[0].resume_handle]
+        with pytest.raises(
+            treadle.InvalidArgumentError, match="resume_handles: kept on 2 sampler workers"
+        ):
+            latest.resume(mixed, treadle.SamplingParams(max_tokens=800)).result(60)
+
+        # an update between the parts: v1, published to both pool workers
+        tc.forward_backward([next_token_datum([1, 5, 9, 7, 3])], "cross_entropy")
+        tc.optim_step(treadle.AdamParams(learning_rate=5e-2))
+        assert tc.sync_weights().version == 1
+        handles = [s.resume_handle or "" for s in short.sequences]
+        more = treadle.SamplingParams(max_tokens=12, ignore_eos=True)
+        resumed = latest.resume(handles, more).result(120)
+        v0 = f"treadle://{tc.model_id}/v/0"
+        for seq, first in zip(resumed.sequences, short.sequences, strict=True):
+            assert list(seq.tokens[:4]) == list(first.tokens)
+            assert _spans(seq) == [(0, 4, 0), (4, 8, 1)], seq.versions
+            datum = next_token_datum([*prompt, *seq.tokens])
+            now, then = (
+                np.asarray(
+                    tc.forward_logprobs([datum], reference=ref)
+                    .result(120)
+                    .loss_fn_outputs[0]["logprobs"]
+                )[-12:]
+                for ref in (False, v0)
+            )
+            sampled = np.asarray(seq.logprobs)
+            assert np.max(np.abs(then[:4] - sampled[:4])) < 1e-4
+            assert np.max(np.abs(now[4:] - sampled[4:])) < 1e-4
+        assert _calls_served(pool, other, "ResumeCall") == 1
+        assert _calls_served(pool, held, "ResumeCall") == 0
+        # the long call's handles (untouched by the refused mix) resume on theirs
+        handles = [s.resume_handle or "" for s in long_res.sequences]
+        resumed = latest.resume(handles, treadle.SamplingParams(max_tokens=401)).result(240)
+        assert [_spans(s) for s in resumed.sequences] == [[(0, 400, 0), (400, 1, 1)]] * 8
+        assert _calls_served(pool, held, "ResumeCall") == 1
+        assert _calls_served(pool, trainer_id, "ResumeCall") == on_trainer
+        with pytest.raises(treadle.NotFoundError, match="not found"):  # each resumes once
+            latest.resume(handles[:1], treadle.SamplingParams(max_tokens=402)).result(60)
+    finally:
+        service.close()
+
+
 def test_grpo_on_the_pool_agrees_learns_and_survives_a_sampler_kill(pool: Pool) -> None:
     service = treadle.ServiceClient(pool.server.address, api_key=pool.key)
     try:
@@ -393,11 +510,19 @@ def test_grpo_on_the_pool_agrees_learns_and_survives_a_sampler_kill(pool: Pool) 
 
         # no pool worker left, under --sampler-placement pool: UNAVAILABLE naming the base
         survivor = samplers[1]
+        budget = treadle.SamplingParams(max_tokens=8, token_budget=2, ignore_eos=True)
+        kept = latest.sample(prompt, 1, budget).result(120).sequences[0].resume_handle or ""
+        assert kept
         pool.procs[survivor].send_signal(signal.SIGKILL)
         deadline = time.monotonic() + 60
         while pool.sql("SELECT status FROM workers WHERE id = :w", w=survivor) != [("dead",)]:
             assert time.monotonic() < deadline, pool.tail()
             time.sleep(0.2)
+        # its partial rollouts went with it: a resume says so
+        with pytest.raises(
+            treadle.NotFoundError, match=f"kept on sampler worker {survivor}, which is gone"
+        ):
+            latest.resume([kept], treadle.SamplingParams(max_tokens=8)).result(60)
         with pytest.raises(
             treadle.UnavailableError,
             match=f"no sampler worker serves base model '{BASE}' \\(--sampler-placement pool",
@@ -410,11 +535,34 @@ def test_grpo_on_the_pool_agrees_learns_and_survives_a_sampler_kill(pool: Pool) 
             match=f"no sampler worker serves base model '{BASE}' \\(the sampler's placement pool",
         ):
             service.create_sampling_client(weights=weights, placement="pool")
+        # ...as is a sync whose sampler asks for it (FAILED_PRECONDITION: refused in
+        # its turn, it takes its seq_id and makes no sampler)
+        count = "SELECT count(*) FROM samplers WHERE model_id = :m"
+        made = pool.sql(count, m=tc.model_id)
+        with pytest.raises(
+            treadle.FailedPreconditionError,
+            match=f"no sampler worker serves base model '{BASE}' \\(the sampler's placement pool",
+        ):
+            tc.sync_weights(placement="pool").sampler_id  # noqa: B018 - raises the sync's error
+        assert pool.sql(count, m=tc.model_id) == made
         # ...and one that chose auto samples on the model's own worker
         auto = service.create_sampling_client(weights=weights, placement="auto")
         res = auto.sample(prompt, num_samples=2, sampling_params=PARAMS).result(120)
         assert {v for s in res.sequences for v in s.token_versions()} == {old + 1}
         _wait_served(pool, trainer_id, "SampleCall", on_trainer + 1)
+        synced = tc.sync_weights(placement="auto")  # the next seq_id: no gap
+        res = synced.sample(prompt, num_samples=2, sampling_params=PARAMS).result(120)
+        assert {v for s in res.sequences for v in s.token_versions()} == {old + 1}
+        _wait_served(pool, trainer_id, "SampleCall", on_trainer + 2)
+        # a sync with no pool worker to publish to stands; its sampler, placed on the
+        # pool by the server, answers UNAVAILABLE naming the base when it samples
+        plain = tc.sync_weights()
+        assert plain.version == old + 1
+        with pytest.raises(
+            treadle.UnavailableError,
+            match=f"no sampler worker serves base model '{BASE}' \\(--sampler-placement pool",
+        ):
+            plain.sample(prompt, num_samples=1, sampling_params=PARAMS).result(120)
     finally:
         service.close()
 

@@ -4,7 +4,11 @@ server. A LoRA model's versions are shipped to it through the store and sampled
 there with vLLM: sampler and trainer logprobs agree within 1e-4, every token
 carries the version that wrote it, a ``latest`` sampler follows each sync, and
 the trainer never samples; an in-flight sync moves the sequences vLLM is
-generating there to the new version, and the async loop runs on it.
+generating there to the new version, and the async loop runs on it. A full
+fine-tune's versions (whole weights, shipped the same way) are sampled there in
+the model's own vLLM engine, with the same checks, an older version sampled again
+after a newer one, and an in-flight sync. Partial rollouts vLLM sampled there
+resume there after a sync.
 
 Slow (a vLLM engine takes from 15 s to minutes to start on 2 busy cores) and
 skipped where the vLLM backend cannot run (``vllm_skip_reason``).
@@ -189,5 +193,133 @@ def test_an_inflight_sync_and_the_async_loop_on_a_vllm_pool_worker(vllm_pool: Vl
         assert [s.step for s in stats] == [1, 2]
         assert all(s.rollouts == 8 and max(s.staleness) <= 4 for s in stats), stats
         assert tc.get_info().version == 3
+    finally:
+        service.close()
+
+
+def test_a_full_fine_tunes_versions_on_a_vllm_pool_worker(vllm_pool: VllmPool) -> None:
+    """A full fine-tune's trained versions ship whole through the store, and the vLLM
+    pool worker samples each in the model's own engine (its versions taking turns in
+    its weights): the sampled logprobs agree with the trainer's ``forward_logprobs``
+    at that version within 1e-4 (and are not the base model's), every token carries
+    the trained version, a ``latest`` sampler follows the next sync, v1 samples right
+    again after v2, an in-flight sync moves the rows vLLM is generating to v3 (each
+    part agreeing with its version), and the trainer never samples."""
+    p = vllm_pool
+    trainer = next(w for w in p.procs if "-trainer-" in w)
+    sampler_worker = next(w for w in p.procs if "-sampler-" in w)
+    on_trainer = p.served(trainer, "SampleCall")
+    loads = p.served(sampler_worker, "LoadVersionCall")
+    service = treadle.ServiceClient(p.server.address, api_key=p.key)
+    try:
+        tc = service.create_training_client(BASE, seed=3)
+        prompt = [1, 5, 9]
+        latest = service.create_sampling_client(weights=f"treadle://{tc.model_id}/latest")
+
+        def logprobs(tokens: list[int], ref: bool | str) -> np.ndarray:
+            datum = next_token_datum([*prompt, *tokens])
+            out = tc.forward_logprobs([datum], reference=ref).result(120).loss_fn_outputs[0]
+            return np.asarray(out["logprobs"])[-len(tokens) :]
+
+        def step() -> None:
+            tc.forward_backward([next_token_datum([1, 5, 9, 7, 3, 7, 3])], "cross_entropy")
+            tc.optim_step(treadle.AdamParams(learning_rate=2e-2))
+
+        def check(sampler: treadle.SamplingClient, version: int) -> None:
+            # the model's first request starts its vLLM engine: a long timeout
+            res = sampler.sample(prompt, num_samples=3, sampling_params=PARAMS).result(900)
+            for seq in res.sequences:
+                assert len(seq.tokens) > 0
+                assert set(seq.token_versions()) == {version}, seq.versions
+                sampled = np.asarray(seq.logprobs)
+                trained = logprobs(list(seq.tokens), f"treadle://{tc.model_id}/v/{version}")
+                assert np.max(np.abs(trained - sampled)) < 1e-4, (version, trained, sampled)
+                base = logprobs(list(seq.tokens), True)
+                assert np.max(np.abs(base - sampled)) > 1e-2  # the trained weights, not v0's
+
+        step()
+        v1 = tc.sync_weights()
+        assert v1.version == 1
+        check(v1, 1)
+        check(latest, 1)
+        step()
+        v2 = tc.sync_weights()
+        assert v2.version == 2
+        check(v2, 2)
+        check(latest, 2)
+        check(v1, 1)  # v1 again after v2: the engine swaps its weights back
+        # an in-flight sync: the latest rows vLLM is generating there continue under v3
+        admitted = _received(p, sampler_worker, "SampleCall")
+        long = treadle.SamplingParams(max_tokens=600, seed=4, ignore_eos=True)
+        running = latest.sample(prompt, 8, long)
+        step()
+        deadline = time.monotonic() + 120
+        while _received(p, sampler_worker, "SampleCall") == admitted:
+            assert time.monotonic() < deadline, p.tail()
+            time.sleep(0.05)
+        assert tc.sync_weights(inflight=True).version == 3
+        res = running.result(timeout=600)
+        moved = 0
+        for seq in res.sequences:  # contiguous spans, v2 first; each part is its version's
+            spans = [(v.start, v.length, v.version) for v in seq.versions]
+            assert [v for _, _, v in spans] in ([2], [2, 3]), spans
+            assert sum(n for _, n, _ in spans) == len(seq.tokens) == 600
+            sampled = np.asarray(seq.logprobs)
+            for start, n, v in spans:
+                trained = logprobs(list(seq.tokens), f"treadle://{tc.model_id}/v/{v}")
+                part = slice(start, start + n)
+                assert np.max(np.abs(trained[part] - sampled[part])) < 1e-4, (v, spans)
+            moved += len(spans) == 2
+        assert moved, "no sequence moved to v3"
+        assert p.served(trainer, "SampleCall") == on_trainer, p.tail()
+        assert p.served(sampler_worker, "LoadVersionCall") >= loads + 3, p.tail()
+        log = p.logs[sampler_worker].read_text(errors="replace")
+        for version in (1, 2, 3):  # swapped into the model's own engine there
+            assert f"vllm: {tc.model_id} v{version} loaded into its engine" in log, p.tail()
+    finally:
+        service.close()
+
+
+def test_partial_rollouts_resume_on_the_vllm_pool_worker(vllm_pool: VllmPool) -> None:
+    """Partial rollouts vLLM sampled on the pool worker resume there after a sync:
+    each sequence comes back whole, v0 then v1, each part's logprobs within 1e-4 of
+    the trainer's at its version; the trainer never sees the resume."""
+    p = vllm_pool
+    trainer = next(w for w in p.procs if "-trainer-" in w)
+    sampler_worker = next(w for w in p.procs if "-sampler-" in w)
+    resumes = p.served(sampler_worker, "ResumeCall")
+    service = treadle.ServiceClient(p.server.address, api_key=p.key)
+    try:
+        tc = service.create_lora_training_client(BASE, rank=4, seed=5)
+        tc.sync_weights().sampler_id  # noqa: B018 - v0 on the pool
+        latest = service.create_sampling_client(weights=f"treadle://{tc.model_id}/latest")
+        prompt = [1, 5, 9]
+        budget = treadle.SamplingParams(max_tokens=8, token_budget=3, ignore_eos=True, seed=6)
+        first = latest.sample(prompt, 2, budget).result(900)
+        assert all(s.stop_reason == "partial" and s.resume_handle for s in first.sequences)
+        tc.forward_backward([next_token_datum([1, 5, 9, 7, 3])], "cross_entropy")
+        tc.optim_step(treadle.AdamParams(learning_rate=5e-2))
+        assert tc.sync_weights().version == 1
+        handles = [s.resume_handle or "" for s in first.sequences]
+        more = treadle.SamplingParams(max_tokens=8, ignore_eos=True)
+        resumed = latest.resume(handles, more).result(600)
+        for seq, part in zip(resumed.sequences, first.sequences, strict=True):
+            assert list(seq.tokens[:3]) == list(part.tokens)
+            spans = [(v.start, v.length, v.version) for v in seq.versions]
+            assert spans == [(0, 3, 0), (3, 5, 1)], spans
+            datum = next_token_datum([*prompt, *seq.tokens])
+            now, then = (
+                np.asarray(
+                    tc.forward_logprobs([datum], reference=ref)
+                    .result(120)
+                    .loss_fn_outputs[0]["logprobs"]
+                )[-8:]
+                for ref in (False, f"treadle://{tc.model_id}/v/0")
+            )
+            sampled = np.asarray(seq.logprobs)
+            assert np.max(np.abs(then[:3] - sampled[:3])) < 1e-4
+            assert np.max(np.abs(now[3:] - sampled[3:])) < 1e-4
+        assert p.served(sampler_worker, "ResumeCall") == resumes + 1, p.tail()
+        assert p.served(trainer, "ResumeCall") == 0, p.tail()
     finally:
         service.close()

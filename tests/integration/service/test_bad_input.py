@@ -4,6 +4,7 @@ accumulated gradients, optimizer state), and the rejected call's seq_id consumed
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -400,3 +401,68 @@ def test_sampler_placement_on_a_server_without_a_pool(
     assert err.value.details().startswith("placement: "), err.value.details()
     with pytest.raises(treadle.InvalidArgumentError, match="placement: 'pooled'"):
         service.create_sampling_client(base_model=BASE, placement="pooled")
+
+
+def test_a_syncs_sampler_placement_on_a_server_without_a_pool(
+    server: EmbeddedServer,
+    service: treadle.ServiceClient,
+    channel: grpc.Channel,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """``sync_weights(placement=...)`` takes the same values and the same checks as
+    ``create_sampling_client``: ``pool`` on an embedded server (no sampler workers)
+    refuses the whole sync with the same message naming the base model, as
+    FAILED_PRECONDITION (no version published, no sampler made, its ``seq_id`` taken
+    so the next call runs, and the SDK does not send it again); ``colocated`` and
+    ``auto`` sample here and are kept with the sampler; a value outside the enum, or
+    a placement on a sync that makes no sampler, is INVALID_ARGUMENT naming ``placement``."""
+    from treadle.common.db import models as db
+
+    tc = service.create_lora_training_client(BASE, rank=2, seed=0)
+
+    def rows() -> tuple[int, int]:
+        with server.ctx.session() as s:
+            versions = s.query(db.WeightVersion).filter_by(model_id=tc.model_id).count()
+            return versions, s.query(db.Sampler).filter_by(model_id=tc.model_id).count()
+
+    caplog.set_level(logging.WARNING, logger="treadle")
+    no_pool = f"no sampler worker serves base model '{BASE}' \\(the sampler's placement pool"
+    for refused in (
+        tc.sync_weights(placement="pool"),
+        tc.save_weights_and_get_sampling_client(placement="pool"),
+    ):
+        with pytest.raises(treadle.FailedPreconditionError, match=no_pool):
+            refused.sampler_id  # noqa: B018 - raises the sync's error
+    assert rows() == (0, 0)
+    assert tc.get_info().next_seq_id == 3  # both refusals took their seq_id
+    made = {
+        "colocated": tc.sync_weights(placement="colocated"),
+        "auto": tc.save_weights_and_get_sampling_client(placement="auto"),
+    }
+    for placement, sampler in made.items():
+        res = sampler.sample(char_ids("ab"), 1, P(max_tokens=2, seed=0)).result(timeout=TIMEOUT)
+        assert res.sequences[0].token_versions() == [0, 0]
+        with server.ctx.session() as s:
+            row = s.get(db.Sampler, sampler.sampler_id)
+            assert row is not None and row.placement == placement
+    assert rows() == (1, 2)
+    # answered, not lost: the SDK never sent the refused syncs again
+    assert not [r for r in caplog.records if "again" in r.getMessage()], caplog.text
+    with pytest.raises(treadle.InvalidArgumentError, match="placement: 'pooled'"):
+        tc.sync_weights(placement="pooled")  # refused before it takes a seq_id
+    stub = training_pb2_grpc.TrainingServiceStub(channel)
+    mid = stub.CreateModel(training_pb2.CreateModelRequest(base_model=BASE, lora_rank=2)).model_id
+    for seq_id, request in enumerate(
+        (
+            training_pb2.SyncWeightsRequest(create_sampler=True, placement=7),  # type: ignore[arg-type]
+            training_pb2.SyncWeightsRequest(placement=sampling_pb2.SAMPLER_PLACEMENT_COLOCATED),
+        ),
+        start=1,
+    ):
+        request.model_id, request.seq_id = mid, seq_id
+        with pytest.raises(grpc.RpcError) as err:
+            stub.SyncWeights(request, timeout=TIMEOUT)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert err.value.details().startswith("placement: "), err.value.details()
+    info = stub.GetModelInfo(training_pb2.GetModelInfoRequest(model_id=mid))
+    assert info.next_seq_id == 3

@@ -1,7 +1,8 @@
 """Where a sampler samples (``treadle.server.sampler_placement``): the server's
 ``--sampler-placement`` unless the sampler chose its own at creation; ``pool`` with
 no sampler worker for the base is UNAVAILABLE naming the base and what asked for
-the pool. And the placement on the wire, both ways."""
+the pool. And the placement on the wire, both ways: the same field type and the same
+conversion for every request that makes a sampler (``CreateSampler``, ``SyncWeights``)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from treadle.common.engine.domain import SAMPLER_PLACEMENTS
 from treadle.errors import InvalidArgumentError, UnavailableError
 from treadle.server.rpc import convert
 from treadle.server.sampler_placement import samples_on_pool
-from treadle.v1 import sampling_pb2
+from treadle.v1 import sampling_pb2, training_pb2
 
 
 @pytest.mark.parametrize(
@@ -74,3 +75,17 @@ def test_unknown_placement_names_the_field() -> None:
         convert.sampler_source(sampling_pb2.CreateSamplerRequest(base_model="tiny", placement=9))  # type: ignore[arg-type]
     with pytest.raises(InvalidArgumentError, match="placement: 'poool' is not one of"):
         _convert.create_sampler_request("tiny", None, "poool")
+
+
+@pytest.mark.parametrize("placement", [None, *SAMPLER_PLACEMENTS])
+def test_a_syncs_sampler_takes_the_same_placement_field(placement: str | None) -> None:
+    request = _convert.sync_weights_request("m-1", False, placement)
+    wire = training_pb2.SyncWeightsRequest.FromString(request.SerializeToString())
+    assert wire.create_sampler
+    assert wire.placement == _convert.create_sampler_request("tiny", None, placement).placement
+    assert convert.sampler_placement(wire.placement) == (placement or "")
+
+
+def test_a_syncs_unknown_placement_names_the_field() -> None:
+    with pytest.raises(InvalidArgumentError, match="placement: 'poool' is not one of"):
+        _convert.sync_weights_request("m-1", False, "poool")

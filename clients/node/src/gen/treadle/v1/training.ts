@@ -21,6 +21,7 @@ import {
   type UntypedServiceImplementation,
 } from "@grpc/grpc-js";
 import { Datum, DatumOutput, LossFn } from "./common.js";
+import { SamplerPlacement } from "./sampling.js";
 
 export const protobufPackage = "treadle.v1";
 
@@ -245,6 +246,14 @@ export interface SyncWeightsRequest {
    * (their KV cache is kept). INVALID_ARGUMENT when the model has no such sampler.
    */
   inflight: boolean;
+  /**
+   * Where the sampler made by create_sampler samples, as CreateSamplerRequest.placement
+   * (`docs/topologies.md`); unset = the server's `--sampler-placement`. `pool` with no
+   * sampler worker of the model's base: FAILED_PRECONDITION naming the base model (the
+   * message CreateSampler answers UNAVAILABLE with), and the sync is not applied. Set
+   * without create_sampler, or a value outside the enum: INVALID_ARGUMENT naming placement.
+   */
+  placement: SamplerPlacement;
 }
 
 /** The published version. */
@@ -2023,7 +2032,7 @@ export const OptimStepResponse_MetricsEntry: MessageFns<OptimStepResponse_Metric
 };
 
 function createBaseSyncWeightsRequest(): SyncWeightsRequest {
-  return { modelId: "", seqId: 0, createSampler: false, inflight: false };
+  return { modelId: "", seqId: 0, createSampler: false, inflight: false, placement: 0 };
 }
 
 export const SyncWeightsRequest: MessageFns<SyncWeightsRequest> = {
@@ -2039,6 +2048,9 @@ export const SyncWeightsRequest: MessageFns<SyncWeightsRequest> = {
     }
     if (message.inflight !== false) {
       writer.uint32(32).bool(message.inflight);
+    }
+    if (message.placement !== 0) {
+      writer.uint32(40).int32(message.placement);
     }
     return writer;
   },
@@ -2088,6 +2100,14 @@ export const SyncWeightsRequest: MessageFns<SyncWeightsRequest> = {
             message.inflight = reader.bool();
             continue;
           }
+          case 5: {
+            if (tag !== 40) {
+              break;
+            }
+
+            message.placement = reader.int32() as any;
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -2109,6 +2129,7 @@ export const SyncWeightsRequest: MessageFns<SyncWeightsRequest> = {
     message.seqId = object.seqId ?? 0;
     message.createSampler = object.createSampler ?? false;
     message.inflight = object.inflight ?? false;
+    message.placement = object.placement ?? 0;
     return message;
   },
 };
