@@ -475,7 +475,10 @@ def accumulate_gradients(loss: Tensor, models: Sequence[TrainingModel]) -> None:
             if g is None:
                 continue
             if p.grad is None:
-                p.grad = g
+                # a tensor of its own: a batched pass's gradient can be a strided view
+                # into one buffer of several adapters' (``LoraRows`` stacks their B
+                # matrices), which the fused AdamW and gloo both read as if dense
+                p.grad = g.contiguous()
             else:
                 p.grad.add_(g)
 
