@@ -25,7 +25,6 @@ from treadle.common.engine.domain import (
     OrderedOp,
 )
 from treadle.errors import InternalError, InvalidArgumentError
-from treadle.workers.engine import ordered as engine_mod
 from treadle.workers.engine.base_models import BaseModel
 from treadle.workers.engine.loop import Engine, EngineConfig
 from treadle.workers.model.lora import LoraRows
@@ -238,13 +237,13 @@ def test_full_finetunes_are_not_batched(base: BaseModel) -> None:
 @pytest.fixture
 def counted(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
     sizes: list[int] = []
-    real = engine_mod.run_batch
+    real = batching.run_batch  # what a one-rank engine's batched pass runs
 
     def spy(calls: Any, check: Any) -> None:
         sizes.append(len(calls))
         real(calls, check)
 
-    monkeypatch.setattr(engine_mod, "run_batch", spy)
+    monkeypatch.setattr(batching, "run_batch", spy)
     yield sizes
 
 
