@@ -155,10 +155,20 @@ def build(params: LlamaParams, cfg: ModelConfig, *, frozen: bool) -> FsdpShards:
     if not frozen:
         for module in root.modules():
             if isinstance(module, FSDPModule):
-                module.set_gradient_divide_factor(1.0)  # the sum over ranks: losses are sums
-                module.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
-                module.set_reduce_scatter_unused_params(True, recurse=False)
+                _sum_gradients(module)
     return FsdpShards(root, mesh, gathered, frozen)
+
+
+def _sum_gradients(module: FSDPModule) -> None:
+    """FSDP reduce-scatters ``module``'s gradients as a sum over the ranks."""
+    module.set_gradient_divide_factor(1.0)  # the sum over ranks: losses are sums
+    module.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
+    # A weight that got no gradient on some rank reduce-scatters zeros there. torch
+    # 2.11 (the GPU host's) has no such setter; it needs none here: every rank's
+    # pass reaches every weight (a rank without datums runs ``_NoLoss``).
+    reduce_unused = getattr(module, "set_reduce_scatter_unused_params", None)
+    if reduce_unused is not None:
+        reduce_unused(True, recurse=False)
 
 
 def _gathered_bytes(params: LlamaParams) -> int:
