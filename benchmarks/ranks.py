@@ -37,9 +37,17 @@ ranks' are the same, at most a row more per tensor); and each rank's RSS after
 the steps (``VmRSS``: a rank other than 0 read the whole base once to shard it,
 so its peak is not what it keeps).
 
+With ``--tenants N``: N tenants' LoRA models of rank ``--lora`` (default 8) on
+one base, each step every tenant's ``forward_backward`` submitted at once, then
+every ``optim_step``; 1 rank and 2, each with mixed-tenant batched passes
+(``batch_across_models``, the default) and without (each call alone, split
+across the ranks). Columns: the median time of a step of all N tenants, and the
+engine's pass counter (batched passes, the most calls in one).
+
     python benchmarks/ranks.py                      # 110m, 4 x 256, 3 steps
     python benchmarks/ranks.py --preset 5m --steps 2   # quick
     python benchmarks/ranks.py --lora 16            # LoRA on a sharded base
+    python benchmarks/ranks.py --tenants 3 --preset 5m --batch 2 --length 64
 """
 
 from __future__ import annotations
@@ -149,6 +157,101 @@ def one(
     }
 
 
+def tenants_one(
+    ranks: int, model: Path, steps: int, batch: int, length: int, lora: int, tenants: int,
+    batched: bool,
+) -> dict[str, object]:  # fmt: skip
+    import numpy as np
+
+    from treadle.common.engine.domain import (
+        AdamConfig,
+        DatumData,
+        ForwardBackwardOp,
+        ModelSpec,
+        OptimStepOp,
+    )
+    from treadle.workers.engine.config import EngineConfig
+    from treadle.workers.group.launch import build_engine
+
+    threads = max(1, THREADS // ranks)
+    config = EngineConfig(
+        base_models={"m": model}, ranks=ranks, threads=threads, batch_across_models=batched
+    )
+    engine = build_engine(config).start()
+    ids = [f"t{i}" for i in range(tenants)]
+    for i, model_id in enumerate(ids):
+        engine.create_model(ModelSpec(model_id, model_id, "m", lora, 0.0, i, "float32")).result()
+    rng = np.random.default_rng(0)
+    vocab = engine.bases.config("m").vocab_size
+
+    def data() -> tuple[DatumData, ...]:
+        return tuple(
+            DatumData(
+                rng.integers(3, vocab, length),
+                {"target_tokens": rng.integers(3, vocab, length), "weights": np.ones(length)},
+            )
+            for _ in range(batch)
+        )
+
+    seq, times = 1, []
+    for i in range(steps + 1):
+        ops = {model_id: ForwardBackwardOp(data(), "cross_entropy", {}) for model_id in ids}
+        t0 = time.perf_counter()
+        calls = [engine.submit(m, seq, op, f"f{m}{i}") for m, op in ops.items()]
+        for fut in calls:
+            fut.result()
+        steps_done = [
+            engine.submit(m, seq + 1, OptimStepOp(AdamConfig(learning_rate=1e-5)), f"o{m}{i}")
+            for m in ids
+        ]
+        for fut in steps_done:
+            fut.result()
+        seq += 2
+        if i:
+            times.append(time.perf_counter() - t0)
+    passes = engine.pass_metrics()
+    engine.stop()
+    return {
+        "ranks": ranks,
+        "threads": threads,
+        "batched": batched,
+        "step_s": statistics.median(times),
+        "batched_passes": sum(s.batched_passes for s in passes),
+        "max_calls": max((s.max_calls_per_pass for s in passes), default=0),
+    }
+
+
+def _tenants_table(args: argparse.Namespace, model: Path) -> None:
+    rows, base = [], None
+    lora = args.lora or 8
+    for ranks in (1, 2):
+        for batched in (False, True):
+            cmd = [sys.executable, __file__, "--one", str(ranks), "--model-dir", str(model)]
+            cmd += ["--steps", str(args.steps), "--batch", str(args.batch)]
+            cmd += ["--length", str(args.length), "--lora", str(lora)]
+            cmd += ["--tenants", str(args.tenants)] + ([] if batched else ["--alone"])
+            out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+            r = json.loads(out.strip().splitlines()[-1])
+            base = base or r
+            rows.append(
+                [
+                    r["ranks"],
+                    r["threads"],
+                    "batched" if r["batched"] else "each alone",
+                    r["step_s"] * 1e3,
+                    f"{r['step_s'] / base['step_s']:.2f}x",
+                    r["batched_passes"],
+                    r["max_calls"],
+                ]
+            )
+    print(
+        f"{args.preset}, {args.tenants} tenants' LoRA rank {lora}, {args.batch} x {args.length} "
+        f"tokens each, float32, median of {args.steps} steps; {THREADS} cores shared out"
+    )
+    head = ["ranks", "threads/rank", "passes", "ms/step (all tenants)", "vs 1 rank alone"]
+    print(table([*head, "batched passes", "most calls in one"], rows))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", default="110m")
@@ -157,9 +260,21 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--length", type=int, default=256)
     parser.add_argument("--lora", type=int, default=0, help="a LoRA model of this rank")
+    parser.add_argument("--tenants", type=int, default=0, help="N tenants' LoRA models")
+    parser.add_argument("--alone", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--one", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
     model = model_dir(args.preset, args.model_dir)
+    if args.one and args.tenants:
+        r = tenants_one(
+            args.one, model, args.steps, args.batch, args.length, args.lora, args.tenants,
+            not args.alone,
+        )  # fmt: skip
+        print(json.dumps(r))
+        return
+    if args.tenants:
+        _tenants_table(args, model)
+        return
     if args.one:
         print(json.dumps(one(args.one, model, args.steps, args.batch, args.length, args.lora)))
         return

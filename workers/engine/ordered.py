@@ -48,7 +48,7 @@ from treadle.workers.engine.scheduler import Admission, QueuedCall, Scheduler, W
 from treadle.workers.engine.versions import VersionStore, WeightSnapshot
 from treadle.workers.sampler.backend import SamplerBackend
 from treadle.workers.trainer import checkpoint
-from treadle.workers.trainer.batching import BatchCall, batch_key, batchable, run_batch
+from treadle.workers.trainer.batching import BatchCall, batch_key, batchable
 from treadle.workers.trainer.trainer import TrainingModel
 
 log = logging.getLogger("treadle.engine")
@@ -159,15 +159,15 @@ class OrderedExecutor:
 
         The leading ``ForwardBackward``/``ForwardLogprobs`` calls of every LoRA
         model on the same base (everything before its next barrier) run as one
-        batched pass (``workers.trainer.batching``); the rest of each unit one by one.
+        batched pass (``workers.trainer.batching``; on a group of ranks each rank runs its
+        share of every call's datums, ``Peers.run_batch``); the rest of each unit one by one.
         """
         groups: dict[tuple[int, torch.dtype], list[tuple[QueuedCall, TrainingModel]]] = {}
         rests: list[tuple[QueuedCall, ...]] = []
         for unit in units:
             model = self.registry.models.get(unit.model_id)
             n = 0
-            # a group runs each call on its own, its datums split across the ranks
-            if model is not None and self.config.batch_across_models and self.peers.size == 1:
+            if model is not None and self.config.batch_across_models:
                 while n < len(unit.calls) and batchable(model, unit.calls[n].payload):
                     n += 1
             if model is not None and n:
@@ -185,7 +185,10 @@ class OrderedExecutor:
             batch = [BatchCall(model, call.payload) for call, model in members]
             tokens = sum(call.cost for call, _ in members)
             with self._threads_for("batch", tokens, members[0][1]):
-                run_batch(batch, lambda op: _check_size(op.data, self.config.max_tokens_per_call))
+                # on a group: every rank its share of every call (``Peers.run_batch``)
+                self.peers.run_batch(
+                    batch, lambda op: _check_size(op.data, self.config.max_tokens_per_call)
+                )
             spent = time.perf_counter() - t0
             total = tokens or len(members)
             for (call, _), item in zip(members, batch, strict=True):

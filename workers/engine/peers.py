@@ -12,7 +12,7 @@ runs each call here, with no torch.distributed in the path.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -23,7 +23,8 @@ from treadle.common.engine.domain import (
     LoadResult,
     OptimStepResult,
 )
-from treadle.workers.trainer import checkpoint, trainer
+from treadle.workers.trainer import batching, checkpoint, trainer
+from treadle.workers.trainer.batching import BatchableOp, BatchCall
 from treadle.workers.trainer.trainer import TrainingModel
 
 
@@ -47,6 +48,14 @@ class Peers:
 
     def forward_backward(self, model: TrainingModel, op: ForwardBackwardOp) -> ForwardResult:
         """Add the gradient of the call's summed loss (its datums split across ranks)."""
+        raise NotImplementedError
+
+    def run_batch(self, calls: Sequence[BatchCall], check: Callable[[BatchableOp], None]) -> None:
+        """Several LoRA models' ``forward_backward`` / ``forward_logprobs`` calls on one
+        base in one pass (``workers.trainer.batching``), each call's ``outcome`` set: a
+        call refused by ``check`` (the engine's per-call checks) or by the trainer's,
+        or whose loss fails, fails alone. On a group every rank runs its share of
+        every call's datums (``workers.trainer.sharded_batching``)."""
         raise NotImplementedError
 
     def optim_step(self, model: TrainingModel, adam: AdamConfig) -> OptimStepResult:
@@ -81,6 +90,9 @@ class Alone(Peers):
 
     def forward_backward(self, model: TrainingModel, op: ForwardBackwardOp) -> ForwardResult:
         return trainer.forward_backward(model, op)
+
+    def run_batch(self, calls: Sequence[BatchCall], check: Callable[[BatchableOp], None]) -> None:
+        batching.run_batch(calls, check)
 
     def optim_step(self, model: TrainingModel, adam: AdamConfig) -> OptimStepResult:
         return model.optim_step(adam)

@@ -63,8 +63,10 @@ def sum_gradients(model: TrainingModel) -> None:
     """Each trainable tensor's gradient becomes the sum of every rank's (zero where a
     rank has none): the gradient of the step's summed loss, as on one rank."""
     for p in model.trainable.values():
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
+        # a batched pass's gradient may be a view into one buffer of several adapters'
+        # (``LoraRows`` stacks their B matrices): gloo reduces a tensor's storage as if
+        # dense, so a strided view would sum the wrong elements (and write past it)
+        p.grad = torch.zeros_like(p) if p.grad is None else p.grad.contiguous()
         dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
 
 

@@ -5,7 +5,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from treadle.common.engine.domain import AdamConfig, ForwardBackwardOp, ModelSpec
+from treadle.common.engine.domain import (
+    AdamConfig,
+    ForwardBackwardOp,
+    ForwardLogprobsOp,
+    ModelSpec,
+)
 
 
 @dataclass(frozen=True)
@@ -29,6 +34,17 @@ class ReplicaForwardBackward:
 
     model_id: str
     op: ForwardBackwardOp
+
+
+@dataclass(frozen=True)
+class ReplicaBatch:
+    """The rank's shares of a batched pass's calls (LoRA models on one sharded base),
+    in the batch's order, each a (model id, share) pair (a share possibly without
+    datums: the rank still joins the pass); ``no_grad_pass``: some rank's share needs
+    the pass without gradients (``workers.trainer.sharded_batching``)."""
+
+    members: tuple[tuple[str, ForwardBackwardOp | ForwardLogprobsOp], ...]
+    no_grad_pass: bool
 
 
 @dataclass(frozen=True)
@@ -63,6 +79,7 @@ RankCommand = (
     ReplicaCreate
     | ReplicaDelete
     | ReplicaForwardBackward
+    | ReplicaBatch
     | ReplicaOptimStep
     | ReplicaLoadState
     | ReplicaGather

@@ -19,6 +19,7 @@ from treadle.workers.group.channel import CommandChannel, RankGone
 from treadle.workers.group.commands import (
     RankCommand,
     RankStop,
+    ReplicaBatch,
     ReplicaCreate,
     ReplicaDelete,
     ReplicaForwardBackward,
@@ -26,7 +27,8 @@ from treadle.workers.group.commands import (
     ReplicaLoadState,
     ReplicaOptimStep,
 )
-from treadle.workers.trainer import fsdp, trainer
+from treadle.workers.trainer import fsdp, sharded_batching, trainer
+from treadle.workers.trainer.batching import BatchCall
 from treadle.workers.trainer.sharded_base import ShardedBases
 from treadle.workers.trainer.trainer import TrainingModel
 
@@ -72,6 +74,10 @@ class Replicas:
                 except Exception as err:  # rank 0 reports it (and breaks the group)
                     outcome = err
             dist.gather_object(outcome, None, dst=0)
+        elif isinstance(command, ReplicaBatch):
+            calls = [BatchCall(self.models[mid], op) for mid, op in command.members]
+            sharded_batching.run_shares(calls, no_grad_pass=command.no_grad_pass)
+            dist.gather_object([call.outcome for call in calls], None, dst=0)
         elif isinstance(command, ReplicaOptimStep):
             model = self.models[command.model_id]
             if collectives.replicated(model):  # a sharded model's were reduce-scattered

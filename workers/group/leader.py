@@ -24,17 +24,18 @@ worker restart).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import replace
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch.distributed as dist
 
 from treadle.common.engine.domain import (
     AdamConfig,
     ForwardBackwardOp,
+    ForwardLogprobsOp,
     ForwardResult,
     LoadResult,
     OptimStepResult,
@@ -46,6 +47,7 @@ from treadle.workers.group.channel import CommandChannel
 from treadle.workers.group.commands import (
     RankCommand,
     RankStop,
+    ReplicaBatch,
     ReplicaCreate,
     ReplicaDelete,
     ReplicaForwardBackward,
@@ -53,13 +55,15 @@ from treadle.workers.group.commands import (
     ReplicaLoadState,
     ReplicaOptimStep,
 )
-from treadle.workers.trainer import checkpoint, fsdp, trainer
+from treadle.workers.trainer import checkpoint, fsdp, sharded_batching, trainer
+from treadle.workers.trainer.batching import BatchableOp, BatchCall
 from treadle.workers.trainer.sharded_base import ShardedBases
 from treadle.workers.trainer.trainer import TrainingModel
 from treadle.workers.trainer.validation import check_adam
 
 log = logging.getLogger("treadle.group")
 T = TypeVar("T")
+Op = TypeVar("Op", ForwardBackwardOp, ForwardLogprobsOp)
 
 
 class GroupPeers(Peers):
@@ -95,10 +99,8 @@ class GroupPeers(Peers):
 
     def forward_backward(self, model: TrainingModel, op: ForwardBackwardOp) -> ForwardResult:
         self._check()
-        shares = [
-            replace(op, data=tuple(op.data[i] for i in r))
-            for r in collectives.split(len(op.data), self.size)
-        ]
+        trainer.check_call(model, op)  # the whole call first: one rank's messages
+        shares = self._shares(op)
         for share in shares:  # every share is checked before any rank starts
             if share.data:
                 trainer.prepare_forward_backward(model, share)
@@ -126,6 +128,61 @@ class GroupPeers(Peers):
         return collectives.merge_results(
             [g if isinstance(g, ForwardResult) else None for g in gathered]
         )
+
+    def run_batch(self, calls: Sequence[BatchCall], check: Callable[[BatchableOp], None]) -> None:
+        ready: list[tuple[BatchCall, list[BatchableOp]]] = []
+        no_grad_pass = False
+        for call in calls:  # every call and every share checked before any rank starts
+            try:
+                self._check()
+                check(call.op)
+                trainer.check_call(call.model, call.op)
+                shares = self._shares(call.op)
+                if isinstance(call.op, ForwardLogprobsOp):
+                    no_grad_pass = True
+                else:
+                    for share in shares:
+                        if share.data:
+                            prep = trainer.prepare_forward_backward(call.model, share)
+                            no_grad_pass = no_grad_pass or prep.needs_reference
+            except TreadleError as err:  # this call fails alone
+                call.outcome = err
+                continue
+            ready.append((call, shares))
+        if not ready:
+            return
+        members = [call for call, _ in ready]
+        try:
+            sharded_batching.shared_base(members)
+            self.channel.post(
+                [
+                    ReplicaBatch(
+                        tuple((call.model.spec.model_id, shares[r]) for call, shares in ready),
+                        no_grad_pass,
+                    )
+                    for r in range(1, self.size)
+                ]
+            )
+            mine = [BatchCall(call.model, shares[0]) for call, shares in ready]
+            self._collective(lambda: sharded_batching.run_shares(mine, no_grad_pass=no_grad_pass))
+            gathered: list[Any] = [None] * self.size
+            self._collective(
+                lambda: dist.gather_object([call.outcome for call in mine], gathered, dst=0)
+            )
+        except TreadleError as err:  # the group broke (or a model is not on a sharded base)
+            for call in members:
+                call.outcome = err
+            return
+        for i, call in enumerate(members):
+            outcomes = [per_rank[i] for per_rank in gathered]
+            errors = [o for o in outcomes if isinstance(o, Exception)]
+            call.outcome = (
+                errors[0]  # a share failed: the call failed, on every rank left out of the sum
+                if errors
+                else collectives.merge_results(
+                    [o if isinstance(o, ForwardResult) else None for o in outcomes]
+                )
+            )
 
     def optim_step(self, model: TrainingModel, adam: AdamConfig) -> OptimStepResult:
         check_adam(adam)
@@ -193,6 +250,13 @@ class GroupPeers(Peers):
         self._check()
         self.channel.post([command] * (self.size - 1))
         self._collective(run)
+
+    def _shares(self, op: Op) -> list[Op]:
+        """``op``'s datums in one contiguous share per rank, the larger first (rank 0's)."""
+        return [
+            replace(op, data=tuple(op.data[i] for i in r))
+            for r in collectives.split(len(op.data), self.size)
+        ]
 
     def _check(self) -> None:
         if self.broken:

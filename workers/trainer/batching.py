@@ -16,7 +16,9 @@ forward is dropped from the sum, which leaves no gradient behind.
 Two passes at most: one without gradients (``ForwardLogprobs`` rows, and the
 reference rows of losses with a KL penalty, base weights only) and one with
 (``ForwardBackward`` rows). Full fine-tunes are never batched across models:
-their base weights differ.
+their base weights differ. On a group of ranks the same rows go through the base
+sharded by FSDP2, each rank running its share of every call
+(``workers.trainer.sharded_batching``).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from treadle.errors import InternalError, TreadleError
 from treadle.workers.device import device
 from treadle.workers.model.llama import forward_hidden, lm_logits
 from treadle.workers.model.lora import LoraAdapter, LoraRows
+from treadle.workers.model.params import LlamaParams
 from treadle.workers.trainer import trainer
 from treadle.workers.trainer.trainer import TrainingModel
 
@@ -66,8 +69,8 @@ class BatchCall:
 
 
 @dataclass
-class _Rows:
-    """One call's rows in a pass: ``[start, stop)`` of the padded batch."""
+class Rows:
+    """One call's rows in a pass: ``[start, stop)`` of the padded batch (``stack_rows``)."""
 
     call: BatchCall
     tokens_B_T: Tensor
@@ -117,18 +120,18 @@ def _run(
     fl: list[tuple[BatchCall, trainer.TrainBatch]],
 ) -> None:
     # Pass 1, no gradients: ForwardLogprobs rows, and reference rows of KL losses.
-    no_grad_rows: list[_Rows] = []
+    no_grad_rows: list[Rows] = []
     for call, batch in fl:
         op = call.op
         assert isinstance(op, ForwardLogprobsOp)
         adapter = None if op.reference else call.model.adapter
         no_grad_rows.append(
-            _Rows(call, batch.tokens_B_T, batch.targets_B_T, adapter, op.temperature)
+            Rows(call, batch.tokens_B_T, batch.targets_B_T, adapter, op.temperature)
         )
-    refs: list[tuple[_Rows, BatchCall, trainer.PreparedForwardBackward]] = []
+    refs: list[tuple[Rows, BatchCall, trainer.PreparedForwardBackward]] = []
     for call, prep in fb:
         if prep.needs_reference:
-            rows = _Rows(call, prep.batch.tokens_B_T, prep.batch.targets_B_T, None, _temp(call))
+            rows = Rows(call, prep.batch.tokens_B_T, prep.batch.targets_B_T, None, _temp(call))
             refs.append((rows, call, prep))
             no_grad_rows.append(rows)
     if no_grad_rows:
@@ -143,7 +146,7 @@ def _run(
 
     # Pass 2, with gradients: every ForwardBackward row with its own adapter.
     grad_rows = [
-        _Rows(call, p.batch.tokens_B_T, p.batch.targets_B_T, call.model.adapter, _temp(call))
+        Rows(call, p.batch.tokens_B_T, p.batch.targets_B_T, call.model.adapter, _temp(call))
         for call, p in fb
     ]
     lps = _logprobs(grad_rows, with_entropy=True)
@@ -168,8 +171,17 @@ def _temp(call: BatchCall) -> float:
     return call.op.temperature
 
 
-def _logprobs(rows: list[_Rows], *, with_entropy: bool) -> list[tuple[Tensor, Tensor | None]]:
+def _logprobs(rows: list[Rows], *, with_entropy: bool) -> list[tuple[Tensor, Tensor | None]]:
     """One forward over every call's rows; each call's logprobs at its own temperature."""
+    tokens_B_T, lora = stack_rows(rows)
+    model = rows[0].call.model
+    hidden_B_T_H = forward_hidden(model.cfg, model.params, tokens_B_T, lora=lora)
+    return logprobs_of_rows(rows, hidden_B_T_H, model.params, with_entropy=with_entropy)
+
+
+def stack_rows(rows: list[Rows]) -> tuple[Tensor, LoraRows | None]:
+    """Every call's rows in one right-padded batch (each ``Rows`` told where its rows
+    are), and the adapter of each row (None: the base alone for every row)."""
     T = max(r.tokens_B_T.shape[1] for r in rows)
     start = 0
     tokens: list[Tensor] = []
@@ -186,15 +198,21 @@ def _logprobs(rows: list[_Rows], *, with_entropy: bool) -> list[tuple[Tensor, Te
         if all(r.adapter is not a for a in adapters):
             adapters.append(r.adapter)
         row_ids += [next(i for i, a in enumerate(adapters) if a is r.adapter)] * B
-    model = rows[0].call.model
-    tokens_B_T = torch.cat(tokens)
     lora = LoraRows(adapters, torch.tensor(row_ids)) if adapters else None
-    hidden_B_T_H = forward_hidden(model.cfg, model.params, tokens_B_T, lora=lora)
+    return torch.cat(tokens), lora
+
+
+def logprobs_of_rows(
+    rows: list[Rows], hidden_B_T_H: Tensor, params: LlamaParams, *, with_entropy: bool
+) -> list[tuple[Tensor, Tensor | None]]:
+    """Each call's target logprobs (and entropy) from the pass's final hidden states,
+    through ``params``' head with the call's own adapter, at its own temperature."""
+    cfg = rows[0].call.model.cfg
     out = []
     for r in rows:
         t = r.tokens_B_T.shape[1]
         hidden = hidden_B_T_H[r.start : r.stop, :t]
-        logits = lm_logits(model.cfg, model.params, hidden, lora=r.adapter)  # the call's head
+        logits = lm_logits(cfg, params, hidden, lora=r.adapter)  # the call's head
         out.append(
             trainer.logprobs_from_logits(
                 logits, r.targets_B_T, r.temperature, with_entropy=with_entropy

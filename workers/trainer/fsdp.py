@@ -44,7 +44,7 @@ from torch.utils.checkpoint import checkpoint
 
 from treadle.common.engine.domain import ForwardBackwardOp, ForwardResult
 from treadle.common.engine.model_config import ModelConfig
-from treadle.workers.model.llama import decoder_layer, lm_logits, rms_norm, rope_cos_sin
+from treadle.workers.model.llama import Lora, decoder_layer, lm_logits, rms_norm, rope_cos_sin
 from treadle.workers.model.lora import LoraAdapter
 from treadle.workers.model.params import LayerParams, LlamaParams
 from treadle.workers.trainer import trainer
@@ -76,14 +76,14 @@ class _Layer(nn.Module):
         return LayerParams(**{name: getattr(self, name) for name in self.names})
 
     def forward(
-        self, x_B_T_H: Tensor, cos: Tensor, sin: Tensor, lora: LoraAdapter | None = None
+        self, x_B_T_H: Tensor, cos: Tensor, sin: Tensor, lora: Lora | None = None
     ) -> Tensor:
         # read the weights inside the checkpointed function: the recompute in the
         # backward then uses those FSDP gathered again (and the same adapter)
         out: Tensor = checkpoint(self._run, x_B_T_H, cos, sin, lora, use_reentrant=False)
         return out
 
-    def _run(self, x_B_T_H: Tensor, cos: Tensor, sin: Tensor, lora: LoraAdapter | None) -> Tensor:
+    def _run(self, x_B_T_H: Tensor, cos: Tensor, sin: Tensor, lora: Lora | None) -> Tensor:
         return decoder_layer(self.cfg, self.params(), self.n, x_B_T_H, cos, sin, lora)
 
 
@@ -109,10 +109,11 @@ class _Model(nn.Module):
         layers = [layer.params() for layer in self.layers if isinstance(layer, _Layer)]
         return LlamaParams(self.embed_tokens, layers, self.norm, self.lm_head)
 
-    def forward(self, tokens_B_T: Tensor, head: Head[_R], lora: LoraAdapter | None = None) -> _R:
+    def forward(self, tokens_B_T: Tensor, head: Head[_R], lora: Lora | None = None) -> _R:
         """``head`` of the final-norm hidden states of ``tokens_B_T``: what
-        ``forward_hidden`` computes (with ``lora``: with that adapter on the layers;
-        the head applies its own part), one FSDP layer at a time."""
+        ``forward_hidden`` computes (with ``lora``: with that adapter, or each row's
+        (``LoraRows``), on the layers; the head applies its own part), one FSDP layer
+        at a time."""
         cfg = self.cfg
         B, T = tokens_B_T.shape
         positions_B_T = torch.arange(T, device=tokens_B_T.device).expand(B, T)
@@ -154,10 +155,20 @@ def build(params: LlamaParams, cfg: ModelConfig, *, frozen: bool) -> FsdpShards:
     if not frozen:
         for module in root.modules():
             if isinstance(module, FSDPModule):
-                module.set_gradient_divide_factor(1.0)  # the sum over ranks: losses are sums
-                module.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
-                module.set_reduce_scatter_unused_params(True, recurse=False)
+                _sum_gradients(module)
     return FsdpShards(root, mesh, gathered, frozen)
+
+
+def _sum_gradients(module: FSDPModule) -> None:
+    """FSDP reduce-scatters ``module``'s gradients as a sum over the ranks."""
+    module.set_gradient_divide_factor(1.0)  # the sum over ranks: losses are sums
+    module.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
+    # A weight that got no gradient on some rank reduce-scatters zeros there. torch
+    # 2.11 (the GPU host's) has no such setter; it needs none here: every rank's
+    # pass reaches every weight (a rank without datums runs ``_NoLoss``).
+    reduce_unused = getattr(module, "set_reduce_scatter_unused_params", None)
+    if reduce_unused is not None:
+        reduce_unused(True, recurse=False)
 
 
 def _gathered_bytes(params: LlamaParams) -> int:

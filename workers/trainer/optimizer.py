@@ -65,8 +65,10 @@ class AdamW:
     def step(self, cfg: AdamConfig) -> dict[str, float]:
         """Apply one update from the accumulated gradients, then zero them."""
         names = list(self.params)
+        # the fused kernel reads every tensor as dense: a strided gradient would be misread
         grads = [
-            p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params.values()
+            p.grad.contiguous() if p.grad is not None else torch.zeros_like(p)
+            for p in self.params.values()
         ]
         chunks = _chunks([self.params[n] for n in names])
         # Every large allocation of the step happens here, before anything changes:

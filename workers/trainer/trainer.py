@@ -333,24 +333,44 @@ class PreparedForwardBackward:
 
 
 def prepare_forward_logprobs(model: TrainingModel, op: ForwardLogprobsOp) -> TrainBatch:
-    check_temperature(op.temperature)
-    validate_data(op.data, model.cfg.vocab_size, model.max_context)
+    _check_data(model, op)
     return _make_batch(op.data, model.cfg.pad_token_id or 0, model.params.device)
 
 
 def prepare_forward_backward(
     model: TrainingModel, op: ForwardBackwardOp
 ) -> PreparedForwardBackward:
-    check_temperature(op.temperature)
-    validate_data(op.data, model.cfg.vocab_size, model.max_context)
-    keys = common_input_keys(op.data)
-    config = losses.validate_loss_request(op.loss_fn, keys, op.loss_config)
+    keys, config = _check_loss_request(model, op)
     _check_memory(model, op.data)
     float_keys = [k for k in keys if k != "target_tokens"]
     inputs = _flat_inputs(op.data, float_keys, _loss_dtype(model), model.params.device)
     batch = _make_batch(op.data, model.cfg.pad_token_id or 0, model.params.device, inputs)
     need_ref = losses.needs_reference(op.loss_fn, config) and "ref_logprobs" not in inputs
     return PreparedForwardBackward(batch, config, need_ref)
+
+
+def check_call(model: TrainingModel, op: ForwardBackwardOp | ForwardLogprobsOp) -> None:
+    """The checks of ``prepare_*`` that do not depend on how a call's datums are split
+    over a group's ranks (all but the memory a share needs), with the messages one
+    rank gives (a datum named by its index in the whole call)."""
+    if isinstance(op, ForwardBackwardOp):
+        _check_loss_request(model, op)
+    else:
+        _check_data(model, op)
+
+
+def _check_data(model: TrainingModel, op: ForwardBackwardOp | ForwardLogprobsOp) -> None:
+    check_temperature(op.temperature)
+    validate_data(op.data, model.cfg.vocab_size, model.max_context)
+
+
+def _check_loss_request(
+    model: TrainingModel, op: ForwardBackwardOp
+) -> tuple[list[str], dict[str, float]]:
+    """The call's input keys and its loss's settings (defaults filled in)."""
+    _check_data(model, op)
+    keys = common_input_keys(op.data)
+    return keys, losses.validate_loss_request(op.loss_fn, keys, op.loss_config)
 
 
 def _check_memory(model: TrainingModel, data: Sequence[DatumData]) -> None:
@@ -475,7 +495,10 @@ def accumulate_gradients(loss: Tensor, models: Sequence[TrainingModel]) -> None:
             if g is None:
                 continue
             if p.grad is None:
-                p.grad = g
+                # a tensor of its own: a batched pass's gradient can be a strided view
+                # into one buffer of several adapters' (``LoraRows`` stacks their B
+                # matrices), which the fused AdamW and gloo both read as if dense
+                p.grad = g.contiguous()
             else:
                 p.grad.add_(g)
 

@@ -25,7 +25,6 @@ from treadle.common.engine.domain import (
     OrderedOp,
 )
 from treadle.errors import InternalError, InvalidArgumentError
-from treadle.workers.engine import ordered as engine_mod
 from treadle.workers.engine.base_models import BaseModel
 from treadle.workers.engine.loop import Engine, EngineConfig
 from treadle.workers.model.lora import LoraRows
@@ -197,6 +196,32 @@ def test_calls_of_one_shape_batch_like_alone(base: BaseModel) -> None:
     _assert_grads(grads_alone, _grads(models))
 
 
+def test_the_step_after_a_batch_equals_it_after_each_call_alone(base: BaseModel) -> None:
+    """Adapters of other ranks and calls of other shapes take ``LoraRows``' dense form,
+    whose B gradients come out of one stacked product as strided views; the fused
+    AdamW read those as dense (wrong elements: steps of the wrong sign), so every
+    gradient is kept as a tensor of its own."""
+    rng = np.random.default_rng(4)
+    work = [
+        (0, ForwardBackwardOp((random_datum(rng, 7), random_datum(rng, 13)), "cross_entropy", {})),
+        (1, ForwardBackwardOp((random_datum(rng, 20),), "importance_sampling", {})),
+    ]
+    batched = [_model(base, 0), _model(base, 1, rank=8)]
+    alone = [_model(base, 0), _model(base, 1, rank=8)]
+    calls = [BatchCall(batched[i], op) for i, op in work]
+    run_batch(calls, lambda op: None)
+    assert all(isinstance(c.outcome, ForwardResult) for c in calls)
+    for i, op in work:
+        trainer.forward_backward(alone[i], op)
+    adam = AdamConfig(learning_rate=1e-2, weight_decay=0.1)
+    for m, twin in zip(batched, alone, strict=True):
+        assert all(p.grad is not None and p.grad.is_contiguous() for p in m.trainable.values())
+        m.optim_step(adam)
+        twin.optim_step(adam)
+        for name, p in twin.trainable.items():
+            torch.testing.assert_close(m.trainable[name], p, atol=TOL, rtol=0)
+
+
 def test_full_finetunes_are_not_batched(base: BaseModel) -> None:
     full = TrainingModel(ModelSpec("f", "t", "tiny", 0, 0.0, 0, "float32"), base)
     lora = _model(base, 5)
@@ -212,13 +237,13 @@ def test_full_finetunes_are_not_batched(base: BaseModel) -> None:
 @pytest.fixture
 def counted(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
     sizes: list[int] = []
-    real = engine_mod.run_batch
+    real = batching.run_batch  # what a one-rank engine's batched pass runs
 
     def spy(calls: Any, check: Any) -> None:
         sizes.append(len(calls))
         real(calls, check)
 
-    monkeypatch.setattr(engine_mod, "run_batch", spy)
+    monkeypatch.setattr(batching, "run_batch", spy)
     yield sizes
 
 

@@ -28,13 +28,13 @@ from treadle.common.engine.domain import (
     SamplerTarget,
     SamplingConfig,
 )
-from treadle.workers.engine import ordered as engine_mod
 from treadle.workers.engine.base_models import BaseModelRegistry
 from treadle.workers.engine.loop import Engine, EngineConfig
 from treadle.workers.model.tiny import build_tiny_model
 from treadle.workers.sampler import forward as sampler_mod
 from treadle.workers.sampler.backend import SampleJob
 from treadle.workers.sampler.torch_sampler import TorchSampler
+from treadle.workers.trainer import batching
 from treadle.workers.trainer.trainer import TrainingModel
 
 torch.set_num_threads(1)
@@ -46,13 +46,13 @@ TENANT = "researcher"
 def passes(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[list[str]]]:
     """The model ids of every batched pass the engine runs."""
     seen: list[list[str]] = []
-    real = engine_mod.run_batch
+    real = batching.run_batch  # what a one-rank engine's batched pass runs
 
     def spy(calls: Any, check: Any) -> None:
         seen.append([c.model.spec.model_id for c in calls])
         real(calls, check)
 
-    monkeypatch.setattr(engine_mod, "run_batch", spy)
+    monkeypatch.setattr(batching, "run_batch", spy)
     yield seen
 
 
