@@ -19,10 +19,12 @@ from pathlib import Path
 from treadle.common.engine.domain import (
     AdamConfig,
     ForwardBackwardOp,
+    ForwardLogprobsOp,
     ForwardResult,
     LoadResult,
     OptimStepResult,
 )
+from treadle.workers.engine.versions import WeightSnapshot
 from treadle.workers.trainer import checkpoint, trainer
 from treadle.workers.trainer.trainer import TrainingModel
 
@@ -49,6 +51,15 @@ class Peers:
         """Add the gradient of the call's summed loss (its datums split across ranks)."""
         raise NotImplementedError
 
+    def forward_logprobs(
+        self, model: TrainingModel, op: ForwardLogprobsOp, weights: WeightSnapshot | None
+    ) -> ForwardResult:
+        """The logprobs of the call's datums under the model's weights, its base
+        (``op.reference``) or ``weights`` (``op.reference_weights``, resolved); no
+        gradient. On a group, read through the sharded weights with the datums split
+        across the ranks, as a ``forward_backward``'s are."""
+        raise NotImplementedError
+
     def optim_step(self, model: TrainingModel, adam: AdamConfig) -> OptimStepResult:
         raise NotImplementedError
 
@@ -60,9 +71,9 @@ class Peers:
     @contextmanager
     def whole(self, model: TrainingModel, *, moments: bool = False) -> Iterator[None]:
         """``model``'s whole weights here (and its Adam moments with ``moments``) for a
-        call that reads them on this rank alone: ``forward_logprobs``, publishing a
-        version, ``save_state``, exports. A full fine-tune sharded over the group is
-        gathered for the duration; a model held whole is as it is."""
+        call that reads them on this rank alone: publishing a version, ``save_state``,
+        exports. A full fine-tune sharded over the group is gathered for the duration;
+        a model held whole is as it is."""
         yield
 
     def close(self) -> None:
@@ -81,6 +92,11 @@ class Alone(Peers):
 
     def forward_backward(self, model: TrainingModel, op: ForwardBackwardOp) -> ForwardResult:
         return trainer.forward_backward(model, op)
+
+    def forward_logprobs(
+        self, model: TrainingModel, op: ForwardLogprobsOp, weights: WeightSnapshot | None
+    ) -> ForwardResult:
+        return trainer.forward_logprobs(model, op, weights)
 
     def optim_step(self, model: TrainingModel, adam: AdamConfig) -> OptimStepResult:
         return model.optim_step(adam)

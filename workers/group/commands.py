@@ -5,7 +5,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from treadle.common.engine.domain import AdamConfig, ForwardBackwardOp, ModelSpec
+from treadle.common.engine.domain import (
+    AdamConfig,
+    ForwardBackwardOp,
+    ForwardLogprobsOp,
+    ModelSpec,
+)
 
 
 @dataclass(frozen=True)
@@ -29,6 +34,17 @@ class ReplicaForwardBackward:
 
     model_id: str
     op: ForwardBackwardOp
+
+
+@dataclass(frozen=True)
+class ReplicaForwardLogprobs:
+    """The rank's share of a ``ForwardLogprobs`` (possibly none: it still joins the
+    gathers) through the sharded weights it reads: the model's own, or its base
+    (``op.reference``), or its base with an adapter rank 0 broadcasts
+    (``op.reference_weights``)."""
+
+    model_id: str
+    op: ForwardLogprobsOp
 
 
 @dataclass(frozen=True)
@@ -63,6 +79,7 @@ RankCommand = (
     ReplicaCreate
     | ReplicaDelete
     | ReplicaForwardBackward
+    | ReplicaForwardLogprobs
     | ReplicaOptimStep
     | ReplicaLoadState
     | ReplicaGather

@@ -22,6 +22,7 @@ from treadle.workers.group.commands import (
     ReplicaCreate,
     ReplicaDelete,
     ReplicaForwardBackward,
+    ReplicaForwardLogprobs,
     ReplicaGather,
     ReplicaLoadState,
     ReplicaOptimStep,
@@ -64,7 +65,7 @@ class Replicas:
             outcome: ForwardResult | Exception | None = None
             model = self.models[command.model_id]
             if model.sharding is not None:  # joins the gathers even with no datums
-                outcome = fsdp.forward_backward(model, command.op)
+                outcome = collectives.forward_backward(model, command.op, self.sharded)
             else:
                 try:
                     if command.op.data:
@@ -72,6 +73,10 @@ class Replicas:
                 except Exception as err:  # rank 0 reports it (and breaks the group)
                     outcome = err
             dist.gather_object(outcome, None, dst=0)
+        elif isinstance(command, ReplicaForwardLogprobs):
+            model = self.models[command.model_id]
+            logprobs = collectives.forward_logprobs(model, command.op, self.sharded)
+            dist.gather_object(logprobs, None, dst=0)
         elif isinstance(command, ReplicaOptimStep):
             model = self.models[command.model_id]
             if collectives.replicated(model):  # a sharded model's were reduce-scattered

@@ -35,12 +35,14 @@ import torch.distributed as dist
 from treadle.common.engine.domain import (
     AdamConfig,
     ForwardBackwardOp,
+    ForwardLogprobsOp,
     ForwardResult,
     LoadResult,
     OptimStepResult,
 )
-from treadle.errors import TreadleError, UnavailableError
+from treadle.errors import InternalError, TreadleError, UnavailableError
 from treadle.workers.engine.peers import Peers
+from treadle.workers.engine.versions import WeightSnapshot
 from treadle.workers.group import collectives
 from treadle.workers.group.channel import CommandChannel
 from treadle.workers.group.commands import (
@@ -49,17 +51,19 @@ from treadle.workers.group.commands import (
     ReplicaCreate,
     ReplicaDelete,
     ReplicaForwardBackward,
+    ReplicaForwardLogprobs,
     ReplicaGather,
     ReplicaLoadState,
     ReplicaOptimStep,
 )
 from treadle.workers.trainer import checkpoint, fsdp, trainer
-from treadle.workers.trainer.sharded_base import ShardedBases
+from treadle.workers.trainer.sharded_base import KeepWhole, ShardedBases
 from treadle.workers.trainer.trainer import TrainingModel
 from treadle.workers.trainer.validation import check_adam
 
 log = logging.getLogger("treadle.group")
 T = TypeVar("T")
+_Op = TypeVar("_Op", ForwardBackwardOp, ForwardLogprobsOp)
 
 
 class GroupPeers(Peers):
@@ -71,8 +75,9 @@ class GroupPeers(Peers):
     ) -> None:
         self.channel = channel
         self.size = channel.world_size
-        #: the LoRA bases sharded over the group, one for every LoRA model on each
-        self.bases = ShardedBases()
+        #: the bases sharded over the group, one for every model on each; rank 0 keeps
+        #: a LoRA base whole beside its shards unless its sampler does not read it
+        self.bases = ShardedBases(KeepWhole())
         #: why the group cannot run calls any more ("" while it can)
         self.broken = ""
         self._on_broken = on_broken
@@ -95,10 +100,7 @@ class GroupPeers(Peers):
 
     def forward_backward(self, model: TrainingModel, op: ForwardBackwardOp) -> ForwardResult:
         self._check()
-        shares = [
-            replace(op, data=tuple(op.data[i] for i in r))
-            for r in collectives.split(len(op.data), self.size)
-        ]
+        shares = self._shares(op)
         for share in shares:  # every share is checked before any rank starts
             if share.data:
                 trainer.prepare_forward_backward(model, share)
@@ -106,7 +108,9 @@ class GroupPeers(Peers):
         mine: ForwardResult | None = None
         failed: Exception | None = None
         if model.sharding is not None:
-            outcome = self._collective(lambda: fsdp.forward_backward(model, shares[0]))
+            outcome = self._collective(
+                lambda: collectives.forward_backward(model, shares[0], self.bases)
+            )
             if isinstance(outcome, Exception):
                 failed = outcome
             else:
@@ -123,6 +127,33 @@ class GroupPeers(Peers):
         errors = [g for g in gathered if isinstance(g, BaseException)]
         if errors:
             raise self._diverged(str(errors[0]))
+        return collectives.merge_results(
+            [g if isinstance(g, ForwardResult) else None for g in gathered]
+        )
+
+    def forward_logprobs(
+        self, model: TrainingModel, op: ForwardLogprobsOp, weights: WeightSnapshot | None
+    ) -> ForwardResult:
+        self._check()
+        if model.sharding is None or (weights is not None and weights.adapter is None):
+            # a model held whole, or a reference that is a whole copy here already
+            return trainer.forward_logprobs(model, op, weights)
+        shares = self._shares(op)
+        self.channel.post([ReplicaForwardLogprobs(model.spec.model_id, s) for s in shares[1:]])
+        adapter = None if weights is None else weights.adapter
+        mine = self._collective(
+            lambda: collectives.forward_logprobs(model, shares[0], self.bases, adapter)
+        )
+        gathered: list[object] = [None] * self.size
+        self._collective(lambda: dist.gather_object(mine, gathered, dst=0))
+        # nothing changed on any rank: a share's failure fails the call, not the group
+        for rank, got in enumerate(gathered):
+            if isinstance(got, TreadleError):
+                raise got
+            if isinstance(got, BaseException):
+                raise InternalError(
+                    f"forward_logprobs failed on rank {rank}: {type(got).__name__}: {got}"
+                )
         return collectives.merge_results(
             [g if isinstance(g, ForwardResult) else None for g in gathered]
         )
@@ -188,6 +219,13 @@ class GroupPeers(Peers):
             self._on_closed()
 
     # ---- the group's health ---------------------------------------------------------------
+
+    def _shares(self, op: _Op) -> list[_Op]:
+        """The call's datums in one contiguous share per rank (rank 0's first and largest)."""
+        return [
+            replace(op, data=tuple(op.data[i] for i in r))
+            for r in collectives.split(len(op.data), self.size)
+        ]
 
     def _all(self, command: RankCommand, run: Callable[[], None]) -> None:
         self._check()

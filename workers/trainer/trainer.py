@@ -332,9 +332,14 @@ class PreparedForwardBackward:
     needs_reference: bool
 
 
-def prepare_forward_logprobs(model: TrainingModel, op: ForwardLogprobsOp) -> TrainBatch:
+def check_forward_logprobs(model: TrainingModel, op: ForwardLogprobsOp) -> None:
+    """Every check of a ``ForwardLogprobs``'s input (INVALID_ARGUMENT), before any read."""
     check_temperature(op.temperature)
     validate_data(op.data, model.cfg.vocab_size, model.max_context)
+
+
+def prepare_forward_logprobs(model: TrainingModel, op: ForwardLogprobsOp) -> TrainBatch:
+    check_forward_logprobs(model, op)
     return _make_batch(op.data, model.cfg.pad_token_id or 0, model.params.device)
 
 

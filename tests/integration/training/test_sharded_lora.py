@@ -7,9 +7,11 @@ The two models (different tenants, ranks and seeds) are trained alternately,
 call by call: a call of one datum (rank 1 has none and joins the all-gathers
 with a zero loss), one with a KL penalty (the base's reference logprobs filled
 in through the sharded base on each rank), a second call adding to the
-gradient, steps, then ``forward_logprobs`` of the model and of the base (read
-whole on rank 0). Losses, metrics, gradient norms and logprobs, float64. On 2
-ranks both models train on the one sharded base, not a base each.
+gradient, steps, then ``forward_logprobs`` of the model, of the base and of the
+other tenant's model's published version (``reference_weights``: its adapter on
+this model's base), each split across the ranks on the sharded base (a call of
+one datum: rank 1 has none). Losses, metrics, gradient norms and logprobs,
+float64. On 2 ranks both models train on the one sharded base, not a base each.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ from treadle.common.engine.domain import (
     ForwardLogprobsOp,
     ModelSpec,
     OptimStepOp,
+    ReferenceWeights,
+    SyncWeightsOp,
 )
 from treadle.workers.engine.config import EngineConfig
 from treadle.workers.group.launch import build_engine
@@ -47,7 +51,7 @@ def _datum(rng: np.random.Generator, length: int, *, policy: bool) -> DatumData:
     return DatumData(rng.integers(3, 60, length), inputs)
 
 
-def _calls(seed: int) -> list[object]:
+def _calls(seed: int, other: str) -> list[object]:
     rng = np.random.default_rng(seed)
     one = (_datum(rng, 9, policy=False),)  # one datum: rank 1's share is empty
     three = tuple(_datum(rng, n, policy=True) for n in (7, 12, 5))
@@ -61,8 +65,14 @@ def _calls(seed: int) -> list[object]:
         adam,
         ForwardBackwardOp(three, "importance_sampling", kl),
         adam,
+        SyncWeightsOp(),  # version 3, the other model's reference below
         ForwardLogprobsOp(three + one),
         ForwardLogprobsOp(three, reference=True),
+        ForwardLogprobsOp(one, reference=True),
+        ForwardLogprobsOp(
+            three, reference_weights=ReferenceWeights("v3", model_id=other, version=3)
+        ),
+        ForwardLogprobsOp(one, reference_weights=ReferenceWeights("v3", model_id=other, version=3)),
     ]
 
 
@@ -73,7 +83,10 @@ def _run(model_dir: Path, ranks: int) -> tuple[dict[str, list[object]], bool]:
     try:
         for spec in SPECS:
             engine.create_model(spec).result(timeout=120)
-        calls = {spec.model_id: _calls(seed=i) for i, spec in enumerate(SPECS)}
+        calls = {
+            spec.model_id: _calls(seed=i, other=SPECS[1 - i].model_id)
+            for i, spec in enumerate(SPECS)
+        }
         results: dict[str, list[object]] = {spec.model_id: [] for spec in SPECS}
         for seq in range(1, len(calls["a"]) + 1):  # the two tenants' calls alternate
             for spec in SPECS:
@@ -107,5 +120,8 @@ def test_two_tenants_lora_on_one_sharded_base_equal_one_rank(tmp_path: Path, arc
             ):
                 np.testing.assert_allclose(lp_a, lp_b, rtol=0, atol=TOLERANCE)
         assert one[model_id][2].metrics["kl_ref:mean"] > 0  # type: ignore[attr-defined]
-    # the two adapters differ: each model is its own, not the other's
-    assert not np.allclose(two["a"][-2].logprobs[0], two["b"][-2].logprobs[0])  # type: ignore[attr-defined]
+    # the two adapters differ: each model is its own, not the other's; a's
+    # reference_weights (b's adapter) gives other logprobs than a's own, same datum
+    own_a, ref_b = two["a"][8].logprobs[0], two["a"][11].logprobs[0]  # type: ignore[attr-defined]
+    assert not np.allclose(own_a, two["b"][8].logprobs[0])  # type: ignore[attr-defined]
+    assert not np.allclose(own_a, ref_b)
