@@ -21,7 +21,7 @@ from treadle.common.engine.domain import (
     SyncResult,
     SyncWeightsOp,
 )
-from treadle.workers.trainer import checkpoint, reference, trainer
+from treadle.workers.trainer import reference, trainer
 
 if TYPE_CHECKING:
     from treadle.workers.engine.ordered import OrderedExecutor
@@ -86,8 +86,7 @@ def _sync_weights(
 def _save_state(
     ex: OrderedExecutor, model: TrainingModel, seq_id: int, op: SaveStateOp
 ) -> OpResult:
-    with ex.peers.whole(model, moments=True):
-        result = checkpoint.save_state(model, op.directory, seq_id)
+    result = ex.peers.save_state(model, op.directory, seq_id)
     model.last_checkpoint_seq_id = seq_id
     ex.call_stats.checkpoint(result.size_bytes)
     return result

@@ -23,10 +23,15 @@ from treadle.common.engine.domain import (
     ForwardResult,
     LoadResult,
     OptimStepResult,
+    SaveResult,
 )
+from treadle.workers.engine.base_models import BaseModel
 from treadle.workers.engine.versions import WeightSnapshot
+from treadle.workers.model.params import LlamaParams
+from treadle.workers.sampler.backend import SamplerBackend
 from treadle.workers.trainer import checkpoint, trainer
 from treadle.workers.trainer.trainer import TrainingModel
+from treadle.workers.trainer.whole import WholeTensors
 
 
 class Peers:
@@ -38,6 +43,17 @@ class Peers:
 
     #: the processes of the group (1: this one alone)
     size: int = 1
+
+    def use_sampler(self, sampler: SamplerBackend) -> None:
+        """The engine's sampler backend, before any model is made: whether it samples
+        from the base weights this process holds (``reads_base_weights``) decides
+        whether a group's rank 0 keeps a LoRA base whole beside its shards."""
+
+    def base_params(self, base: BaseModel) -> LlamaParams | None:
+        """What a LoRA model made here reads as ``base``'s weights: None, the whole base
+        (``base.params``); on a group's rank 0 that keeps only its shards of the
+        sharded base, those (so making the model does not read the base again)."""
+        return None
 
     def created(self, model: TrainingModel) -> None:
         """``model`` was just made here (fresh or from a state): make its replicas."""
@@ -69,12 +85,33 @@ class Peers:
         raise NotImplementedError
 
     @contextmanager
-    def whole(self, model: TrainingModel, *, moments: bool = False) -> Iterator[None]:
-        """``model``'s whole weights here (and its Adam moments with ``moments``) for a
-        call that reads them on this rank alone: publishing a version, ``save_state``,
-        exports. A full fine-tune sharded over the group is gathered for the duration;
-        a model held whole is as it is."""
+    def whole(self, model: TrainingModel) -> Iterator[None]:
+        """``model``'s whole weights here for a call that reads them all at once on
+        this rank: publishing a full fine-tune's version (a whole copy). A full
+        fine-tune sharded over the group is gathered for the duration; a model held
+        whole is as it is."""
         yield
+
+    @contextmanager
+    def whole_tensors(
+        self, model: TrainingModel, *, moments: bool = False
+    ) -> Iterator[WholeTensors]:
+        """``model``'s weights (a LoRA model's base; with ``moments`` a full fine-tune's
+        Adam moments too) whole one tensor at a time, for a read that writes them out
+        here (a checkpoint, a merged export): on a group each is gathered in turn, so
+        this rank holds one whole tensor beyond its shards, not the whole model."""
+        tensors = WholeTensors(model, moments=moments)
+        try:
+            yield tensors
+        finally:
+            tensors.close()
+
+    def save_state(self, model: TrainingModel, directory: str | Path, seq_id: int) -> SaveResult:
+        """``model``'s weights and Adam moments written here (``checkpoint.save_state``)."""
+        if model.adapter is not None:  # the adapter and its moments: whole on every rank
+            return checkpoint.save_state(model, directory, seq_id)
+        with self.whole_tensors(model, moments=True) as tensors:
+            return checkpoint.save_state(model, directory, seq_id, tensors)
 
     def close(self) -> None:
         """The engine stopped: stop the other ranks."""

@@ -27,7 +27,7 @@ from treadle.workers.group.commands import (
     ReplicaLoadState,
     ReplicaOptimStep,
 )
-from treadle.workers.trainer import fsdp, trainer
+from treadle.workers.trainer import fsdp, trainer, whole
 from treadle.workers.trainer.sharded_base import ShardedBases
 from treadle.workers.trainer.trainer import TrainingModel
 
@@ -96,7 +96,7 @@ class Replicas:
                 fsdp.unshard(model)
                 collectives.made(model, self.sharded)
         elif isinstance(command, ReplicaGather):
-            fsdp.send_whole(self.models[command.model_id], moments=command.moments)
+            whole.join(self.models[command.model_id], moments=command.moments)
         return True
 
 

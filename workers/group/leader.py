@@ -41,6 +41,7 @@ from treadle.common.engine.domain import (
     OptimStepResult,
 )
 from treadle.errors import InternalError, TreadleError, UnavailableError
+from treadle.workers.engine.base_models import BaseModel
 from treadle.workers.engine.peers import Peers
 from treadle.workers.engine.versions import WeightSnapshot
 from treadle.workers.group import collectives
@@ -56,10 +57,13 @@ from treadle.workers.group.commands import (
     ReplicaLoadState,
     ReplicaOptimStep,
 )
-from treadle.workers.trainer import checkpoint, fsdp, trainer
-from treadle.workers.trainer.sharded_base import KeepWhole, ShardedBases
+from treadle.workers.model.params import LlamaParams
+from treadle.workers.sampler.backend import SamplerBackend
+from treadle.workers.trainer import checkpoint, fsdp, trainer, whole
+from treadle.workers.trainer.sharded_base import KeepWhole, ShardedBases, ShardsOnly
 from treadle.workers.trainer.trainer import TrainingModel
 from treadle.workers.trainer.validation import check_adam
+from treadle.workers.trainer.whole import WholeTensors
 
 log = logging.getLogger("treadle.group")
 T = TypeVar("T")
@@ -199,17 +203,39 @@ class GroupPeers(Peers):
         self._all(ReplicaLoadState(model.spec.model_id), load)
         return result[0]
 
+    def use_sampler(self, sampler: SamplerBackend) -> None:
+        # the torch samplers read a LoRA base's whole weights here; vLLM loads its own
+        self.bases.keeping = KeepWhole() if sampler.reads_base_weights else ShardsOnly()
+
+    def base_params(self, base: BaseModel) -> LlamaParams | None:
+        return self.bases.params_of(base)
+
     @contextmanager
-    def whole(self, model: TrainingModel, *, moments: bool = False) -> Iterator[None]:
-        if collectives.replicated(model):  # a LoRA base is whole on rank 0
+    def whole(self, model: TrainingModel) -> Iterator[None]:
+        if collectives.replicated(model):  # a LoRA model's publish reads its adapter
             yield
             return
         with ExitStack() as stack:
             self._all(
-                ReplicaGather(model.spec.model_id, moments),
-                lambda: stack.enter_context(fsdp.whole(model, moments=moments)),
+                ReplicaGather(model.spec.model_id, moments=False),
+                lambda: stack.enter_context(fsdp.whole(model, moments=False)),
             )
             yield
+
+    @contextmanager
+    def whole_tensors(
+        self, model: TrainingModel, *, moments: bool = False
+    ) -> Iterator[WholeTensors]:
+        tensors = WholeTensors(model, moments=moments)
+        if not whole.sharded(model, moments=moments):  # held whole here: nothing to gather
+            yield tensors
+            return
+        self._check()
+        self.channel.post([ReplicaGather(model.spec.model_id, moments)] * (self.size - 1))
+        try:
+            yield tensors  # each read gathers its tensor, the other ranks joining
+        finally:
+            self._collective(tensors.close)  # what was not read: the others wait on it
 
     def close(self) -> None:
         if not self.broken:

@@ -49,6 +49,8 @@ from treadle.workers.model.lora import LoraAdapter
 from treadle.workers.model.params import LayerParams, LlamaParams
 from treadle.workers.trainer import trainer
 from treadle.workers.trainer.trainer import PreparedForwardBackward, Sharding, TrainingModel
+from treadle.workers.trainer.whole import WholeTensors
+from treadle.workers.trainer.whole import join as join_whole
 
 _R = TypeVar("_R")
 
@@ -206,39 +208,32 @@ def unshard(model: TrainingModel) -> None:
 @contextmanager
 def whole(model: TrainingModel, *, moments: bool) -> Iterator[None]:
     """Rank 0: the whole weights (and with ``moments`` the Adam moments) in the model
-    for the duration, its shards back after (what the body changed is dropped).
-    Every other rank calls ``send_whole`` at the same time."""
+    for the duration, its shards back after (what the body changed is dropped):
+    for a read that needs them all at once (a published version is a whole copy).
+    Every other rank calls ``send_whole`` at the same time. A read that writes
+    them out walks them one at a time instead (``workers.trainer.whole``)."""
     _sharding(model)
     opt = model.optimizer
     kept = (model.params, opt.params, opt.exp_avg, opt.exp_avg_sq)
     with torch.no_grad():
-        dtensors = dict(model.params.named_tensors())
-        model.params = LlamaParams.from_state_dict(
-            model.cfg, {n: _full(p) for n, p in dtensors.items()}
-        )
+        tensors = WholeTensors(model, moments=moments)
+        model.params = LlamaParams.from_state_dict(model.cfg, dict(tensors.weights()))
         opt.params = dict(model.params.named_tensors())
         if moments:
-            opt.exp_avg = {n: _full_of(dtensors[n], t) for n, t in opt.exp_avg.items()}
-            opt.exp_avg_sq = {n: _full_of(dtensors[n], t) for n, t in opt.exp_avg_sq.items()}
+            state = dict(tensors.moments())
+            opt.exp_avg = {n: state[f"exp_avg.{n}"] for n in opt.params}
+            opt.exp_avg_sq = {n: state[f"exp_avg_sq.{n}"] for n in opt.params}
     try:
         yield
     finally:
         model.params, opt.params, opt.exp_avg, opt.exp_avg_sq = kept
 
 
-@torch.no_grad()
 def send_whole(model: TrainingModel, *, moments: bool) -> None:
     """A rank other than 0: joins rank 0's ``whole`` (each tensor's all-gather; the
     whole tensor is dropped here at once)."""
     _sharding(model)
-    opt = model.optimizer
-    dtensors = dict(model.params.named_tensors())
-    for p in dtensors.values():
-        _full(p)
-    if moments:
-        for state in (opt.exp_avg, opt.exp_avg_sq):
-            for name, t in state.items():
-                _full_of(dtensors[name], t)
+    join_whole(model, moments=moments)
 
 
 def forward_backward(
