@@ -9,7 +9,8 @@ AdamW: the ranks' losses add up to the one rank's, the step's metrics are equal,
 each rank's local shards are its rows of the one rank's weights and Adam moments
 (FSDP's ``Shard(0)``, uneven here: a vocabulary and an MLP of odd sizes), so a
 rank holds half of the model; ``whole`` on rank 0 and ``unshard`` on every
-rank give the one rank's tensors back. float64: agreement to rounding.
+rank give the one rank's tensors back, and so does a checkpoint rank 0 writes
+one gathered tensor at a time. float64: agreement to rounding.
 
 One of the calls has a KL penalty: its reference logprobs (the base's) go
 through the base sharded over the group (``ShardedBases``), which rank 1 then
@@ -31,6 +32,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+from safetensors.torch import load_file
 from torch.distributed.tensor import DTensor
 
 from tests.unit.trainer.two_ranks import on_two_ranks
@@ -44,9 +46,10 @@ from treadle.common.engine.domain import (
 from treadle.workers.engine.base_models import BaseModelRegistry
 from treadle.workers.group import collectives
 from treadle.workers.model.tiny import build_tiny_model
-from treadle.workers.trainer import fsdp, trainer
+from treadle.workers.trainer import checkpoint, fsdp, trainer
 from treadle.workers.trainer.sharded_base import KeepWhole, ShardedBases, ShardsOnly
 from treadle.workers.trainer.trainer import TrainingModel
+from treadle.workers.trainer.whole import WholeTensors, join
 
 pytestmark = pytest.mark.slow
 
@@ -131,7 +134,34 @@ def _held(model: TrainingModel) -> int:
     return _bytes([*opt.params.values(), *opt.exp_avg.values(), *opt.exp_avg_sq.values()])
 
 
-def _rank(rank: int, model_dir: Path) -> None:
+def _check_streamed_reads(rank: int, mine: TrainingModel, one: TrainingModel, out: Path) -> None:
+    """Rank 0 reads the sharded model whole one tensor at a time (rank 1 joining each
+    gather): a checkpoint written so has the one rank's tensors; a read of the
+    moments alone still gathers the weights before them (so the ranks stay in
+    step), and what a read leaves is gathered when it closes."""
+    if rank == 1:
+        for _ in range(3):
+            join(mine, moments=True)
+        return
+    tensors = WholeTensors(mine, moments=True)
+    checkpoint.save_state(mine, out / "two", 5, tensors)
+    checkpoint.save_state(one, out / "one", 5)
+    for name in ("weights.safetensors", "optimizer.safetensors"):
+        got, want = load_file(out / "two" / name), load_file(out / "one" / name)
+        assert got.keys() == want.keys()
+        for key, t in want.items():
+            torch.testing.assert_close(got[key], t, rtol=0, atol=TOLERANCE)
+    tensors = WholeTensors(mine, moments=True)
+    moments = dict(tensors.moments())  # the weights skipped: gathered all the same
+    assert moments.keys() == one.optimizer.state_tensors().keys()
+    with pytest.raises(ValueError, match="read already"):
+        next(tensors.weights())
+    tensors = WholeTensors(mine, moments=True)
+    next(tensors.weights())
+    tensors.close()  # the rest: gathered
+
+
+def _rank(rank: int, model_dir: Path, out: Path) -> None:
     base = BaseModelRegistry({"tiny": model_dir}).get("tiny", torch.float64)
     twin_base = BaseModelRegistry({"tiny": model_dir}).get("tiny", torch.float64)
     one, mine = TrainingModel(SPEC, twin_base), TrainingModel(SPEC, base)
@@ -184,6 +214,7 @@ def _rank(rank: int, model_dir: Path) -> None:
                 )
     else:
         fsdp.send_whole(mine, moments=True)
+    _check_streamed_reads(rank, mine, one, out)
     fsdp.unshard(mine)
     assert mine.sharding is None
     for name, whole in opt_one.params.items():
@@ -215,7 +246,7 @@ def test_fsdp_on_two_ranks_equals_one(tmp_path: Path) -> None:
     model_dir = build_tiny_model(
         tmp_path / "tiny", "tiny", 0, overrides={"vocab_size": 97, "intermediate_size": 99}
     )
-    on_two_ranks(_rank, model_dir)
+    on_two_ranks(_rank, model_dir, tmp_path)
 
 
 def test_fsdp_forward_logprobs_float32(tmp_path: Path) -> None:
