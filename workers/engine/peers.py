@@ -4,7 +4,9 @@ A worker may be several processes on torch.distributed (``workers.group``): rank
 runs this engine, and with it everything that decides (scheduler, ordering,
 dedupe, fair share, the broker and database connections); the other ranks hold
 a replica of every LoRA adapter (on a shard of its base), a shard of every full
-fine-tune, and execute, in the same order, each call that changes one.
+fine-tune, and execute, in the same order, each call that changes one or reads
+its sharded weights (``forward_logprobs``; a checkpoint's or an export's
+gathers).
 ``Peers`` is the seam: the engine calls it for every such call and never asks
 how many ranks there are. ``Alone`` is a worker of one process: it
 runs each call here, with no torch.distributed in the path.

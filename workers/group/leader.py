@@ -8,9 +8,16 @@ its weights, gradients and Adam moments; FSDP all-gathers each layer's weights
 for a ``ForwardBackward`` and reduce-scatters the gradient. A LoRA model's frozen
 base is sharded the same way, once per base for every LoRA model on it
 (``trainer.sharded_base``); its adapter is replicated on every rank, the
-gradients summed at the optimizer step, so every rank takes the same step. Only
-rank 0 samples, saves and exports; a sharded full fine-tune is gathered whole
-for those reads (``whole``); rank 0 keeps a LoRA base whole for them. What a call is checked for (data, loss
+gradients summed at the optimizer step, so every rank takes the same step.
+A ``ForwardLogprobs`` runs the same way, without gradient: its datums split
+across the ranks, each share through the sharded weights (the model's, or its
+base for ``reference`` and a reference adapter, which rank 0 broadcasts), the
+results gathered here in datum order. Only rank 0 samples, saves and exports:
+a checkpoint and a merged export walk the model one whole tensor at a time
+(``whole_tensors``: each gathered, written, dropped), a full fine-tune's
+published version (a whole copy) is gathered whole (``whole``). Rank 0 keeps a
+LoRA base whole beside its shards only for a sampler that reads it there (the
+torch samplers; ``use_sampler``). What a call is checked for (data, loss
 inputs, the memory of each rank's share) is checked here, for every share,
 before any rank starts, so a refused call changes no rank.
 

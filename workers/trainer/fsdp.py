@@ -19,9 +19,12 @@ gradient of the step is the sum over ranks, as on one rank. treadle's AdamW
 steps each rank's local shards (``DTensor.to_local()``: views of FSDP's own
 storage, so the step moves FSDP's parameters in place), with the clip and update
 norms summed over the group (``AdamW.reduce``): every metric is the whole
-model's. A call that reads the whole weights on rank 0 (``forward_logprobs``, a
-published version, a checkpoint, an export) gathers them there for its duration
-(``DTensor.full_tensor()``, one tensor at a time; the other ranks drop theirs).
+model's. ``forward_logprobs`` runs on the shards like a ``forward_backward``
+(each rank its share of the datums, no gradient). A read of the whole weights on
+rank 0 gathers them there (``DTensor.full_tensor()``, one tensor at a time; the
+other ranks drop theirs): all of them for a published version (``whole``), each
+in turn, written and dropped, for a checkpoint or an export
+(``workers.trainer.whole``).
 
 Every function here is a collective: each rank calls it in the same order.
 """
