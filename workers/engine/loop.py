@@ -471,15 +471,18 @@ class Engine:
     ) -> ModelStatus:
         if spec.model_id in self.models:
             raise FailedPreconditionError(f"model {spec.model_id} already exists on this worker")
-        memory_budget.check_model(spec, self.bases, self.config.keep_versions)
         base = self.bases.get(spec.base_model, parse_dtype(spec.dtype))
+        base_params = self.peers.base_params(base)  # a group's shards, when not whole here
+        memory_budget.check_model(
+            spec, self.bases, self.config.keep_versions, base_held=base_params is not None
+        )
         model = TrainingModel(
             spec,
             base,
             max_context=self.sampler.max_context(base.cfg),
             checkpoint_activations=self.config.activation_checkpointing,
             memory_limit_bytes=self.config.train_memory_limit_bytes,
-            base_params=self.peers.base_params(base),
+            base_params=base_params,
         )
         if from_state is not None:
             checkpoint.load_state(model, from_state)
