@@ -134,9 +134,13 @@ def lora_params(cfg: ModelConfig, rank: int, targets: tuple[str, ...]) -> int:
     return cfg.num_layers * per_layer + head
 
 
-def check_model(spec: ModelSpec, bases: BaseModelRegistry, keep_versions: int) -> None:
+def check_model(
+    spec: ModelSpec, bases: BaseModelRegistry, keep_versions: int, *, base_held: bool = False
+) -> None:
     """RESOURCE_EXHAUSTED, before anything is allocated, when the model ``spec``
-    creates (or restores) would not fit in the free memory of the bases' device."""
+    creates (or restores) would not fit in the free memory of the bases' device.
+    ``base_held``: what a LoRA model reads of its base is held here already, though
+    the whole base is not loaded (a group's rank 0 that keeps only its shards)."""
     dtype = parse_dtype(spec.dtype)
     targets = TARGETS
     if spec.is_lora:
@@ -150,7 +154,7 @@ def check_model(spec: ModelSpec, bases: BaseModelRegistry, keep_versions: int) -
         targets=targets,
         keep_versions=keep_versions,
         # a full fine-tune reads its own copy without loading the base (``BaseModel``)
-        base_loaded=not spec.is_lora or bases.loaded(spec.base_model, dtype),
+        base_loaded=not spec.is_lora or base_held or bases.loaded(spec.base_model, dtype),
     )
     check_model_fits(need, bases.device, f"model {spec.model_id}")
 

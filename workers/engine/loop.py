@@ -121,6 +121,7 @@ class Engine:
             options=config.sampler_options,
         )
         self.sampler: SamplerBackend = make_backend(config.sampler, settings)
+        self.peers.use_sampler(self.sampler)
         self.executor = OrderedExecutor(
             config,
             self.device,
@@ -470,14 +471,18 @@ class Engine:
     ) -> ModelStatus:
         if spec.model_id in self.models:
             raise FailedPreconditionError(f"model {spec.model_id} already exists on this worker")
-        memory_budget.check_model(spec, self.bases, self.config.keep_versions)
         base = self.bases.get(spec.base_model, parse_dtype(spec.dtype))
+        base_params = self.peers.base_params(base)  # a group's shards, when not whole here
+        memory_budget.check_model(
+            spec, self.bases, self.config.keep_versions, base_held=base_params is not None
+        )
         model = TrainingModel(
             spec,
             base,
             max_context=self.sampler.max_context(base.cfg),
             checkpoint_activations=self.config.activation_checkpointing,
             memory_limit_bytes=self.config.train_memory_limit_bytes,
+            base_params=base_params,
         )
         if from_state is not None:
             checkpoint.load_state(model, from_state)
@@ -529,20 +534,18 @@ class Engine:
             self.executor.resolve(call, stopping, record=False)
         seq_id = self.registry.clean_seq(model_id, self.scheduler.next_seq_id(model_id) - 1)
         directory.parent.mkdir(parents=True, exist_ok=True)
-        with self.peers.whole(model, moments=True):
-            saved = checkpoint.save_state(model, directory, seq_id)
+        saved = self.peers.save_state(model, directory, seq_id)
         self.call_stats.checkpoint(saved.size_bytes)
         self._delete_model(model_id)
         return saved
 
     def _export_weights(self, model_id: str, directory: Path, merged: bool) -> list[str]:
         model = self.registry.require(model_id)
-        with self.peers.whole(model):
-            files = (
-                export.export_merged(model, directory)
-                if merged
-                else export.export_peft(model, directory)
-            )
+        if not merged:
+            files = export.export_peft(model, directory)  # the adapter: whole here
+        else:
+            with self.peers.whole_tensors(model) as tensors:  # one whole tensor at a time
+                files = export.export_merged(model, directory, tensors)
         return [f.name for f in files]
 
     # ---- sampling ------------------------------------------------------------------------------

@@ -21,7 +21,7 @@ from treadle.common.engine.domain import (
     SyncResult,
     SyncWeightsOp,
 )
-from treadle.workers.trainer import checkpoint, reference, trainer
+from treadle.workers.trainer import reference, trainer
 
 if TYPE_CHECKING:
     from treadle.workers.engine.ordered import OrderedExecutor
@@ -60,14 +60,11 @@ def _forward_logprobs(
     ex: OrderedExecutor, model: TrainingModel, seq_id: int, op: ForwardLogprobsOp
 ) -> OpResult:
     ex.check_size(op.data)
-    if op.reference_weights is None:
-        if op.reference:  # the base's weights: the model's own are not read
-            return trainer.forward_logprobs(model, op)
-        with ex.peers.whole(model):  # a sharded model's weights, gathered
-            return trainer.forward_logprobs(model, op)
-    batch = trainer.prepare_forward_logprobs(model, op)  # bad data fails before any read
-    weights = reference.resolve(model, op.reference_weights, ex.versions)
-    return trainer.logprobs_of_batch(model, op, batch, weights)
+    trainer.check_forward_logprobs(model, op)  # bad data fails before any read
+    weights = None
+    if op.reference_weights is not None:
+        weights = reference.resolve(model, op.reference_weights, ex.versions)
+    return ex.peers.forward_logprobs(model, op, weights)
 
 
 @applies(OptimStepOp)
@@ -89,8 +86,7 @@ def _sync_weights(
 def _save_state(
     ex: OrderedExecutor, model: TrainingModel, seq_id: int, op: SaveStateOp
 ) -> OpResult:
-    with ex.peers.whole(model, moments=True):
-        result = checkpoint.save_state(model, op.directory, seq_id)
+    result = ex.peers.save_state(model, op.directory, seq_id)
     model.last_checkpoint_seq_id = seq_id
     ex.call_stats.checkpoint(result.size_bytes)
     return result

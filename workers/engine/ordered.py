@@ -47,7 +47,6 @@ from treadle.workers.engine.peers import Peers
 from treadle.workers.engine.scheduler import Admission, QueuedCall, Scheduler, WorkUnit
 from treadle.workers.engine.versions import VersionStore, WeightSnapshot
 from treadle.workers.sampler.backend import SamplerBackend
-from treadle.workers.trainer import checkpoint
 from treadle.workers.trainer.batching import BatchCall, batch_key, batchable
 from treadle.workers.trainer.trainer import TrainingModel
 
@@ -254,8 +253,7 @@ class OrderedExecutor:
             return result
         directory = Path(root) / model.spec.tenant_id / model.spec.model_id / "auto"
         directory.parent.mkdir(parents=True, exist_ok=True)
-        with self.peers.whole(model, moments=True):
-            saved = checkpoint.save_state(model, directory, seq_id)
+        saved = self.peers.save_state(model, directory, seq_id)
         model.last_checkpoint_seq_id = seq_id
         self.call_stats.checkpoint(saved.size_bytes)
         auto = AutoCheckpoint(str(directory), seq_id, saved.step, saved.size_bytes)

@@ -4,7 +4,9 @@ A worker may be several processes on torch.distributed (``workers.group``): rank
 runs this engine, and with it everything that decides (scheduler, ordering,
 dedupe, fair share, the broker and database connections); the other ranks hold
 a replica of every LoRA adapter (on a shard of its base), a shard of every full
-fine-tune, and execute, in the same order, each call that changes one.
+fine-tune, and execute, in the same order, each call that changes one or reads
+its sharded weights (``forward_logprobs``; a checkpoint's or an export's
+gathers).
 ``Peers`` is the seam: the engine calls it for every such call and never asks
 how many ranks there are. ``Alone`` is a worker of one process: it
 runs each call here, with no torch.distributed in the path.
@@ -19,13 +21,20 @@ from pathlib import Path
 from treadle.common.engine.domain import (
     AdamConfig,
     ForwardBackwardOp,
+    ForwardLogprobsOp,
     ForwardResult,
     LoadResult,
     OptimStepResult,
+    SaveResult,
 )
+from treadle.workers.engine.base_models import BaseModel
+from treadle.workers.engine.versions import WeightSnapshot
+from treadle.workers.model.params import LlamaParams
+from treadle.workers.sampler.backend import SamplerBackend
 from treadle.workers.trainer import batching, checkpoint, trainer
 from treadle.workers.trainer.batching import BatchableOp, BatchCall
 from treadle.workers.trainer.trainer import TrainingModel
+from treadle.workers.trainer.whole import WholeTensors
 
 
 class Peers:
@@ -37,6 +46,17 @@ class Peers:
 
     #: the processes of the group (1: this one alone)
     size: int = 1
+
+    def use_sampler(self, sampler: SamplerBackend) -> None:
+        """The engine's sampler backend, before any model is made: whether it samples
+        from the base weights this process holds (``reads_base_weights``) decides
+        whether a group's rank 0 keeps a LoRA base whole beside its shards."""
+
+    def base_params(self, base: BaseModel) -> LlamaParams | None:
+        """What a LoRA model made here reads as ``base``'s weights: None, the whole base
+        (``base.params``); on a group's rank 0 that keeps only its shards of the
+        sharded base, those (so making the model does not read the base again)."""
+        return None
 
     def created(self, model: TrainingModel) -> None:
         """``model`` was just made here (fresh or from a state): make its replicas."""
@@ -58,6 +78,15 @@ class Peers:
         every call's datums (``workers.trainer.sharded_batching``)."""
         raise NotImplementedError
 
+    def forward_logprobs(
+        self, model: TrainingModel, op: ForwardLogprobsOp, weights: WeightSnapshot | None
+    ) -> ForwardResult:
+        """The logprobs of the call's datums under the model's weights, its base
+        (``op.reference``) or ``weights`` (``op.reference_weights``, resolved); no
+        gradient. On a group, read through the sharded weights with the datums split
+        across the ranks, as a ``forward_backward``'s are."""
+        raise NotImplementedError
+
     def optim_step(self, model: TrainingModel, adam: AdamConfig) -> OptimStepResult:
         raise NotImplementedError
 
@@ -67,12 +96,33 @@ class Peers:
         raise NotImplementedError
 
     @contextmanager
-    def whole(self, model: TrainingModel, *, moments: bool = False) -> Iterator[None]:
-        """``model``'s whole weights here (and its Adam moments with ``moments``) for a
-        call that reads them on this rank alone: ``forward_logprobs``, publishing a
-        version, ``save_state``, exports. A full fine-tune sharded over the group is
-        gathered for the duration; a model held whole is as it is."""
+    def whole(self, model: TrainingModel) -> Iterator[None]:
+        """``model``'s whole weights here for a call that reads them all at once on
+        this rank: publishing a full fine-tune's version (a whole copy). A full
+        fine-tune sharded over the group is gathered for the duration; a model held
+        whole is as it is."""
         yield
+
+    @contextmanager
+    def whole_tensors(
+        self, model: TrainingModel, *, moments: bool = False
+    ) -> Iterator[WholeTensors]:
+        """``model``'s weights (a LoRA model's base; with ``moments`` a full fine-tune's
+        Adam moments too) whole one tensor at a time, for a read that writes them out
+        here (a checkpoint, a merged export): on a group each is gathered in turn, so
+        this rank holds one whole tensor beyond its shards, not the whole model."""
+        tensors = WholeTensors(model, moments=moments)
+        try:
+            yield tensors
+        finally:
+            tensors.close()
+
+    def save_state(self, model: TrainingModel, directory: str | Path, seq_id: int) -> SaveResult:
+        """``model``'s weights and Adam moments written here (``checkpoint.save_state``)."""
+        if model.adapter is not None:  # the adapter and its moments: whole on every rank
+            return checkpoint.save_state(model, directory, seq_id)
+        with self.whole_tensors(model, moments=True) as tensors:
+            return checkpoint.save_state(model, directory, seq_id, tensors)
 
     def close(self) -> None:
         """The engine stopped: stop the other ranks."""
@@ -93,6 +143,11 @@ class Alone(Peers):
 
     def run_batch(self, calls: Sequence[BatchCall], check: Callable[[BatchableOp], None]) -> None:
         batching.run_batch(calls, check)
+
+    def forward_logprobs(
+        self, model: TrainingModel, op: ForwardLogprobsOp, weights: WeightSnapshot | None
+    ) -> ForwardResult:
+        return trainer.forward_logprobs(model, op, weights)
 
     def optim_step(self, model: TrainingModel, adam: AdamConfig) -> OptimStepResult:
         return model.optim_step(adam)

@@ -17,7 +17,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from treadle.common.engine.domain import ForwardResult
+from treadle.common.engine.domain import ForwardBackwardOp, ForwardLogprobsOp, ForwardResult
+from treadle.workers.model.lora import LoraAdapter
 from treadle.workers.trainer import fsdp
 from treadle.workers.trainer.sharded_base import ShardedBases
 from treadle.workers.trainer.trainer import TrainingModel
@@ -48,6 +49,61 @@ def made(model: TrainingModel, bases: ShardedBases) -> None:
         fsdp.shard(model)
     else:
         bases.shard(model)
+
+
+def forward_backward(
+    model: TrainingModel, op: ForwardBackwardOp, bases: ShardedBases
+) -> ForwardResult | Exception | None:
+    """Every rank: its share of a ``ForwardBackward`` through the model's FSDP root
+    (``fsdp.forward_backward``); a KL penalty's reference logprobs through the
+    model's base sharded over the group (``bases``)."""
+    return fsdp.forward_backward(model, op, lambda: bases.root(model.base))
+
+
+def forward_logprobs(
+    model: TrainingModel,
+    op: ForwardLogprobsOp,
+    bases: ShardedBases,
+    reference: LoraAdapter | None = None,
+) -> ForwardResult | Exception | None:
+    """Every rank: the logprobs of its share of a ``ForwardLogprobs`` (None: no datums)
+    through sharded weights: the model's own (a full fine-tune's shards, or a LoRA
+    model's adapter on its sharded base), its base sharded over the group
+    (``op.reference``; a full fine-tune's base is sharded on first use), or that
+    base with the adapter of ``op.reference_weights`` (``reference`` on rank 0,
+    broadcast to the others)."""
+    if op.reference_weights is not None:
+        lora: LoraAdapter | None = share_adapter(reference, model)
+        weights = bases.root(model.base)
+    elif op.reference:
+        lora, weights = None, bases.root(model.base)
+    else:
+        lora, weights = model.adapter, _sharded(model)
+    return fsdp.forward_logprobs(model, op, weights, lora)
+
+
+def share_adapter(adapter: LoraAdapter | None, model: TrainingModel) -> LoraAdapter:
+    """Rank 0's ``adapter`` on every rank (a broadcast of its tensors, a few MB)."""
+    payload: list[Any] = [None]
+    if dist.get_rank() == 0:
+        if adapter is None:
+            raise ValueError("rank 0 shares no adapter")
+        tensors = {n: t.detach().cpu() for n, t in adapter.named_tensors()}
+        payload = [(tensors, adapter.alpha)]
+    dist.broadcast_object_list(payload, src=0)
+    if adapter is not None:
+        return adapter
+    tensors, alpha = payload[0]
+    where = model.params.device
+    return LoraAdapter.from_named_tensors(
+        model.cfg, {n: t.to(where) for n, t in tensors.items()}, alpha=float(alpha)
+    )
+
+
+def _sharded(model: TrainingModel) -> fsdp.FsdpShards:
+    if not isinstance(model.sharding, fsdp.FsdpShards):
+        raise TypeError(f"model {model.spec.model_id} is not sharded")
+    return model.sharding
 
 
 def replicated(model: TrainingModel) -> bool:

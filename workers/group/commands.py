@@ -48,6 +48,17 @@ class ReplicaBatch:
 
 
 @dataclass(frozen=True)
+class ReplicaForwardLogprobs:
+    """The rank's share of a ``ForwardLogprobs`` (possibly none: it still joins the
+    gathers) through the sharded weights it reads: the model's own, or its base
+    (``op.reference``), or its base with an adapter rank 0 broadcasts
+    (``op.reference_weights``)."""
+
+    model_id: str
+    op: ForwardLogprobsOp
+
+
+@dataclass(frozen=True)
 class ReplicaOptimStep:
     """Sum the gradients over the group, then step (every rank the same update)."""
 
@@ -80,6 +91,7 @@ RankCommand = (
     | ReplicaDelete
     | ReplicaForwardBackward
     | ReplicaBatch
+    | ReplicaForwardLogprobs
     | ReplicaOptimStep
     | ReplicaLoadState
     | ReplicaGather

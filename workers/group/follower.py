@@ -23,11 +23,12 @@ from treadle.workers.group.commands import (
     ReplicaCreate,
     ReplicaDelete,
     ReplicaForwardBackward,
+    ReplicaForwardLogprobs,
     ReplicaGather,
     ReplicaLoadState,
     ReplicaOptimStep,
 )
-from treadle.workers.trainer import fsdp, sharded_batching, trainer
+from treadle.workers.trainer import fsdp, sharded_batching, trainer, whole
 from treadle.workers.trainer.batching import BatchCall
 from treadle.workers.trainer.sharded_base import ShardedBases
 from treadle.workers.trainer.trainer import TrainingModel
@@ -66,7 +67,7 @@ class Replicas:
             outcome: ForwardResult | Exception | None = None
             model = self.models[command.model_id]
             if model.sharding is not None:  # joins the gathers even with no datums
-                outcome = fsdp.forward_backward(model, command.op)
+                outcome = collectives.forward_backward(model, command.op, self.sharded)
             else:
                 try:
                     if command.op.data:
@@ -78,6 +79,10 @@ class Replicas:
             calls = [BatchCall(self.models[mid], op) for mid, op in command.members]
             sharded_batching.run_shares(calls, no_grad_pass=command.no_grad_pass)
             dist.gather_object([call.outcome for call in calls], None, dst=0)
+        elif isinstance(command, ReplicaForwardLogprobs):
+            model = self.models[command.model_id]
+            logprobs = collectives.forward_logprobs(model, command.op, self.sharded)
+            dist.gather_object(logprobs, None, dst=0)
         elif isinstance(command, ReplicaOptimStep):
             model = self.models[command.model_id]
             if collectives.replicated(model):  # a sharded model's were reduce-scattered
@@ -97,7 +102,7 @@ class Replicas:
                 fsdp.unshard(model)
                 collectives.made(model, self.sharded)
         elif isinstance(command, ReplicaGather):
-            fsdp.send_whole(self.models[command.model_id], moments=command.moments)
+            whole.join(self.models[command.model_id], moments=command.moments)
         return True
 
 

@@ -8,9 +8,16 @@ its weights, gradients and Adam moments; FSDP all-gathers each layer's weights
 for a ``ForwardBackward`` and reduce-scatters the gradient. A LoRA model's frozen
 base is sharded the same way, once per base for every LoRA model on it
 (``trainer.sharded_base``); its adapter is replicated on every rank, the
-gradients summed at the optimizer step, so every rank takes the same step. Only
-rank 0 samples, saves and exports; a sharded full fine-tune is gathered whole
-for those reads (``whole``); rank 0 keeps a LoRA base whole for them. What a call is checked for (data, loss
+gradients summed at the optimizer step, so every rank takes the same step.
+A ``ForwardLogprobs`` runs the same way, without gradient: its datums split
+across the ranks, each share through the sharded weights (the model's, or its
+base for ``reference`` and a reference adapter, which rank 0 broadcasts), the
+results gathered here in datum order. Only rank 0 samples, saves and exports:
+a checkpoint and a merged export walk the model one whole tensor at a time
+(``whole_tensors``: each gathered, written, dropped), a full fine-tune's
+published version (a whole copy) is gathered whole (``whole``). Rank 0 keeps a
+LoRA base whole beside its shards only for a sampler that reads it there (the
+torch samplers; ``use_sampler``). What a call is checked for (data, loss
 inputs, the memory of each rank's share) is checked here, for every share,
 before any rank starts, so a refused call changes no rank.
 
@@ -40,8 +47,10 @@ from treadle.common.engine.domain import (
     LoadResult,
     OptimStepResult,
 )
-from treadle.errors import TreadleError, UnavailableError
+from treadle.errors import InternalError, TreadleError, UnavailableError
+from treadle.workers.engine.base_models import BaseModel
 from treadle.workers.engine.peers import Peers
+from treadle.workers.engine.versions import WeightSnapshot
 from treadle.workers.group import collectives
 from treadle.workers.group.channel import CommandChannel
 from treadle.workers.group.commands import (
@@ -51,19 +60,23 @@ from treadle.workers.group.commands import (
     ReplicaCreate,
     ReplicaDelete,
     ReplicaForwardBackward,
+    ReplicaForwardLogprobs,
     ReplicaGather,
     ReplicaLoadState,
     ReplicaOptimStep,
 )
-from treadle.workers.trainer import checkpoint, fsdp, sharded_batching, trainer
+from treadle.workers.model.params import LlamaParams
+from treadle.workers.sampler.backend import SamplerBackend
+from treadle.workers.trainer import checkpoint, fsdp, sharded_batching, trainer, whole
 from treadle.workers.trainer.batching import BatchableOp, BatchCall
-from treadle.workers.trainer.sharded_base import ShardedBases
+from treadle.workers.trainer.sharded_base import KeepWhole, ShardedBases, ShardsOnly
 from treadle.workers.trainer.trainer import TrainingModel
 from treadle.workers.trainer.validation import check_adam
+from treadle.workers.trainer.whole import WholeTensors
 
 log = logging.getLogger("treadle.group")
 T = TypeVar("T")
-Op = TypeVar("Op", ForwardBackwardOp, ForwardLogprobsOp)
+_Op = TypeVar("_Op", ForwardBackwardOp, ForwardLogprobsOp)
 
 
 class GroupPeers(Peers):
@@ -75,8 +88,9 @@ class GroupPeers(Peers):
     ) -> None:
         self.channel = channel
         self.size = channel.world_size
-        #: the LoRA bases sharded over the group, one for every LoRA model on each
-        self.bases = ShardedBases()
+        #: the bases sharded over the group, one for every model on each; rank 0 keeps
+        #: a LoRA base whole beside its shards unless its sampler does not read it
+        self.bases = ShardedBases(KeepWhole())
         #: why the group cannot run calls any more ("" while it can)
         self.broken = ""
         self._on_broken = on_broken
@@ -108,7 +122,9 @@ class GroupPeers(Peers):
         mine: ForwardResult | None = None
         failed: Exception | None = None
         if model.sharding is not None:
-            outcome = self._collective(lambda: fsdp.forward_backward(model, shares[0]))
+            outcome = self._collective(
+                lambda: collectives.forward_backward(model, shares[0], self.bases)
+            )
             if isinstance(outcome, Exception):
                 failed = outcome
             else:
@@ -184,6 +200,33 @@ class GroupPeers(Peers):
                 )
             )
 
+    def forward_logprobs(
+        self, model: TrainingModel, op: ForwardLogprobsOp, weights: WeightSnapshot | None
+    ) -> ForwardResult:
+        self._check()
+        if model.sharding is None or (weights is not None and weights.adapter is None):
+            # a model held whole, or a reference that is a whole copy here already
+            return trainer.forward_logprobs(model, op, weights)
+        shares = self._shares(op)
+        self.channel.post([ReplicaForwardLogprobs(model.spec.model_id, s) for s in shares[1:]])
+        adapter = None if weights is None else weights.adapter
+        mine = self._collective(
+            lambda: collectives.forward_logprobs(model, shares[0], self.bases, adapter)
+        )
+        gathered: list[object] = [None] * self.size
+        self._collective(lambda: dist.gather_object(mine, gathered, dst=0))
+        # nothing changed on any rank: a share's failure fails the call, not the group
+        for rank, got in enumerate(gathered):
+            if isinstance(got, TreadleError):
+                raise got
+            if isinstance(got, BaseException):
+                raise InternalError(
+                    f"forward_logprobs failed on rank {rank}: {type(got).__name__}: {got}"
+                )
+        return collectives.merge_results(
+            [g if isinstance(g, ForwardResult) else None for g in gathered]
+        )
+
     def optim_step(self, model: TrainingModel, adam: AdamConfig) -> OptimStepResult:
         check_adam(adam)
         result: list[OptimStepResult] = []
@@ -225,17 +268,39 @@ class GroupPeers(Peers):
         self._all(ReplicaLoadState(model.spec.model_id), load)
         return result[0]
 
+    def use_sampler(self, sampler: SamplerBackend) -> None:
+        # the torch samplers read a LoRA base's whole weights here; vLLM loads its own
+        self.bases.keeping = KeepWhole() if sampler.reads_base_weights else ShardsOnly()
+
+    def base_params(self, base: BaseModel) -> LlamaParams | None:
+        return self.bases.params_of(base)
+
     @contextmanager
-    def whole(self, model: TrainingModel, *, moments: bool = False) -> Iterator[None]:
-        if collectives.replicated(model):  # a LoRA base is whole on rank 0
+    def whole(self, model: TrainingModel) -> Iterator[None]:
+        if collectives.replicated(model):  # a LoRA model's publish reads its adapter
             yield
             return
         with ExitStack() as stack:
             self._all(
-                ReplicaGather(model.spec.model_id, moments),
-                lambda: stack.enter_context(fsdp.whole(model, moments=moments)),
+                ReplicaGather(model.spec.model_id, moments=False),
+                lambda: stack.enter_context(fsdp.whole(model, moments=False)),
             )
             yield
+
+    @contextmanager
+    def whole_tensors(
+        self, model: TrainingModel, *, moments: bool = False
+    ) -> Iterator[WholeTensors]:
+        tensors = WholeTensors(model, moments=moments)
+        if not whole.sharded(model, moments=moments):  # held whole here: nothing to gather
+            yield tensors
+            return
+        self._check()
+        self.channel.post([ReplicaGather(model.spec.model_id, moments)] * (self.size - 1))
+        try:
+            yield tensors  # each read gathers its tensor, the other ranks joining
+        finally:
+            self._collective(tensors.close)  # what was not read: the others wait on it
 
     def close(self) -> None:
         if not self.broken:
@@ -246,17 +311,17 @@ class GroupPeers(Peers):
 
     # ---- the group's health ---------------------------------------------------------------
 
-    def _all(self, command: RankCommand, run: Callable[[], None]) -> None:
-        self._check()
-        self.channel.post([command] * (self.size - 1))
-        self._collective(run)
-
-    def _shares(self, op: Op) -> list[Op]:
-        """``op``'s datums in one contiguous share per rank, the larger first (rank 0's)."""
+    def _shares(self, op: _Op) -> list[_Op]:
+        """The call's datums in one contiguous share per rank (rank 0's first and largest)."""
         return [
             replace(op, data=tuple(op.data[i] for i in r))
             for r in collectives.split(len(op.data), self.size)
         ]
+
+    def _all(self, command: RankCommand, run: Callable[[], None]) -> None:
+        self._check()
+        self.channel.post([command] * (self.size - 1))
+        self._collective(run)
 
     def _check(self) -> None:
         if self.broken:

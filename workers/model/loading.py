@@ -104,6 +104,13 @@ def save_params(params: LlamaParams, cfg: ModelConfig, out_dir: str | Path) -> P
     out.mkdir(parents=True, exist_ok=True)
     tensors = host_copies(dict(params.named_tensors()))
     save_file(tensors, str(out / SINGLE_FILE), metadata={"format": "pt"})
-    hf = cfg.to_hf_dict() | {"dtype": str(params.dtype).removeprefix("torch.")}
-    (out / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
+    save_config(cfg, params.dtype, out)
     return out
+
+
+def save_config(cfg: ModelConfig, dtype: torch.dtype, out_dir: Path) -> Path:
+    """``config.json`` of a checkpoint in ``out_dir`` whose weights are ``dtype``."""
+    hf = cfg.to_hf_dict() | {"dtype": str(dtype).removeprefix("torch.")}
+    path = out_dir / "config.json"
+    path.write_text(json.dumps(hf, indent=2) + "\n")
+    return path

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -250,18 +250,41 @@ class LoraAdapter(TensorSet):
         adapted head of a tied model comes back as its own ``lm_head.weight``
         (the embedding stays as it was): the merged model is no longer tied.
         """
-        merged = params.state_dict()
-        with torch.no_grad():
-            for n in _layers(self.cfg):
-                for t in self.a[n]:
-                    if t == UNEMBED_TARGET:
-                        name, w = "lm_head.weight", params.lm_head_weight
-                    else:
-                        name = f"model.layers.{n}.{_MODULE[t]}.{t}.weight"
-                        w = merged[name]
-                    delta = self.b[n][t].to(torch.float32) @ self.a[n][t].to(torch.float32)
-                    merged[name] = (w.to(torch.float32) + self.scale * delta).to(w.dtype)
-        return merged
+        return dict(self.merged(params.named_tensors(), tied=params.lm_head is None))
+
+    @property
+    def adapts_head(self) -> bool:
+        return UNEMBED_TARGET in self.a[HEAD]
+
+    def merged(
+        self, named: Iterable[tuple[str, Tensor]], *, tied: bool
+    ) -> Iterator[tuple[str, Tensor]]:
+        """``merge_into`` one tensor at a time: each of the base's (HF name, tensor)
+        as ``named`` yields them, merged where this adapter targets it; with
+        ``tied`` (the base has no ``lm_head.weight``) and an adapted head, the
+        merged head follows the embedding as its own ``lm_head.weight``. A base
+        read one whole tensor at a time (sharded over a group) is merged so."""
+        targets = {
+            f"model.layers.{n}.{_MODULE[t]}.{t}.weight": (n, t)
+            for n in _layers(self.cfg)
+            for t in self.a[n]
+            if t != UNEMBED_TARGET
+        }
+        head = self.adapts_head
+        for name, w in named:
+            if name in targets:
+                yield name, self._merge(w, *targets[name])
+            elif name == "lm_head.weight" and head:
+                yield name, self._merge(w, HEAD, UNEMBED_TARGET)
+            else:
+                yield name, w
+            if name == "model.embed_tokens.weight" and head and tied:
+                yield "lm_head.weight", self._merge(w, HEAD, UNEMBED_TARGET)
+
+    @torch.no_grad()
+    def _merge(self, w: Tensor, layer: int, target: str) -> Tensor:
+        delta = self.b[layer][target].to(torch.float32) @ self.a[layer][target].to(torch.float32)
+        return (w.to(torch.float32) + self.scale * delta).to(w.dtype)
 
     # ------------------------------------------------------------------ forward
 

@@ -142,6 +142,11 @@ class SamplerBackend(Protocol):
 
     #: a name for logs and ``GetServerInfo``: "torch", "torch-thread", ...
     name: str
+    #: whether the backend samples from the base weights this process holds
+    #: (``BaseModel.params``, a LoRA version's base): the torch backends. vLLM loads
+    #: the base from its checkpoint and a LoRA version as an adapter directory, so a
+    #: worker group's rank 0 need not keep a LoRA base whole for it (only its shards).
+    reads_base_weights: bool
 
     def start(self, engine: EngineThread) -> None:
         """Start the backend's host (thread, process, inference engine)."""

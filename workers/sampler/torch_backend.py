@@ -139,6 +139,7 @@ class _LocalTorchBackend:
     """What the in-process hosts share; ``_post`` runs work where the samplers live."""
 
     name = "torch"
+    reads_base_weights = True
 
     def __init__(self, limits: SamplerLimits) -> None:
         self.limits = limits

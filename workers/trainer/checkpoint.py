@@ -24,19 +24,39 @@ from treadle.common.engine.domain import LoadResult, SaveResult
 from treadle.common.manifest import FORMAT, read_manifest
 from treadle.errors import FailedPreconditionError
 from treadle.workers.device import device
+from treadle.workers.model import streamed_file
 from treadle.workers.trainer.trainer import TrainingModel
+from treadle.workers.trainer.whole import MOMENTS, WEIGHTS, WholeTensors
 
 
-def save_state(model: TrainingModel, directory: str | Path, seq_id: int) -> SaveResult:
-    """Write atomically: into a sibling temp dir, then rename over ``directory``."""
+def save_state(
+    model: TrainingModel,
+    directory: str | Path,
+    seq_id: int,
+    tensors: WholeTensors | None = None,
+) -> SaveResult:
+    """Write atomically: into a sibling temp dir, then rename over ``directory``.
+
+    A full fine-tune's weights and Adam moments are written one tensor at a time
+    as ``tensors`` gives them whole (on a group, each gathered in turn, so rank 0
+    holds one whole tensor beyond its shards, never the whole model; default: the
+    model's own, held whole); a LoRA model's adapter and moments (whole on every
+    rank) at once. The files are the same either way."""
     final = Path(directory)
     tmp = final.with_name(final.name + f".tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    weights = device.host_copies(model.trainable)
-    save_file(weights, str(tmp / "weights.safetensors"))
-    optim = device.host_copies(model.optimizer.state_tensors())
-    save_file(optim, str(tmp / "optimizer.safetensors"))
+    if model.adapter is None:
+        source = tensors if tensors is not None else WholeTensors(model, moments=True)
+        weights_file = tmp / "weights.safetensors"
+        streamed_file.write(weights_file, source.entries(WEIGHTS), source.weights())
+        optim_file = tmp / "optimizer.safetensors"
+        streamed_file.write(optim_file, source.entries(MOMENTS), source.moments())
+    else:
+        weights = device.host_copies(model.trainable)
+        save_file(weights, str(tmp / "weights.safetensors"))
+        optim = device.host_copies(model.optimizer.state_tensors())
+        save_file(optim, str(tmp / "optimizer.safetensors"))
     spec = model.spec
     manifest = {
         "format": FORMAT,

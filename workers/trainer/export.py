@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -20,10 +21,14 @@ from safetensors.torch import save_file
 
 from treadle.errors import InvalidArgumentError
 from treadle.workers.device import device
-from treadle.workers.model.llama import LlamaParams
-from treadle.workers.model.loading import save_params
+from treadle.workers.model import streamed_file
+from treadle.workers.model.loading import SINGLE_FILE, save_config
 from treadle.workers.model.lora import LoraAdapter
 from treadle.workers.trainer.trainer import TrainingModel
+from treadle.workers.trainer.whole import WEIGHTS, WholeTensors
+
+#: the embedding's HF name (a tied head's merged copy follows it)
+EMBED = "model.embed_tokens.weight"
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -65,18 +70,29 @@ def write_peft(adapter: LoraAdapter, out_dir: str | Path, base_model: str) -> li
 
 
 @torch.no_grad()
-def export_merged(model: TrainingModel, out_dir: str | Path) -> list[Path]:
+def export_merged(
+    model: TrainingModel, out_dir: str | Path, tensors: WholeTensors | None = None
+) -> list[Path]:
+    """The merged checkpoint, written one tensor at a time as ``tensors`` gives them
+    whole (on a group, each gathered in turn: rank 0 never holds the whole model;
+    default: the model's own, held whole), each merged with the adapter there."""
     out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    source = tensors if tensors is not None else WholeTensors(model)
     cfg = model.cfg
-    if model.adapter is not None:
-        tensors = model.adapter.merge_into(model.params)
-        if "lm_head.weight" in tensors and cfg.tie_word_embeddings:
-            cfg = dataclasses.replace(cfg, tie_word_embeddings=False)  # the head was adapted
-        params = LlamaParams.from_state_dict(cfg, tensors)
-    else:
-        params = model.params
-    save_params(params, cfg, out)
-    written = [out / "config.json", out / "model.safetensors"]
+    entries = source.entries(WEIGHTS)
+    named: Iterable[tuple[str, torch.Tensor]] = source.weights()
+    adapter = model.adapter
+    if adapter is not None:
+        tied = all(e.name != "lm_head.weight" for e in entries)
+        named = adapter.merged(named, tied=tied)
+        if tied and adapter.adapts_head:  # its own head now, after the embedding
+            at = next(i for i, e in enumerate(entries) if e.name == EMBED) + 1
+            entries.insert(at, dataclasses.replace(entries[at - 1], name="lm_head.weight"))
+            cfg = dataclasses.replace(cfg, tie_word_embeddings=False)
+    streamed_file.write(out / SINGLE_FILE, entries, named, metadata={"format": "pt"})
+    save_config(cfg, entries[0].dtype, out)
+    written = [out / "config.json", out / SINGLE_FILE]
     for name in TOKENIZER_FILES:
         src = model.base.path / name
         if src.is_file():

@@ -19,9 +19,12 @@ gradient of the step is the sum over ranks, as on one rank. treadle's AdamW
 steps each rank's local shards (``DTensor.to_local()``: views of FSDP's own
 storage, so the step moves FSDP's parameters in place), with the clip and update
 norms summed over the group (``AdamW.reduce``): every metric is the whole
-model's. A call that reads the whole weights on rank 0 (``forward_logprobs``, a
-published version, a checkpoint, an export) gathers them there for its duration
-(``DTensor.full_tensor()``, one tensor at a time; the other ranks drop theirs).
+model's. ``forward_logprobs`` runs on the shards like a ``forward_backward``
+(each rank its share of the datums, no gradient). A read of the whole weights on
+rank 0 gathers them there (``DTensor.full_tensor()``, one tensor at a time; the
+other ranks drop theirs): all of them for a published version (``whole``), each
+in turn, written and dropped, for a checkpoint or an export
+(``workers.trainer.whole``).
 
 Every function here is a collective: each rank calls it in the same order.
 """
@@ -31,7 +34,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import fields
-from typing import TypeVar
+from typing import TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -42,13 +45,15 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
-from treadle.common.engine.domain import ForwardBackwardOp, ForwardResult
+from treadle.common.engine.domain import ForwardBackwardOp, ForwardLogprobsOp, ForwardResult
 from treadle.common.engine.model_config import ModelConfig
 from treadle.workers.model.llama import Lora, decoder_layer, lm_logits, rms_norm, rope_cos_sin
 from treadle.workers.model.lora import LoraAdapter
 from treadle.workers.model.params import LayerParams, LlamaParams
 from treadle.workers.trainer import trainer
 from treadle.workers.trainer.trainer import PreparedForwardBackward, Sharding, TrainingModel
+from treadle.workers.trainer.whole import WholeTensors
+from treadle.workers.trainer.whole import join as join_whole
 
 _R = TypeVar("_R")
 
@@ -217,43 +222,36 @@ def unshard(model: TrainingModel) -> None:
 @contextmanager
 def whole(model: TrainingModel, *, moments: bool) -> Iterator[None]:
     """Rank 0: the whole weights (and with ``moments`` the Adam moments) in the model
-    for the duration, its shards back after (what the body changed is dropped).
-    Every other rank calls ``send_whole`` at the same time."""
+    for the duration, its shards back after (what the body changed is dropped):
+    for a read that needs them all at once (a published version is a whole copy).
+    Every other rank calls ``send_whole`` at the same time. A read that writes
+    them out walks them one at a time instead (``workers.trainer.whole``)."""
     _sharding(model)
     opt = model.optimizer
     kept = (model.params, opt.params, opt.exp_avg, opt.exp_avg_sq)
     with torch.no_grad():
-        dtensors = dict(model.params.named_tensors())
-        model.params = LlamaParams.from_state_dict(
-            model.cfg, {n: _full(p) for n, p in dtensors.items()}
-        )
+        tensors = WholeTensors(model, moments=moments)
+        model.params = LlamaParams.from_state_dict(model.cfg, dict(tensors.weights()))
         opt.params = dict(model.params.named_tensors())
         if moments:
-            opt.exp_avg = {n: _full_of(dtensors[n], t) for n, t in opt.exp_avg.items()}
-            opt.exp_avg_sq = {n: _full_of(dtensors[n], t) for n, t in opt.exp_avg_sq.items()}
+            state = dict(tensors.moments())
+            opt.exp_avg = {n: state[f"exp_avg.{n}"] for n in opt.params}
+            opt.exp_avg_sq = {n: state[f"exp_avg_sq.{n}"] for n in opt.params}
     try:
         yield
     finally:
         model.params, opt.params, opt.exp_avg, opt.exp_avg_sq = kept
 
 
-@torch.no_grad()
 def send_whole(model: TrainingModel, *, moments: bool) -> None:
     """A rank other than 0: joins rank 0's ``whole`` (each tensor's all-gather; the
     whole tensor is dropped here at once)."""
     _sharding(model)
-    opt = model.optimizer
-    dtensors = dict(model.params.named_tensors())
-    for p in dtensors.values():
-        _full(p)
-    if moments:
-        for state in (opt.exp_avg, opt.exp_avg_sq):
-            for name, t in state.items():
-                _full_of(dtensors[name], t)
+    join_whole(model, moments=moments)
 
 
 def forward_backward(
-    model: TrainingModel, op: ForwardBackwardOp
+    model: TrainingModel, op: ForwardBackwardOp, base: Callable[[], FsdpShards]
 ) -> ForwardResult | Exception | None:
     """Every rank: its share of a ``ForwardBackward`` (possibly none: None) through the
     FSDP root, and the gradient of its summed loss: a full fine-tune's
@@ -262,27 +260,32 @@ def forward_backward(
     replica of the adapter, as on one rank (summed over ranks at the optimizer
     step, ``collectives.sum_gradients``).
 
-    A rank with no datums, or whose share failed its preparation (the base's
-    reference logprobs out of memory, say), runs the pass on one token with a
-    zero loss, so it joins every all-gather and reduce-scatter (adding zeros);
-    that failure is returned, not raised. A failure inside the pass raises: the
-    ranks' collectives are then out of step, and the group is not used again
-    (``GroupPeers``)."""
+    The reference logprobs a KL penalty wants (the base's) go through ``base``
+    (the model's base sharded over the group, made on first use: a collective,
+    which every rank reaches at once), with no gradient, on every rank when any
+    rank's share wants them.
+
+    A rank with no datums, or whose share failed its preparation, runs the pass
+    on one token with a zero loss, so it joins every all-gather and
+    reduce-scatter (adding zeros); that failure is returned, not raised. A
+    failure inside the pass raises: the ranks' collectives are then out of
+    step, and the group is not used again (``GroupPeers``)."""
     sharding = _sharding(model)
     failed: Exception | None = None
     prep: PreparedForwardBackward | None = None
     if op.data:
         try:
             prep = trainer.prepare_forward_backward(model, op)
-            if prep.needs_reference and not sharding.frozen:  # the whole base, here
-                trainer.fill_reference(model, prep, op.temperature)
         except Exception as err:  # returned once the pass's collectives ran
             failed, prep = err, None
     lora = model.adapter  # None on a full fine-tune
     try:
         wants_reference = prep is not None and prep.needs_reference
-        if sharding.frozen and _on_any_rank(wants_reference, model.params.device):
-            _fill_reference(model, sharding, prep if wants_reference else None, op.temperature)
+        if _on_any_rank(wants_reference, model.params.device):
+            reference = base()
+            _fill_reference(model, reference, prep if wants_reference else None, op.temperature)
+            if reference is not sharding:  # a full fine-tune's base: whole no longer
+                _reshard(reference)
         if prep is not None:
             finish = _Finish(model, op, prep)
             loss = sharding.root(prep.batch.tokens_B_T, finish, lora)
@@ -319,9 +322,56 @@ def _fill_reference(
     else:
         tokens_B_T, targets_B_T = prep.batch.tokens_B_T, prep.batch.targets_B_T
     with torch.no_grad():
-        ref_B_T = sharding.root(tokens_B_T, _Reference(model.cfg, targets_B_T, temperature))
+        head = _Logprobs(model.cfg, targets_B_T, temperature, None)
+        ref_B_T = sharding.root(tokens_B_T, head)
     if prep is not None:
         trainer.set_reference(model, prep, ref_B_T)
+
+
+def forward_logprobs(
+    model: TrainingModel, op: ForwardLogprobsOp, weights: FsdpShards, lora: LoraAdapter | None
+) -> ForwardResult | Exception | None:
+    """Every rank: the logprobs of its share of a ``ForwardLogprobs`` (None: it has no
+    datums) through ``weights`` (a full fine-tune's own, or a sharded base) with
+    ``lora`` on it (the model's adapter, another adapter, or None: the base), no
+    gradient. FSDP gathers one layer at a time, as in a ``forward_backward``; a
+    rank with no datums (or whose share failed its preparation: returned, not
+    raised) runs one token, so it joins every all-gather. The root's embedding,
+    norm and head are resharded after the pass (FSDP keeps a root whole after its
+    forward, for the backward that a pass without gradient never runs)."""
+    where = model.params.device
+    failed: Exception | None = None
+    batch: trainer.TrainBatch | None = None
+    if op.data:
+        try:
+            batch = trainer.prepare_forward_logprobs(model, op)
+        except Exception as err:  # returned once the pass's collectives ran
+            failed = err
+    if batch is None:
+        tokens_B_T = targets_B_T = torch.zeros((1, 1), dtype=torch.int64, device=where)
+    else:
+        tokens_B_T, targets_B_T = batch.tokens_B_T, batch.targets_B_T
+    try:
+        with torch.no_grad():
+            lp_B_T = weights.root(
+                tokens_B_T, _Logprobs(model.cfg, targets_B_T, op.temperature, lora), lora
+            )
+        _reshard(weights)
+        if not weights.frozen:  # FSDP's first forward may lay its shards out anew
+            _refresh_locals(model)
+    except RuntimeError:  # a collective's failure, or out of memory: the group breaks
+        raise
+    except Exception as err:  # any other: the ranks' collectives are out of step all the same
+        raise RuntimeError(f"the FSDP pass failed: {type(err).__name__}: {err}") from err
+    if batch is None:
+        return failed
+    return trainer.logprobs_result(model, batch, lp_B_T)
+
+
+def _reshard(sharding: FsdpShards) -> None:
+    """The root's own weights (embedding, norm, head) back to shards (the layers'
+    are resharded after each layer's forward)."""
+    cast(FSDPModule, sharding.root).reshard()
 
 
 def _on_any_rank(flag: bool, where: torch.device) -> bool:
@@ -330,15 +380,25 @@ def _on_any_rank(flag: bool, where: torch.device) -> bool:
     return bool(value.item())
 
 
-class _Reference:
-    """The head of a reference pass: the target logprobs under the base alone."""
+class _Logprobs:
+    """The head of a pass without gradient: the target logprobs (with ``lora``'s part
+    of the head, if it adapts it; None: the base alone, a reference)."""
 
-    def __init__(self, cfg: ModelConfig, targets_B_T: Tensor, temperature: float) -> None:
+    def __init__(
+        self, cfg: ModelConfig, targets_B_T: Tensor, temperature: float, lora: LoraAdapter | None
+    ) -> None:
         self.cfg, self.targets_B_T, self.temperature = cfg, targets_B_T, temperature
+        self.lora = lora
 
     def __call__(self, hidden_B_T_H: Tensor, params: LlamaParams) -> Tensor:
         lp_B_T, _ = trainer.logprobs_of_hidden(
-            self.cfg, params, hidden_B_T_H, self.targets_B_T, self.temperature, with_entropy=False
+            self.cfg,
+            params,
+            hidden_B_T_H,
+            self.targets_B_T,
+            self.temperature,
+            with_entropy=False,
+            lora=self.lora,
         )
         return lp_B_T
 
@@ -384,14 +444,7 @@ class _NoLoss:
 def _take_gradients(model: TrainingModel) -> None:
     """FSDP's sharded gradients (DTensors) added to the local shards' ``grad``, which
     the optimizer reads; the DTensors' are dropped, so the next pass starts at zero."""
-    opt = model.optimizer
-    # FSDP may re-lay its shards out at its first forward (lazy init): the optimizer
-    # steps the shards it holds now (no gradient exists before a first pass)
-    current = _locals(model)
-    for name, t in current.items():
-        if t is not opt.params[name]:
-            t.grad = opt.params[name].grad
-    opt.params = current
+    current = _refresh_locals(model)
     for name, p in model.params.named_tensors():
         if p.grad is None:
             continue
@@ -399,6 +452,18 @@ def _take_gradients(model: TrainingModel) -> None:
         p.grad = None
         mine = current[name]
         mine.grad = g if mine.grad is None else mine.grad.add_(g)
+
+
+def _refresh_locals(model: TrainingModel) -> dict[str, Tensor]:
+    """The optimizer steps the local shards FSDP holds now: FSDP may lay its shards
+    out anew at its first forward (lazy init); their gradients carried over."""
+    opt = model.optimizer
+    current = _locals(model)
+    for name, t in current.items():
+        if t is not opt.params[name]:
+            t.grad = opt.params[name].grad
+    opt.params = current
+    return current
 
 
 def _locals(model: TrainingModel) -> dict[str, Tensor]:

@@ -77,5 +77,8 @@ def _load(model: TrainingModel, ref: ReferenceWeights, manifest: dict) -> Weight
     if int(manifest["lora_rank"]) > 0:
         alpha = float(manifest["lora_alpha"])
         adapter = LoraAdapter.from_named_tensors(model.cfg, tensors, alpha=alpha)
-        return WeightSnapshot(None, step, model.base.params, adapter)
+        # a LoRA model's base as it reads it (on a group, perhaps its shards: the
+        # forward then runs on them); a full fine-tune's base, whole
+        base = model.params if model.adapter is not None else model.base.params
+        return WeightSnapshot(None, step, base, adapter)
     return WeightSnapshot(None, step, LlamaParams.from_state_dict(model.cfg, tensors), None)

@@ -332,8 +332,13 @@ class PreparedForwardBackward:
     needs_reference: bool
 
 
-def prepare_forward_logprobs(model: TrainingModel, op: ForwardLogprobsOp) -> TrainBatch:
+def check_forward_logprobs(model: TrainingModel, op: ForwardLogprobsOp) -> None:
+    """Every check of a ``ForwardLogprobs``'s input (INVALID_ARGUMENT), before any read."""
     _check_data(model, op)
+
+
+def prepare_forward_logprobs(model: TrainingModel, op: ForwardLogprobsOp) -> TrainBatch:
+    check_forward_logprobs(model, op)
     return _make_batch(op.data, model.cfg.pad_token_id or 0, model.params.device)
 
 

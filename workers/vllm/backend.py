@@ -78,6 +78,7 @@ class VllmBackend:
     """``SamplerBackend`` over vLLM engines, stepped on the backend's own thread."""
 
     name = "vllm"
+    reads_base_weights = False
 
     def __init__(self, limits: SamplerLimits, settings: VllmSettings) -> None:
         self.limits = limits

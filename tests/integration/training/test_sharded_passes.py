@@ -57,6 +57,8 @@ def _calls() -> list[object]:
         ForwardBackwardOp(one, "cross_entropy", {}),  # a second call adds to the gradient
         adam,
         ForwardLogprobsOp(three + one),
+        ForwardLogprobsOp(one, temperature=0.7),  # rank 1 has no datum
+        ForwardLogprobsOp(three, reference=True),  # the base, sharded on first use
     ]
 
 

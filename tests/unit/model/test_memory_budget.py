@@ -12,7 +12,7 @@ import torch
 from treadle.common.engine.domain import ModelSpec
 from treadle.errors import ResourceExhaustedError
 from treadle.workers.device import memory_budget
-from treadle.workers.engine.base_models import BaseModel
+from treadle.workers.engine.base_models import BaseModel, BaseModelRegistry
 from treadle.workers.engine.loop import Engine, EngineConfig
 from treadle.workers.sampler.state import SamplerLimits
 from treadle.workers.sampler.torch_sampler import TorchSampler
@@ -164,3 +164,19 @@ def test_the_flags_carry_the_fraction_and_check_its_range(tmp_path: Path) -> Non
         ServerConfig(data_dir=tmp_path, **{**defaults, "kv_cache_memory_fraction": 1.5})
     with pytest.raises(InvalidArgumentError, match="sampler_slots: out of range"):
         check_engine_settings(replace(made, sampler_slots=-1))
+
+
+def test_a_lora_model_on_shards_held_here_needs_no_whole_base(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a group's rank 0 that keeps only its shards of a sharded base (vLLM samples):
+    # the whole base is not loaded, and a new LoRA model reads the shards held already
+    bases = BaseModelRegistry({"tiny": tiny_model_dir})
+    spec = _spec("lora", 4)
+    adapter_only = memory_budget.model_bytes(
+        bases.config("tiny"), torch.float32, lora_rank=4, keep_versions=2, base_loaded=True
+    )
+    reading(monkeypatch, adapter_only)
+    memory_budget.check_model(spec, bases, keep_versions=2, base_held=True)
+    with pytest.raises(ResourceExhaustedError):  # the whole base would be read first
+        memory_budget.check_model(spec, bases, keep_versions=2)

@@ -9,7 +9,16 @@ AdamW: the ranks' losses add up to the one rank's, the step's metrics are equal,
 each rank's local shards are its rows of the one rank's weights and Adam moments
 (FSDP's ``Shard(0)``, uneven here: a vocabulary and an MLP of odd sizes), so a
 rank holds half of the model; ``whole`` on rank 0 and ``unshard`` on every
-rank give the one rank's tensors back. float64: agreement to rounding.
+rank give the one rank's tensors back, and so does a checkpoint rank 0 writes
+one gathered tensor at a time. float64: agreement to rounding.
+
+One of the calls has a KL penalty: its reference logprobs (the base's) go
+through the base sharded over the group (``ShardedBases``), which rank 1 then
+holds only as shards. ``forward_logprobs`` of the model and of its base
+(``reference``) runs on the shards too, the datums split across the ranks (a
+call of one datum: rank 1 has none and joins the all-gathers), the results
+gathered on rank 0 in datum order: equal to the one rank's to 1e-10 in float64
+and 1e-5 in float32, and no weight is left whole after the pass.
 """
 
 from __future__ import annotations
@@ -17,29 +26,47 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+from safetensors.torch import load_file
+from torch.distributed.tensor import DTensor
 
 from tests.unit.trainer.two_ranks import on_two_ranks
-from treadle.common.engine.domain import AdamConfig, DatumData, ForwardBackwardOp, ModelSpec
+from treadle.common.engine.domain import (
+    AdamConfig,
+    DatumData,
+    ForwardBackwardOp,
+    ForwardLogprobsOp,
+    ModelSpec,
+)
 from treadle.workers.engine.base_models import BaseModelRegistry
+from treadle.workers.group import collectives
 from treadle.workers.model.tiny import build_tiny_model
-from treadle.workers.trainer import fsdp, trainer
+from treadle.workers.trainer import checkpoint, fsdp, trainer
+from treadle.workers.trainer.sharded_base import KeepWhole, ShardedBases, ShardsOnly
 from treadle.workers.trainer.trainer import TrainingModel
+from treadle.workers.trainer.whole import WholeTensors, join
 
 pytestmark = pytest.mark.slow
 
 STEPS = 3
+_Op = TypeVar("_Op", ForwardBackwardOp, ForwardLogprobsOp)
 ADAM = AdamConfig(learning_rate=1e-2, weight_decay=0.1, grad_clip_norm=0.5)
 SPEC = ModelSpec("m", "t", "tiny", 0, 0.0, 1, "float64")
 TOLERANCE = 1e-10
 
 
 def _datum(rng: np.random.Generator, length: int) -> DatumData:
-    inputs = {"target_tokens": rng.integers(3, 60, length), "weights": rng.random(length)}
+    inputs = {
+        "target_tokens": rng.integers(3, 60, length),
+        "weights": rng.random(length),
+        "logprobs": -rng.random(length),
+        "advantages": rng.normal(size=length),
+    }
     return DatumData(rng.integers(3, 60, length), inputs)
 
 
@@ -47,15 +74,50 @@ def _calls() -> list[ForwardBackwardOp]:
     rng = np.random.default_rng(0)
     three = tuple(_datum(rng, n) for n in (7, 12, 5))  # shares of 2 and 1
     one = (_datum(rng, 9),)  # rank 1's share is empty
+    kl = {"kl_beta": 0.1}  # the base's reference logprobs, through the sharded base
     return [
-        ForwardBackwardOp(three, "cross_entropy", {}),
+        ForwardBackwardOp(three, "importance_sampling", kl),
         ForwardBackwardOp(one, "cross_entropy", {}),
     ]
 
 
-def _share(op: ForwardBackwardOp, rank: int) -> ForwardBackwardOp:
+def _forward_calls() -> list[ForwardLogprobsOp]:
+    rng = np.random.default_rng(1)
+    three = tuple(_datum(rng, n) for n in (7, 12, 5))
+    one = (_datum(rng, 9),)  # rank 1's share is empty
+    return [
+        ForwardLogprobsOp(three),
+        ForwardLogprobsOp(one, temperature=0.7),
+        ForwardLogprobsOp(three, reference=True),
+        ForwardLogprobsOp(one, reference=True),
+    ]
+
+
+def _share(op: _Op, rank: int) -> _Op:
     first = -(-len(op.data) // 2)  # rank 0 takes the larger share
     return replace(op, data=op.data[:first] if rank == 0 else op.data[first:])
+
+
+def _check_forward_logprobs(
+    rank: int, mine: TrainingModel, one: TrainingModel, bases: ShardedBases, tolerance: float
+) -> None:
+    """Each ``forward_logprobs`` on the shards, gathered on rank 0, equals the one rank's."""
+    for op in _forward_calls():
+        got = collectives.forward_logprobs(mine, _share(op, rank), bases)
+        assert not isinstance(got, Exception), got
+        gathered: list[object] = [None, None]
+        dist.all_gather_object(gathered, got)
+        merged = collectives.merge_results([g for g in gathered if g is not None])  # type: ignore[misc]
+        want = trainer.forward_logprobs(one, op)
+        assert len(merged.logprobs) == len(op.data)
+        for lp_got, lp_want in zip(merged.logprobs, want.logprobs, strict=True):
+            assert lp_got.dtype == lp_want.dtype
+            np.testing.assert_allclose(lp_got, lp_want, rtol=0, atol=tolerance)
+        # nothing left whole: the layers and the root (embedding, norm, head) resharded
+        for sharding in (mine.sharding, bases.root(mine.base)):
+            assert isinstance(sharding, fsdp.FsdpShards)
+            for name, p in sharding.params().named_tensors():
+                assert isinstance(p, DTensor), name
 
 
 def _rows(whole: torch.Tensor, rank: int) -> torch.Tensor:
@@ -72,10 +134,39 @@ def _held(model: TrainingModel) -> int:
     return _bytes([*opt.params.values(), *opt.exp_avg.values(), *opt.exp_avg_sq.values()])
 
 
-def _rank(rank: int, model_dir: Path) -> None:
+def _check_streamed_reads(rank: int, mine: TrainingModel, one: TrainingModel, out: Path) -> None:
+    """Rank 0 reads the sharded model whole one tensor at a time (rank 1 joining each
+    gather): a checkpoint written so has the one rank's tensors; a read of the
+    moments alone still gathers the weights before them (so the ranks stay in
+    step), and what a read leaves is gathered when it closes."""
+    if rank == 1:
+        for _ in range(3):
+            join(mine, moments=True)
+        return
+    tensors = WholeTensors(mine, moments=True)
+    checkpoint.save_state(mine, out / "two", 5, tensors)
+    checkpoint.save_state(one, out / "one", 5)
+    for name in ("weights.safetensors", "optimizer.safetensors"):
+        got, want = load_file(out / "two" / name), load_file(out / "one" / name)
+        assert got.keys() == want.keys()
+        for key, t in want.items():
+            torch.testing.assert_close(got[key], t, rtol=0, atol=TOLERANCE)
+    tensors = WholeTensors(mine, moments=True)
+    moments = dict(tensors.moments())  # the weights skipped: gathered all the same
+    assert moments.keys() == one.optimizer.state_tensors().keys()
+    with pytest.raises(ValueError, match="read already"):
+        next(tensors.weights())
+    tensors = WholeTensors(mine, moments=True)
+    next(tensors.weights())
+    tensors.close()  # the rest: gathered
+
+
+def _rank(rank: int, model_dir: Path, out: Path) -> None:
     base = BaseModelRegistry({"tiny": model_dir}).get("tiny", torch.float64)
-    one, mine = TrainingModel(SPEC, base), TrainingModel(SPEC, base)
+    twin_base = BaseModelRegistry({"tiny": model_dir}).get("tiny", torch.float64)
+    one, mine = TrainingModel(SPEC, twin_base), TrainingModel(SPEC, base)
     fsdp.shard(mine)
+    bases = ShardedBases(KeepWhole() if rank == 0 else ShardsOnly())
     assert mine.sharding is not None
     # FSDP's Shard(0): this rank's rows of each tensor, half of the model
     for name, whole in one.trainable.items():
@@ -87,7 +178,7 @@ def _rank(rank: int, model_dir: Path) -> None:
 
     for _ in range(STEPS):
         for op in _calls():
-            got = fsdp.forward_backward(mine, _share(op, rank))
+            got = collectives.forward_backward(mine, _share(op, rank), bases)
             want = trainer.forward_backward(one, op)
             assert not isinstance(got, Exception)
             mine_loss = 0.0 if got is None else got.metrics["loss:sum"]
@@ -98,6 +189,9 @@ def _rank(rank: int, model_dir: Path) -> None:
         for key, value in want_step.metrics.items():
             assert math.isclose(got_step.metrics[key], value, rel_tol=TOLERANCE), key
         assert want_step.metrics["grad_norm:value"] > ADAM.grad_clip_norm  # clipped
+    # the KL's reference went through the base sharded once; rank 1 keeps its shards only
+    assert base.loaded == (rank == 0)
+    _check_forward_logprobs(rank, mine, one, bases, TOLERANCE)
 
     opt_one, opt_mine = one.optimizer, mine.optimizer
     for state_one, state_mine in (
@@ -120,6 +214,7 @@ def _rank(rank: int, model_dir: Path) -> None:
                 )
     else:
         fsdp.send_whole(mine, moments=True)
+    _check_streamed_reads(rank, mine, one, out)
     fsdp.unshard(mine)
     assert mine.sharding is None
     for name, whole in opt_one.params.items():
@@ -129,9 +224,33 @@ def _rank(rank: int, model_dir: Path) -> None:
         )
 
 
+def _rank_float32(rank: int, model_dir: Path) -> None:
+    """float32: one optimizer step moves the weights, then every ``forward_logprobs``."""
+    base = BaseModelRegistry({"tiny": model_dir}).get("tiny", torch.float32)
+    twin_base = BaseModelRegistry({"tiny": model_dir}).get("tiny", torch.float32)
+    spec = replace(SPEC, dtype="float32")
+    one, mine = TrainingModel(spec, twin_base), TrainingModel(spec, base)
+    fsdp.shard(mine)
+    bases = ShardedBases(ShardsOnly())  # rank 0 as with vLLM: no whole base kept
+    for op in _calls():
+        collectives.forward_backward(mine, _share(op, rank), bases)
+        trainer.forward_backward(one, op)
+    mine.optim_step(ADAM)
+    one.optim_step(ADAM)
+    _check_forward_logprobs(rank, mine, one, bases, 1e-5)
+    assert not base.loaded  # the reference read the shards only
+
+
 def test_fsdp_on_two_ranks_equals_one(tmp_path: Path) -> None:
     # odd sizes: FSDP's rows split unevenly (50 and 49 of the MLP's 99, say)
     model_dir = build_tiny_model(
         tmp_path / "tiny", "tiny", 0, overrides={"vocab_size": 97, "intermediate_size": 99}
     )
-    on_two_ranks(_rank, model_dir)
+    on_two_ranks(_rank, model_dir, tmp_path)
+
+
+def test_fsdp_forward_logprobs_float32(tmp_path: Path) -> None:
+    model_dir = build_tiny_model(
+        tmp_path / "tiny", "tiny", 0, overrides={"vocab_size": 97, "intermediate_size": 99}
+    )
+    on_two_ranks(_rank_float32, model_dir)

@@ -109,6 +109,7 @@ class ProcessTorchBackend:
     """The parent's side: a ``SamplerBackend`` whose samplers step in the child."""
 
     name = "torch-process"
+    reads_base_weights = True
 
     def __init__(
         self,
