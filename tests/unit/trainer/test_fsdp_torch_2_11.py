@@ -19,14 +19,14 @@ from treadle.workers.model.tiny import build_tiny_model
 pytestmark = pytest.mark.slow
 
 
-def _rank_on_fsdp_of_torch_2_11(rank: int, model_dir: Path) -> None:
+def _rank_on_fsdp_of_torch_2_11(rank: int, model_dir: Path, out: Path) -> None:
     del FSDPModule.set_reduce_scatter_unused_params  # this process only
     assert not hasattr(FSDPModule, "set_reduce_scatter_unused_params")
-    test_fsdp._rank(rank, model_dir)
+    test_fsdp._rank(rank, model_dir, out)
 
 
 def test_fsdp_without_the_unused_params_setter_equals_one_rank(tmp_path: Path) -> None:
     model_dir = build_tiny_model(
         tmp_path / "tiny", "tiny", 0, overrides={"vocab_size": 97, "intermediate_size": 99}
     )
-    on_two_ranks(_rank_on_fsdp_of_torch_2_11, model_dir)
+    on_two_ranks(_rank_on_fsdp_of_torch_2_11, model_dir, tmp_path)
