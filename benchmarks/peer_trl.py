@@ -115,13 +115,19 @@ class DapoStep:
 
     grpo: Grpo
     rng: np.random.Generator
+    #: train the zero-advantage rollouts too (as TRL does), not only the informative ones
+    train_all: bool = False
 
     def __call__(self, trainer: treadle.TrainingClient, groups: list[rl.Group]) -> dict[str, float]:
         g = self.grpo
         rollouts = [r for group in groups for r in group.rollouts]
         adv = rl.group_advantages([r.reward for r in rollouts], g.group_size)
         denominator = sum(len(r.completion_tokens) for r in rollouts) / g.minibatches
-        keep = [i for i, a in enumerate(adv) if a != 0.0 and rollouts[i].completion_tokens]
+        keep = [
+            i
+            for i, a in enumerate(adv)
+            if (self.train_all or a != 0.0) and rollouts[i].completion_tokens
+        ]
         if not keep:
             return {"loss:sum": 0.0}
         clip = {"clip_low_threshold": 1 - g.clip_low, "clip_high_threshold": 1 + g.clip_high}
@@ -211,6 +217,8 @@ def run_treadle(
     seed: int,
     g: Grpo,
     budget: float,
+    max_steps: int,
+    train_all: bool = False,
 ) -> Run:
     flags = [f"--model=demo={warm}", "--sampler-slots", "1024", "--sampler-max-len", "32", *flags]
     data = work / f"{name.replace(' ', '-')}-{seed}"
@@ -227,10 +235,10 @@ def run_treadle(
         common = dict(
             prompts=prompt_stream(seed, g, tok),
             reward_fn=reward,
-            steps=100_000,
+            steps=max_steps,
             groups_per_step=g.prompts_per_step,
             group_size=g.group_size,
-            train_step=DapoStep(g, np.random.default_rng(seed)),
+            train_step=DapoStep(g, np.random.default_rng(seed), train_all),
         )
         if loop == "sync":
             stats = rl.sync_loop(trainer, **common)
@@ -279,7 +287,15 @@ def peer_python(given: str | None) -> Path:
 
 
 def run_trl(
-    py: Path, work: Path, warm: Path, seed: int, g: Grpo, budget: float, threads: int = 0
+    py: Path,
+    work: Path,
+    warm: Path,
+    seed: int,
+    g: Grpo,
+    budget: float,
+    max_steps: int,
+    threads: int = 0,
+    dump_dir: Path | None = None,
 ) -> Run:
     cfg = {
         "threads": threads,
@@ -288,8 +304,9 @@ def run_trl(
         "out_dir": str(work / f"trl-{seed}"),
         "seed": seed,
         "budget_s": budget,
-        "max_steps": 100_000,
+        "max_steps": max_steps,
         "eval_samples": Plan().eval_samples,
+        "dump_dir": str(dump_dir) if dump_dir else None,
     }
     env = {k: v for k, v in os.environ.items() if not k.startswith("TREADLE_")}
     done = subprocess.run(
@@ -305,17 +322,240 @@ def run_trl(
     return Run([tuple(s) for s in out["steps"]], out["wall_s"], out["eval"], out["peak_rss_mb"])
 
 
+# ---- the replay: one training step, the same rollouts on both sides -----------------
+
+
+@dataclass(frozen=True)
+class Replay:
+    grad_norms_trl: list[float]
+    grad_norms_treadle: list[float]
+    moved: float  # ||TRL's weights after - before||
+    apart: float  # ||treadle's weights after - TRL's||
+
+
+def replay(py: Path, work: Path, warm: Path, seed: int, g: Grpo, rl_steps: int) -> Replay:
+    """TRL trains ``rl_steps`` RL steps and writes the minibatches it trained on; treadle
+    trains the same minibatches, in the same order, with TRL's old logprobs as the
+    behaviour logprobs, through the SDK (``ppo`` with the same clip, the DAPO
+    denominator as ``token_sum_constant``, ``AdamParams``); then the two sets of
+    weights are compared. What is left to differ is only what the train step computes
+    (loss, masks, normalisation, dtype, gradient clipping, AdamW)."""
+    import torch
+    from safetensors.torch import load_file
+
+    dump = work / f"replay-{seed}"
+    run_trl(py, work, warm, seed, g, float("inf"), rl_steps, threads=1, dump_dir=dump)
+    minibatches = torch.load(dump / "minibatches.pt")
+    clip = {"clip_low_threshold": 1 - g.clip_low, "clip_high_threshold": 1 + g.clip_high}
+    flags = [f"--model=demo={warm}", "--sampler-slots", "64", "--sampler-max-len", "32"]
+    norms: list[float] = []
+    with (
+        treadle_serve(flags, work / f"replay-data-{seed}") as (address, key, _),
+        treadle.ServiceClient(address, api_key=key) as service,
+    ):
+        trainer = service.create_training_client("demo", seed=seed)
+        for chunks in minibatches:
+            for mb in chunks:
+                rollouts = []
+                for i in range(mb["prompt_ids"].shape[0]):
+                    keep = mb["completion_mask"][i].bool()
+                    rollouts.append(
+                        rl.Rollout(
+                            mb["prompt_ids"][i][mb["prompt_mask"][i].bool()].tolist(),
+                            mb["completion_ids"][i][keep].tolist(),
+                            mb["old_per_token_logps"][i][keep].tolist(),
+                        )
+                    )
+                datums = rl.build_datums(
+                    rollouts,
+                    mb["advantages"].tolist(),
+                    aggregation="token_sum_constant",
+                    loss_constant=float(mb["num_items_in_batch"]) / len(chunks),
+                )
+                trainer.forward_backward(datums, "ppo", clip, temperature=g.temperature)
+                step = trainer.optim_step(g.adam()).result()
+                norms.append(step.metrics["grad_norm:value"])
+        trainer.export_weights(dump / "treadle", merged=True)
+    start = load_file(str(warm / "model.safetensors"))
+    theirs = load_file(str(dump / "model.safetensors"))
+    mine = load_file(str(dump / "treadle" / "model.safetensors"))
+    moved = sum(float((theirs[k] - start[k]).pow(2).sum()) for k in theirs) ** 0.5
+    apart = sum(float((mine[k] - theirs[k]).pow(2).sum()) for k in theirs) ** 0.5
+    trl_norms = json.loads((dump / "grad_norms.json").read_text())
+    return Replay(trl_norms, norms, moved, apart)
+
+
 # ---- the table ------------------------------------------------------------------------
+
+#: two-sided 95% quantiles of Student's t, by degrees of freedom (numpy has no t table)
+_T975 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26}
+
+
+def mean_ci(values: list[float]) -> tuple[float, float]:
+    """The mean and the half-width of its 95% confidence interval (Student's t)."""
+    n = len(values)
+    if n < 2:
+        return statistics.fmean(values), float("nan")
+    t = _T975.get(n - 1, 2.23 if n <= 11 else 1.96 + 2.4 / (n - 1))
+    return statistics.fmean(values), t * statistics.stdev(values) / n**0.5
 
 
 def _fmt(x: float | None, spec: str = ".1f") -> str:
     return "—" if x is None else format(x, spec)
 
 
+NAMES = {
+    "trl": "TRL GRPOTrainer",
+    "trl1": "TRL, 1 thread",
+    "sync": "treadle sync (defaults)",
+    "sync-all": "treadle sync, all rollouts",
+    "async": "treadle async (rung 3)",
+}
+
+
+def run_variant(
+    v: str, py: Path | None, work: Path, warm: Path, seed: int, g: Grpo, budget: float, steps: int
+) -> Run:
+    if v in ("trl", "trl1"):
+        assert py is not None
+        return run_trl(py, work, warm, seed, g, budget, steps, 1 if v == "trl1" else 0)
+    if v in ("sync", "sync-all"):
+        return run_treadle(work, v, [], "sync", warm, seed, g, budget, steps, v == "sync-all")
+    flags = ["--threads", "1", "--sampler", "torch-process", "--sampler-threads", "1"]
+    return run_treadle(work, v, flags, "async", warm, seed, g, budget, steps)
+
+
+def cached_run(
+    cache: Path | None,
+    v: str,
+    py: Path | None,
+    work: Path,
+    warm: Path,
+    seed: int,
+    g: Grpo,
+    budget: float,
+    steps: int,
+) -> Run:
+    """A run, or the one a previous invocation kept under ``cache`` (fixed-steps mode:
+    a reward curve does not depend on when or beside what it ran)."""
+    path = cache / f"{v}-seed{seed}-steps{steps}-lr{g.lr:g}.json" if cache else None
+    if path is not None and path.exists():
+        d = json.loads(path.read_text())
+        return Run([(t, r) for t, r in d["steps"]], d["wall_s"], d["eval"], d["peak_rss_mb"])
+    run = run_variant(v, py, work, warm, seed, g, budget, steps)
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(run.__dict__))
+    return run
+
+
+def print_time_table(
+    runs: dict[str, dict[int, Run]], seeds: list[int], variants: list[str], args: argparse.Namespace
+) -> None:
+    header = (
+        "| seed | variant | steps | s/step | s to threshold | × TRL | × faster TRL "
+        "| eval at budget | peak RSS MB |"
+    )
+    print(header)
+    print("|---" * (header.count("|") - 1) + "|")
+    for seed in seeds:
+        peers = {
+            v: runs[v][seed].time_to(args.threshold, args.window)
+            for v in ("trl", "trl1")
+            if v in runs
+        }
+        t_trl = peers.get("trl")
+        reached = [t for t in peers.values() if t is not None]
+        t_best = min(reached) if reached else None
+        for v in variants:
+            run = runs[v][seed]
+            t_hit = run.time_to(args.threshold, args.window)
+            ratio = t_hit / t_trl if t_hit is not None and t_trl else None
+            best = t_hit / t_best if t_hit is not None and t_best else None
+            print(
+                f"| {seed} | {NAMES[v]} | {len(run.steps)} | {run.s_per_step:.2f} | "
+                f"{_fmt(t_hit)} | {_fmt(ratio, '.2f')} | {_fmt(best, '.2f')} | "
+                f"{run.eval:.3f} | {run.peak_rss_mb:.0f} |"
+            )
+
+
+def print_step_match(
+    runs: dict[str, dict[int, Run]], seeds: list[int], variants: list[str], ref: str
+) -> None:
+    """Each variant's reward per step against ``ref``'s over the steps both took:
+    per seed the mean difference, then its mean over seeds with a 95% CI (the
+    seeds are the independent units: within a run the steps share one trajectory)."""
+    print(
+        f"\nlearning per step (the curves' match): mean rollout reward over the steps a "
+        f"variant and {NAMES[ref]} both took, per seed; the mean difference over seeds "
+        "with its 95% confidence interval (Student's t over seeds)"
+    )
+    for v in variants:
+        if v == ref:
+            continue
+        diffs, cells = [], []
+        for s in seeds:
+            k = min(len(runs[v][s].steps), len(runs[ref][s].steps))
+            mine = statistics.fmean(r for _, r in runs[v][s].steps[:k])
+            theirs = statistics.fmean(r for _, r in runs[ref][s].steps[:k])
+            diffs.append(mine - theirs)
+            cells.append(f"{mine:.3f} vs {theirs:.3f} ({k})")
+        mean, half = mean_ci(diffs)
+        evals = mean_ci([runs[v][s].eval - runs[ref][s].eval for s in seeds])
+        print(f"  {NAMES[v]}: " + "; ".join(cells))
+        print(
+            f"    reward per step {mean:+.4f} ± {half:.4f} (95% CI), "
+            f"eval at the end {evals[0]:+.4f} ± {evals[1]:.4f}"
+        )
+    print("\nreward per step, mean over seeds (steps 1, 10, 20, ...):")
+    for v in variants:
+        n = min(len(r.steps) for r in runs[v].values())
+        mean = [statistics.fmean(runs[v][s].steps[i][1] for s in seeds) for i in range(n)]
+        picks = [0, *range(9, n, 10)]
+        print(f"  {NAMES[v]:<28} " + " ".join(f"{mean[i]:.3f}" for i in picks))
+
+
+def main_replay(args: argparse.Namespace, g: Grpo, work: Path) -> int:
+    py = peer_python(args.peer_python)
+    print(
+        f"TRL trains {args.replay} RL step(s) ({args.replay * g.minibatches} optimizer steps); "
+        "treadle replays its minibatches with its old logprobs"
+    )
+    for seed in args.seeds:
+        r = replay(py, work, warm_start(work, seed), seed, g, args.replay)
+        worst = max(
+            abs(a - b) / a for a, b in zip(r.grad_norms_trl, r.grad_norms_treadle, strict=True)
+        )
+        print(
+            f"seed {seed}: gradient norms before the clip, TRL "
+            + " ".join(f"{x:.4f}" for x in r.grad_norms_trl)
+            + "; treadle "
+            + " ".join(f"{x:.4f}" for x in r.grad_norms_treadle)
+            + f" (largest relative difference {worst:.1e}); weights after: "
+            f"||treadle - TRL|| = {r.apart:.2e}, {r.apart / r.moved:.1e} of TRL's move "
+            f"({r.moved:.3f})"
+        )
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--budget", type=float, default=120.0, help="seconds of training a run")
+    ap.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help="run this many RL steps instead of a time budget (the reward-per-step match)",
+    )
+    ap.add_argument(
+        "--replay",
+        type=int,
+        default=None,
+        metavar="K",
+        help="instead of racing: TRL trains K RL steps, treadle replays its minibatches, "
+        "and the weights after are compared (the train steps' match)",
+    )
     ap.add_argument("--threshold", type=float, default=0.7, help="rollout reward to reach")
     ap.add_argument("--window", type=int, default=5, help="steps of the moving average")
     ap.add_argument("--lr", type=float, default=Grpo.lr)
@@ -323,6 +563,9 @@ def main() -> int:
     ap.add_argument("--peer-python", default=None, help="a python with trl installed")
     ap.add_argument("--work", default=None, help="keep models and logs here (default: temp)")
     args = ap.parse_args()
+    unknown = set(args.variants) - set(NAMES)
+    if unknown:
+        ap.error(f"unknown variants {sorted(unknown)}; choose from {sorted(NAMES)}")
     g = Grpo(lr=args.lr)
     if args.work:
         work = Path(args.work)
@@ -334,91 +577,37 @@ def main() -> int:
 
         work = Path(tempfile.mkdtemp(prefix="treadle-peer-trl-"))
         atexit.register(shutil.rmtree, work, ignore_errors=True)
+    if args.replay is not None:
+        return main_replay(args, g, work)
+    fixed = args.steps is not None
+    budget = float("inf") if fixed else args.budget
+    steps = args.steps if fixed else 100_000
+    cache = work / "runs" if fixed and args.work else None
     py = peer_python(args.peer_python) if {"trl", "trl1"} & set(args.variants) else None
-    names = {
-        "trl": "TRL GRPOTrainer",
-        "trl1": "TRL, 1 thread",
-        "sync": "treadle sync (defaults)",
-        "async": "treadle async (rung 3)",
-    }
     runs: dict[str, dict[int, Run]] = {}
     t_all = time.perf_counter()
     for seed in args.seeds:
         warm = warm_start(work, seed)
         for v in args.variants:
-            if v in ("trl", "trl1"):
-                assert py is not None
-                run = run_trl(py, work, warm, seed, g, args.budget, 1 if v == "trl1" else 0)
-            elif v == "sync":
-                run = run_treadle(work, v, [], "sync", warm, seed, g, args.budget)
-            else:
-                flags = ["--threads", "1", "--sampler", "torch-process", "--sampler-threads", "1"]
-                run = run_treadle(work, v, flags, "async", warm, seed, g, args.budget)
+            run = cached_run(cache, v, py, work, warm, seed, g, budget, steps)
             runs.setdefault(v, {})[seed] = run
             t_hit = run.time_to(args.threshold, args.window)
             print(
-                f"seed {seed} {names[v]}: {len(run.steps)} steps, {run.s_per_step:.2f} s/step, "
+                f"seed {seed} {NAMES[v]}: {len(run.steps)} steps, {run.s_per_step:.2f} s/step, "
                 f"threshold at {_fmt(t_hit)} s, eval {run.eval:.3f}",
                 file=sys.stderr,
             )
 
+    limit = f"{args.steps} steps" if fixed else f"{args.budget:.0f} s"
     print(
         f"\nGRPO on the demo task, {g.prompts_per_step} prompts x {g.group_size}, "
-        f"{args.budget:.0f} s a run; threshold: mean rollout reward over {args.window} steps "
+        f"{limit} a run; threshold: mean rollout reward over {args.window} steps "
         f">= {args.threshold}\n"
     )
-    header = (
-        "| seed | variant | steps | s/step | s to threshold | × TRL | × faster TRL "
-        "| eval at budget | peak RSS MB |"
-    )
-    print(header)
-    print("|---" * (header.count("|") - 1) + "|")
-    for seed in args.seeds:
-        peers = {
-            v: runs[v][seed].time_to(args.threshold, args.window)
-            for v in ("trl", "trl1")
-            if v in runs
-        }
-        t_trl = peers.get("trl")
-        reached = [t for t in peers.values() if t is not None]
-        t_best = min(reached) if reached else None
-        for v in args.variants:
-            run = runs[v][seed]
-            t_hit = run.time_to(args.threshold, args.window)
-            ratio = t_hit / t_trl if t_hit is not None and t_trl else None
-            best = t_hit / t_best if t_hit is not None and t_best else None
-            print(
-                f"| {seed} | {names[v]} | {len(run.steps)} | {run.s_per_step:.2f} | "
-                f"{_fmt(t_hit)} | {_fmt(ratio, '.2f')} | {_fmt(best, '.2f')} | "
-                f"{run.eval:.3f} | {run.peak_rss_mb:.0f} |"
-            )
-    ref = "trl1" if "trl1" in runs else ("trl" if "trl" in runs else None)
+    print_time_table(runs, args.seeds, args.variants, args)
+    ref = next((v for v in ("trl1", "trl") if v in runs), None)
     if ref:
-        print(
-            f"\nlearning per step (the curves' match): mean rollout reward over the steps a "
-            f"variant and {names[ref]} both took, per seed, and the mean difference ± its "
-            "spread over seeds"
-        )
-        for v in args.variants:
-            diffs, cells = [], []
-            for s in args.seeds:
-                k = min(len(runs[v][s].steps), len(runs[ref][s].steps))
-                mine = statistics.fmean(r for _, r in runs[v][s].steps[:k])
-                theirs = statistics.fmean(r for _, r in runs[ref][s].steps[:k])
-                diffs.append(mine - theirs)
-                cells.append(f"{mine:.3f} vs {theirs:.3f} ({k} steps)")
-            spread = statistics.pstdev(diffs) if len(diffs) > 1 else 0.0
-            print(
-                f"  {names[v]:<26} "
-                + "; ".join(cells)
-                + f"; difference {statistics.fmean(diffs):+.3f} ± {spread:.3f}"
-            )
-    print("\nreward per step, mean over seeds (steps 1, 5, 10, 15, ...):")
-    for v in args.variants:
-        n = min(len(r.steps) for r in runs[v].values())
-        mean = [statistics.fmean(runs[v][s].steps[i][1] for s in args.seeds) for i in range(n)]
-        picks = [0, *range(4, n, 5)]
-        print(f"  {names[v]:<26} " + " ".join(f"{mean[i]:.2f}" for i in picks))
+        print_step_match(runs, args.seeds, args.variants, ref)
     print(f"\ntotal {time.perf_counter() - t_all:.0f} s")
     return 0
 
