@@ -196,12 +196,24 @@ def warm_start(work: Path, seed: int) -> Path:
 # ---- treadle's variants ---------------------------------------------------------------
 
 
+#: how treadle's side draws its prompts (part of the cache key of a fixed-steps run)
+PROMPT_DRAW = "batches"
+
+
 def prompt_stream(seed: int, g: Grpo, tok: treadle.Tokenizer) -> Iterator[rl.Prompt]:
-    """The problems in a new shuffled order each pass over them, as TRL's sampler
-    draws its dataset (without replacement within an epoch)."""
+    """The problems as TRL's ``RepeatSampler`` draws them: each pass over the dataset
+    in a new shuffled order, cut into whole steps of ``prompts_per_step`` and the
+    remainder dropped (its chunks shorter than a batch are discarded). With 100
+    problems and 64 prompts a step, each step is a fresh random 64 of the 100, none
+    twice; a stream that carried the remainder into the next pass would put up to
+    28 problems twice into one step."""
     rng = random.Random(seed)
+    n = g.prompts_per_step
+    if n > len(PROBLEMS):
+        raise ValueError(f"prompts_per_step {n}: more than the {len(PROBLEMS)} problems")
     while True:
-        for p in rng.sample(PROBLEMS, len(PROBLEMS)):
+        order = rng.sample(PROBLEMS, len(PROBLEMS))
+        for p in order[: len(order) // n * n]:
             params = treadle.SamplingParams(
                 max_tokens=g.max_tokens, temperature=g.temperature, seed=rng.getrandbits(31)
             )
@@ -438,7 +450,8 @@ def cached_run(
 ) -> Run:
     """A run, or the one a previous invocation kept under ``cache`` (fixed-steps mode:
     a reward curve does not depend on when or beside what it ran)."""
-    path = cache / f"{v}-seed{seed}-steps{steps}-lr{g.lr:g}.json" if cache else None
+    draw = "" if v.startswith("trl") else f"-{PROMPT_DRAW}"
+    path = cache / f"{v}{draw}-seed{seed}-steps{steps}-lr{g.lr:g}.json" if cache else None
     if path is not None and path.exists():
         d = json.loads(path.read_text())
         return Run([(t, r) for t, r in d["steps"]], d["wall_s"], d["eval"], d["peak_rss_mb"])
