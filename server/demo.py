@@ -113,8 +113,11 @@ def prompt_tokens(tok: treadle.Tokenizer, p: Problem) -> list[int]:
 
 
 def exact_match(tok: treadle.Tokenizer, seq: treadle.SampledSequence, p: Problem) -> float:
-    """1 for the answer followed by EOS, else 0."""
-    return float(seq.stop_reason == "stop" and tok.decode(seq.tokens) == p.answer)
+    """1 for the answer's tokens followed by EOS, else 0 (compared as token ids, as
+    TRL's reward in ``benchmarks/peer_trl.py`` does: decoding would skip special
+    tokens, so "1<s>2" would pass for "12")."""
+    want = [*tok.encode(p.answer), tok.eos_token_id]
+    return float(seq.stop_reason == "stop" and list(seq.tokens) == want)
 
 
 def sft_datum(tok: treadle.Tokenizer, p: Problem, scale: float) -> treadle.Datum:
