@@ -13,6 +13,7 @@ the whole weights twice; a ``WeightsFile`` holds none of them in the process.
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import tempfile
@@ -72,6 +73,10 @@ def clone_weights(weights: WholeWeights) -> LlamaParams:
     return LlamaParams.from_state_dict(weights.cfg, clones)
 
 
+#: a version directory's name: this prefix, the writing process's id, the model, the version
+_PREFIX = "treadle-version-"
+
+
 class WeightsFile:
     """A published version's weights as a checkpoint directory (``config.json`` and
     ``model.safetensors``, HF names: what ``load_checkpoint`` and vLLM's weight reload
@@ -98,7 +103,8 @@ class WeightsFile:
         """``weights`` written under a new directory in ``parent`` (the system's
         temporary directory if None), each tensor written and let go as it comes."""
         name = re.sub(r"[^A-Za-z0-9_.-]", "_", weights.model_id)[:64]
-        out = Path(tempfile.mkdtemp(prefix=f"treadle-{name}-v{weights.version}-", dir=parent))
+        prefix = f"{_PREFIX}{os.getpid()}-{name}-v{weights.version}-"
+        out = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
         try:
             streamed_file.write(
                 out / SINGLE_FILE, weights.entries, weights.tensors, {"format": "pt"}
@@ -117,3 +123,28 @@ class WeightsFile:
     @property
     def nbytes(self) -> int:
         return (self.directory / SINGLE_FILE).stat().st_size
+
+
+def remove_orphans(parent: Path | None = None) -> list[Path]:
+    """Remove the version directories in ``parent`` (the system's temporary directory
+    if None) whose writing process is gone: a process killed (SIGKILL) never ran
+    their removal, and in ``/dev/shm`` they would hold memory until a reboot. The
+    directories removed."""
+    root = Path(parent) if parent is not None else Path(tempfile.gettempdir())
+    removed = []
+    for path in root.glob(f"{_PREFIX}*"):
+        pid = path.name.removeprefix(_PREFIX).split("-", 1)[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True

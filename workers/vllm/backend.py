@@ -61,7 +61,7 @@ from treadle.workers.sampler.state import Partial, SamplerLimits
 from treadle.workers.sampler.thread import SamplerLoop
 from treadle.workers.sampler.validation import validate
 from treadle.workers.vllm.engine import VllmSettings, engine_dead
-from treadle.workers.vllm.full import is_full, keep_version
+from treadle.workers.vllm.full import is_full, keep_version, remove_orphan_versions
 from treadle.workers.vllm.params import (
     check_prompt_scores,
     check_supported,
@@ -99,6 +99,7 @@ class VllmBackend:
     # ---- SamplerBackend ------------------------------------------------------------------
 
     def start(self, engine: EngineThread) -> None:
+        remove_orphan_versions()  # a killed worker's published versions
         self._loop.start()
         self._watchdog.start()
 

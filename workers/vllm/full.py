@@ -45,7 +45,7 @@ from treadle.common.engine.model_config import ModelConfig
 from treadle.workers.engine.base_models import BaseModel
 from treadle.workers.engine.versions import WeightSnapshot
 from treadle.workers.model.loading import save_params
-from treadle.workers.model.published import WeightsFile, WholeWeights
+from treadle.workers.model.published import WeightsFile, WholeWeights, remove_orphans
 from treadle.workers.vllm.rows import VllmRow
 
 log = logging.getLogger("treadle.vllm")
@@ -61,6 +61,12 @@ def keep_version(weights: WholeWeights) -> WeightsFile:
     """A full fine-tune's published version as the directory vLLM reloads it from,
     each tensor written as it comes (``VllmBackend.keep_weights``)."""
     return WeightsFile.write(weights, _scratch_parent())
+
+
+def remove_orphan_versions() -> None:
+    """Versions left by a process killed before it removed them (``remove_orphans``)."""
+    for path in remove_orphans(_scratch_parent()):
+        log.info("vllm: removed %s, left by a process that is gone", path)
 
 
 def _scratch_parent() -> Path | None:
