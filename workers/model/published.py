@@ -103,8 +103,7 @@ class WeightsFile:
         """``weights`` written under a new directory in ``parent`` (the system's
         temporary directory if None), each tensor written and let go as it comes."""
         name = re.sub(r"[^A-Za-z0-9_.-]", "_", weights.model_id)[:64]
-        prefix = f"{_PREFIX}{os.getpid()}-{name}-v{weights.version}-"
-        out = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
+        out = version_dir(f"{name}-v{weights.version}", parent)
         try:
             streamed_file.write(
                 out / SINGLE_FILE, weights.entries, weights.tensors, {"format": "pt"}
@@ -123,6 +122,13 @@ class WeightsFile:
     @property
     def nbytes(self) -> int:
         return (self.directory / SINGLE_FILE).stat().st_size
+
+
+def version_dir(label: str, parent: Path | None = None) -> Path:
+    """A new directory for a version's files in ``parent`` (the system's temporary
+    directory if None), named so that ``remove_orphans`` finds it once this process
+    is gone."""
+    return Path(tempfile.mkdtemp(prefix=f"{_PREFIX}{os.getpid()}-{label}-", dir=parent))
 
 
 def remove_orphans(parent: Path | None = None) -> list[Path]:

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import logging
 import shutil
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -45,7 +44,12 @@ from treadle.common.engine.model_config import ModelConfig
 from treadle.workers.engine.base_models import BaseModel
 from treadle.workers.engine.versions import WeightSnapshot
 from treadle.workers.model.loading import save_params
-from treadle.workers.model.published import WeightsFile, WholeWeights, remove_orphans
+from treadle.workers.model.published import (
+    WeightsFile,
+    WholeWeights,
+    remove_orphans,
+    version_dir,
+)
 from treadle.workers.vllm.rows import VllmRow
 
 log = logging.getLogger("treadle.vllm")
@@ -75,7 +79,7 @@ def _scratch_parent() -> Path | None:
 
 
 def _scratch() -> Path:
-    return Path(tempfile.mkdtemp(prefix="treadle-vllm-full-", dir=_scratch_parent()))
+    return version_dir("scratch", _scratch_parent())
 
 
 class FullVersions:
