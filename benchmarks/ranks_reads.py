@@ -8,7 +8,11 @@ builds it, one torch thread a rank) with one model of the ``--preset`` (110m) in
 float32, one ``forward_backward`` (cross-entropy, ``--batch`` x ``--length``
 random tokens) and one ``optim_step``; then each read in turn:
 
-* ``full``: a full fine-tune (its weights, gradients and Adam moments sharded);
+* ``full``: a full fine-tune (its weights, gradients and Adam moments sharded),
+  ``--sampler torch`` (its published version a copy in rank 0's memory);
+* ``full-vllm``: the same with ``--sampler vllm`` (its published version a file
+  vLLM's weight reload reads, in ``/dev/shm`` where it exists: not in any rank's
+  RSS; its size is reported apart);
 * ``lora-torch``: a LoRA model of rank 16 on the sharded base, ``--sampler torch``
   (rank 0's sampler reads the base there: rank 0 keeps it whole);
 * ``lora-vllm``: the same with ``--sampler vllm`` (vLLM loads its own copy; no
@@ -19,7 +23,8 @@ Every process's malloc returns a freed tensor's pages at once
 what it holds live. For each read: its wall time, each rank's peak RSS during the call (the kernel's
 ``VmHWM``, reset through ``/proc/PID/clear_refs`` before the call) and that peak
 above the rank's RSS just before the call (memory the allocator kept from
-earlier calls and reuses is not counted there). A full fine-tune's first
+earlier calls and reuses is not counted there), and what it still holds after
+the call (RSS after less RSS before: a published version kept in memory). A full fine-tune's first
 ``reference`` read shards its base (every rank reads it whole once); the
 second is what each later one costs. For
 the LoRA scenarios also the base bytes rank 0 holds (its whole copy, if kept,
@@ -46,7 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import model_dir, table  # noqa: E402
 
-KINDS = ("full", "lora-torch", "lora-vllm")
+KINDS = ("full", "full-vllm", "lora-torch", "lora-vllm")
 GIB = 2**30
 #: glibc maps every block from 64 KB up from the kernel and unmaps it when freed
 #: (a fixed threshold: no dynamic raise), so a rank's RSS follows its live tensors
@@ -69,7 +74,8 @@ def _measured(pids: list[int], run: Callable[[], object]) -> dict[str, object]:
     seconds = time.perf_counter() - t0
     peaks = [_status(pid, "VmHWM") for pid in pids]
     above = [p - b for p, b in zip(peaks, before, strict=True)]
-    return {"s": seconds, "peak_above": above, "peak": peaks}
+    kept = [_status(pid, "VmRSS") - b for pid, b in zip(pids, before, strict=True)]
+    return {"s": seconds, "peak_above": above, "peak": peaks, "kept": kept}
 
 
 def _base_held(model: object, loaded: bool) -> dict[str, int]:
@@ -103,9 +109,10 @@ def one(kind: str, model: Path, batch: int, length: int) -> dict[str, object]:
     )
     from treadle.workers.engine.config import EngineConfig
     from treadle.workers.group.launch import build_engine
+    from treadle.workers.model.published import WeightsFile
 
-    sampler = "vllm" if kind == "lora-vllm" else "torch"
-    lora = 0 if kind == "full" else 16
+    sampler = "vllm" if kind.endswith("-vllm") else "torch"
+    lora = 0 if kind.startswith("full") else 16
     config = EngineConfig(
         base_models={"m": model}, ranks=2, threads=1, sampler=sampler, host_allocator="system"
     )
@@ -150,6 +157,9 @@ def one(kind: str, model: Path, batch: int, length: int) -> dict[str, object]:
             ).result(),
         }
         result["reads"] = {name: _measured(pids, run) for name, run in reads.items()}
+        published = engine.versions.get("m1", 1).weights
+        if isinstance(published, WeightsFile):  # the version's bytes: a file, not in a rank
+            result["version_file"] = published.nbytes
         return result
     finally:
         engine.stop()
@@ -187,12 +197,23 @@ def main() -> None:
             f"{m['s']:.1f}",
             " / ".join(f"{p / GIB:.3f}" for p in m["peak_above"]),
             " / ".join(f"{p / GIB:.2f}" for p in m["peak"]),
+            " / ".join(f"{p / GIB:.3f}" for p in m["kept"]),
         ]
         for r in results
         for name, m in r["reads"].items()
     ]
-    head = ["model", "call", "s", "peak above GiB (rank 0 / 1)", "peak RSS GiB (0 / 1)"]
+    head = [
+        "model",
+        "call",
+        "s",
+        "peak above GiB (rank 0 / 1)",
+        "peak RSS GiB (0 / 1)",
+        "kept after GiB (0 / 1)",
+    ]
     print(table(head, rows))
+    for r in results:
+        if "version_file" in r:
+            print(f"{r['kind']}: the published version's file, {r['version_file'] / GIB:.3f} GiB")
     lora_rows = [
         [
             r["kind"],

@@ -335,7 +335,7 @@ class Engine:
                 for old in released:
                     self._shipped_from.pop((model_id, old), None)
                 self.sampler.publish(
-                    self.bases.get(target.base_model, snapshot.params.dtype),
+                    self.bases.get(target.base_model, snapshot.dtype),
                     snapshot,
                     inflight=inflight,
                 )
@@ -553,8 +553,8 @@ class Engine:
     def _snapshot(self, target: SamplerTarget) -> WeightSnapshot:
         if target.model_id is None:
             dtype = parse_dtype(self.config.default_dtype)
-            base = self.bases.get(target.base_model, dtype)
-            return WeightSnapshot(None, 0, base.params, None)
+            # the base's weights, read only if the sampler reads them (vLLM loads its own)
+            return WeightSnapshot(None, 0, self.bases.get(target.base_model, dtype), None)
         if target.model_id not in self.models:
             shipped = self.shipped.versions(target.model_id)
             if shipped:  # trained elsewhere, shipped here
@@ -575,7 +575,7 @@ class Engine:
             return None
         try:
             snapshot = self._snapshot(target)
-            return self.bases.get(target.base_model, snapshot.params.dtype), snapshot
+            return self.bases.get(target.base_model, snapshot.dtype), snapshot
         except TreadleError as err:
             fut.set_exception(err)
             return None

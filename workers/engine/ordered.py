@@ -231,11 +231,11 @@ class OrderedExecutor:
 
     def publish(self, model: TrainingModel, *, inflight: bool) -> None:
         """Publish the model's weights as its current version (copied the way the
-        backend reads them: e.g. into shared memory for a sampler process, one
-        copy, not a clone and then a shared one), and tell the backend; with
-        ``inflight`` (PipelineRL) its latest requests continue under them."""
-        with self.peers.whole(model):
-            published = model.published(self.sampler.copy_weights())
+        backend reads them, one tensor at a time: e.g. into shared memory for a
+        sampler process, or a file for vLLM; on a group, as rank 0 gathers them
+        from the shards), and tell the backend; with ``inflight`` (PipelineRL) its
+        latest requests continue under them."""
+        published = self.peers.published(model, self.sampler.keep_weights)
         released = self.versions.publish(published)
         if inflight or isinstance(published, WeightSnapshot):  # else: read when asked
             snapshot = self.versions.get(model.spec.model_id, model.version)

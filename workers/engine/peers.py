@@ -5,8 +5,8 @@ runs this engine, and with it everything that decides (scheduler, ordering,
 dedupe, fair share, the broker and database connections); the other ranks hold
 a replica of every LoRA adapter (on a shard of its base), a shard of every full
 fine-tune, and execute, in the same order, each call that changes one or reads
-its sharded weights (``forward_logprobs``; a checkpoint's or an export's
-gathers).
+its sharded weights (``forward_logprobs``; a checkpoint's, an export's or a
+published version's gathers).
 ``Peers`` is the seam: the engine calls it for every such call and never asks
 how many ranks there are. ``Alone`` is a worker of one process: it
 runs each call here, with no torch.distributed in the path.
@@ -28,13 +28,14 @@ from treadle.common.engine.domain import (
     SaveResult,
 )
 from treadle.workers.engine.base_models import BaseModel
-from treadle.workers.engine.versions import WeightSnapshot
+from treadle.workers.engine.versions import BaseVersion, WeightSnapshot
 from treadle.workers.model.params import LlamaParams
+from treadle.workers.model.published import WeightsKeeper
 from treadle.workers.sampler.backend import SamplerBackend
 from treadle.workers.trainer import batching, checkpoint, trainer
 from treadle.workers.trainer.batching import BatchableOp, BatchCall
 from treadle.workers.trainer.trainer import TrainingModel
-from treadle.workers.trainer.whole import WholeTensors
+from treadle.workers.trainer.whole import WEIGHTS, WholeTensors
 
 
 class Peers:
@@ -95,22 +96,28 @@ class Peers:
     ) -> LoadResult:
         raise NotImplementedError
 
-    @contextmanager
-    def whole(self, model: TrainingModel) -> Iterator[None]:
-        """``model``'s whole weights here for a call that reads them all at once on
-        this rank: publishing a full fine-tune's version (a whole copy). A full
-        fine-tune sharded over the group is gathered for the duration; a model held
-        whole is as it is."""
-        yield
+    def published(self, model: TrainingModel, keep: WeightsKeeper) -> WeightSnapshot | BaseVersion:
+        """What ``SyncWeights`` publishes of ``model`` (``TrainingModel.published``). A
+        full fine-tune's weights reach ``keep`` (the sampler backend's copy of them,
+        ``SamplerBackend.keep_weights``) one whole tensor at a time
+        (``whole_tensors``): on a group each is gathered in turn and let go once
+        ``keep`` has it, so this rank holds the version ``keep`` makes and one whole
+        tensor beyond its shards, never the whole weights twice."""
+        if not model.publishes_a_copy:  # a LoRA adapter's copy, or the base's weights
+            return model.published(keep)
+        with self.whole_tensors(model) as tensors:
+            whole = model.whole_weights(tensors.entries(WEIGHTS), tensors.weights())
+            return model.published(keep, whole)
 
     @contextmanager
     def whole_tensors(
         self, model: TrainingModel, *, moments: bool = False
     ) -> Iterator[WholeTensors]:
         """``model``'s weights (a LoRA model's base; with ``moments`` a full fine-tune's
-        Adam moments too) whole one tensor at a time, for a read that writes them out
-        here (a checkpoint, a merged export): on a group each is gathered in turn, so
-        this rank holds one whole tensor beyond its shards, not the whole model."""
+        Adam moments too) whole one tensor at a time, for a read that copies them out
+        here (a checkpoint, a merged export, a published version): on a group each is
+        gathered in turn, so this rank holds one whole tensor beyond its shards, not
+        the whole model."""
         tensors = WholeTensors(model, moments=moments)
         try:
             yield tensors

@@ -38,7 +38,7 @@ def write_version(snapshot: WeightSnapshot, directory: Path) -> int:
     meta = {
         "model_id": snapshot.model_id,
         "version": str(snapshot.version),
-        "dtype": str(snapshot.params.dtype).removeprefix("torch."),
+        "dtype": str(snapshot.dtype).removeprefix("torch."),
     }
     if snapshot.adapter is not None:
         tensors = dict(snapshot.adapter.named_tensors())

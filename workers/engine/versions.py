@@ -3,9 +3,11 @@
 A model's version is the number of optimizer steps applied (base = 0).
 ``SyncWeights`` publishes the current weights as that version; the store keeps
 the latest K per model and releases older ones. A LoRA version is a copy of
-the adapter (small); a full fine-tune version is a copy of every weight, except
-its version 0 (before any step), which is the base's weights, read only when a
-sampler asks for it (``BaseVersion``).
+the adapter (small); a full fine-tune version is a copy of every weight (in
+memory, or a file: ``workers.model.published``), except its version 0 (before any
+step), which is the base's weights, read only when something reads its tensors
+(a torch sampler, a reference pass); vLLM loads the base from its checkpoint and
+never does.
 """
 
 from __future__ import annotations
@@ -14,31 +16,61 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
+
 from treadle.errors import NotFoundError
 from treadle.workers.engine.base_models import BaseModel
 from treadle.workers.model.llama import LlamaParams
 from treadle.workers.model.lora import LoraAdapter
+from treadle.workers.model.published import WeightsFile
 
 
 @dataclass(frozen=True)
 class WeightSnapshot:
+    """Weights a sampler (or a reference pass) reads: ``weights`` are the tensors in
+    memory, or the base's (a ``BaseModel``: its weights read from its checkpoint the
+    first time ``params`` is asked for, and kept by the base), or a file
+    (``WeightsFile``: read whole each time ``params`` is asked for); ``adapter``:
+    a LoRA version's adapter on them."""
+
     model_id: str | None
     version: int
-    params: LlamaParams
+    weights: LlamaParams | BaseModel | WeightsFile
     adapter: LoraAdapter | None
+
+    @property
+    def params(self) -> LlamaParams:
+        """The tensors (this reads the base or the file where they are not in memory)."""
+        if isinstance(self.weights, BaseModel):
+            return self.weights.params
+        if isinstance(self.weights, WeightsFile):
+            return self.weights.read()
+        return self.weights
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The weights' dtype (reads nothing)."""
+        return self.weights.dtype
+
+    def on_base(self, base: BaseModel) -> bool:
+        """Whether the weights are ``base``'s own (reads nothing)."""
+        if isinstance(self.weights, BaseModel):
+            return self.weights is base
+        return isinstance(self.weights, LlamaParams) and base.holds(self.weights)
 
 
 @dataclass(frozen=True)
 class BaseVersion:
     """A published version whose weights are the base's (a full fine-tune not yet
-    stepped): the base is read when a sampler first asks for it, not at publish."""
+    stepped): nothing is read at publish, nor when the version is asked for (the
+    base's weights are read when something reads ``params``)."""
 
     model_id: str
     version: int
     base: BaseModel
 
     def resolve(self) -> WeightSnapshot:
-        return WeightSnapshot(self.model_id, self.version, self.base.params, None)
+        return WeightSnapshot(self.model_id, self.version, self.base, None)
 
 
 class VersionStore:
@@ -71,7 +103,7 @@ class VersionStore:
             )
         entry = versions[version]
         if isinstance(entry, BaseVersion):
-            entry = entry.resolve()  # the base loads here, once; kept in its place
+            entry = entry.resolve()  # once, kept in its place (one object per version)
             versions[version] = entry
         return entry
 

@@ -13,10 +13,9 @@ A ``ForwardLogprobs`` runs the same way, without gradient: its datums split
 across the ranks, each share through the sharded weights (the model's, or its
 base for ``reference`` and a reference adapter, which rank 0 broadcasts), the
 results gathered here in datum order. Only rank 0 samples, saves and exports:
-a checkpoint and a merged export walk the model one whole tensor at a time
-(``whole_tensors``: each gathered, written, dropped), a full fine-tune's
-published version (a whole copy) is gathered whole (``whole``). Rank 0 keeps a
-LoRA base whole beside its shards only for a sampler that reads it there (the
+a checkpoint, a merged export and a full fine-tune's published version walk the
+model one whole tensor at a time (``whole_tensors``: each gathered, written or
+copied, dropped). Rank 0 keeps a LoRA base whole beside its shards only for a sampler that reads it there (the
 torch samplers; ``use_sampler``). What a call is checked for (data, loss
 inputs, the memory of each rank's share) is checked here, for every share,
 before any rank starts, so a refused call changes no rank.
@@ -32,7 +31,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, TypeVar
@@ -274,18 +273,6 @@ class GroupPeers(Peers):
 
     def base_params(self, base: BaseModel) -> LlamaParams | None:
         return self.bases.params_of(base)
-
-    @contextmanager
-    def whole(self, model: TrainingModel) -> Iterator[None]:
-        if collectives.replicated(model):  # a LoRA model's publish reads its adapter
-            yield
-            return
-        with ExitStack() as stack:
-            self._all(
-                ReplicaGather(model.spec.model_id, moments=False),
-                lambda: stack.enter_context(fsdp.whole(model, moments=False)),
-            )
-            yield
 
     @contextmanager
     def whole_tensors(

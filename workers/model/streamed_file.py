@@ -82,7 +82,10 @@ def write(
         f.write(len(raw).to_bytes(8, "little"))
         f.write(raw)
         count = 0
-        for (name, t), e in zip(tensors, entries, strict=False):
+        for name, t in tensors:  # not zip: its reused result would hold the last tensor
+            if count == len(entries):
+                raise ValueError(f"{name} comes after the {count} tensors of the header")
+            e = entries[count]
             if name != e.name or t.dtype != e.dtype or tuple(t.shape) != e.shape:
                 raise ValueError(
                     f"{name} {t.dtype} {tuple(t.shape)} comes where the header has "
@@ -91,6 +94,7 @@ def write(
             host = t.detach().to("cpu").contiguous()
             f.write(host.reshape(-1).view(torch.uint8).numpy().data)
             count += 1
+            del t, host  # let go before the next is asked for (on a group: gathered)
         if count != len(entries):
             raise ValueError(f"{count} tensors written, the header has {len(entries)}")
     return out

@@ -29,8 +29,6 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Protocol
 
-from torch import Tensor
-
 from treadle.common.engine.domain import (
     SampleOp,
     SampleResult,
@@ -43,12 +41,12 @@ from treadle.common.engine.stats import SamplerStats
 from treadle.errors import TreadleError
 from treadle.workers.engine.base_models import BaseModel
 from treadle.workers.engine.versions import WeightSnapshot
+from treadle.workers.model.params import LlamaParams
+from treadle.workers.model.published import WeightsFile, WholeWeights
 
 #: called with (sample index, sequence, engine seconds charged since the previous
 #: call) as each sample of a streamed request finishes; must not block
 OnSequence = Callable[[int, SequenceResult, float], None]
-#: copies a full fine-tune's tensors (by name) into what a backend reads them from
-TensorsCopy = Callable[[dict[str, Tensor]], dict[str, Tensor]]
 
 
 @dataclass(frozen=True)
@@ -161,9 +159,12 @@ class SamplerBackend(Protocol):
         base of ``cfg``; training calls are held to the same limit."""
         ...
 
-    def copy_weights(self) -> TensorsCopy | None:
-        """How a full fine-tune's weights are copied when they are published
-        (e.g. into shared memory a sampler process maps); None: a plain clone."""
+    def keep_weights(self, weights: WholeWeights) -> LlamaParams | WeightsFile:
+        """A full fine-tune's published version, kept as this backend reads it: handed
+        one whole tensor at a time (on a worker group each gathered in turn), copied
+        as it comes (``workers.model.published``): a plain clone (``clone_weights``),
+        one shared-memory buffer a sampler process maps, or a file vLLM reloads
+        from (nothing of it kept in this process)."""
         ...
 
     def submit(self, job: SampleJob, future: Future[SampleResult]) -> None:

@@ -34,11 +34,12 @@ from treadle.workers.device.pass_threads import pass_threads
 from treadle.workers.device.thread_choice import ThreadChoice
 from treadle.workers.engine.base_models import BaseModel
 from treadle.workers.engine.versions import WeightSnapshot
+from treadle.workers.model.params import LlamaParams
+from treadle.workers.model.published import WeightsFile, WholeWeights, clone_weights
 from treadle.workers.sampler.backend import (
     EngineThread,
     ResumeJob,
     SampleJob,
-    TensorsCopy,
 )
 from treadle.workers.sampler.state import SamplerLimits
 from treadle.workers.sampler.thread import SamplerLoop
@@ -151,8 +152,8 @@ class _LocalTorchBackend:
     def max_context(self, cfg: ModelConfig) -> int:
         return self.limits.context_of(cfg)
 
-    def copy_weights(self) -> TensorsCopy | None:
-        return None
+    def keep_weights(self, weights: WholeWeights) -> LlamaParams | WeightsFile:
+        return clone_weights(weights)
 
     def submit(self, job: SampleJob, future: Future[SampleResult]) -> None:
         self._post(lambda: self.core.submit(job, future))

@@ -21,18 +21,16 @@ storage, so the step moves FSDP's parameters in place), with the clip and update
 norms summed over the group (``AdamW.reduce``): every metric is the whole
 model's. ``forward_logprobs`` runs on the shards like a ``forward_backward``
 (each rank its share of the datums, no gradient). A read of the whole weights on
-rank 0 gathers them there (``DTensor.full_tensor()``, one tensor at a time; the
-other ranks drop theirs): all of them for a published version (``whole``), each
-in turn, written and dropped, for a checkpoint or an export
-(``workers.trainer.whole``).
+rank 0 gathers them there one tensor at a time (``DTensor.full_tensor()``; the
+other ranks drop theirs), each written or copied and dropped in turn: a
+checkpoint, an export, a published version (``workers.trainer.whole``).
 
 Every function here is a collective: each rank calls it in the same order.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import fields
 from typing import TypeVar, cast
 
@@ -52,8 +50,6 @@ from treadle.workers.model.lora import LoraAdapter
 from treadle.workers.model.params import LayerParams, LlamaParams
 from treadle.workers.trainer import trainer
 from treadle.workers.trainer.trainer import PreparedForwardBackward, Sharding, TrainingModel
-from treadle.workers.trainer.whole import WholeTensors
-from treadle.workers.trainer.whole import join as join_whole
 
 _R = TypeVar("_R")
 
@@ -217,37 +213,6 @@ def unshard(model: TrainingModel) -> None:
     opt.params = dict(model.params.named_tensors())
     opt.reduce = None
     model.sharding = None  # the FSDP modules go with it
-
-
-@contextmanager
-def whole(model: TrainingModel, *, moments: bool) -> Iterator[None]:
-    """Rank 0: the whole weights (and with ``moments`` the Adam moments) in the model
-    for the duration, its shards back after (what the body changed is dropped):
-    for a read that needs them all at once (a published version is a whole copy).
-    Every other rank calls ``send_whole`` at the same time. A read that writes
-    them out walks them one at a time instead (``workers.trainer.whole``)."""
-    _sharding(model)
-    opt = model.optimizer
-    kept = (model.params, opt.params, opt.exp_avg, opt.exp_avg_sq)
-    with torch.no_grad():
-        tensors = WholeTensors(model, moments=moments)
-        model.params = LlamaParams.from_state_dict(model.cfg, dict(tensors.weights()))
-        opt.params = dict(model.params.named_tensors())
-        if moments:
-            state = dict(tensors.moments())
-            opt.exp_avg = {n: state[f"exp_avg.{n}"] for n in opt.params}
-            opt.exp_avg_sq = {n: state[f"exp_avg_sq.{n}"] for n in opt.params}
-    try:
-        yield
-    finally:
-        model.params, opt.params, opt.exp_avg, opt.exp_avg_sq = kept
-
-
-def send_whole(model: TrainingModel, *, moments: bool) -> None:
-    """A rank other than 0: joins rank 0's ``whole`` (each tensor's all-gather; the
-    whole tensor is dropped here at once)."""
-    _sharding(model)
-    join_whole(model, moments=moments)
 
 
 def forward_backward(

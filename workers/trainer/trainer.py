@@ -7,7 +7,7 @@ accumulated gradients and optimizer state exactly as they were.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -29,6 +29,8 @@ from treadle.workers.engine.base_models import BaseModel
 from treadle.workers.engine.versions import BaseVersion, ReferenceCache, WeightSnapshot
 from treadle.workers.model.llama import LlamaParams, forward_hidden, lm_logits, target_logprobs
 from treadle.workers.model.lora import HEAD, UNEMBED_TARGET, LoraAdapter, targets_for
+from treadle.workers.model.published import WeightsKeeper, WholeWeights, clone_weights
+from treadle.workers.model.streamed_file import Entry
 from treadle.workers.trainer import losses
 from treadle.workers.trainer import memory as train_memory
 from treadle.workers.trainer.chunked_logprobs import chunked_target_logprobs
@@ -44,9 +46,6 @@ from treadle.workers.trainer.validation import (
 #: float32 logits larger than this are computed in chunks of positions (a 110M
 #: model's 32k vocabulary: above 2,048 positions per call)
 LOGITS_CHUNK_BYTES = 256 * 2**20
-
-#: makes detached copies of named tensors, all at once (``TrainingModel.snapshot``)
-TensorsCopy = Callable[[dict[str, Tensor]], dict[str, Tensor]]
 
 
 class Sharding:
@@ -133,34 +132,53 @@ class TrainingModel:
     def trainable(self) -> dict[str, Tensor]:
         return self.optimizer.params
 
-    def snapshot(self, copy: TensorsCopy | None = None) -> WeightSnapshot:
+    @property
+    def publishes_a_copy(self) -> bool:
+        """Whether ``published`` copies the weights: a full fine-tune whose weights
+        moved from the base's (a LoRA version copies its adapter only)."""
+        return self.adapter is None and self.optimizer.weights_moved
+
+    def whole_weights(
+        self, entries: Sequence[Entry], tensors: Iterator[tuple[str, Tensor]]
+    ) -> WholeWeights:
+        """The weights as ``published`` hands them to a keeper: ``tensors`` yields them
+        whole in ``entries``' order (on a group, gathered one at a time)."""
+        return WholeWeights(
+            self.spec.model_id, self.version, self.cfg, tuple(entries), tensors, self.params.device
+        )
+
+    def snapshot(
+        self, keep: WeightsKeeper = clone_weights, whole: WholeWeights | None = None
+    ) -> WeightSnapshot:
         """A detached copy of the current weights, to publish as a version.
 
-        ``copy`` makes a full fine-tune's copies (all tensors at once, by name;
-        default: a clone of each), e.g. into one shared-memory buffer for a
-        sampler process (``SamplerBackend.copy_weights``)."""
+        A full fine-tune's weights are handed to ``keep`` one whole tensor at a time
+        (``whole``; default: this model's own tensors, held whole here), which keeps
+        them as the sampler backend reads them (``SamplerBackend.keep_weights``: a
+        clone, one shared-memory buffer, a file); still the base's (no step, no
+        loaded state), they are the base's, not a copy, as a base sampler's are."""
         if self.adapter is not None:
             return WeightSnapshot(
                 self.spec.model_id, self.version, self.params, self.adapter.clone()
             )
-        if copy is None and not self.optimizer.weights_moved:
-            # still the base weights (no step, no loaded state): share them, as a base
-            # sampler does, instead of a whole copy of the model
-            return WeightSnapshot(self.spec.model_id, self.version, self.base.params, None)
-        if copy is None:
-            params = self.params.map(lambda t: t.detach().clone())
-        else:
-            params = LlamaParams.from_state_dict(self.cfg, copy(self.params.state_dict()))
-        return WeightSnapshot(self.spec.model_id, self.version, params, None)
+        if not self.optimizer.weights_moved:
+            return WeightSnapshot(self.spec.model_id, self.version, self.base, None)
+        if whole is None:
+            named = list(self.params.named_tensors())
+            entries = [Entry.of(name, t) for name, t in named]
+            whole = self.whole_weights(entries, ((n, t.detach()) for n, t in named))
+        return WeightSnapshot(self.spec.model_id, self.version, keep(whole), None)
 
-    def published(self, copy: TensorsCopy | None = None) -> WeightSnapshot | BaseVersion:
+    def published(
+        self, keep: WeightsKeeper = clone_weights, whole: WholeWeights | None = None
+    ) -> WeightSnapshot | BaseVersion:
         """What ``SyncWeights`` publishes: ``snapshot``, except for a full fine-tune
         whose weights are still the base's (no step, no loaded state): a version
         that reads the base only when a sampler asks for it, so publishing the
         untrained model neither copies it nor loads the base."""
         if self.adapter is None and not self.optimizer.weights_moved:
             return BaseVersion(self.spec.model_id, self.version, self.base)
-        return self.snapshot(copy)
+        return self.snapshot(keep, whole)
 
     def optim_step(self, cfg: AdamConfig) -> OptimStepResult:
         check_adam(cfg)

@@ -48,11 +48,12 @@ from treadle.errors import (
 )
 from treadle.workers.engine.base_models import BaseModel
 from treadle.workers.engine.versions import WeightSnapshot
+from treadle.workers.model.params import LlamaParams
+from treadle.workers.model.published import WeightsFile, WholeWeights
 from treadle.workers.sampler.backend import (
     EngineThread,
     ResumeJob,
     SampleJob,
-    TensorsCopy,
 )
 from treadle.workers.sampler.partials import PartialStore
 from treadle.workers.sampler.sampling import row_keys
@@ -60,7 +61,7 @@ from treadle.workers.sampler.state import Partial, SamplerLimits
 from treadle.workers.sampler.thread import SamplerLoop
 from treadle.workers.sampler.validation import validate
 from treadle.workers.vllm.engine import VllmSettings, engine_dead
-from treadle.workers.vllm.full import is_full
+from treadle.workers.vllm.full import is_full, keep_version, remove_orphan_versions
 from treadle.workers.vllm.params import (
     check_prompt_scores,
     check_supported,
@@ -98,6 +99,7 @@ class VllmBackend:
     # ---- SamplerBackend ------------------------------------------------------------------
 
     def start(self, engine: EngineThread) -> None:
+        remove_orphan_versions()  # a killed worker's published versions
         self._loop.start()
         self._watchdog.start()
 
@@ -110,8 +112,10 @@ class VllmBackend:
     def max_context(self, cfg: ModelConfig) -> int:
         return self.limits.context_of(cfg)
 
-    def copy_weights(self) -> TensorsCopy | None:
-        return None
+    def keep_weights(self, weights: WholeWeights) -> LlamaParams | WeightsFile:
+        """A file vLLM's weight reload reads when the version's turn comes
+        (``workers.vllm.full``), written as the tensors come: none kept here."""
+        return keep_version(weights)
 
     def submit(self, job: SampleJob, future: Future[SampleResult]) -> None:
         try:

@@ -10,12 +10,18 @@ engine a model's versions take turns:
 * the engine holds one version (``loaded``); rows of that version run;
 * a row of another version waits (``waiting``), and once a row waits, new rows
   of the held version wait behind it too, so no version starves;
-* when no row runs, the first waiting row's version is written as a
-  safetensors checkpoint (to ``/dev/shm`` where it exists) and loaded in place
-  with ``collective_rpc("reload_weights", weights_path=...)`` (vLLM's public
-  worker call that reloads weights for RL), then the prefix cache is reset, so
-  no prompt KV computed under other weights is reused, and every waiting row
-  of that version is sent;
+* a version is a safetensors checkpoint directory (``WeightsFile``, in
+  ``/dev/shm`` where it exists), written when ``sync_weights`` publishes it, one
+  tensor at a time as they come (``keep_version``: on a worker group, as rank 0
+  gathers them from the shards), so the process keeps none of its tensors;
+* when no row runs, the first waiting row's version is loaded in place from its
+  directory with ``collective_rpc("reload_weights", weights_path=...)`` (vLLM's
+  public worker call that reloads weights for RL: its loader reads the file one
+  tensor at a time into vLLM's own weights, each tensor-parallel worker taking
+  its part), then the prefix cache is reset, so no prompt KV computed under
+  other weights is reused, and every waiting row of that version is sent (a
+  version held in memory, one shipped here from another worker, is written to a
+  scratch directory first);
 * an in-flight update (``sync_weights(inflight=True)``) moves the model's
   ``latest`` rows to the new version: they are aborted and wait for it with
   the tokens they have, and continue under it from their next token (their
@@ -30,7 +36,6 @@ from __future__ import annotations
 
 import logging
 import shutil
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -39,6 +44,12 @@ from treadle.common.engine.model_config import ModelConfig
 from treadle.workers.engine.base_models import BaseModel
 from treadle.workers.engine.versions import WeightSnapshot
 from treadle.workers.model.loading import save_params
+from treadle.workers.model.published import (
+    WeightsFile,
+    WholeWeights,
+    remove_orphans,
+    version_dir,
+)
 from treadle.workers.vllm.rows import VllmRow
 
 log = logging.getLogger("treadle.vllm")
@@ -46,14 +57,29 @@ log = logging.getLogger("treadle.vllm")
 
 def is_full(weights: WeightSnapshot, base: BaseModel) -> bool:
     """Whether ``weights`` is a full fine-tune's (its own weights, no adapter); never
-    loads the base's weights to tell."""
-    return weights.adapter is None and not base.holds(weights.params)
+    reads the base's weights (nor a version's file) to tell."""
+    return weights.adapter is None and not weights.on_base(base)
+
+
+def keep_version(weights: WholeWeights) -> WeightsFile:
+    """A full fine-tune's published version as the directory vLLM reloads it from,
+    each tensor written as it comes (``VllmBackend.keep_weights``)."""
+    return WeightsFile.write(weights, _scratch_parent())
+
+
+def remove_orphan_versions() -> None:
+    """Versions left by a process killed before it removed them (``remove_orphans``)."""
+    for path in remove_orphans(_scratch_parent()):
+        log.info("vllm: removed %s, left by a process that is gone", path)
+
+
+def _scratch_parent() -> Path | None:
+    shm = Path("/dev/shm")
+    return shm if shm.is_dir() else None
 
 
 def _scratch() -> Path:
-    shm = Path("/dev/shm")
-    parent = shm if shm.is_dir() else None
-    return Path(tempfile.mkdtemp(prefix="treadle-vllm-full-", dir=parent))
+    return version_dir("scratch", _scratch_parent())
 
 
 class FullVersions:
@@ -71,7 +97,7 @@ class FullVersions:
         self._dir: Path | None = None
 
     def holds(self, weights: WeightSnapshot) -> bool:
-        return self.loaded is not None and self.loaded.params is weights.params
+        return self.loaded is not None and self.loaded.weights is weights.weights
 
     def admit(self, row: VllmRow) -> bool:
         """Whether the row may be sent now (else it waits)."""
@@ -92,8 +118,8 @@ class FullVersions:
         weights = self.waiting[0].weights
         if not self.holds(weights):
             self._load(llm, weights)
-        ready = [r for r in self.waiting if r.weights.params is weights.params]
-        self.waiting = [r for r in self.waiting if r.weights.params is not weights.params]
+        ready = [r for r in self.waiting if r.weights.weights is weights.weights]
+        self.waiting = [r for r in self.waiting if r.weights.weights is not weights.weights]
         return ready
 
     def drop(self, rows: list[VllmRow]) -> None:
@@ -102,17 +128,23 @@ class FullVersions:
 
     def _load(self, llm: Any, weights: WeightSnapshot) -> None:
         t0 = time.perf_counter()
-        out = _scratch()
+        scratch = None
+        if isinstance(weights.weights, WeightsFile):  # written when it was published
+            path = weights.weights.directory
+        else:  # in memory (shipped here from another worker): written now
+            path = scratch = _scratch()
         try:
-            save_params(weights.params, self.cfg, out)
-            llm.collective_rpc("reload_weights", kwargs={"weights_path": str(out)})
+            if scratch is not None:
+                save_params(weights.params, self.cfg, scratch)
+            llm.collective_rpc("reload_weights", kwargs={"weights_path": str(path)})
             llm.reset_prefix_cache()
         except BaseException:
-            shutil.rmtree(out, ignore_errors=True)
+            if scratch is not None:
+                shutil.rmtree(scratch, ignore_errors=True)
             raise
         if self._dir is not None:
             shutil.rmtree(self._dir, ignore_errors=True)
-        self._dir, self.loaded = out, weights
+        self._dir, self.loaded = scratch, weights
         self.swaps += 1
         self.swap_s += time.perf_counter() - t0
         log.info(

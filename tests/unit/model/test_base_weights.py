@@ -1,7 +1,9 @@
 """A base's weights are in memory only when something needs them: a full fine-tune
 holds its own weights once (read from the checkpoint, not a clone of a loaded
-base), its version 0 reads the base only when a sampler asks for it, and a LoRA
-model or a reference forward loads the base as before, with the same numbers."""
+base), its version 0 and a base sampler read the base only when a sampler reads
+their tensors (the torch samplers; vLLM loads the base itself and never does),
+and a LoRA model or a reference forward loads the base as before, with the same
+numbers."""
 
 from __future__ import annotations
 
@@ -60,7 +62,7 @@ def test_a_full_fine_tune_trains_without_loading_the_base(tiny_model_dir: Path) 
     assert again.params.embed_tokens.data_ptr() != base.params.embed_tokens.data_ptr()
 
 
-def test_version_zero_reads_the_base_only_when_a_sampler_asks(tiny_model_dir: Path) -> None:
+def test_version_zero_reads_the_base_only_when_a_sampler_reads_it(tiny_model_dir: Path) -> None:
     base = BaseModelRegistry({"tiny": tiny_model_dir}).get("tiny", torch.float64)
     model = TrainingModel(FULL, base)
     store = VersionStore(keep_latest=2)
@@ -69,9 +71,12 @@ def test_version_zero_reads_the_base_only_when_a_sampler_asks(tiny_model_dir: Pa
     store.publish(v0)
     assert not base.loaded and store.versions("full") == [0]
     snap = store.get("full", None)
-    assert base.loaded and snap.version == 0 and base.holds(snap.params)
+    assert snap.version == 0 and snap.on_base(base) and snap.dtype == torch.float64
+    assert not base.loaded  # asked for (a sampler of it made, vLLM's rows): nothing read
     assert store.get("full", 0) is snap  # resolved once, kept in its place
-    pairs = zip(snap.params.named_tensors(), model.params.named_tensors(), strict=True)
+    params = snap.params  # a torch sampler reads its tensors: the base loads now, once
+    assert base.loaded and base.holds(params) and snap.params is params
+    pairs = zip(params.named_tensors(), model.params.named_tensors(), strict=True)
     for (n, t), (_, w) in pairs:
         assert torch.equal(t, w.detach()), n
 
@@ -97,9 +102,11 @@ def test_the_engine_keeps_a_full_fine_tunes_base_out_of_memory(tiny_model_dir: P
         assert engine.versions.versions("full") == [0, 1]
 
         assert engine.check_sampler_target(SamplerTarget("tiny", "full", 0)).result(60) == 0
-        assert base.loaded  # a sampler asked for version 0
+        assert engine.check_sampler_target(SamplerTarget("tiny", None, None)).result(60) == 0
+        assert not base.loaded  # version 0 and the base resolved: nothing read yet
         ref_op = ForwardLogprobsOp((_datum(),), reference=True)
         ref = engine.submit("full", 4, ref_op, "d").result(60)
+        assert base.loaded  # the reference forward read it
         lora = TrainingModel(LORA, base)  # adapter B = 0: its policy is the base
         want = trainer.forward_logprobs(lora, ForwardLogprobsOp((_datum(),)))
         np.testing.assert_allclose(ref.logprobs[0], want.logprobs[0], rtol=1e-12, atol=1e-12)

@@ -5,16 +5,25 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch import Tensor
 
+from treadle.workers.model.streamed_file import Entry
 from treadle.workers.sampler.process import shm
-from treadle.workers.sampler.process.shm import flatten, shared_copy
+from treadle.workers.sampler.process.shm import flatten, shared_fill
 
 
-def test_shared_copy_is_shipped_without_a_second_copy() -> None:
-    """``shared_copy`` puts detached copies in one shared buffer, which ``flatten``
-    then passes as it is; other tensors are copied into a new one."""
+def _shared_fill(named: dict[str, Tensor]) -> dict[str, Tensor]:
+    """``shared_fill`` handed ``named`` one tensor at a time."""
+    entries = [Entry.of(k, t) for k, t in named.items()]
+    return shared_fill(entries, iter(named.items()))
+
+
+def test_shared_fill_is_shipped_without_a_second_copy() -> None:
+    """``shared_fill`` puts detached copies, one at a time as they come, in one shared
+    buffer, which ``flatten`` then passes as it is; other tensors are copied into a
+    new one; a tensor unlike its entry is refused."""
     src = {"a": torch.randn(3, 4, requires_grad=True), "b": torch.randn(5)}
-    shared = shared_copy(src)
+    shared = _shared_fill(src)
     for k, t in src.items():
         assert torch.equal(shared[k], t) and not shared[k].requires_grad
     storage = shared["a"].untyped_storage()
@@ -30,8 +39,11 @@ def test_shared_copy_is_shipped_without_a_second_copy() -> None:
         buf2, _ = flatten(named)  # type: ignore[misc]
         assert buf2.untyped_storage().data_ptr() != storage.data_ptr()
         assert torch.equal(buf2[:5], named[next(iter(named))].reshape(-1)[:5])
-    mixed = shared_copy({"a": torch.ones(2), "i": torch.arange(3)})  # two dtypes: clones
+    mixed = _shared_fill({"a": torch.ones(2), "i": torch.arange(3)})  # two dtypes: clones
     assert torch.equal(mixed["i"], torch.arange(3)) and not mixed["a"].is_shared()
+    entries = [Entry.of("a", src["a"]), Entry.of("b", src["b"])]
+    with pytest.raises(ValueError, match="laid out"):
+        shared_fill(entries, iter([("b", src["b"]), ("a", src["a"])]))
 
 
 def test_the_pool_reuses_only_free_buffers(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -8,9 +8,12 @@ datum, so rank 1 has none and joins FSDP's collectives with zeros), clipped
 AdamW: the ranks' losses add up to the one rank's, the step's metrics are equal,
 each rank's local shards are its rows of the one rank's weights and Adam moments
 (FSDP's ``Shard(0)``, uneven here: a vocabulary and an MLP of odd sizes), so a
-rank holds half of the model; ``whole`` on rank 0 and ``unshard`` on every
-rank give the one rank's tensors back, and so does a checkpoint rank 0 writes
-one gathered tensor at a time. float64: agreement to rounding.
+rank holds half of the model; the tensors rank 0 gathers one at a time and
+``unshard`` on every rank give the one rank's tensors back, and so do a
+checkpoint rank 0 writes one gathered tensor at a time and a published version
+it builds as they come (a clone, a shared-memory buffer, a file), none of
+which keeps a gathered tensor while the next is gathered. float64: agreement
+to rounding.
 
 One of the calls has a KL penalty: its reference logprobs (the base's) go
 through the base sharded over the group (``ShardedBases``), which rank 1 then
@@ -23,7 +26,10 @@ and 1e-5 in float32, and no weight is left whole after the pass.
 
 from __future__ import annotations
 
+import gc
 import math
+import weakref
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import TypeVar
@@ -44,12 +50,21 @@ from treadle.common.engine.domain import (
     ModelSpec,
 )
 from treadle.workers.engine.base_models import BaseModelRegistry
+from treadle.workers.engine.versions import WeightSnapshot
 from treadle.workers.group import collectives
+from treadle.workers.model.params import LlamaParams
+from treadle.workers.model.published import (
+    WeightsFile,
+    WeightsKeeper,
+    WholeWeights,
+    clone_weights,
+)
 from treadle.workers.model.tiny import build_tiny_model
+from treadle.workers.sampler.process.shm import shared_fill
 from treadle.workers.trainer import checkpoint, fsdp, trainer
 from treadle.workers.trainer.sharded_base import KeepWhole, ShardedBases, ShardsOnly
 from treadle.workers.trainer.trainer import TrainingModel
-from treadle.workers.trainer.whole import WholeTensors, join
+from treadle.workers.trainer.whole import WEIGHTS, WholeTensors, join
 
 pytestmark = pytest.mark.slow
 
@@ -161,6 +176,64 @@ def _check_streamed_reads(rank: int, mine: TrainingModel, one: TrainingModel, ou
     tensors.close()  # the rest: gathered
 
 
+def _watched(
+    tensors: Iterator[tuple[str, torch.Tensor]], alive: list[int]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """``tensors`` as they are, noting as each arrives (gathered) how many of the
+    earlier ones are still alive: what the reader kept beyond its own copies."""
+    handed: list[weakref.ref[torch.Tensor]] = []
+    for name, t in tensors:
+        alive.append(sum(ref() is not None for ref in handed))
+        handed.append(weakref.ref(t))
+        yield name, t
+        del t
+
+
+def _shared_keeper(weights: WholeWeights) -> LlamaParams:
+    return LlamaParams.from_state_dict(weights.cfg, shared_fill(weights.entries, weights.tensors))
+
+
+def _check_published(rank: int, mine: TrainingModel, one: TrainingModel, out: Path) -> None:
+    """A published version of the sharded model, built on rank 0 as each tensor is
+    gathered (rank 1 joining each gather), equals the one rank's, whichever way the
+    sampler backend keeps it: a clone, one shared-memory buffer, a file (vLLM's).
+    No gathered tensor is alive when the next one is gathered: rank 0 holds the
+    version and one whole tensor beyond its shards, never the weights twice."""
+    keepers: list[WeightsKeeper] = [
+        clone_weights,
+        _shared_keeper,
+        lambda w: WeightsFile.write(w, out),
+    ]
+    if rank == 1:
+        for _ in keepers:
+            join(mine)
+        return
+    want = one.published()
+    assert isinstance(want, WeightSnapshot)
+    model_bytes = _bytes(list(want.params.parameters()))
+    for keep in keepers:
+        tensors = WholeTensors(mine)
+        alive: list[int] = []
+        entries = tensors.entries(WEIGHTS)
+        got = mine.published(keep, mine.whole_weights(entries, _watched(tensors.weights(), alive)))
+        assert isinstance(got, WeightSnapshot) and got.version == one.version == STEPS
+        assert len(alive) == len(entries) and max(alive) == 0, alive
+        if isinstance(got.weights, WeightsFile):
+            directory = got.weights.directory
+            assert got.weights.nbytes >= model_bytes  # the version is the file, not in memory
+        else:
+            assert _bytes(list(got.params.parameters())) == model_bytes  # one copy
+        params = got.params
+        for (name, t), (_, w) in zip(
+            params.named_tensors(), want.params.named_tensors(), strict=True
+        ):
+            assert not isinstance(t, DTensor), name
+            torch.testing.assert_close(t, w, rtol=0, atol=TOLERANCE)
+        del got, params
+    gc.collect()
+    assert not directory.exists()  # the file goes with the last holder of the version
+
+
 def _rank(rank: int, model_dir: Path, out: Path) -> None:
     base = BaseModelRegistry({"tiny": model_dir}).get("tiny", torch.float64)
     twin_base = BaseModelRegistry({"tiny": model_dir}).get("tiny", torch.float64)
@@ -204,17 +277,17 @@ def _rank(rank: int, model_dir: Path, out: Path) -> None:
                 state_mine[name], _rows(whole.detach(), rank), rtol=0, atol=TOLERANCE
             )
     if rank == 0:
-        with fsdp.whole(mine, moments=True):
-            for name, whole in opt_one.params.items():
-                torch.testing.assert_close(
-                    mine.params.state_dict()[name], whole.detach(), rtol=0, atol=TOLERANCE
-                )
-                torch.testing.assert_close(
-                    opt_mine.exp_avg_sq[name], opt_one.exp_avg_sq[name], rtol=0, atol=TOLERANCE
-                )
+        tensors = WholeTensors(mine, moments=True)
+        weights, moments = dict(tensors.weights()), dict(tensors.moments())
+        for name, whole in opt_one.params.items():
+            torch.testing.assert_close(weights[name], whole.detach(), rtol=0, atol=TOLERANCE)
+            torch.testing.assert_close(
+                moments[f"exp_avg_sq.{name}"], opt_one.exp_avg_sq[name], rtol=0, atol=TOLERANCE
+            )
     else:
-        fsdp.send_whole(mine, moments=True)
+        join(mine, moments=True)
     _check_streamed_reads(rank, mine, one, out)
+    _check_published(rank, mine, one, out)
     fsdp.unshard(mine)
     assert mine.sharding is None
     for name, whole in opt_one.params.items():

@@ -38,14 +38,13 @@ class _Base:
     name = "m"
     dtype = torch.float32
 
-    def holds(self, params: Any) -> bool:
-        return True  # the base model's own weights: the "lora"/"base" engine
-
 
 class _Weights:
     adapter = None
     model_id = None
-    params = None
+
+    def on_base(self, base: Any) -> bool:
+        return True  # the base model's own weights: the "lora"/"base" engine
 
 
 def _engine(backend: VllmBackend, kind: str) -> tuple[VllmEngine, _RecordingLLM]:

@@ -50,7 +50,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch.multiprocessing as mp
-from torch import Tensor
 
 from treadle.common.engine.domain import SampleResult
 from treadle.common.engine.model_config import ModelConfig
@@ -59,12 +58,13 @@ from treadle.common.logs import current_log_format
 from treadle.errors import InternalError, TreadleError, UnavailableError
 from treadle.workers.engine.base_models import BaseModel
 from treadle.workers.engine.versions import WeightSnapshot
+from treadle.workers.model.params import LlamaParams
+from treadle.workers.model.published import WeightsFile, WholeWeights
 from treadle.workers.sampler.backend import (
     EngineThread,
     OnSequence,
     ResumeJob,
     SampleJob,
-    TensorsCopy,
 )
 from treadle.workers.sampler.process.child import child_main
 from treadle.workers.sampler.process.messages import (
@@ -85,7 +85,7 @@ from treadle.workers.sampler.process.messages import (
     Swap,
     ToChild,
 )
-from treadle.workers.sampler.process.shm import ShmPool, flatten, shared_copy, shipped_buffers
+from treadle.workers.sampler.process.shm import ShmPool, flatten, shared_fill, shipped_buffers
 from treadle.workers.sampler.state import SamplerLimits
 
 log = logging.getLogger("treadle.engine")
@@ -213,8 +213,11 @@ class ProcessTorchBackend:
     def max_context(self, cfg: ModelConfig) -> int:
         return self.limits.context_of(cfg)
 
-    def copy_weights(self) -> TensorsCopy | None:
-        return self.shared_copy
+    def keep_weights(self, weights: WholeWeights) -> LlamaParams | WeightsFile:
+        """Into one shared-memory buffer from the pool, each tensor as it comes: the
+        child maps it (parent and child hold one copy, not two)."""
+        tensors = shared_fill(weights.entries, weights.tensors, self.pool.take)
+        return LlamaParams.from_state_dict(weights.cfg, tensors)
 
     def submit(self, job: SampleJob, future: Future[SampleResult]) -> None:
         rid = self._track(future, job.on_sequence)
@@ -257,11 +260,6 @@ class ProcessTorchBackend:
         self.refresh_stats(1.0)
         with self._lock:
             return list(self._stats.values())
-
-    def shared_copy(self, named: dict[str, Tensor]) -> dict[str, Tensor]:
-        """``shared_copy`` into a buffer from the pool: how the engine snapshots a
-        full fine-tune's version for this child."""
-        return shared_copy(named, self.pool.take)
 
     def refresh_stats(self, timeout: float = 1.0) -> None:
         """Ask the child for its samplers' stats now; wait for them (up to ``timeout``)."""

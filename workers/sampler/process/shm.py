@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
+
+from treadle.workers.model.streamed_file import Entry
 
 Flat = tuple[Tensor, list[tuple[str, tuple[int, ...], int]]]
 
@@ -31,7 +33,7 @@ def flatten(
     """One shared-memory buffer holding every tensor (one file descriptor to pass,
     not one per tensor), with each tensor's (name, shape, offset); tensors of
     mixed dtypes travel as they are. Tensors that already are one such buffer
-    (``shared_copy``) are passed as they are, without a copy."""
+    (``shared_fill``) are passed as they are, without a copy."""
     tensors = list(named.values())
     if len({t.dtype for t in tensors}) != 1:
         return named
@@ -51,7 +53,7 @@ def flatten(
 
 def _as_flat(named: dict[str, Tensor]) -> Flat | None:
     """``named`` as (buffer, layout) if the tensors fill one shared storage back to
-    back, in order (what ``shared_copy`` makes); else None."""
+    back, in order (what ``shared_fill`` makes); else None."""
     first = next(iter(named.values()))
     storage = first.untyped_storage()
     if not storage.is_shared():
@@ -68,16 +70,37 @@ def _as_flat(named: dict[str, Tensor]) -> Flat | None:
     return torch.empty(0, dtype=first.dtype).set_(storage, 0, (offset,), (1,)), layout
 
 
-def shared_copy(
-    named: dict[str, Tensor], alloc: Callable[[int, torch.dtype], Tensor] = _new_shared
+def shared_fill(
+    entries: Sequence[Entry],
+    tensors: Iterable[tuple[str, Tensor]],
+    alloc: Callable[[int, torch.dtype], Tensor] = _new_shared,
 ) -> dict[str, Tensor]:
-    """Detached copies of ``named``, in one shared-memory buffer when they share a
-    dtype: a full fine-tune's snapshot made so goes to the sampler process without
-    a second copy (and parent and child then hold one copy of it, not two)."""
-    flat = flatten({k: t.detach() for k, t in named.items()}, alloc)
-    if isinstance(flat, dict):
-        return {k: t.clone() for k, t in flat.items()}
-    return unflatten(flat)
+    """Detached copies of ``tensors`` (named, shaped and ordered as ``entries`` say),
+    each copied as it comes into its place in one shared-memory buffer laid out from
+    ``entries`` at once: a full fine-tune's version made so goes to the sampler
+    process without a second copy (parent and child then hold one copy of it, not
+    two), and one gathered a tensor at a time is never held twice. Mixed dtypes: a
+    clone of each."""
+    if len({e.dtype for e in entries}) != 1:
+        return {name: t.detach().clone() for name, t in tensors}
+    buf = alloc(sum(math.prod(e.shape) for e in entries), entries[0].dtype)
+    out: dict[str, Tensor] = {}
+    offset = 0
+    for name, t in tensors:  # not zip: its reused result would hold the last tensor
+        if len(out) == len(entries):
+            raise ValueError(f"{name} comes after the {len(out)} tensors laid out")
+        e = entries[len(out)]
+        if name != e.name or tuple(t.shape) != e.shape or t.dtype != e.dtype:
+            raise ValueError(f"{name} {tuple(t.shape)} comes where {e.name} {e.shape} is laid out")
+        n = math.prod(e.shape)
+        place = buf[offset : offset + n].view(e.shape)
+        place.copy_(t.detach())
+        out[name] = place
+        offset += n
+        del t  # let go before the next is asked for (on a group: gathered)
+    if len(out) != len(entries):
+        raise ValueError(f"{len(out)} tensors came, {len(entries)} are laid out")
+    return out
 
 
 def unflatten(flat: Flat | dict[str, Tensor]) -> dict[str, Tensor]:
