@@ -37,7 +37,7 @@ from treadle.common.engine.model_config import ModelConfig
 from treadle.errors import InvalidArgumentError
 from treadle.workers.device.device import upload
 from treadle.workers.model.llama import LlamaParams
-from treadle.workers.model.low_rank import low_rank_add
+from treadle.workers.model.low_rank import RowSelection, low_rank_add, low_rank_add_rows
 from treadle.workers.model.params import TensorSet, projection_shapes
 
 ATTN_TARGETS: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -310,27 +310,25 @@ class LoraAdapter(TensorSet):
 class LoraRows:
     """A batch where row b uses ``adapters[row_adapter_B[b]]`` (-1: base model only).
 
-    The base output of all rows is computed once (the shared matmul); then
-    every adapter's update is added with two more matmuls, however many
-    adapters the batch mixes: ``h = x @ [A_1; ...; A_n]^T`` computes every
-    adapter's down-projection for every row (cheap at LoRA ranks), a mask
-    keeps row b's own block, scaled by its adapter's ``alpha / r``, and zeroes
-    the rest, and ``y + h @ [B_1 ... B_n]^T`` adds the up-projection. The
-    zeros contribute exactly nothing, so each row gets its own update. Past
-    ``DENSE_MAX_RANK`` total rank the wasted columns would cost more than they
-    save: each adapter then gathers its rows, applies its update, and adds it
-    back with ``index_add_``. One adapter for every row is the single-adapter
-    fast path.
+    The base output of all rows is computed once (the shared matmul); then each
+    adapter's update is added to its own rows only, so one forward serves a batch
+    mixing tenants. One adapter for every row is the single-adapter fast path.
 
-    Training batches are usually tidier: each call's rows are contiguous, and
-    calls of one shape give every adapter the same number of rows. Then the
-    rows split into equal segments, one per adapter, and batched products apply
-    each adapter to its own segment (``segments``, ``low_rank.low_rank_add``):
-    no zero columns, so the low-rank work is exactly each adapter's own (the
-    dense form multiplies every row by every adapter).
+    Training batches are usually tidy: each call's rows are contiguous, and calls of
+    one shape give every adapter the same number of rows. Then the rows split into
+    equal segments, one per adapter, and batched products apply each adapter to its
+    own segment (``segments``, ``low_rank.low_rank_add``). Otherwise (calls of
+    different sizes, a sampler's rows of any adapter in any order, rows of the base
+    model) each adapter takes its own rows, a contiguous range or an index, through
+    ``low_rank.low_rank_add_rows``.
+
+    Both forms keep tenants apart in the numbers too: an adapter's products read
+    its own rows only, forward and backward, so a NaN or inf in one tenant's adapter
+    or rows (a diverged model, an overflowing loss) reaches no other row's output and
+    no other adapter's gradient (``tests/unit/trainer/test_batched_walls.py``). A
+    dense form that multiplied every row by every adapter and masked with zeros did
+    not: NaN × 0 is NaN (docs/engine.md, "Multi-LoRA").
     """
-
-    DENSE_MAX_RANK = 256
 
     def __init__(
         self, adapters: Sequence[LoraAdapter], row_adapter_B: Tensor | Sequence[int]
@@ -350,17 +348,19 @@ class LoraRows:
         self.row_adapter_B = row_adapter_B
         self.row_ids = ids
         self.used = sorted(set(ids) - {-1})
-        self.groups: list[tuple[LoraAdapter, Tensor | None]] = []
+        #: each used adapter and its rows: None (every row), a range, or an index
+        self.groups: list[tuple[LoraAdapter, RowSelection | None]] = []
         for adapter_id in self.used:
             rows = [b for b, i in enumerate(ids) if i == adapter_id]
             if len(rows) == len(ids):
                 self.groups.append((self.adapters[adapter_id], None))
+            elif rows[-1] - rows[0] + 1 == len(rows):
+                self.groups.append((self.adapters[adapter_id], slice(rows[0], rows[-1] + 1)))
             else:
                 # on the adapter's device (the row ids may be a host tensor)
                 where = _device_of(self.adapters[adapter_id])
                 idx = upload(torch.tensor(rows, dtype=torch.long), where)
                 self.groups.append((self.adapters[adapter_id], idx))
-        self._masks: dict[tuple[int, ...], Tensor] = {}
         self.segments = self._equal_segments(ids)
 
     def _equal_segments(self, ids: list[int]) -> list[int] | None:
@@ -382,21 +382,16 @@ class LoraRows:
     def apply(self, layer: int, target: str, x_B_T_I: Tensor, y_B_T_O: Tensor) -> Tensor:
         if len(self.groups) == 1 and self.groups[0][1] is None:
             return self.groups[0][0].apply(layer, target, x_B_T_I, y_B_T_O)
-        present = tuple(i for i in self.used if target in self.adapters[i].a[layer])
-        if not present:
+        parts = [
+            (rows, adapter.a[layer][target], adapter.b[layer][target], adapter.scale)
+            for adapter, rows in self.groups
+            if rows is not None and target in adapter.a[layer]
+        ]
+        if not parts:
             return y_B_T_O
-        if self.segments is not None and len(present) == len(self.segments):
+        if self.segments is not None and len(parts) == len(self.segments):
             return self._apply_segments(layer, target, x_B_T_I, y_B_T_O)
-        if sum(self.adapters[i].rank for i in present) <= self.DENSE_MAX_RANK:
-            return self._apply_dense(present, layer, target, x_B_T_I, y_B_T_O)
-        for adapter, rows_G in self.groups:
-            if rows_G is None:
-                y_B_T_O = adapter.apply(layer, target, x_B_T_I, y_B_T_O)
-                continue
-            delta_G_T_O = adapter.delta(layer, target, x_B_T_I.index_select(0, rows_G))
-            if delta_G_T_O is not None:
-                y_B_T_O = y_B_T_O.index_add_(0, rows_G, delta_G_T_O)
-        return y_B_T_O
+        return low_rank_add_rows(y_B_T_O, x_B_T_I, parts)
 
     def _apply_segments(self, layer: int, target: str, x_B_T_I: Tensor, y_B_T_O: Tensor) -> Tensor:
         """Segment k (rows ``k*B/n`` onward) gets adapter ``segments[k]``: ``low_rank_add``."""
@@ -405,7 +400,8 @@ class LoraRows:
         n, out_dim = len(adapters), y_B_T_O.shape[-1]
         # Mixed ranks (a sweep of ranks 8 and 16): the smaller are padded with zero
         # rows of A and zero columns of B, which add exactly nothing to their rows
-        # and cost far less than the dense form's every-row-times-every-adapter.
+        # (each problem of the batched products is one adapter's own segment) and
+        # cost far less than multiplying every row by every adapter.
         rank = max(a.a[layer][target].shape[0] for a in adapters)
         a_N_R_I = torch.stack([_pad_rank(a.a[layer][target], rank, 0) for a in adapters])
         b_N_O_R = torch.stack([_pad_rank(a.b[layer][target], rank, 1) for a in adapters])
@@ -421,34 +417,6 @@ class LoraRows:
             scale,
         )
         return out.view(y_B_T_O.shape)
-
-    def _apply_dense(
-        self, present: tuple[int, ...], layer: int, target: str, x_B_T_I: Tensor, y_B_T_O: Tensor
-    ) -> Tensor:
-        adapters = [self.adapters[i] for i in present]
-        a_C_I = torch.cat([a.a[layer][target] for a in adapters])
-        b_O_C = torch.cat([a.b[layer][target] for a in adapters], dim=1)
-        mask_B_1_C = self._mask(present, x_B_T_I)
-        h_B_T_C = F.linear(x_B_T_I, a_C_I) * mask_B_1_C
-        out_dim, rank = y_B_T_O.shape[-1], a_C_I.shape[0]
-        out_N_O = torch.addmm(y_B_T_O.reshape(-1, out_dim), h_B_T_C.reshape(-1, rank), b_O_C.t())
-        return out_N_O.view(y_B_T_O.shape)
-
-    def _mask(self, present: tuple[int, ...], like: Tensor) -> Tensor:
-        """``[B, 1, C]``: row b's adapter's scale on that adapter's columns, else 0."""
-        mask = self._masks.get(present)
-        if mask is None or mask.dtype != like.dtype or mask.device != like.device:
-            cols, offset = {}, 0
-            for i in present:
-                cols[i] = (offset, offset + self.adapters[i].rank)
-                offset += self.adapters[i].rank
-            mask = torch.zeros(len(self.row_ids), 1, offset)
-            for b, i in enumerate(self.row_ids):
-                if i in cols:
-                    mask[b, :, cols[i][0] : cols[i][1]] = self.adapters[i].scale
-            mask = upload(mask.to(dtype=like.dtype), like.device)
-            self._masks[present] = mask
-        return mask
 
 
 def _pad_rank(t: Tensor, rank: int, dim: int) -> Tensor:

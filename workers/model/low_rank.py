@@ -27,15 +27,22 @@ the backward's Python overhead ate the gain (no faster in the same test).
 Each product computes the same sums as autograd's, in an order that can
 differ in the last bits.
 
-Every tensor is 3-D: ``N`` independent problems (the adapters of a
-multi-tenant batch, one segment of rows each).
+``low_rank_add`` takes 3-D tensors: ``N`` independent problems (the adapters of a
+multi-tenant batch, one equal segment of rows each). ``low_rank_add_rows`` takes
+the batch as it is and each adapter's rows (a range or an index), for batches
+whose adapters hold unequal or scattered rows; its products keep the same
+orientations. In both, an adapter's products read its own rows only, forward and
+backward: a NaN or inf in one tenant's adapter or rows stays in that tenant's
+rows and gradients.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, TypeAlias
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 
@@ -90,3 +97,101 @@ class _LowRank(torch.autograd.Function):
         if need_b:
             gb = torch.bmm(hT_N_R_S, go_N_S_O).mul_(scale).transpose(1, 2).contiguous()
         return (go_N_S_O if need_y else None), gx, ga, gb, None
+
+
+#: Which rows of a batch one adapter's update goes to: a contiguous range (a training
+#: call's rows) or an index (rows scattered through the batch: a sampler's).
+RowSelection: TypeAlias = slice | Tensor
+
+
+def low_rank_add_rows(
+    y_B_T_O: Tensor,
+    x_B_T_I: Tensor,
+    parts: Sequence[tuple[RowSelection, Tensor, Tensor, float]],
+) -> Tensor:
+    """``y[rows] += scale * x[rows] @ A.T @ B.T`` for each ``(rows, A, B, scale)`` of
+    ``parts`` (disjoint rows; rows in no part keep ``y``), in place.
+
+    Each adapter's products take its own rows only, forward and backward: no value of
+    another part's rows (a NaN, an inf) enters its update or its gradients, and its
+    own values reach no other row. The backward assembles ``x``'s gradient in one
+    tensor, each part writing its own rows (autograd's slicing and ``index_select``
+    would each allocate a zero gradient the size of ``x`` and add them all up)."""
+    tensors = [t for _, a, b, _ in parts for t in (a, b)]
+    rows = [r for r, _, _, _ in parts]
+    scales = [s for _, _, _, s in parts]
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (y_B_T_O, x_B_T_I, *tensors)):
+        out: Tensor = _LowRankRows.apply(y_B_T_O, x_B_T_I, rows, scales, *tensors)
+        return out
+    _rows_forward(y_B_T_O, x_B_T_I, rows, scales, tensors)
+    return y_B_T_O
+
+
+def _select(t: Tensor, rows: RowSelection) -> Tensor:
+    """``t``'s rows, as ``[rows * T, last]`` (a view for a range of a contiguous ``t``)."""
+    sel = t[rows] if isinstance(rows, slice) else t.index_select(0, rows)
+    return sel.reshape(-1, t.shape[-1])
+
+
+def _rows_forward(
+    y: Tensor, x: Tensor, rows: list[RowSelection], scales: list[float], ab: list[Tensor]
+) -> list[Tensor]:
+    """Adds each part's update into ``y``; each part's ``hT`` (``[r, rows * T]``)."""
+    hTs = []
+    out_dim = y.shape[-1]
+    for k, (sel, scale) in enumerate(zip(rows, scales, strict=True)):
+        a, b = ab[2 * k], ab[2 * k + 1]
+        if isinstance(sel, slice):
+            hT = a @ _select(x, sel).t()  # rank-outer: the fast orientation
+            y_rows = y[sel]
+            if y_rows.is_contiguous():
+                y_rows.view(-1, out_dim).addmm_(hT.t(), b.t(), alpha=scale)
+            else:
+                y_rows.add_(torch.mm(hT.t(), b.t()).view(y_rows.shape), alpha=scale)
+        else:
+            h = F.linear(x.index_select(0, sel), a)  # a sampler's few rows: plain products
+            y.index_add_(0, sel, F.linear(h, b), alpha=scale)
+            hT = h.reshape(-1, a.shape[0]).t()
+        hTs.append(hT)
+    return hTs
+
+
+class _LowRankRows(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any,
+        y: Tensor,
+        x: Tensor,
+        rows: list[RowSelection],
+        scales: list[float],
+        *ab: Tensor,
+    ) -> Tensor:
+        hTs = _rows_forward(y, x, rows, scales, list(ab))
+        ctx.mark_dirty(y)
+        ctx.save_for_backward(x, *ab, *hTs)
+        ctx.rows, ctx.scales = rows, scales
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, go: Tensor) -> tuple[Tensor | None, ...]:
+        saved = ctx.saved_tensors
+        n = len(ctx.rows)
+        x, ab, hTs = saved[0], saved[1 : 1 + 2 * n], saved[1 + 2 * n :]
+        need = ctx.needs_input_grad
+        gx = torch.zeros_like(x) if need[1] else None
+        grads: list[Tensor | None] = []
+        for k, (sel, scale) in enumerate(zip(ctx.rows, ctx.scales, strict=True)):
+            a, b, hT = ab[2 * k], ab[2 * k + 1], hTs[k]
+            go_M_O = _select(go, sel)
+            ghT = torch.mm(b.t(), go_M_O.t()).mul_(scale)  # [r, M]
+            grads.append(torch.mm(ghT, _select(x, sel)) if need[4 + 2 * k] else None)
+            grads.append(
+                torch.mm(hT, go_M_O).mul_(scale).t().contiguous() if need[5 + 2 * k] else None
+            )
+            if gx is not None:
+                gx_rows = torch.mm(ghT.t(), a).view(-1, *x.shape[1:])
+                if isinstance(sel, slice):
+                    gx[sel] = gx_rows
+                else:
+                    gx.index_add_(0, sel, gx_rows)
+        return (go if need[0] else None, gx, None, None, *grads)

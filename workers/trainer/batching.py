@@ -4,10 +4,13 @@ Every LoRA model of a worker shares the frozen base weights, so the
 ``ForwardBackward`` and ``ForwardLogprobs`` calls of different models (up to
 each model's next barrier, as the scheduler hands them out) can run as one
 forward: the base matmuls once for every row, each row's low-rank update from
-its own adapter (``LoraRows``: two more matmuls for all adapters together).
+its own adapter (``LoraRows``: each adapter's products on its own rows only).
 Each call keeps its own loss, computed on its own rows only, so the one ``backward()`` of the summed losses gives every
 adapter exactly the gradient of its own call(s): the same numbers, within
-floating-point reordering, as running each call alone (``trainer``).
+floating-point reordering, as running each call alone (``trainer``). Nothing in
+the pass mixes rows of different calls, so a NaN or inf in one call (a diverged
+adapter, an overflowing loss) stays in that call's results and its own adapter's
+gradient.
 
 Each call is validated on its own first (``trainer.prepare_*``): a bad call
 fails alone and never enters the batch. A call whose loss fails after the

@@ -138,12 +138,12 @@ def test_an_invalid_call_fails_alone(base: BaseModel) -> None:
     assert all(p.grad is None for p in m2.trainable.values())
 
 
-@pytest.mark.parametrize("path", ["dense", "gather", "segments"])
+@pytest.mark.parametrize("path", ["rows", "segments"])
 def test_lora_rows_equal_each_adapter_on_its_rows(base: BaseModel, path: str) -> None:
     """Every path of ``LoraRows`` equals each adapter applied to its own rows,
-    and gradients reach each adapter. Dense and gather: mixed ranks and scales,
-    a base-only row, rows of one adapter apart. Segments (equal contiguous runs,
-    one rank): different scales."""
+    and gradients reach each adapter. Rows: mixed ranks and scales, a base-only
+    row, rows of one adapter apart (an index) and together (a range). Segments
+    (equal contiguous runs, one rank): different scales."""
     a, b, c = _model(base, 7).adapter, _model(base, 8, rank=8).adapter, _model(base, 9).adapter
     assert a is not None and b is not None and c is not None
     b.scale *= 3.0
@@ -155,8 +155,6 @@ def test_lora_rows_equal_each_adapter_on_its_rows(base: BaseModel, path: str) ->
         ids = [2, 2, 0, 0, 1, 1]
     rows = LoraRows([a, b, c], torch.tensor(ids))
     assert (rows.segments is not None) == (path == "segments")
-    if path == "gather":
-        rows.DENSE_MAX_RANK = 0
     x = torch.randn(len(ids), 4, base.cfg.hidden_size)
     y = torch.randn(len(ids), 4, base.cfg.intermediate_size)
     got = rows.apply(0, "up_proj", x, y.clone())
@@ -197,10 +195,11 @@ def test_calls_of_one_shape_batch_like_alone(base: BaseModel) -> None:
 
 
 def test_the_step_after_a_batch_equals_it_after_each_call_alone(base: BaseModel) -> None:
-    """Adapters of other ranks and calls of other shapes take ``LoraRows``' dense form,
-    whose B gradients come out of one stacked product as strided views; the fused
-    AdamW read those as dense (wrong elements: steps of the wrong sign), so every
-    gradient is kept as a tensor of its own."""
+    """Adapters of other ranks and calls of other shapes took ``LoraRows``' dense form
+    (since removed), whose B gradients came out of one stacked product as strided
+    views; the fused AdamW read those as dense (wrong elements: steps of the wrong
+    sign), so every gradient is kept as a tensor of its own. Such calls now take each
+    adapter on its own rows (``low_rank.low_rank_add_rows``)."""
     rng = np.random.default_rng(4)
     work = [
         (0, ForwardBackwardOp((random_datum(rng, 7), random_datum(rng, 13)), "cross_entropy", {})),
