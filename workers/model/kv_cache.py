@@ -7,8 +7,16 @@ reads a slot's prefix back, so a decode step never concatenates or reallocates.
 
 The cache keeps no per-slot length: the caller (the sampler's batcher) knows
 each row's position and passes it in, and attention masks keys by position
-(``key_pos <= query_pos``). Stale entries beyond a row's position are never
-read, and are overwritten as the row advances, so freeing a slot costs nothing.
+(``key_pos <= query_pos``) with an additive -inf. A step reads every row's slot
+up to the batch's longest position, so a row's slot *is* read beyond its own
+extent, masked; and a mask does not stop a non-finite value (NaN + -inf = NaN,
+0 x NaN = NaN: a diverged tenant's NaN K/V would make the next tenant in that
+slot sample NaN). So the sampler keeps an invariant: every cell beyond what a
+slot's current occupant wrote holds zeros. A slot starts zeroed; when a row
+leaves a main slot the cells its occupant wrote are zeroed (``clear``, from
+``sampler_state.compact``), and a staging slot is zeroed beyond the prefix its
+next prompt reuses (``prefix_cache``). The cost is proportional to what the
+former occupant wrote, never to ``max_len``.
 """
 
 from __future__ import annotations
@@ -116,6 +124,22 @@ class KVCache:
         k_S_H_T_D = self.k_L_S_H_T_D[layer, :, :, :length]
         v_S_H_T_D = self.v_L_S_H_T_D[layer, :, :, :length]
         return k_S_H_T_D.index_select(0, slots_B), v_S_H_T_D.index_select(0, slots_B)
+
+    def clear(self, slots: range, stop: int, start: int = 0) -> None:
+        """Zero positions ``start..stop-1`` of the consecutive ``slots`` (K and V,
+        every layer): one in-place ``zero_`` per tensor.
+
+        The sampler's part of the invariant above: what a slot's former occupant
+        wrote beyond where its next occupant's own K/V ends goes back to zeros,
+        at a cost of what was written there, never of ``max_len``.
+        """
+        stop = min(stop, self.max_len)
+        if not slots or stop <= start:
+            return
+        if slots.step != 1:
+            raise InvalidArgumentError(f"clear: slots {slots} are not consecutive")
+        for cache in (self.k_L_S_H_T_D, self.v_L_S_H_T_D):
+            cache[:, slots.start : slots.stop, :, start:stop].zero_()
 
     def move(self, src_slots: Sequence[int], dst_slots: Sequence[int], length: int) -> None:
         """Copy the first ``length`` positions of each ``src_slots[i]`` into ``dst_slots[i]``.

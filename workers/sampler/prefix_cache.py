@@ -51,6 +51,9 @@ class PrefixCache:
     def __init__(self, stage: KVCache, kept_slots: int = 0) -> None:
         self.stage = stage
         self.staged = [Staged() for _ in range(stage.num_slots)]
+        #: how far each slot's cells may be non-zero: the longest extent anything
+        #: wrote there since it was last zeroed (recorded before the write)
+        self.written = [0] * stage.num_slots
         self.kept: list[Kept] = []  # finished turns' prompt + completion KV
         self.kept_tokens = 0
         self.max_kept_tokens = max(0, kept_slots) * stage.max_len
@@ -100,11 +103,17 @@ class PrefixCache:
             slot = min(free, key=lambda i: self.staged[i].last_used)
             if best >= 0:
                 self.stage.move([best], [slot], best_len)
+                self.written[slot] = max(self.written[slot], best_len)
         # The last prompt token is always computed: its logits choose the first token.
         return self._take(request, slot, min(best_len, prompt.size - 1), clock)
 
     def _take(self, request: TorchRequest, slot: int, reuse: int, clock: int) -> int:
-        """``request`` prefills into ``slot``, whose first ``reuse`` tokens are its prompt's."""
+        """``request`` prefills into ``slot``, whose first ``reuse`` tokens are its prompt's.
+
+        What the slot holds beyond those (a former prompt's K/V, any tenant's) is
+        zeroed: a padded prefill batch reads every slot up to its longest prompt."""
+        self.stage.clear(range(slot, slot + 1), self.written[slot], start=reuse)
+        self.written[slot] = reuse
         prompt = request.prompt
         snap = request.snapshot
         self.staged[slot] = Staged(
@@ -116,6 +125,16 @@ class PrefixCache:
         )
         request.stage_slot, request.prefilled, request.reused = slot, reuse, reuse
         return slot
+
+    def writing(self, batch: Sequence[tuple[TorchRequest, int]]) -> None:
+        """A prefill forward is about to write ``n`` more prompt tokens of each
+        ``(request, n)`` into its slot (recorded first: a forward that fails part
+        way has written them too). Its padding tokens write position
+        ``max_len - 1``, which nothing reads: a prompt is shorter than the context
+        (``sampler_validation``), so no read, copy or move reaches it."""
+        for req, n in batch:
+            slot = req.stage_slot
+            self.written[slot] = max(self.written[slot], req.prefilled + n)
 
     def advanced(self, request: TorchRequest, clock: int) -> None:
         """A prefill chunk of ``request`` is in its slot."""
@@ -192,6 +211,7 @@ class PrefixCache:
 
     def _restore(self, entry: Kept, slot: int, length: int, clock: int) -> None:
         """Copy a kept turn's first ``length`` positions into staging ``slot``."""
+        self.written[slot] = max(self.written[slot], length)
         self.stage.k_L_S_H_T_D[:, slot, :, :length] = entry.k_L_H_T_D[:, :, :length]
         self.stage.v_L_S_H_T_D[:, slot, :, :length] = entry.v_L_H_T_D[:, :, :length]
         entry.staged.last_used = clock

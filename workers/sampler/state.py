@@ -307,6 +307,12 @@ def compact(running: Sequence[Row], cache: KVCache) -> tuple[list[Row], list[Row
 
     Keeps ``running[i].slot == i``: the next decode reads slots ``0..n-1`` in
     place. One batched copy moves every displaced row's KV.
+
+    Keeps the cache's invariant (``kv_cache``: cells beyond a slot's occupant's
+    extent hold zeros; a row's extent is its ``position``): a move copies as far
+    as the hole's former occupant wrote (the mover's cells past its own position
+    are zeros, and overwrite what was there), and the slots left free,
+    ``n..len(running)-1``, are zeroed as far as their former occupants wrote.
     """
     done = [r for r in running if r.stop_reason is not None]
     live = [r for r in running if r.stop_reason is None]
@@ -314,9 +320,13 @@ def compact(running: Sequence[Row], cache: KVCache) -> tuple[list[Row], list[Row
     holes = sorted(r.slot for r in done if r.slot < n)
     movers = [r for r in live if r.slot >= n]
     if movers:
-        length = max(r.position for r in movers)
+        filled = [r for r in done if r.slot < n]
+        length = max(r.position for r in movers + filled)
         cache.move([r.slot for r in movers], holes, length)
-        for r, hole in zip(movers, holes, strict=True):
-            r.slot = hole
+    vacated = [r for r in running if r.slot >= n]
+    if vacated:
+        cache.clear(range(n, len(running)), max(r.position for r in vacated))
+    for r, hole in zip(movers, holes, strict=True):
+        r.slot = hole
     live.sort(key=lambda r: r.slot)
     return live, done

@@ -253,6 +253,10 @@ class TorchSampler:
         for req in requests.values():
             if not req.future.done():
                 req.future.set_exception(error)
+        # The main cache's invariant (``kv_cache``): a step that failed part way
+        # wrote at most one position past a row's, and a starting request its prompt.
+        reach = [r.position + 1 for r in self.running] + [r.prompt.size for r in self.prefilling]
+        self.cache.clear(range(self.cache.num_slots), max(reach, default=0))
         self.running.clear()
         for req in self.prefilling:
             self.prefix.forget(req)
@@ -324,6 +328,7 @@ class TorchSampler:
         return sum(n for _, n in chunks)
 
     def _prefill_forward(self, batch: list[tuple[TorchRequest, int]]) -> None:
+        self.prefix.writing(batch)
         hidden_B_T_H = forward.prefill(
             self.cfg, self.prefix.stage, batch, self.max_len, self.device
         )

@@ -15,15 +15,20 @@ from treadle.workers.sampler.state import TorchRequest
 
 
 class _Stage:
-    """A staging cache that records the KV moves it is asked for."""
+    """A staging cache that records the KV moves and clears it is asked for."""
 
     def __init__(self, slots: int) -> None:
         self.num_slots = slots
         self.max_len = 64
         self.moves: list[tuple[list[int], list[int], int]] = []
+        self.clears: list[tuple[range, int, int]] = []
 
     def move(self, src: list[int], dst: list[int], length: int) -> None:
         self.moves.append((src, dst, length))
+
+    def clear(self, slots: range, stop: int, start: int = 0) -> None:
+        if stop > start:
+            self.clears.append((slots, start, stop))
 
 
 class _Params:
@@ -41,6 +46,7 @@ def _request(prompt: np.ndarray, snap: WeightSnapshot = WEIGHTS) -> TorchRequest
 
 def _prefill(cache: PrefixCache, req: TorchRequest, clock: int) -> None:
     """What the sampler does with a slot: the whole prompt prefilled, then released."""
+    cache.writing([(req, req.prompt.size - req.prefilled)])
     req.prefilled = req.prompt.size
     cache.advanced(req, clock)
     cache.release(req)
@@ -96,3 +102,21 @@ def test_a_prefix_in_a_busy_slot_is_moved_to_a_free_one() -> None:
     slot = cache.slot_for(later, clock=3)
     assert slot not in (first.stage_slot, -1) and later.reused == 8
     assert stage.moves == [([first.stage_slot], [slot], 8)]
+
+
+def test_a_slot_is_zeroed_beyond_the_prefix_its_next_prompt_reuses() -> None:
+    """What a former prompt wrote past the part the next one reuses goes back to zeros
+    (a padded prefill batch reads every slot up to its longest prompt), and only that."""
+    stage = _Stage(1)
+    cache = PrefixCache(stage)  # type: ignore[arg-type]
+    first = _request(np.arange(40))
+    cache.slot_for(first, clock=1)
+    assert stage.clears == []  # a fresh slot holds zeros
+    _prefill(cache, first, 1)
+    same_start = _request(np.concatenate([np.arange(30), [99, 98]]))
+    assert cache.slot_for(same_start, clock=2) == 0 and same_start.reused == 30
+    assert stage.clears == [(range(1), 30, 40)]
+    _prefill(cache, same_start, 2)
+    other = _request(np.arange(40), OTHER)  # other weights: nothing reused
+    cache.slot_for(other, clock=3)
+    assert stage.clears[1:] == [(range(1), 0, 32)]
