@@ -237,7 +237,10 @@ def test_a_dead_child_is_restarted_for_the_next_request(
         create_lora(engine, "r")
         seq = train_step(engine, "r", 1)
         engine.submit("r", seq, SyncWeightsOp(), "sync").result(30)  # version 1
-        cut = SampleOp(PROMPT, 1, SamplingConfig(max_tokens=20, token_budget=5, seed=3))
+        # ignore_eos: cut by the budget whatever the seed draws
+        cut = SampleOp(
+            PROMPT, 1, SamplingConfig(max_tokens=20, token_budget=5, seed=3, ignore_eos=True)
+        )
         (part,) = engine.sample(SamplerTarget("tiny", "r", tenant_id="t"), cut).result(30).sequences
         assert part.stop_reason == "partial" and part.resume_handle
         child = _child(engine)
