@@ -27,6 +27,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.unit.engine_ops import random_datum
 from treadle.common.engine.domain import (
     AdamConfig,
     DatumData,
@@ -52,21 +53,11 @@ SPECS = [
 ]
 
 
-def _datum(rng: np.random.Generator, length: int) -> DatumData:
-    inputs = {
-        "target_tokens": rng.integers(3, 60, length),
-        "weights": np.ones(length),
-        "logprobs": -rng.random(length),
-        "advantages": rng.normal(size=length),
-    }
-    return DatumData(rng.integers(3, 60, length), inputs)
-
-
 def _plan() -> list[tuple[str, OrderedOp]]:
     rng = np.random.default_rng(5)
 
     def data(*lengths: int) -> tuple[DatumData, ...]:
-        return tuple(_datum(rng, n) for n in lengths)
+        return tuple(random_datum(rng, n) for n in lengths)
 
     bad = data(6, 8)
     bad[1].tokens[3] = 10_000  # outside the vocabulary, in rank 1's share

@@ -30,6 +30,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from tests.unit.engine_ops import random_datum
 from tests.unit.trainer.two_ranks import on_two_ranks
 from treadle.common.engine.domain import (
     AdamConfig,
@@ -60,22 +61,12 @@ TOLERANCE = 1e-10
 FAILS_ON_RANK_1 = "injected: this share's loss fails"
 
 
-def _datum(rng: np.random.Generator, length: int) -> DatumData:
-    inputs = {
-        "target_tokens": rng.integers(3, 60, length),
-        "weights": np.ones(length),
-        "logprobs": -rng.random(length),
-        "advantages": rng.normal(size=length),
-    }
-    return DatumData(rng.integers(3, 60, length), inputs)
-
-
 def _rounds() -> list[list[tuple[int, Any]]]:
     """Each round's batch: (model index, call)."""
     rng = np.random.default_rng(7)
 
     def data(*lengths: int) -> tuple[DatumData, ...]:
-        return tuple(_datum(rng, n) for n in lengths)
+        return tuple(random_datum(rng, n) for n in lengths)
 
     kl = {"kl_beta": 0.1}
     return [
