@@ -135,6 +135,38 @@ class _CacheStep:
     write_index_N: Tensor  # the cache cells this call's K/V go to (every layer)
 
 
+def attention_qkv(
+    cfg: ModelConfig,
+    layer: LayerParams,
+    n: int,
+    h_B_T_H: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    lora: Lora | None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Layer ``n``'s queries, keys and values of ``h_B_T_H`` (``[B, T, heads, D]``), the
+    queries and keys normed (Qwen3) and rotated: what every attention of the family
+    computes before it reads keys (``workers.model.shared_prefix`` reads them across
+    rows)."""
+    B, T, _ = h_B_T_H.shape
+    q = _proj(h_B_T_H, layer.q_proj, layer.q_bias, lora, n, "q_proj")
+    k = _proj(h_B_T_H, layer.k_proj, layer.k_bias, lora, n, "k_proj")
+    v = _proj(h_B_T_H, layer.v_proj, layer.v_bias, lora, n, "v_proj")
+    q_B_T_Hq_D = q.view(B, T, cfg.num_heads, cfg.head_dim)
+    k_B_T_Hk_D = k.view(B, T, cfg.num_kv_heads, cfg.head_dim)
+    v_B_T_Hk_D = v.view(B, T, cfg.num_kv_heads, cfg.head_dim)
+    if layer.q_norm is not None and layer.k_norm is not None:
+        q_B_T_Hq_D = rms_norm(q_B_T_Hq_D, layer.q_norm, cfg.rms_norm_eps)
+        k_B_T_Hk_D = rms_norm(k_B_T_Hk_D, layer.k_norm, cfg.rms_norm_eps)
+    return apply_rope(q_B_T_Hq_D, cos, sin), apply_rope(k_B_T_Hk_D, cos, sin), v_B_T_Hk_D
+
+
+def attention_output(layer: LayerParams, n: int, out_B_T_Q: Tensor, lora: Lora | None) -> Tensor:
+    """The attention's heads, concatenated (``[B, T, heads x D]``), through layer
+    ``n``'s output projection."""
+    return _proj(out_B_T_Q, layer.o_proj, layer.o_bias, lora, n, "o_proj")
+
+
 def _attention(
     cfg: ModelConfig,
     layer: LayerParams,
@@ -146,18 +178,7 @@ def _attention(
     step: _CacheStep | None,
 ) -> Tensor:
     B, T, _ = h_B_T_H.shape
-    q = _proj(h_B_T_H, layer.q_proj, layer.q_bias, lora, n, "q_proj")
-    k = _proj(h_B_T_H, layer.k_proj, layer.k_bias, lora, n, "k_proj")
-    v = _proj(h_B_T_H, layer.v_proj, layer.v_bias, lora, n, "v_proj")
-    q_B_T_Hq_D = q.view(B, T, cfg.num_heads, cfg.head_dim)
-    k_B_T_Hk_D = k.view(B, T, cfg.num_kv_heads, cfg.head_dim)
-    v_B_T_Hk_D = v.view(B, T, cfg.num_kv_heads, cfg.head_dim)
-    if layer.q_norm is not None and layer.k_norm is not None:
-        q_B_T_Hq_D = rms_norm(q_B_T_Hq_D, layer.q_norm, cfg.rms_norm_eps)
-        k_B_T_Hk_D = rms_norm(k_B_T_Hk_D, layer.k_norm, cfg.rms_norm_eps)
-    q_B_T_Hq_D = apply_rope(q_B_T_Hq_D, cos, sin)
-    k_B_T_Hk_D = apply_rope(k_B_T_Hk_D, cos, sin)
-
+    q_B_T_Hq_D, k_B_T_Hk_D, v_B_T_Hk_D = attention_qkv(cfg, layer, n, h_B_T_H, cos, sin, lora)
     gqa = cfg.num_heads != cfg.num_kv_heads
     if step is None:
         out_B_Hq_T_D = F.scaled_dot_product_attention(
@@ -180,10 +201,11 @@ def _attention(
             enable_gqa=gqa,
         )
     out_B_T_Q = out_B_Hq_T_D.transpose(1, 2).reshape(B, T, cfg.q_size)
-    return _proj(out_B_T_Q, layer.o_proj, layer.o_bias, lora, n, "o_proj")
+    return attention_output(layer, n, out_B_T_Q, lora)
 
 
-def _mlp(layer: LayerParams, n: int, h_B_T_H: Tensor, lora: Lora | None) -> Tensor:
+def mlp(layer: LayerParams, n: int, h_B_T_H: Tensor, lora: Lora | None) -> Tensor:
+    """Layer ``n``'s gated MLP (its input already normed)."""
     gate = _proj(h_B_T_H, layer.gate_proj, None, lora, n, "gate_proj")
     up = _proj(h_B_T_H, layer.up_proj, None, lora, n, "up_proj")
     return _proj(F.silu(gate) * up, layer.down_proj, None, lora, n, "down_proj")
@@ -307,7 +329,7 @@ def _layer(
     h_B_T_H = rms_norm(x_B_T_H, layer.input_layernorm, eps)
     x_B_T_H = x_B_T_H + _attention(cfg, layer, n, h_B_T_H, cos, sin, lora, step)
     h_B_T_H = rms_norm(x_B_T_H, layer.post_attention_layernorm, eps)
-    return x_B_T_H + _mlp(layer, n, h_B_T_H, lora)
+    return x_B_T_H + mlp(layer, n, h_B_T_H, lora)
 
 
 def _slot_span(slots_B: Tensor) -> Tensor | slice:

@@ -7,6 +7,7 @@ accumulated gradients and optimizer state exactly as they were.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -27,6 +28,7 @@ from treadle.common.engine.domain import (
 from treadle.common.engine.model_config import ModelConfig
 from treadle.workers.engine.base_models import BaseModel
 from treadle.workers.engine.versions import BaseVersion, ReferenceCache, WeightSnapshot
+from treadle.workers.model import shared_prefix
 from treadle.workers.model.llama import LlamaParams, forward_hidden, lm_logits, target_logprobs
 from treadle.workers.model.lora import HEAD, UNEMBED_TARGET, LoraAdapter, targets_for
 from treadle.workers.model.published import WeightsKeeper, WholeWeights, clone_weights
@@ -206,6 +208,18 @@ class TrainBatch:
     lengths: list[int]
     valid_B_T: Tensor  # bool, True on real (unpadded) positions
     inputs: dict[str, Tensor] = field(default_factory=dict)
+    #: the tokens on the host, for planning (``prefix_layout``)
+    host_tokens_B_T: np.ndarray | None = None
+
+    @functools.cached_property
+    def prefix_layout(self) -> shared_prefix.PrefixLayout | None:
+        """The rows' shared prefixes, where computing each once pays
+        (``workers.model.shared_prefix``): planned once per batch, on first use."""
+        if self.host_tokens_B_T is None:
+            return None
+        return shared_prefix.plan(
+            [row[:n] for row, n in zip(self.host_tokens_B_T, self.lengths, strict=True)]
+        )
 
 
 def _make_batch(
@@ -229,6 +243,7 @@ def _make_batch(
         lengths,
         valid.to(device),
         inputs or {},
+        tokens,
     )
 
 
@@ -274,9 +289,13 @@ def _logprobs(
     else:
         params, lora = model.params, model.adapter
     checkpoint = model.checkpoint_activations and torch.is_grad_enabled()
-    hidden = forward_hidden(
-        model.cfg, params, batch.tokens_B_T, lora=lora, checkpoint_layers=checkpoint
-    )
+    layout = None if checkpoint else batch.prefix_layout
+    if layout is not None:  # GRPO's G completions of a prompt: the prompt computed once
+        hidden = shared_prefix.forward_hidden_shared(model.cfg, params, layout, lora=lora)
+    else:
+        hidden = forward_hidden(
+            model.cfg, params, batch.tokens_B_T, lora=lora, checkpoint_layers=checkpoint
+        )
     return logprobs_of_hidden(
         model.cfg,
         params,
