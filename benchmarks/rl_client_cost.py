@@ -13,7 +13,9 @@ on the user's machine, on the step's critical path:
   out, a fixed permutation split in 4 minibatches, ``rl.build_datums`` with DAPO's
   constant normalisation (``token_sum_constant``: the step's completion tokens / 4);
 * encode: each minibatch's ``ForwardBackwardRequest`` (``ppo``, DAPO's clip) built
-  (``_convert.forward_backward_request``) and serialized.
+  (``_convert.forward_backward_request``) and serialized;
+* stats: what the loops' ``StepStats`` reads off the rollouts (each rollout's
+  staleness, ``rl.staleness_histogram``; the trained tokens; the mean reward).
 
 Two shapes: the demo's (64 prompts x 8 samples, 4 new tokens) and a longer one
 (16 x 8, 256 new tokens). The inputs (response bytes, prompts, rewards, the
@@ -47,7 +49,7 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
-PHASES = ("sample_req", "decode", "rollouts", "datums", "encode")
+PHASES = ("sample_req", "decode", "rollouts", "datums", "encode", "stats")
 #: (name, prompts, samples per prompt, new tokens per sample)
 SHAPES = (("demo 64x8x4", 64, 8, 4), ("long 16x8x256", 16, 8, 256))
 MINIBATCHES = 4
@@ -163,6 +165,12 @@ def step(inputs: dict[str, Any]) -> tuple[dict[str, float], list[bytes]]:
     for request in requests:
         request.SerializeToString()
     times["encode"] = time.perf_counter() - t
+
+    t = time.perf_counter()
+    rl.staleness_histogram(rollouts, 7)
+    sum(r.trained_tokens for r in rollouts)
+    float(np.mean([r.reward for r in rollouts]))
+    times["stats"] = time.perf_counter() - t
 
     # the bytes compared: every request, map fields (loss_fn_inputs) in a fixed order
     wire = [request.SerializeToString(deterministic=True) for request in sent + requests]

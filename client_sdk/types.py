@@ -13,6 +13,7 @@ token predicted from ``x[..t]``).
 
 from __future__ import annotations
 
+import array as _array
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -29,6 +30,8 @@ StoppedBy = Literal["eos", "stop_string", "stop_token"]
 
 #: loss_fn_inputs keys holding integer tokens; every other key is float.
 INT_INPUT_KEYS = frozenset({"target_tokens"})
+_INT_DTYPES = (np.dtype(np.int64),)
+_FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 
 
 def to_numpy(value: Any, *, dtype: Any, field_name: str) -> np.ndarray:
@@ -54,6 +57,13 @@ class ModelInput:
 
     @classmethod
     def from_ints(cls, tokens: Sequence[int] | np.ndarray | Any) -> ModelInput:
+        if type(tokens) is list or type(tokens) is tuple:
+            # a token list: int64's range and integer check without numpy (a float
+            # or an int past int64 is refused here and takes numpy's path, as before)
+            try:
+                return cls(tuple(_array.array("q", tokens)))
+            except (TypeError, OverflowError):
+                pass
         arr = to_numpy(tokens, dtype=np.int64, field_name="model_input.tokens")
         return cls(tuple(int(t) for t in arr))
 
@@ -87,6 +97,15 @@ class Datum:
             object.__setattr__(self, "model_input", ModelInput.from_ints(self.model_input))
         converted: dict[str, np.ndarray] = {}
         for key, value in self.loss_fn_inputs.items():
+            if (
+                type(value) is np.ndarray
+                and value.ndim == 1
+                and value.dtype in (_INT_DTYPES if key in INT_INPUT_KEYS else _FLOAT_DTYPES)
+            ):
+                # what to_numpy returns for it (build_datums' arrays; float64 is kept for
+                # float64 models), without its cost; ``in`` tries identity before ==
+                converted[key] = value
+                continue
             dtype: type = np.int64 if key in INT_INPUT_KEYS else np.float32
             if (
                 isinstance(value, np.ndarray)
@@ -94,10 +113,7 @@ class Datum:
                 and key not in INT_INPUT_KEYS
             ):
                 dtype = np.float64  # keep float64 inputs for float64 models
-            if type(value) is np.ndarray and value.dtype == dtype and value.ndim == 1:
-                converted[key] = value  # what to_numpy returns for it, without its checks' cost
-            else:
-                converted[key] = to_numpy(value, dtype=dtype, field_name=f"loss_fn_inputs.{key}")
+            converted[key] = to_numpy(value, dtype=dtype, field_name=f"loss_fn_inputs.{key}")
         object.__setattr__(self, "loss_fn_inputs", converted)
 
 

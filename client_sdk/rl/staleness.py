@@ -97,12 +97,50 @@ def rollout_staleness(rollout: Rollout, current_version: int) -> int:
     """
     if not rollout.completion_tokens:
         return 0
-    if not rollout.versions:
+    versions = rollout.versions
+    if not versions:
         raise InvalidArgumentError(
             "rollout.versions: empty; staleness needs the version of each sampled token "
             "(SampledSequence.versions)"
         )
-    return int(token_staleness(rollout.versions, current_version).max())
+    bounds = _span_bounds(versions)
+    if bounds is None:
+        return int(token_staleness(versions, current_version).max())
+    # token_staleness's answer and errors, from the spans without a per-token array
+    oldest, newest = bounds
+    current = _check_int(current_version, "current_version")
+    if current - newest < 0:
+        raise InvalidArgumentError(
+            f"versions: a token has version {newest}, newer than "
+            f"current_version {current} (pass the trainer's current version)"
+        )
+    return current - oldest
+
+
+def _span_bounds(versions: Any) -> tuple[int, int] | None:
+    """(oldest, newest) version of the tokens of contiguous spans with int fields (the
+    sampler's), None for anything else (the general path checks and expands it)."""
+    if type(versions) is not tuple and type(versions) is not list:
+        return None
+    oldest = newest = None
+    total = 0
+    for span in versions:
+        if type(span) is not VersionSpan:
+            return None
+        start, length, version = span.start, span.length, span.version
+        if type(start) is not int or type(length) is not int or type(version) is not int:
+            return None
+        if start != total or length < 0:
+            return None  # the general path raises its error
+        total += length
+        if length:
+            if oldest is None or version < oldest:
+                oldest = version
+            if newest is None or version > newest:
+                newest = version
+    if oldest is None or newest is None:
+        return None  # spans of no tokens: the general path's answer
+    return oldest, newest
 
 
 def drop_stale(

@@ -7,9 +7,11 @@ import numpy as np
 import pytest
 
 from treadle import _convert
+from treadle import types as types_module
 from treadle.errors import InvalidArgumentError
 from treadle.rl import Rollout, build_datums
-from treadle.rl.staleness import count_versions, expand_versions
+from treadle.rl import staleness as staleness_module
+from treadle.rl.staleness import count_versions, expand_versions, rollout_staleness, token_staleness
 from treadle.types import Datum, ModelInput, VersionSpan
 from treadle.v1 import common_pb2, sampling_pb2
 from treadle.wire.tensors import from_wire, ints_to_wire, to_wire
@@ -149,3 +151,55 @@ def test_rollout_takes_finite_values_whose_sum_overflows() -> None:
     assert rollout.completion_logprobs == (-1e308, -1e308)
     with pytest.raises(InvalidArgumentError, match="ref_logprobs: contains NaN or inf"):
         Rollout([1], [2, 3], [0.0, 0.0], ref_logprobs=[1e308, float("inf")])
+
+
+@pytest.mark.parametrize(
+    "tokens",
+    [[1, 2, 3], (4, 5), [], [np.int64(7), np.int32(8)], [True, 2], [2**63 - 1, -(2**63)]],
+)
+def test_model_input_from_a_token_list_skips_numpy(tokens: list, monkeypatch) -> None:
+    expected = tuple(int(t) for t in np.asarray(tokens, dtype=np.int64))
+    # other values convert as numpy does, as before
+    assert ModelInput.from_ints([1.7, "3", np.bool_(True)]).tokens == (1, 3, 1)
+    with pytest.raises(OverflowError):
+        ModelInput.from_ints([2**63])
+    with pytest.raises(InvalidArgumentError, match="model_input.tokens: expected a 1-D"):
+        ModelInput.from_ints([[1, 2]])
+    monkeypatch.setattr(types_module, "to_numpy", _refuse)
+    got = ModelInput.from_ints(tokens).tokens
+    assert got == expected and all(type(t) is int for t in got)
+
+
+@pytest.mark.parametrize(
+    "versions",
+    [
+        [VersionSpan(0, 2, 5)],
+        [VersionSpan(0, 1, 3), VersionSpan(1, 0, 1), VersionSpan(1, 2, 6)],
+        (VersionSpan(0, 1, 7), VersionSpan(1, 1, 4)),
+    ],
+)
+def test_rollout_staleness_of_spans_skips_the_per_token_array(versions, monkeypatch) -> None:
+    n = count_versions(versions)
+    rollout = Rollout([1], list(range(2, 2 + n)), [0.0] * n, versions=versions)
+    expected = [int(token_staleness(versions, v).max()) for v in (7, np.int64(9))]
+    older = max(span.version for span in versions if span.length) - 1  # than a token
+    with pytest.raises(InvalidArgumentError) as newer:
+        token_staleness(versions, older)
+    monkeypatch.setattr(staleness_module, "expand_versions", _refuse)
+    assert [rollout_staleness(rollout, v) for v in (7, np.int64(9))] == expected
+    with pytest.raises(InvalidArgumentError) as got:
+        rollout_staleness(rollout, older)
+    assert str(got.value) == str(newer.value)
+    with pytest.raises(InvalidArgumentError, match="current_version: must be an integer >= 0"):
+        rollout_staleness(rollout, -1)
+
+
+def test_rollout_staleness_of_per_token_versions_is_unchanged() -> None:
+    rollout = Rollout([1], [2, 3], [0.0, 0.0], versions=[6, np.int64(4)])
+    assert rollout_staleness(rollout, 7) == 3
+    with pytest.raises(InvalidArgumentError, match="a token has version 6, newer than"):
+        rollout_staleness(rollout, 5)
+
+
+def _refuse(*args, **kwargs):
+    raise AssertionError("the general path was taken")
