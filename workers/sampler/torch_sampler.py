@@ -15,7 +15,8 @@ A ``step()`` does, in order:
    cache: a prompt that starts like a staged one (same weights) copies that KV
    and prefills only the rest. Once the whole prompt is in, its KV is copied
    into the G consecutive main slots of the request's rows, and each row's
-   first token is drawn from the one set of prompt logits.
+   first token is drawn from the one set of prompt logits (the rows of every
+   request finishing in one prefill forward in one choice and one device read).
 2. *Decode.* Every running row advances one token, in one batched forward per
    base weights (LoRA rows of different adapters and versions share it through
    ``LoraRows``; full fine-tunes have their own base weights). Finished rows
