@@ -65,7 +65,7 @@ from treadle.workers.sampler.fair_queue import FairQueue
 from treadle.workers.sampler.partials import PartialStore, gather, resume_op
 from treadle.workers.sampler.prefix_cache import PrefixCache
 from treadle.workers.sampler.prepack_policy import PrepackPolicy
-from treadle.workers.sampler.sampling import row_keys
+from treadle.workers.sampler.sampling import requests_row_keys
 from treadle.workers.sampler.state import (
     Partial,
     Row,
@@ -352,17 +352,25 @@ class TorchSampler:
         """The prompts are in: copy each one's KV to its G consecutive main slots, then
         draw every row's first token from its prompt's logits (``logits_F_V[f]`` for
         ``requests[f]``), all rows in one choice and one device read."""
+        counts = [r.op.num_samples for r in requests]
+        self.cache.copy_from(
+            self.prefix.stage,
+            [r.stage_slot for r in requests],
+            counts,
+            len(self.running),
+            max(r.prompt.size for r in requests),
+        )
+        keys = requests_row_keys([r.seed for r in requests], counts)
         rows: list[Row] = []
         prompt_of: list[int] = []  # each row's index into logits_F_V
-        for f, request in enumerate(requests):
-            G, P = request.op.num_samples, request.prompt.size
-            first = len(self.running)
-            self.cache.copy_from(self.prefix.stage, request.stage_slot, first, G, P)
+        for f, (request, G) in enumerate(zip(requests, counts, strict=True)):
+            P, first = request.prompt.size, len(self.running)
             self.prefix.release(request)
             self.reserved -= G
-            keys = row_keys(request.seed, G)
             snap = request.snapshot
-            request.rows = [Row(request, i, first + i, keys[i], snap, position=P) for i in range(G)]
+            request.rows = [
+                Row(request, i, first + i, keys[f][i], snap, position=P) for i in range(G)
+            ]
             self.running.extend(request.rows)
             rows.extend(request.rows)
             prompt_of.extend([f] * G)
