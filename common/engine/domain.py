@@ -338,6 +338,8 @@ class ModelStatus:
 
 def version_spans(token_versions: list[int]) -> tuple[tuple[int, int, int], ...]:
     """Run-length encode per-token versions into (start, length, version) spans."""
+    if token_versions and token_versions.count(token_versions[0]) == len(token_versions):
+        return ((0, len(token_versions), token_versions[0]),)  # one version (a C-speed count)
     spans: list[tuple[int, int, int]] = []
     for i, v in enumerate(token_versions):
         if spans and spans[-1][2] == v:

@@ -156,21 +156,36 @@ class KVCache:
             cache[:, dst, :, :length] = cache[:, src, :, :length]
 
     def copy_from(
-        self, other: KVCache, src_slot: int, dst_start: int, count: int, length: int
+        self,
+        other: KVCache,
+        src_slots: Sequence[int],
+        counts: Sequence[int],
+        dst_start: int,
+        length: int,
     ) -> None:
-        """Copy ``other``'s slot ``src_slot`` (first ``length`` positions) into ``count``
-        consecutive slots from ``dst_start``: a prefilled prompt entering the batch
-        as its G rows."""
-        if count <= 0 or length <= 0:
+        """Copy ``other``'s slots ``src_slots`` (first ``length`` positions) into
+        consecutive slots from ``dst_start``, ``counts[i]`` copies of ``src_slots[i]``
+        after those of the slots before it: prefilled prompts entering the batch as
+        their G rows each, in one copy per tensor. A prompt shorter than ``length``
+        brings the zeros beyond it (the invariant above) and leaves them so."""
+        total = sum(counts)
+        if total <= 0 or length <= 0:
             return
         if not length <= min(self.max_len, other.max_len):
             raise InvalidArgumentError(f"copy_from: length {length} beyond the caches")
+        index_R = None
+        if len(src_slots) > 1:
+            rows = [s for s, n in zip(src_slots, counts, strict=True) for _ in range(n)]
+            index_R = upload(torch.tensor(rows, dtype=torch.long), self.device)
         for mine, theirs in (
             (self.k_L_S_H_T_D, other.k_L_S_H_T_D),
             (self.v_L_S_H_T_D, other.v_L_S_H_T_D),
         ):
-            src_L_1_H_T_D = theirs[:, src_slot : src_slot + 1, :, :length]
-            mine[:, dst_start : dst_start + count, :, :length] = src_L_1_H_T_D
+            if index_R is None:  # one prompt: its slot broadcast to its rows
+                src = theirs[:, src_slots[0] : src_slots[0] + 1, :, :length]
+            else:
+                src = theirs[:, :, :, :length].index_select(1, index_R)
+            mine[:, dst_start : dst_start + total, :, :length] = src
 
     def copy_prefix(self, src_slot: int, dst_slots: Sequence[int] | Tensor, length: int) -> None:
         """Copy the first ``length`` positions of ``src_slot`` into every slot of ``dst_slots``.

@@ -76,6 +76,8 @@ class PrefixCache:
             n = min(staged.tokens.size, prompt.size)
             if n <= best_len or not staged.computed_by(request.snapshot):
                 continue
+            if staged.tokens[best_len] != prompt[best_len]:
+                continue  # shares at most best_len tokens: no better (one compare)
             common = common_prefix(staged.tokens[:n], prompt[:n])
             if common > best_len:
                 best, best_len = i, common
@@ -90,6 +92,8 @@ class PrefixCache:
             owner = staged.owner
             if owner is not None and staged.computed_by(request.snapshot):
                 n = min(owner.prompt.size, prompt.size)
+                if n < best_len + MIN_PREFIX_WAIT:
+                    continue  # too short to share that many more tokens
                 if common_prefix(owner.prompt[:n], prompt[:n]) >= best_len + MIN_PREFIX_WAIT:
                     return -1
         if kept is not None:  # a finished turn of this episode: its KV into a free slot

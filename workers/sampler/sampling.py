@@ -39,10 +39,21 @@ def row_keys(seed: int, count: int) -> list[int]:
     sample s of seed s those of sample 0 of seed 0): requests seeded 0, 1, 2, ...
     (an evaluation set's, one seed a prompt) shared streams.
     """
-    seed_arr = _splitmix64(np.array([seed % 2**64], dtype=np.uint64))
+    return requests_row_keys([seed], [count])[0]
+
+
+def requests_row_keys(seeds: Sequence[int], counts: Sequence[int]) -> list[list[int]]:
+    """``row_keys(seeds[i], counts[i])`` for each i, hashed in one pass over all rows."""
+    seeds_F = _splitmix64(np.array([s % 2**64 for s in seeds], dtype=np.uint64))
+    counts_F = np.asarray(counts, dtype=np.int64)
+    starts_F = np.cumsum(counts_F) - counts_F
+    total = int(counts_F.sum())
+    index_R = np.arange(total, dtype=np.int64) - np.repeat(starts_F, counts_F)
     with np.errstate(over="ignore"):
-        keys = _splitmix64(seed_arr + np.arange(count, dtype=np.uint64) * _GOLDEN)
-    return [int(k) for k in keys]
+        keys_R = _splitmix64(
+            np.repeat(seeds_F, counts_F) + index_R.astype(np.uint64) * _GOLDEN
+        ).tolist()
+    return [keys_R[start : start + n] for start, n in zip(starts_F.tolist(), counts, strict=True)]
 
 
 def row_uniforms(keys_B: np.ndarray, counters_B: np.ndarray) -> Tensor:

@@ -15,7 +15,8 @@ A ``step()`` does, in order:
    cache: a prompt that starts like a staged one (same weights) copies that KV
    and prefills only the rest. Once the whole prompt is in, its KV is copied
    into the G consecutive main slots of the request's rows, and each row's
-   first token is drawn from the one set of prompt logits.
+   first token is drawn from the one set of prompt logits (the rows of every
+   request finishing in one prefill forward in one choice and one device read).
 2. *Decode.* Every running row advances one token, in one batched forward per
    base weights (LoRA rows of different adapters and versions share it through
    ``LoraRows``; full fine-tunes have their own base weights). Finished rows
@@ -54,6 +55,7 @@ from treadle.common.engine.domain import SampleOp, SampleResult
 from treadle.common.engine.stats import SamplerStats
 from treadle.errors import ResourceExhaustedError, TreadleError
 from treadle.workers.device import memory_budget
+from treadle.workers.device.device import upload
 from treadle.workers.engine.base_models import BaseModel
 from treadle.workers.engine.versions import WeightSnapshot
 from treadle.workers.model.llama import lm_logits
@@ -63,7 +65,7 @@ from treadle.workers.sampler.fair_queue import FairQueue
 from treadle.workers.sampler.partials import PartialStore, gather, resume_op
 from treadle.workers.sampler.prefix_cache import PrefixCache
 from treadle.workers.sampler.prepack_policy import PrepackPolicy
-from treadle.workers.sampler.sampling import row_keys
+from treadle.workers.sampler.sampling import requests_row_keys
 from treadle.workers.sampler.state import (
     Partial,
     Row,
@@ -344,26 +346,41 @@ class TorchSampler:
             hidden_F_H = torch.stack([h for _, h in finished])
             head_lora = lora_for([req.snapshot.adapter for req, _ in finished])
             logits_F_V = lm_logits(self.cfg, params, hidden_F_H, lora=head_lora)
-            for (req, _), logits_V in zip(finished, logits_F_V, strict=True):
-                self._start_rows(req, logits_V)
+            self._start_rows([req for req, _ in finished], logits_F_V)
 
-    def _start_rows(self, request: TorchRequest, logits_V: Tensor) -> None:
-        """The prompt is in: copy its KV to G consecutive main slots and draw first tokens."""
-        G, P = request.op.num_samples, request.prompt.size
-        first = len(self.running)
-        self.cache.copy_from(self.prefix.stage, request.stage_slot, first, G, P)
-        self.prefix.release(request)
-        self.reserved -= G
-        keys = row_keys(request.seed, G)
-        snap = request.snapshot
-        rows = [Row(request, i, first + i, keys[i], snap, position=P) for i in range(G)]
-        request.rows = rows
-        self.running.extend(rows)
-        self._emit(rows, logits_V.expand(G, -1))
-        if request.swap_to is not None:
-            for row in rows:
-                row.snapshot = request.swap_to
-            request.swap_to = None
+    def _start_rows(self, requests: Sequence[TorchRequest], logits_F_V: Tensor) -> None:
+        """The prompts are in: copy each one's KV to its G consecutive main slots, then
+        draw every row's first token from its prompt's logits (``logits_F_V[f]`` for
+        ``requests[f]``), all rows in one choice and one device read."""
+        counts = [r.op.num_samples for r in requests]
+        self.cache.copy_from(
+            self.prefix.stage,
+            [r.stage_slot for r in requests],
+            counts,
+            len(self.running),
+            max(r.prompt.size for r in requests),
+        )
+        keys = requests_row_keys([r.seed for r in requests], counts)
+        rows: list[Row] = []
+        prompt_of: list[int] = []  # each row's index into logits_F_V
+        for f, (request, G) in enumerate(zip(requests, counts, strict=True)):
+            P, first = request.prompt.size, len(self.running)
+            self.prefix.release(request)
+            self.reserved -= G
+            snap = request.snapshot
+            request.rows = [
+                Row(request, i, first + i, keys[f][i], snap, position=P) for i in range(G)
+            ]
+            self.running.extend(request.rows)
+            rows.extend(request.rows)
+            prompt_of.extend([f] * G)
+        index_B = upload(torch.tensor(prompt_of), logits_F_V.device)
+        self._emit(rows, logits_F_V.index_select(0, index_B))
+        for request in requests:
+            if request.swap_to is not None:
+                for row in request.rows:
+                    row.snapshot = request.swap_to
+                request.swap_to = None
         if any(r.stop_reason for r in rows):
             self._compact()
 

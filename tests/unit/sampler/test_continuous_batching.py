@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.gpu.checks_sync import DeviceReads
 from treadle.common.engine.domain import (
     AdamConfig,
     DatumData,
@@ -118,6 +119,51 @@ def test_multi_lora_rows_equal_single_adapter_runs(
     batched = _run(TorchSampler(base, limits=SamplerLimits(num_slots=16, max_len=64)), work)
     for (op, s), got in zip(work, batched, strict=True):
         _assert_same(got, _alone(base, op, s))
+
+
+def test_requests_finishing_prefill_together_draw_as_if_alone(
+    base: BaseModel, base_snap: WeightSnapshot
+) -> None:
+    """Requests whose prompts finish in one prefill forward have their first tokens
+    chosen in one batch: each row still draws from its own prompt's logits with its
+    own seed and parameters (the same tokens as sampling each request alone), and
+    the step reads the device once for all of them and once for the decode."""
+    rng = np.random.default_rng(7)
+    ops = [
+        SampleOp(
+            rng.integers(3, 90, size=6 + i % 2),
+            1 + i % 3,
+            SamplingConfig(
+                max_tokens=3 + i % 4,
+                seed=500 + i,
+                temperature=[1.0, 0.6, 1.3, 0.0][i % 4],
+                top_k=[-1, 8][i % 2],
+                top_p=[1.0, 0.9][(i // 2) % 2],
+                ignore_eos=i % 3 == 0,
+            ),
+        )
+        for i in range(6)
+    ]
+    limits = SamplerLimits(
+        num_slots=16, max_len=64, prefill_slots=6, max_prefill_tokens=64, prepack=False
+    )  # prepacking (the CPU only) reads no device but is not what is counted here
+    sampler = TorchSampler(base, limits=limits)
+    futures: list[Future[SampleResult]] = []
+    for op in ops:
+        fut: Future[SampleResult] = Future()
+        sampler.submit(SampleJob(sampler.base, op, base_snap), fut)
+        futures.append(fut)
+    with DeviceReads() as mode:
+        sampler.step()  # every prompt in one forward, then a decode
+    assert not sampler.queue and not sampler.prefilling
+    # the tokens' reads (``token_choice.to_host``): the first tokens' one, the decode's
+    # one (the prefill forward's own reads of its CPU slot ids are the CPU's only)
+    assert mode.reads.count("cpu") == 2, mode.reads
+    while sampler.has_work():
+        sampler.step()
+        _check_compact(sampler)
+    for op, fut in zip(ops, futures, strict=True):
+        _assert_same(fut.result(), _alone(base, op, base_snap))
 
 
 def test_full_finetune_rows_decode_beside_lora_rows(
