@@ -16,13 +16,27 @@ up through this module at each use, so a test replaces it with its own.
 * **Models.** Creating or restoring a model first estimates what it will
   hold between calls (``model_bytes``: the base weights if not loaded yet;
   the trainable tensors, their gradients, Adam's two moments and the
-  ``keep_versions`` published copies), and answers RESOURCE_EXHAUSTED with
-  the bytes needed and free when that exceeds the free memory, before
-  anything is allocated. Activations are checked per call
+  ``keep_versions`` published copies held on the device), and answers
+  RESOURCE_EXHAUSTED with the bytes needed and free when that exceeds the free
+  memory, before anything is allocated. Activations are checked per call
   (``workers.trainer.memory``).
+* **Published versions** are counted where they are kept. A LoRA version is a
+  copy of the adapter on the model's device. A full fine-tune's is kept as the
+  sampler backend reads it, and the backend says which memory that takes
+  (``SamplerBackend.version_memory``): the torch samplers' clone, the device's;
+  the sampler process's shared buffer, the host's RAM (the device: CPU only);
+  vLLM's file in ``/dev/shm``, the host's RAM (a tmpfs), on a GPU worker not
+  the device's. Versions in the device's memory are counted with the model;
+  versions in the host's RAM on a GPU worker are checked against the host's
+  free memory (``MemAvailable``) on their own; on the CPU the host's RAM *is*
+  the device's memory, so every backend's versions count with the model there
+  (a tmpfs file's pages are not in ``MemAvailable``). A file on disk (no
+  ``/dev/shm``) is not counted.
 """
 
 from __future__ import annotations
+
+from typing import Protocol
 
 import torch
 
@@ -134,29 +148,64 @@ def lora_params(cfg: ModelConfig, rank: int, targets: tuple[str, ...]) -> int:
     return cfg.num_layers * per_layer + head
 
 
+class KeepsVersions(Protocol):
+    """What the budget asks a sampler backend (``SamplerBackend.version_memory``)."""
+
+    def version_memory(self, device: torch.device) -> torch.device | None:
+        """The memory a full fine-tune's kept version on ``device`` takes (None: none)."""
+        ...
+
+
 def check_model(
-    spec: ModelSpec, bases: BaseModelRegistry, keep_versions: int, *, base_held: bool = False
+    spec: ModelSpec,
+    bases: BaseModelRegistry,
+    keep_versions: int,
+    sampler: KeepsVersions,
+    *,
+    base_held: bool = False,
 ) -> None:
     """RESOURCE_EXHAUSTED, before anything is allocated, when the model ``spec``
-    creates (or restores) would not fit in the free memory of the bases' device.
+    creates (or restores) would not fit in the free memory of the bases' device,
+    or its ``keep_versions`` published versions not in the memory ``sampler`` keeps
+    them in (a full fine-tune's, when that is not the device's: the host's RAM).
     ``base_held``: what a LoRA model reads of its base is held here already, though
     the whole base is not loaded (a group's rank 0 that keeps only its shards)."""
     dtype = parse_dtype(spec.dtype)
+    cfg, where = bases.config(spec.base_model), bases.device
     targets = TARGETS
     if spec.is_lora:
         targets = targets_for(
             train_attn=spec.train_attn, train_mlp=spec.train_mlp, train_unembed=spec.train_unembed
         )
+    # a LoRA version is an adapter copy on the device; a full fine-tune's as the backend keeps it
+    versions_in = where if spec.is_lora else sampler.version_memory(where)
     need = model_bytes(
-        bases.config(spec.base_model),
+        cfg,
         dtype,
         lora_rank=spec.lora_rank,
         targets=targets,
-        keep_versions=keep_versions,
+        keep_versions=keep_versions if versions_in == where else 0,
         # a full fine-tune reads its own copy without loading the base (``BaseModel``)
         base_loaded=not spec.is_lora or base_held or bases.loaded(spec.base_model, dtype),
     )
-    check_model_fits(need, bases.device, f"model {spec.model_id}")
+    check_model_fits(need, where, f"model {spec.model_id}")
+    if versions_in is not None and versions_in != where:
+        kept = keep_versions * version_bytes(cfg, dtype, lora_rank=spec.lora_rank, targets=targets)
+        check_model_fits(
+            kept,
+            versions_in,
+            f"model {spec.model_id}",
+            held=f"{keep_versions} published versions",
+            fix="lower --keep-versions, delete a model on this worker, or retry on another worker",
+        )
+
+
+def version_bytes(
+    cfg: ModelConfig, dtype: torch.dtype, *, lora_rank: int, targets: tuple[str, ...] = TARGETS
+) -> int:
+    """One published version: a copy of the adapter, or of a full fine-tune's weights."""
+    element = torch.empty((), dtype=dtype).element_size()
+    return (lora_params(cfg, lora_rank, targets) if lora_rank > 0 else cfg.num_params()) * element
 
 
 def model_bytes(
@@ -168,23 +217,32 @@ def model_bytes(
     keep_versions: int,
     base_loaded: bool,
 ) -> int:
-    """What a model holds between calls: the base weights (unless loaded already),
-    its trainable tensors (a full fine-tune's own copy of every weight), their
-    gradients, Adam's two moments, and up to ``keep_versions`` published copies."""
+    """What a model holds between calls on its device: the base weights (unless
+    loaded already), its trainable tensors (a full fine-tune's own copy of every
+    weight), their gradients, Adam's two moments, and ``keep_versions`` published
+    copies (the ones kept on the device: ``check_model``)."""
     element = torch.empty((), dtype=dtype).element_size()
-    trainable = lora_params(cfg, lora_rank, targets) if lora_rank > 0 else cfg.num_params()
     base = 0 if base_loaded else cfg.num_params() * element
-    return base + trainable * element * (4 + keep_versions)
+    return base + version_bytes(cfg, dtype, lora_rank=lora_rank, targets=targets) * (
+        4 + keep_versions
+    )
 
 
-def check_model_fits(need: int, where: torch.device, what: str) -> None:
-    """RESOURCE_EXHAUSTED, with the bytes needed and free, when ``need`` exceeds the
-    free memory of ``where`` now."""
+def check_model_fits(
+    need: int,
+    where: torch.device,
+    what: str,
+    *,
+    held: str = "weights, gradients, optimizer state, published versions",
+    fix: str = "delete or unload a model on this worker, use a smaller LoRA rank, or retry "
+    "on another worker",
+) -> None:
+    """RESOURCE_EXHAUSTED, with the bytes needed and free, when ``need`` (``held``)
+    exceeds the free memory of ``where`` now; ``fix`` says what to do."""
     free = free_bytes(where)
     if need <= free:
         return
     raise ResourceExhaustedError(
-        f"{what}: needs about {need / MIB:,.1f} MiB on {where} (weights, gradients, "
-        f"optimizer state, published versions), {free / MIB:,.1f} MiB is free: delete or "
-        "unload a model on this worker, use a smaller LoRA rank, or retry on another worker"
+        f"{what}: needs about {need / MIB:,.1f} MiB on {where} ({held}), "
+        f"{free / MIB:,.1f} MiB is free: {fix}"
     )

@@ -474,7 +474,11 @@ class Engine:
         base = self.bases.get(spec.base_model, parse_dtype(spec.dtype))
         base_params = self.peers.base_params(base)  # a group's shards, when not whole here
         memory_budget.check_model(
-            spec, self.bases, self.config.keep_versions, base_held=base_params is not None
+            spec,
+            self.bases,
+            self.config.keep_versions,
+            self.sampler,
+            base_held=base_params is not None,
         )
         model = TrainingModel(
             spec,

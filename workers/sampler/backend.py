@@ -29,6 +29,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Protocol
 
+import torch
+
 from treadle.common.engine.domain import (
     SampleOp,
     SampleResult,
@@ -165,6 +167,14 @@ class SamplerBackend(Protocol):
         as it comes (``workers.model.published``): a plain clone (``clone_weights``),
         one shared-memory buffer a sampler process maps, or a file vLLM reloads
         from (nothing of it kept in this process)."""
+        ...
+
+    def version_memory(self, device: torch.device) -> torch.device | None:
+        """The memory a version ``keep_weights`` keeps takes its bytes from, for a
+        full fine-tune whose weights are on ``device``: ``device`` itself (a clone),
+        the host's RAM (``cpu``: a shared-memory buffer; a file in ``/dev/shm``, a
+        tmpfs), or None (a file on disk: no memory). ``memory_budget`` counts a
+        model's ``--keep-versions`` copies against that memory's free bytes."""
         ...
 
     def submit(self, job: SampleJob, future: Future[SampleResult]) -> None:

@@ -155,6 +155,10 @@ class _LocalTorchBackend:
     def keep_weights(self, weights: WholeWeights) -> LlamaParams | WeightsFile:
         return clone_weights(weights)
 
+    def version_memory(self, device: torch.device) -> torch.device | None:
+        """A clone on the model's own device."""
+        return device
+
     def submit(self, job: SampleJob, future: Future[SampleResult]) -> None:
         self._post(lambda: self.core.submit(job, future))
 

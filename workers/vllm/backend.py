@@ -36,6 +36,7 @@ from dataclasses import replace
 from typing import Any
 
 import numpy as np
+import torch
 
 from treadle.common.engine.domain import SampleOp, SampleResult
 from treadle.common.engine.model_config import ModelConfig
@@ -61,7 +62,12 @@ from treadle.workers.sampler.state import Partial, SamplerLimits
 from treadle.workers.sampler.thread import SamplerLoop
 from treadle.workers.sampler.validation import validate
 from treadle.workers.vllm.engine import VllmSettings, engine_dead
-from treadle.workers.vllm.full import is_full, keep_version, remove_orphan_versions
+from treadle.workers.vllm.full import (
+    is_full,
+    keep_version,
+    remove_orphan_versions,
+    version_memory,
+)
 from treadle.workers.vllm.params import (
     check_prompt_scores,
     check_supported,
@@ -116,6 +122,11 @@ class VllmBackend:
         """A file vLLM's weight reload reads when the version's turn comes
         (``workers.vllm.full``), written as the tensors come: none kept here."""
         return keep_version(weights)
+
+    def version_memory(self, device: torch.device) -> torch.device | None:
+        """The file's: host RAM in ``/dev/shm``, none where the system's temporary
+        directory stands in for it (``workers.vllm.full``); never the GPU's."""
+        return version_memory()
 
     def submit(self, job: SampleJob, future: Future[SampleResult]) -> None:
         try:

@@ -40,6 +40,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from treadle.common.engine.model_config import ModelConfig
 from treadle.workers.engine.base_models import BaseModel
 from treadle.workers.engine.versions import WeightSnapshot
@@ -65,6 +67,13 @@ def keep_version(weights: WholeWeights) -> WeightsFile:
     """A full fine-tune's published version as the directory vLLM reloads it from,
     each tensor written as it comes (``VllmBackend.keep_weights``)."""
     return WeightsFile.write(weights, _scratch_parent())
+
+
+def version_memory() -> torch.device | None:
+    """The memory a version's file (``keep_version``) takes: the host's RAM when it
+    is in ``/dev/shm`` (a tmpfs), none when it is on the system's temporary directory
+    (taken as a disk's)."""
+    return torch.device("cpu") if _scratch_parent() is not None else None
 
 
 def remove_orphan_versions() -> None:

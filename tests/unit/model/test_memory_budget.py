@@ -12,11 +12,16 @@ import torch
 from treadle.common.engine.domain import ModelSpec
 from treadle.errors import ResourceExhaustedError
 from treadle.workers.device import memory_budget
+from treadle.workers.device.memory_budget import KeepsVersions
 from treadle.workers.engine.base_models import BaseModel, BaseModelRegistry
 from treadle.workers.engine.loop import Engine, EngineConfig
+from treadle.workers.sampler.process.proxy import ProcessTorchBackend
 from treadle.workers.sampler.state import SamplerLimits
+from treadle.workers.sampler.torch_backend import InlineTorchBackend, ThreadTorchBackend
 from treadle.workers.sampler.torch_sampler import TorchSampler
 from treadle.workers.trainer.trainer import TrainingModel
+from treadle.workers.vllm.backend import VllmBackend
+from treadle.workers.vllm.settings import VllmSettings
 
 torch.set_num_threads(1)
 MAX_LEN = 64
@@ -177,6 +182,86 @@ def test_a_lora_model_on_shards_held_here_needs_no_whole_base(
         bases.config("tiny"), torch.float32, lora_rank=4, keep_versions=2, base_loaded=True
     )
     reading(monkeypatch, adapter_only)
-    memory_budget.check_model(spec, bases, keep_versions=2, base_held=True)
+    sampler = InlineTorchBackend(SamplerLimits())
+    memory_budget.check_model(spec, bases, 2, sampler, base_held=True)
     with pytest.raises(ResourceExhaustedError):  # the whole base would be read first
-        memory_budget.check_model(spec, bases, keep_versions=2)
+        memory_budget.check_model(spec, bases, 2, sampler)
+
+
+GPU, HOST = torch.device("cuda"), torch.device("cpu")
+
+
+def _backends() -> dict[str, KeepsVersions]:
+    limits = SamplerLimits()
+    return {
+        "torch": InlineTorchBackend(limits),
+        "torch-thread": ThreadTorchBackend(limits),
+        "torch-process": ProcessTorchBackend(limits),
+        "vllm": VllmBackend(limits, VllmSettings()),
+    }
+
+
+def test_each_backend_says_which_memory_a_kept_version_takes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The torch samplers clone on the device; the sampler process's shared buffer
+    and vLLM's file in /dev/shm are host RAM (none of it the GPU's)."""
+    got = {name: (b.version_memory(GPU), b.version_memory(HOST)) for name, b in _backends().items()}
+    assert got == {
+        "torch": (GPU, HOST),
+        "torch-thread": (GPU, HOST),
+        "torch-process": (HOST, HOST),
+        "vllm": (HOST, HOST) if Path("/dev/shm").is_dir() else (None, None),
+    }
+    # no /dev/shm: vLLM's files go to the temporary directory, taken as a disk's
+    monkeypatch.setattr("treadle.workers.vllm.full._scratch_parent", lambda: None)
+    assert _backends()["vllm"].version_memory(GPU) is None
+
+
+def _readings(monkeypatch: pytest.MonkeyPatch, **free: int) -> None:
+    monkeypatch.setattr(memory_budget, "free_bytes", lambda device: free[device.type])
+
+
+def test_a_full_fine_tune_counts_its_versions_where_the_backend_keeps_them(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a GPU worker the torch sampler's versions are device tensors, vLLM's are
+    files in host RAM: a GPU with room for the model but not its versions takes it
+    under vLLM, and the host's free memory bounds vLLM's versions instead."""
+    monkeypatch.setattr("treadle.workers.vllm.full._scratch_parent", lambda: Path("/dev/shm"))
+    backends = _backends()
+    cfg = BaseModelRegistry({"tiny": tiny_model_dir}).config("tiny")
+    one = memory_budget.version_bytes(cfg, torch.float32, lora_rank=0)
+    alone = memory_budget.model_bytes(
+        cfg, torch.float32, lora_rank=0, keep_versions=0, base_loaded=True
+    )
+    on_gpu = BaseModelRegistry({"tiny": tiny_model_dir}, device=GPU)  # no weights read
+    full = _spec("full", 0)
+    _readings(monkeypatch, cuda=alone, cpu=2 * one)
+    memory_budget.check_model(full, on_gpu, 2, backends["vllm"])
+    with pytest.raises(ResourceExhaustedError, match="on cuda"):
+        memory_budget.check_model(full, on_gpu, 2, backends["torch"])
+    _readings(monkeypatch, cuda=alone + 2 * one, cpu=0)
+    memory_budget.check_model(full, on_gpu, 2, backends["torch"])
+    # vLLM's versions need the host's RAM: refused there, naming them
+    _readings(monkeypatch, cuda=10 * alone, cpu=2 * one - 1)
+    with pytest.raises(ResourceExhaustedError, match=r"on cpu \(2 published versions\).*--keep-v"):
+        memory_budget.check_model(full, on_gpu, 2, backends["vllm"])
+    # a LoRA version is an adapter copy on the device, whichever backend samples it
+    lora = _spec("lora", 4)
+    adapter = memory_budget.model_bytes(
+        cfg, torch.float32, lora_rank=4, keep_versions=2, base_loaded=True
+    )
+    base = cfg.num_params() * 4
+    _readings(monkeypatch, cuda=base + adapter - 1, cpu=10 * alone)
+    with pytest.raises(ResourceExhaustedError, match="on cuda"):
+        memory_budget.check_model(lora, on_gpu, 2, backends["vllm"])
+    # on the CPU the host's RAM is the device's memory: every backend counts them there
+    on_cpu = BaseModelRegistry({"tiny": tiny_model_dir})
+    _readings(monkeypatch, cpu=alone + 2 * one - 1)
+    for backend in backends.values():
+        with pytest.raises(ResourceExhaustedError, match="on cpu"):
+            memory_budget.check_model(full, on_cpu, 2, backend)
+        _readings(monkeypatch, cpu=alone + 2 * one)
+        memory_budget.check_model(full, on_cpu, 2, backend)
+        _readings(monkeypatch, cpu=alone + 2 * one - 1)

@@ -49,6 +49,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 import torch.multiprocessing as mp
 
 from treadle.common.engine.domain import SampleResult
@@ -218,6 +219,11 @@ class ProcessTorchBackend:
         child maps it (parent and child hold one copy, not two)."""
         tensors = shared_fill(weights.entries, weights.tensors, self.pool.take)
         return LlamaParams.from_state_dict(weights.cfg, tensors)
+
+    def version_memory(self, device: torch.device) -> torch.device | None:
+        """Host RAM (the shared buffer: one copy for parent and child), which is the
+        device's memory: this backend runs on the CPU only."""
+        return torch.device("cpu")
 
     def submit(self, job: SampleJob, future: Future[SampleResult]) -> None:
         rid = self._track(future, job.on_sequence)
