@@ -36,6 +36,9 @@ Variants, each run for the same wall-clock budget per seed:
   ``docs/async_rl.md`` recommends on 2 cores: in-flight updates,
   ``on_stale="wait"``, ``max_staleness`` 4, the sampler in its own process
   (``--threads 1 --sampler torch-process --sampler-threads 1``);
+* ``treadle sync, --before-python's server`` (``sync-before``, not run by
+  default): the sync loop against a server run by another installation's
+  python (an older checkout's virtualenv), for a before/after in one run;
 * ``treadle sync, all rollouts`` (``sync-all``, not run by default): the sync
   loop training the zero-advantage rollouts too, split into minibatches as TRL
   splits its batch (a random quarter of all P x G each).
@@ -257,11 +260,12 @@ def run_treadle(
     budget: float,
     max_steps: int,
     train_all: bool = False,
+    serve_python: str | None = None,
 ) -> Run:
     flags = [f"--model=demo={warm}", "--sampler-slots", "1024", "--sampler-max-len", "32", *flags]
     data = work / f"{name.replace(' ', '-')}-{seed}"
     with (
-        treadle_serve(flags, data) as (address, key, proc),
+        treadle_serve(flags, data, python=serve_python) as (address, key, proc),
         treadle.ServiceClient(address, api_key=key) as service,
     ):
         tok = service.get_tokenizer("demo")
@@ -446,19 +450,34 @@ NAMES = {
     "trl": "TRL GRPOTrainer",
     "trl1": "TRL, 1 thread",
     "sync": "treadle sync (defaults)",
+    "sync-before": "treadle sync, --before-python's server",
     "sync-all": "treadle sync, all rollouts",
     "async": "treadle async (rung 3)",
 }
 
 
 def run_variant(
-    v: str, py: Path | None, work: Path, warm: Path, seed: int, g: Grpo, budget: float, steps: int
+    v: str,
+    py: Path | None,
+    work: Path,
+    warm: Path,
+    seed: int,
+    g: Grpo,
+    budget: float,
+    steps: int,
+    before_python: str | None = None,
 ) -> Run:
     if v in ("trl", "trl1"):
         assert py is not None
         return run_trl(py, work, warm, seed, g, budget, steps, 1 if v == "trl1" else 0)
     if v in ("sync", "sync-all"):
         return run_treadle(work, v, [], "sync", warm, seed, g, budget, steps, v == "sync-all")
+    if v == "sync-before":
+        if before_python is None:
+            raise SystemExit("variant sync-before needs --before-python")
+        return run_treadle(
+            work, v, [], "sync", warm, seed, g, budget, steps, serve_python=before_python
+        )
     flags = ["--threads", "1", "--sampler", "torch-process", "--sampler-threads", "1"]
     return run_treadle(work, v, flags, "async", warm, seed, g, budget, steps)
 
@@ -473,6 +492,7 @@ def cached_run(
     g: Grpo,
     budget: float,
     steps: int,
+    before_python: str | None = None,
 ) -> Run:
     """A run, or the one a previous invocation kept under ``cache`` (fixed-steps mode:
     a reward curve does not depend on when or beside what it ran)."""
@@ -481,7 +501,7 @@ def cached_run(
     if path is not None and path.exists():
         d = json.loads(path.read_text())
         return Run([(t, r) for t, r in d["steps"]], d["wall_s"], d["eval"], d["peak_rss_mb"])
-    run = run_variant(v, py, work, warm, seed, g, budget, steps)
+    run = run_variant(v, py, work, warm, seed, g, budget, steps, before_python)
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(run.__dict__))
@@ -625,6 +645,12 @@ def main() -> int:
     ap.add_argument("--lr", type=float, default=Grpo.lr)
     ap.add_argument("--variants", nargs="+", default=["trl", "trl1", "sync", "async"])
     ap.add_argument("--peer-python", default=None, help="a python with trl installed")
+    ap.add_argument(
+        "--before-python",
+        default=None,
+        help="a python whose treadle serves the sync-before variant (an older checkout's "
+        "virtualenv): a before/after of the server in one run",
+    )
     ap.add_argument("--work", default=None, help="keep models and logs here (default: temp)")
     args = ap.parse_args()
     unknown = set(args.variants) - set(NAMES)
@@ -653,7 +679,7 @@ def main() -> int:
     for seed in args.seeds:
         warm = warm_start(work, seed)
         for v in args.variants:
-            run = cached_run(cache, v, py, work, warm, seed, g, budget, steps)
+            run = cached_run(cache, v, py, work, warm, seed, g, budget, steps, args.before_python)
             runs.setdefault(v, {})[seed] = run
             t_hit = run.time_to(args.threshold, args.window)
             print(
