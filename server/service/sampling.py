@@ -144,10 +144,10 @@ class SamplingService:
         retries (about 6 s) would only delay the answer, and an ordered call
         (``sync_weights``) answered UNAVAILABLE counts as never arrived (the SDK
         sends it again before the model's next call, and the replay log does not
-        count it as taken). A pool worker still starting up is no exception: the
-        server learns of it from the workers table once it has registered (it
-        prints "ready") at its next liveness pass (every ``check_s``, at most 2 s
-        by default), and until then no sample could go to it either. A sampler
+        count it as taken). A pool worker still starting up is not waited for: one
+        that has registered (printed "ready") is seen (the dispatcher reads the
+        workers table again before it refuses), and one that has not could serve
+        no sample either. A sampler
         that exists already and loses its pool workers later answers UNAVAILABLE
         when it samples (the dispatcher's own check; a worker may come back)."""
         if not target.placement:
