@@ -242,8 +242,10 @@ class ServiceClient:
 
         ``placement`` (a distributed server, docs/topologies.md): ``"colocated"``
         samples on the model's own worker, ``"pool"`` on the sampler workers of its
-        base (UNAVAILABLE naming the base when none serves it), ``"auto"`` on the
-        pool when there is one; None: the server's ``--sampler-placement``."""
+        base (with none: FailedPreconditionError naming the base, at once; a sampler
+        whose pool workers are gone later answers UnavailableError when it samples),
+        ``"auto"`` on the pool when there is one; None: the server's
+        ``--sampler-placement``."""
         weights = weights or model_path
         if (base_model is None) == (weights is None):
             raise InvalidArgumentError(

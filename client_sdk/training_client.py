@@ -178,8 +178,9 @@ class TrainingClient:
         ``placement``: where the returned sampler samples, as for
         ``ServiceClient.create_sampling_client`` (``"colocated"``, ``"pool"``,
         ``"auto"``; None: the server's ``--sampler-placement``). ``"pool"`` with no
-        sampler worker of the model's base fails the sync (UNAVAILABLE naming the
-        base model; nothing is published) when the sampler is first used."""
+        sampler worker of the model's base fails the sync (FailedPreconditionError
+        naming the base model, not retried; nothing is published) when the sampler
+        is first used."""
         request = _convert.sync_weights_request(self.model_id, inflight, placement)
         request.seq_id = self._take_seq()
         info: Future[_convert.SamplerRef] = self._seqs.send(

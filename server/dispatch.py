@@ -67,9 +67,10 @@ class Dispatcher(Protocol):
     def check_placement(self, target: SamplerTarget) -> None:
         """A new sampler of ``target`` that chose where it samples
         (``target.placement``): UNAVAILABLE now, naming the base model, if it cannot
-        sample there (the rule: ``server.sampler_placement``). Synchronous, so an
-        ordered call that makes a sampler (``sync_weights``) checks it while building
-        its op and a refusal takes the call's ``seq_id``."""
+        sample there (the rule: ``server.sampler_placement``), which the service
+        answers as FAILED_PRECONDITION. Synchronous, so an ordered call that makes a
+        sampler (``sync_weights``) checks it while building its op and a refusal
+        takes the call's ``seq_id``."""
         ...
 
     def model_status(self, model_id: str) -> ModelStatus: ...

@@ -6,7 +6,9 @@ model's worker; ``pool`` on the sampler workers serving the base, and with none
 of them, UNAVAILABLE naming the base model and the setting that asked for the
 pool; ``auto`` on the pool when one serves the base, else colocated. An embedded
 server has no pool: its samplers are colocated, and one that asks for ``pool``
-is refused the same way.
+is refused the same way. UNAVAILABLE is the answer of a sample (its pool workers
+may come back); the service refuses a new sampler that chose ``pool`` with the
+same message as FAILED_PRECONDITION (``SamplingService._refuse_unplaceable``).
 """
 
 from __future__ import annotations

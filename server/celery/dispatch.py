@@ -80,6 +80,7 @@ from treadle.errors import (
     FailedPreconditionError,
     NotFoundError,
     TreadleError,
+    UnavailableError,
 )
 from treadle.server.celery.liveness import Liveness
 from treadle.server.celery.placement import Placement
@@ -314,7 +315,16 @@ class CeleryDispatcher:
                 call.cancel()
 
     def check_placement(self, target: SamplerTarget) -> None:
-        if target.placement:  # a new sampler that chose where it samples
+        """A refusal goes by the workers table read now, not by the last liveness
+        pass (up to ``check_s`` old): a sampler worker that has registered (printed
+        "ready") is never refused for not being seen yet. Only on the refusal path,
+        so an accepted sampler costs no database read."""
+        if not target.placement:  # not a new sampler that chose where it samples
+            return
+        try:
+            self.pool.check(target)
+        except UnavailableError:
+            self.liveness.read_live()
             self.pool.check(target)
 
     def model_status(self, model_id: str) -> ModelStatus:

@@ -64,10 +64,7 @@ class Liveness:
             declared = wq.declare_dead(s, now - dt.timedelta(seconds=self.worker_timeout_s))
             lost_models = wq.mark_models_lost(s, wq.stopped_workers_with_models(s))
             gone = wq.gone_workers(s, in_use)
-            live = [
-                LiveWorker(w.id, tuple(wq.base_models_of(w)), w.role)
-                for w in wq.live_workers(s, now - dt.timedelta(seconds=self.worker_timeout_s))
-            ]
+            live = self._live(s, now)
             draining = wq.active_models_on(s, wq.draining_workers(s))
             # Models a draining worker let go of before it stopped were checkpointed
             # and wait to be restored elsewhere: moved, not lost.
@@ -104,6 +101,22 @@ class Liveness:
             return UnavailableError(f"worker {call.worker_id} {how}{kept}")
 
         self.transport.fail_gone(gone, why)
+
+    def read_live(self) -> None:
+        """Only the live-worker list, read now: for an answer that must not go by a
+        list up to ``check_s`` old (a sampler worker that registered since the last
+        pass; ``CeleryDispatcher.check_placement``). The next pass reads it again."""
+        with self.sessions() as s:
+            live = self._live(s, dt.datetime.now(dt.timezone.utc))
+        with self.placement.lock:
+            self.placement.live = live
+
+    def _live(self, s: Session, now: dt.datetime) -> list[LiveWorker]:
+        fresh_after = now - dt.timedelta(seconds=self.worker_timeout_s)
+        return [
+            LiveWorker(w.id, tuple(wq.base_models_of(w)), w.role)
+            for w in wq.live_workers(s, fresh_after)
+        ]
 
     def _watch(self) -> None:
         while not self._stopping.wait(self.check_s):

@@ -130,7 +130,8 @@ class SamplerPool:
 
     def check(self, target: SamplerTarget) -> None:
         """A new sampler that chose its placement: UNAVAILABLE now if it cannot be
-        served (``pool`` with no pool worker of its base); a model's sampler that
+        served (``pool`` with no pool worker of its base; the service answers it
+        FAILED_PRECONDITION at creation); a model's sampler that
         chose the pool has the model's later versions published there."""
         self.places(target.base_model, target.placement)
         if target.model_id is not None and target.placement in ("pool", "auto"):

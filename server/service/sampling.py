@@ -88,6 +88,7 @@ class SamplingService:
             mode = "latest" if ref.version is None else "version"
         else:
             raise InvalidArgumentError("target: give base_model or weights")
+        self._refuse_unplaceable(target)
         if target.model_id is not None:  # brings an unloaded model back
             async with ctx.lifecycle.using(tenant, target.model_id):
                 version = (await ctx.dispatcher.call(CheckTargetCall(target))).version
@@ -119,12 +120,8 @@ class SamplingService:
     def check_placement(self, tenant: str, model_id: str, placement: str, made: bool) -> None:
         """The placement chosen for the sampler an ordered call makes on the tenant's
         model (``sync_weights``; ``made``: whether it makes one), checked as
-        ``create_sampler`` checks its own, with the same message naming the base
-        model where it cannot sample (``pool`` with no sampler worker of the base),
-        but FAILED_PRECONDITION: the call is refused in its turn and takes its
-        ``seq_id``, and an UNAVAILABLE answer would say it may never have arrived
-        (the SDK sends such a call again before the model's next one, and the
-        replay log does not count it as taken)."""
+        ``create_sampler`` checks its own (``_refuse_unplaceable``): the call is
+        refused in its turn and takes its ``seq_id``."""
         if not placement:
             return
         if not made:
@@ -134,9 +131,27 @@ class SamplingService:
             )
         with self.ctx.session() as s:
             base_model = self.ctx.model_row(s, tenant, model_id).base_model
-        target = SamplerTarget(
-            base_model, model_id, tenant_id=tenant, placement=_checked(placement)
+        self._refuse_unplaceable(
+            SamplerTarget(base_model, model_id, tenant_id=tenant, placement=_checked(placement))
         )
+
+    def _refuse_unplaceable(self, target: SamplerTarget) -> None:
+        """A new sampler that chose where it samples (``target.placement``) and cannot
+        sample there (``pool`` with no sampler worker of its base) is refused
+        FAILED_PRECONDITION with the rule's message naming the base model, before
+        anything is made (or an unloaded model restored). Not UNAVAILABLE: the
+        server has no such worker until an operator starts one, so the SDK's
+        retries (about 6 s) would only delay the answer, and an ordered call
+        (``sync_weights``) answered UNAVAILABLE counts as never arrived (the SDK
+        sends it again before the model's next call, and the replay log does not
+        count it as taken). A pool worker still starting up is not waited for: one
+        that has registered (printed "ready") is seen (the dispatcher reads the
+        workers table again before it refuses), and one that has not could serve
+        no sample either. A sampler
+        that exists already and loses its pool workers later answers UNAVAILABLE
+        when it samples (the dispatcher's own check; a worker may come back)."""
+        if not target.placement:
+            return
         try:
             self.ctx.dispatcher.check_placement(target)
         except UnavailableError as err:

@@ -176,9 +176,10 @@ export class ServiceClient {
    * A sampler on a base model (`{baseModel}`), or on `{weights}`: a
    * treadle://<model_id>/v/<version> path (pinned) or treadle://<model_id>/latest
    * (follows every syncWeights). `placement` (a distributed server): "colocated" on
-   * the model's worker, "pool" on the sampler workers of its base (UNAVAILABLE naming
-   * the base when none serves it), "auto" the pool when there is one; unset: the
-   * server's `--sampler-placement`.
+   * the model's worker, "pool" on the sampler workers of its base (with none:
+   * FailedPreconditionError naming the base, at once, not retried; a sampler whose
+   * pool workers are gone later rejects a sample with UnavailableError), "auto" the
+   * pool when there is one; unset: the server's `--sampler-placement`.
    */
   async createSamplingClient(
     target: ({ baseModel: string } | { weights: string }) & { placement?: SamplerPlacementName },

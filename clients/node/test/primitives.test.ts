@@ -8,7 +8,6 @@ import {
   InvalidArgumentError,
   ServiceClient,
   type TrainingClient,
-  UnavailableError,
 } from "../src/index.js";
 import { TINY, type TestServer, testServer } from "./harness.js";
 
@@ -109,10 +108,27 @@ describe("primitives", () => {
       assert.match(err.message, noPool);
       return true;
     });
-    await assert.rejects(
-      service.createSamplingClient({ weights: `treadle://${other.modelId}/latest`, placement: "pool" }),
-      (err: Error) => err instanceof UnavailableError && noPool.test(err.message),
-    );
+    // ...and a new sampler asking for it, at once: FAILED_PRECONDITION, never retried
+    // (UNAVAILABLE was retried for about 6 s)
+    const retried: string[] = [];
+    const counting = new ServiceClient({
+      address: server.address,
+      apiKey: server.apiKey,
+      timeoutS: 120,
+      onRetry: (err) => retried.push(err.code),
+    });
+    try {
+      for (const target of [{ baseModel: TINY }, { weights: `treadle://${other.modelId}/latest` }]) {
+        await assert.rejects(counting.createSamplingClient({ ...target, placement: "pool" }), (err: Error) => {
+          assert.ok(err instanceof FailedPreconditionError, String(err));
+          assert.match(err.message, noPool);
+          return true;
+        });
+      }
+    } finally {
+      counting.close();
+    }
+    assert.deepEqual(retried, []);
     // a name outside the enum is refused here, before the call takes a seq_id
     await assert.rejects(
       other.syncWeights({ placement: "pooled" as never }),

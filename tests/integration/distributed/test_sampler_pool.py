@@ -16,8 +16,9 @@ placement at creation (``create_sampling_client`` or ``sync_weights``):
 ``colocated`` samples on the trainer beside the pool. A
 sampler worker drained with SIGTERM answers the sample it is generating, then
 exits. With no sampler worker left, a sample answers UNAVAILABLE naming the base model under
-``pool`` (and a sampler asking for ``pool`` is refused at creation, a sync making one
-FAILED_PRECONDITION), and one that chose ``auto`` falls back to the model's own worker.
+``pool`` (a sampler made earlier that chose ``pool`` too; a new one asking for ``pool``
+is refused at creation, as is a sync making one, FAILED_PRECONDITION), and one that
+chose ``auto`` falls back to the model's own worker.
 """
 
 from __future__ import annotations
@@ -513,6 +514,8 @@ def test_grpo_on_the_pool_agrees_learns_and_survives_a_sampler_kill(pool: Pool) 
         budget = treadle.SamplingParams(max_tokens=8, token_budget=2, ignore_eos=True)
         kept = latest.sample(prompt, 1, budget).result(120).sequences[0].resume_handle or ""
         assert kept
+        weights = f"treadle://{tc.model_id}/latest"
+        chose_pool = service.create_sampling_client(weights=weights, placement="pool")
         pool.procs[survivor].send_signal(signal.SIGKILL)
         deadline = time.monotonic() + 60
         while pool.sql("SELECT status FROM workers WHERE id = :w", w=survivor) != [("dead",)]:
@@ -528,10 +531,17 @@ def test_grpo_on_the_pool_agrees_learns_and_survives_a_sampler_kill(pool: Pool) 
             match=f"no sampler worker serves base model '{BASE}' \\(--sampler-placement pool",
         ):
             latest.sample(prompt, num_samples=1, sampling_params=PARAMS).result(120)
-        # a sampler that asks for the pool itself is refused when it is made
-        weights = f"treadle://{tc.model_id}/latest"
+        # ...as does one that chose the pool itself while the pool served its base
+        # (transient: a pool worker may come back)
         with pytest.raises(
             treadle.UnavailableError,
+            match=f"no sampler worker serves base model '{BASE}' \\(the sampler's placement pool",
+        ):
+            chose_pool.sample(prompt, num_samples=1, sampling_params=PARAMS).result(120)
+        # a new sampler that asks for the pool is refused when it is made, at once:
+        # FAILED_PRECONDITION (the SDK does not retry it; UNAVAILABLE it did, ~6 s)
+        with pytest.raises(
+            treadle.FailedPreconditionError,
             match=f"no sampler worker serves base model '{BASE}' \\(the sampler's placement pool",
         ):
             service.create_sampling_client(weights=weights, placement="pool")

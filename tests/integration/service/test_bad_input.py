@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import numpy as np
@@ -364,22 +365,43 @@ def test_bad_sample_names_the_field(service: treadle.ServiceClient, case: str) -
 
 
 def test_sampler_placement_on_a_server_without_a_pool(
-    server: EmbeddedServer, service: treadle.ServiceClient, channel: grpc.Channel
+    server: EmbeddedServer,
+    service: treadle.ServiceClient,
+    channel: grpc.Channel,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """An embedded server has no sampler workers: ``pool`` is refused UNAVAILABLE naming
-    the base (and nothing is made), ``colocated`` and ``auto`` sample here; a value
+    """An embedded server has no sampler workers: ``pool`` is refused FAILED_PRECONDITION
+    naming the base (nothing is made), at once: the SDK sends it once (UNAVAILABLE
+    had it retried for about 6 s); ``colocated`` and ``auto`` sample here; a value
     outside the enum is INVALID_ARGUMENT naming ``placement``. The choice is kept."""
     from treadle.common.db import models as db
 
     tc = service.create_lora_training_client(BASE, rank=2, seed=0)
     with server.ctx.session() as s:
         before = s.query(db.Sampler).count()
+    no_pool = f"no sampler worker serves base model '{BASE}' \\(the sampler's placement pool"
+    caller = service._caller
+    attempts: list[int] = []
+    send = caller._attempt
+
+    def counted(call: Any, *, attempt: int, waited: float) -> None:
+        attempts.append(attempt)
+        send(call, attempt=attempt, waited=waited)
+
+    monkeypatch.setattr(caller, "_attempt", counted)
+    stub = sampling_pb2_grpc.SamplingServiceStub(channel)
     for source in ({"base_model": BASE}, {"weights": f"treadle://{tc.model_id}/latest"}):
-        with pytest.raises(
-            treadle.UnavailableError,
-            match=f"no sampler worker serves base model '{BASE}' \\(the sampler's placement pool",
-        ):
+        attempts.clear()
+        with pytest.raises(treadle.FailedPreconditionError, match=no_pool):
             service.create_sampling_client(**source, placement="pool")  # type: ignore[arg-type]
+        assert attempts == [0]  # sent once: not retried
+        request = sampling_pb2.CreateSamplerRequest(
+            **source, placement=sampling_pb2.SAMPLER_PLACEMENT_POOL
+        )
+        with pytest.raises(grpc.RpcError) as err:
+            stub.CreateSampler(request, timeout=TIMEOUT)
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION, err.value.details()
+    monkeypatch.undo()
     with server.ctx.session() as s:
         assert s.query(db.Sampler).count() == before
     for placement in ("colocated", "auto"):
@@ -391,7 +413,6 @@ def test_sampler_placement_on_a_server_without_a_pool(
         with server.ctx.session() as s:
             row = s.get(db.Sampler, sampler.sampler_id)
             assert row is not None and row.placement == placement
-    stub = sampling_pb2_grpc.SamplingServiceStub(channel)
     with pytest.raises(grpc.RpcError) as err:
         stub.CreateSampler(
             sampling_pb2.CreateSamplerRequest(base_model=BASE, placement=7),  # type: ignore[arg-type]

@@ -35,8 +35,9 @@ export enum SamplerPlacement {
   /** SAMPLER_PLACEMENT_COLOCATED - on its model's worker (a base sampler: any worker of the base) */
   SAMPLER_PLACEMENT_COLOCATED = 1,
   /**
-   * SAMPLER_PLACEMENT_POOL - On the sampler workers (`treadle worker --role sampler`) serving its base;
-   * UNAVAILABLE naming the base model when none does.
+   * SAMPLER_PLACEMENT_POOL - On the sampler workers (`treadle worker --role sampler`) serving its base. With
+   * none: CreateSampler is refused FAILED_PRECONDITION naming the base model; a sampler
+   * made earlier that samples once none is left answers UNAVAILABLE naming it.
    */
   SAMPLER_PLACEMENT_POOL = 2,
   /** SAMPLER_PLACEMENT_AUTO - the pool when a sampler worker serves the base, else colocated */
@@ -56,7 +57,8 @@ export interface CreateSamplerRequest {
     | undefined;
   /**
    * Where this sampler samples; unset = the server's choice. A value outside the
-   * enum: INVALID_ARGUMENT naming placement.
+   * enum: INVALID_ARGUMENT naming placement; `pool` with no sampler worker of the
+   * base: FAILED_PRECONDITION naming the base model (nothing is made).
    */
   placement: SamplerPlacement;
 }

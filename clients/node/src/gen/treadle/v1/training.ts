@@ -249,8 +249,8 @@ export interface SyncWeightsRequest {
   /**
    * Where the sampler made by create_sampler samples, as CreateSamplerRequest.placement
    * (`docs/topologies.md`); unset = the server's `--sampler-placement`. `pool` with no
-   * sampler worker of the model's base: FAILED_PRECONDITION naming the base model (the
-   * message CreateSampler answers UNAVAILABLE with), and the sync is not applied. Set
+   * sampler worker of the model's base: FAILED_PRECONDITION naming the base model (as
+   * CreateSampler answers), and the sync is not applied. Set
    * without create_sampler, or a value outside the enum: INVALID_ARGUMENT naming placement.
    */
   placement: SamplerPlacement;
