@@ -20,7 +20,8 @@ rounding of a different summation order (float64: ~1e-12; float32: ~1e-6,
 ``tests/unit/model/test_shared_prefix.py``).
 
 ``plan`` returns ``None`` when sharing would not save enough positions to pay
-for the second stream (``MIN_SAVING``). Rows of one batch must share one set of
+for the second stream (``MIN_SAVING``), or when the suffix stream's attention
+mask would be large (``MAX_MASK_BYTES``: long rows). Rows of one batch must share one set of
 weights: the layout is for a single model's call, not for ``LoraRows``.
 """
 
@@ -51,6 +52,10 @@ from treadle.workers.model.llama import (
 MIN_SAVING = 0.25
 #: a group's prefix must be at least this long to be worth a row of its own
 MIN_PREFIX = 2
+#: the suffix stream's attention takes an explicit mask ``[B, S, P + S]`` (and its
+#: scores as large, per head), where the plain forward's causal kernel needs none:
+#: long rows stay on the plain forward (float32 elements)
+MAX_MASK_BYTES = 64 << 20
 
 
 @dataclass(frozen=True)
@@ -113,7 +118,7 @@ def plan(rows: Sequence[np.ndarray], pad_id: int = 0) -> PrefixLayout | None:
         return None
     P = max(lengths)
     S = max(rows[b].size - lengths[g] for g, members in enumerate(groups) for b in members)
-    if len(groups) * P + B * S > (1 - MIN_SAVING) * B * T:
+    if len(groups) * P + B * S > (1 - MIN_SAVING) * B * T or B * S * (P + S) * 4 > MAX_MASK_BYTES:
         return None
     prefix = np.full((len(groups), P), pad_id, dtype=np.int64)
     suffix = np.full((B, S), pad_id, dtype=np.int64)

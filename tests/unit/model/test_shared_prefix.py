@@ -180,3 +180,14 @@ def test_float32_agrees_to_rounding() -> None:
         plain = forward_hidden(cfg, params32, tokens)
         shared = shared_prefix.forward_hidden_shared(cfg, params32, layout)
     torch.testing.assert_close(shared[valid], plain[valid], rtol=1e-5, atol=1e-5)
+
+
+def test_long_rows_stay_on_the_plain_forward() -> None:
+    """The suffix stream's explicit mask grows as rows x suffix x (prefix + suffix):
+    beyond ``MAX_MASK_BYTES`` the plan declines, however much the rows share."""
+    rng = np.random.default_rng(7)
+    prompt = rng.integers(1, 40, size=600)
+    rows = [np.concatenate((prompt, rng.integers(1, 40, size=400))) for _ in range(64)]
+    assert 64 * 401 * 1001 * 4 > shared_prefix.MAX_MASK_BYTES
+    assert shared_prefix.plan(rows) is None
+    assert shared_prefix.plan(rows[:8]) is not None  # the same rows, fewer of them
