@@ -67,7 +67,8 @@ def test_a_worker_of_two_ranks(cluster: Cluster, tmp_path: Path) -> None:
     applied = _logprobs(tc, probe)
     np.testing.assert_allclose(applied, _logprobs(twin, probe), rtol=0, atol=1e-5)
 
-    big = [datum(list(np.random.default_rng(0).integers(3, 60, 121)))] * 1024
+    rng = np.random.default_rng(0)  # rows of their own: a prefix they shared would be computed once
+    big = [datum(list(rng.integers(3, 60, 121))) for _ in range(1024)]
     before = _cpu_s(ranks[0])
     fut = tc.forward_backward(big, "cross_entropy")
     wait_computing(ranks[0], since=before)  # the rank has it, and is computing

@@ -62,7 +62,8 @@ def test_worker_killed_mid_forward_backward(cluster: Cluster) -> None:
     victim_tc.forward_backward(small, "cross_entropy").result()
     assert victim_tc.optim_step(adam).result().step == 2
 
-    big = [datum(list(np.random.default_rng(0).integers(3, 60, 121)))] * 1024
+    rng = np.random.default_rng(0)  # rows of their own: a prefix they shared would be computed once
+    big = [datum(list(rng.integers(3, 60, 121))) for _ in range(1024)]
     fut = victim_tc.forward_backward(big, "cross_entropy")
     time.sleep(1.0)  # the worker has it, and is computing
     c.workers[victim].send_signal(signal.SIGKILL)

@@ -83,8 +83,8 @@ def test_a_rank_killed_mid_forward_backward(
         applied = _logprobs(tc)
 
         # long enough (seconds) for the kill to land while the ranks compute
-        tokens = [int(t) for t in np.random.default_rng(0).integers(3, 60, 122)]
-        big = [next_token_datum(tokens)] * 512
+        rng = np.random.default_rng(0)  # rows of their own: a shared prefix is computed once
+        big = [next_token_datum([int(t) for t in rng.integers(3, 60, 122)]) for _ in range(512)]
         before = _cpu_s(ranks[0])
         fb = tc.forward_backward(big, "cross_entropy")
         wait_computing(ranks[0], since=before)

@@ -127,7 +127,8 @@ def test_server_killed_mid_training_applies_the_call_once(
     server, key, database_url = deployment
     address = f"127.0.0.1:{server.port}"
     small = [datum([5, 9, 13, 17, 21, 25, 29]), datum([7, 11, 15, 19, 23])]
-    big = [datum(list(np.random.default_rng(0).integers(3, 60, 121)))] * 512
+    rng = np.random.default_rng(0)  # rows of their own: a prefix they shared would be computed once
+    big = [datum(list(rng.integers(3, 60, 121))) for _ in range(512)]
     adam = treadle.AdamParams(learning_rate=1e-2)
 
     # retries that outlast a restart (the server takes tens of seconds to start here)
