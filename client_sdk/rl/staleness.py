@@ -80,13 +80,17 @@ def token_staleness(versions: Versions | Any, current_version: int) -> np.ndarra
     """``current_version - version`` for every token (int64, >= 0)."""
     current = _check_int(current_version, "current_version")
     token_versions = expand_versions(versions)
-    staleness = current - token_versions
-    if staleness.size and staleness.min() < 0:
+    if token_versions.size:
+        _check_not_newer(int(token_versions.max()), current)
+    return current - token_versions
+
+
+def _check_not_newer(newest: int, current: int) -> None:
+    if newest > current:
         raise InvalidArgumentError(
-            f"versions: a token has version {int(token_versions.max())}, newer than "
+            f"versions: a token has version {newest}, newer than "
             f"current_version {current} (pass the trainer's current version)"
         )
-    return staleness
 
 
 def rollout_staleness(rollout: Rollout, current_version: int) -> int:
@@ -109,11 +113,7 @@ def rollout_staleness(rollout: Rollout, current_version: int) -> int:
     # token_staleness's answer and errors, from the spans without a per-token array
     oldest, newest = bounds
     current = _check_int(current_version, "current_version")
-    if current - newest < 0:
-        raise InvalidArgumentError(
-            f"versions: a token has version {newest}, newer than "
-            f"current_version {current} (pass the trainer's current version)"
-        )
+    _check_not_newer(newest, current)
     return current - oldest
 
 
